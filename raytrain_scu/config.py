@@ -1,0 +1,546 @@
+"""One dataclass tree: the only home of raytrain_scu's defaults.
+
+Loading is YAML -> dotted ``key=value`` overrides -> strict build -> cross-field checks::
+
+    cfg = load_config("experiments/tiny-cpu.yaml", ["train.max_steps=200", "controller.mode=fixed"])
+
+An unknown key or a value of the wrong type is a :class:`ConfigError` that names the key and what was
+expected. Validation does no I/O. ``python -m raytrain_scu.config CONFIG.yaml key=value...`` prints the
+resolved config as YAML.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+import types
+import typing
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config problem; the message names the key and what was expected."""
+
+
+ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@dataclass
+class ModelConfig:
+    # a built-in random-init preset ("tiny", "llama-3.2-1b-shape"), a hub id, or a local directory
+    name: str = "tiny"
+    gguf_file: str = ""  # a GGUF file inside `name` (a directory) or an absolute path
+    tokenizer: str = ""  # "" = the model's own; presets use a BPE trained on the bundled Shakespeare
+    precision: str = "auto"  # auto | bf16 | fp16 | fp32 (auto: bf16 on capable GPUs, fp16 on older, fp32 on CPU)
+    attn_implementation: str = "sdpa"
+    gradient_checkpointing: bool = False
+    compile: bool = False
+    compile_mode: str = "default"
+    fused_loss: bool = True  # chunked linear + cross-entropy: logits are never materialised in fp32
+    loss_chunk_size: int = 4096  # tokens per chunk of the fused loss
+    trust_remote_code: bool = False
+    cache_dir: str = ""  # where converted GGUF models and tokenizers are cached ("" = ~/.cache/raytrain_scu)
+
+
+@dataclass
+class LoraConfig:
+    r: int = 16
+    alpha: int = 32
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=lambda: list(ALL_LINEAR))
+
+
+@dataclass
+class QuantConfig:
+    load_in_4bit: bool = False
+    quant_type: str = "nf4"
+    double_quant: bool = True
+
+
+@dataclass
+class DataConfig:
+    # source: shakespeare | text (file, directory or glob) | jsonl | hf_disk | hf_hub | auto (from path)
+    source: str = "shakespeare"
+    path: str = ""
+    text_field: str = "text"
+    max_documents: int = 0  # 0 = all documents of the source
+    block_size: int = 256
+    batch_size: int = 8  # sequences per worker per micro-step
+    grad_accum: int = 1
+    val_fraction: float = 0.1
+    cache_dir: str = ""  # token cache ("" = ~/.cache/raytrain_scu/tokens)
+    loader_workers: int = 0
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 2e-4
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    warmup_steps: int = 10
+    min_lr_ratio: float = 0.1
+    grad_clip: float = 1.0
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 100
+    checkpoint_every: int = 50
+    report_every: int = 10
+    eval_every: int = 50
+    eval_batches: int = 0  # 0 = the whole validation split
+    max_consecutive_skips: int = 10  # non-finite steps in a row before the run stops
+    stop_on_saturation: bool = False
+
+
+@dataclass
+class ControllerConfig:
+    mode: str = "scu"  # scu | fixed | none
+    target_s: float = 0.01
+    kp: float = 0.8
+    ki: float = 0.15
+    ema_alpha: float = 0.1
+    deadband: float = 0.002
+    leak: float = 0.995
+    integral_limit: float = 0.2
+    lambda_init: float = 1.0
+    lambda_min: float = 1e-4
+    lambda_max: float = 10.0
+    prior_sigma: float = 0.01
+    control_every: int = 1
+    saturation_window: int = 100
+    saturation_rel_tol: float = 0.01
+    tokens_per_epoch: int = 0  # 0 = measured from the training split
+
+
+@dataclass
+class ScalingConfig:
+    num_workers: int = 1
+    use_gpu: Optional[bool] = None  # None = auto-detect
+    cpus_per_worker: float = 1.0
+    gpus_per_worker: float = 1.0
+    placement_strategy: str = "PACK"
+
+
+@dataclass
+class RunConfig:
+    name: str = ""  # "" = the config file's stem
+    storage_path: str = "~/raytrain_scu_runs"
+    max_failures: int = 3
+    num_to_keep: int = 2
+    output_dir: str = ""  # "" = <storage_path>/<name>/output
+
+
+@dataclass
+class TrackingConfig:
+    enabled: bool = True
+    uri: str = ""  # "" = sqlite:///<storage_path>/mlflow.db
+    experiment: str = ""  # "" = the run name
+    log_best_checkpoint: bool = True
+    system_metrics: Optional[bool] = None  # None = on for GPU runs
+
+
+@dataclass
+class TuneConfig:
+    # key path -> {kind: args}, e.g. {"controller.kp": {"loguniform": [0.1, 2.0]}}
+    space: dict[str, dict] = field(default_factory=dict)
+    metric: str = "val/data_bpt"
+    mode: str = "min"
+    search: str = "random"  # random | grid | optuna
+    scheduler: str = "asha"  # asha | none
+    num_samples: int = 4
+    time_budget_s: float = 0.0
+    grace_period: int = 1  # reports before ASHA may stop a trial
+    max_concurrent_trials: int = 0  # 0 = from cluster resources
+    keep_tokens_per_step: bool = True
+
+
+@dataclass
+class HardwareConfig:
+    preset: str = "none"  # none | auto | a100 | h100 | h200 | 4090 | 3090 | t4 | cpu
+
+
+@dataclass
+class Config:
+    seed: int = 0
+    model: ModelConfig = field(default_factory=ModelConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    quant: QuantConfig = field(default_factory=QuantConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    controller: ControllerConfig = field(default_factory=ControllerConfig)
+    scaling: ScalingConfig = field(default_factory=ScalingConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    tune: TuneConfig = field(default_factory=TuneConfig)
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
+
+
+# ---------------------------------------------------------------- typed build
+
+def _type_name(tp) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(key: str, value: Any, tp) -> Any:
+    """Check/convert one leaf value against its annotation; raise ConfigError naming `key`."""
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(key, value, inner[0])
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list of {_type_name(item_tp)}, got {value!r}")
+        return [_coerce(f"{key}[{i}]", v, item_tp) for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+        return dict(value)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected a bool (true/false), got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ConfigError(f"{key}: expected an int, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{key}: expected a float, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{key}: expected a string, got {value!r}")
+    raise ConfigError(f"{key}: unsupported type {tp}")
+
+
+def _build(cls, data: Any, prefix: str):
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix or 'config'}: expected a mapping of keys, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in fields(cls)}
+    for k in data:
+        if k not in names:
+            where = f"{prefix}.{k}" if prefix else str(k)
+            raise ConfigError(f"unknown config key '{where}' (known keys here: {', '.join(sorted(names))})")
+    kwargs = {}
+    for f in fields(cls):
+        if f.name not in data:
+            continue
+        key = f"{prefix}.{f.name}" if prefix else f.name
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            kwargs[f.name] = _build(tp, data[f.name] if data[f.name] is not None else {}, key)
+        else:
+            kwargs[f.name] = _coerce(key, data[f.name], tp)
+    return cls(**kwargs)
+
+
+def _leaf_type(key: str):
+    """The annotation of a dotted key, or ConfigError for an unknown key."""
+    cls, tp = Config, Config
+    for part in key.split("."):
+        if not dataclasses.is_dataclass(cls):
+            raise ConfigError(f"unknown config key '{key}'")
+        hints = typing.get_type_hints(cls)
+        if part not in hints:
+            raise ConfigError(f"unknown config key '{key}' (known keys here: {', '.join(sorted(hints))})")
+        tp = hints[part]
+        cls = tp
+    return tp
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    """Parse ``a.b=value`` into (key, typed value), typed by the field the key names."""
+    if "=" not in item:
+        raise ConfigError(f"override '{item}': expected key=value")
+    key, raw = item.split("=", 1)
+    key = key.strip()
+    tp = _leaf_type(key)
+    if dataclasses.is_dataclass(tp):
+        raise ConfigError(f"override '{key}': is a section, set one of its keys instead")
+    return key, _parse_raw(key, raw, tp)
+
+
+def _parse_raw(key: str, raw: str, tp):
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        if raw.strip().lower() in ("none", "null", "auto", "~"):
+            return None
+        tp = [a for a in typing.get_args(tp) if a is not type(None)][0]
+        origin = typing.get_origin(tp)
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        items = [s.strip() for s in raw.split(",") if s.strip()]
+        return [_parse_raw(key, s, item_tp) for s in items]
+    if origin is dict:
+        value = yaml.safe_load(raw)
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping (YAML flow style), got {raw!r}")
+        return value
+    if tp is str:
+        return raw
+    if tp is bool:
+        low = raw.strip().lower()
+        if low in ("true", "yes", "1", "on"):
+            return True
+        if low in ("false", "no", "0", "off"):
+            return False
+        raise ConfigError(f"{key}: expected a bool (true/false), got {raw!r}")
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError:
+        value = raw
+    return _coerce(key, value, tp)
+
+
+def _set_dotted(tree: dict, key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = tree
+    for p in parts[:-1]:
+        nxt = node.get(p)
+        if not isinstance(nxt, dict):
+            nxt = {}
+            node[p] = nxt
+        node = nxt
+    node[parts[-1]] = value
+
+
+def explicit_keys(tree: dict, prefix: str = "") -> set[str]:
+    """Dotted keys set explicitly in a raw YAML/override tree (presets never override these)."""
+    out = set()
+    for k, v in tree.items():
+        key = f"{prefix}.{k}" if prefix else str(k)
+        if isinstance(v, dict) and key != "tune.space" and dataclasses.is_dataclass(_leaf_type(key)):
+            out |= explicit_keys(v, key)
+        else:
+            out.add(key)
+    return out
+
+
+def load_raw(path: Optional[str | Path], overrides: list[str] | tuple[str, ...] = ()) -> dict:
+    """YAML file (optional) merged with dotted overrides, as a plain nested dict (not yet validated)."""
+    tree: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p}")
+        try:
+            loaded = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {p} is not valid YAML: {e}") from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {p}: expected a mapping at the top level")
+        tree = loaded
+    for item in overrides:
+        key, value = parse_override(item)
+        _set_dotted(tree, key, value)
+    return tree
+
+
+def build_config(tree: dict, default_name: str = "run") -> Config:
+    """Strictly build and validate a Config from a nested dict."""
+    cfg = _build(Config, tree, "")
+    if not cfg.run.name:
+        cfg.run.name = default_name
+    validate(cfg)
+    return cfg
+
+
+def load_config(path: Optional[str | Path] = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Load a YAML config, apply dotted overrides, build strictly and validate."""
+    tree = load_raw(path, overrides)
+    return build_config(tree, default_name=Path(path).stem if path is not None else "run")
+
+
+# ---------------------------------------------------------------- cross-field checks
+
+def _check(ok: bool, key: str, msg: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: {msg}")
+
+
+def _one_of(key: str, value: str, allowed: tuple[str, ...]) -> None:
+    _check(value in allowed, key, f"expected one of {', '.join(allowed)}, got {value!r}")
+
+
+TUNE_KINDS = ("choice", "grid", "uniform", "loguniform", "randint")
+
+
+def validate(cfg: Config) -> None:
+    """Cross-field checks. Pure: no I/O, no imports of heavy libraries."""
+    c = cfg.controller
+    _one_of("controller.mode", c.mode, ("scu", "fixed", "none"))
+    _check(0.0 < c.target_s < 1.0, "controller.target_s", f"must be in (0, 1), got {c.target_s}")
+    _check(c.kp >= 0, "controller.kp", f"must be >= 0, got {c.kp}")
+    _check(c.ki >= 0, "controller.ki", f"must be >= 0, got {c.ki}")
+    _check(0.0 < c.ema_alpha <= 1.0, "controller.ema_alpha", f"must be in (0, 1], got {c.ema_alpha}")
+    _check(c.deadband >= 0, "controller.deadband", f"must be >= 0, got {c.deadband}")
+    _check(0.0 < c.leak <= 1.0, "controller.leak", f"must be in (0, 1], got {c.leak}")
+    _check(c.integral_limit >= 0, "controller.integral_limit", f"must be >= 0, got {c.integral_limit}")
+    _check(c.lambda_min > 0, "controller.lambda_min", f"must be > 0, got {c.lambda_min}")
+    _check(c.lambda_min < c.lambda_init <= c.lambda_max, "controller.lambda_init",
+           f"need lambda_min < lambda_init <= lambda_max, got {c.lambda_min} < {c.lambda_init} <= {c.lambda_max}")
+    _check(c.prior_sigma > 0, "controller.prior_sigma", f"must be > 0, got {c.prior_sigma}")
+    _check(c.control_every >= 1, "controller.control_every", f"must be >= 1, got {c.control_every}")
+    _check(c.saturation_window >= 2, "controller.saturation_window", f"must be >= 2, got {c.saturation_window}")
+    _check(c.saturation_rel_tol > 0, "controller.saturation_rel_tol", f"must be > 0, got {c.saturation_rel_tol}")
+    _check(c.tokens_per_epoch >= 0, "controller.tokens_per_epoch", f"must be >= 0, got {c.tokens_per_epoch}")
+
+    m = cfg.model
+    _check(bool(m.name.strip()), "model.name", "must not be empty")
+    _one_of("model.precision", m.precision, ("auto", "bf16", "fp16", "fp32"))
+    _one_of("model.attn_implementation", m.attn_implementation, ("sdpa", "eager", "flash_attention_2"))
+    _one_of("model.compile_mode", m.compile_mode, ("default", "reduce-overhead", "max-autotune",
+                                                   "max-autotune-no-cudagraphs"))
+    _check(m.loss_chunk_size >= 1, "model.loss_chunk_size", f"must be >= 1, got {m.loss_chunk_size}")
+
+    lo = cfg.lora
+    _check(lo.r >= 1, "lora.r", f"must be >= 1, got {lo.r}")
+    _check(lo.alpha > 0, "lora.alpha", f"must be > 0, got {lo.alpha}")
+    _check(0.0 <= lo.dropout < 1.0, "lora.dropout", f"must be in [0, 1), got {lo.dropout}")
+    _check(len(lo.target_modules) > 0, "lora.target_modules", "must name at least one module")
+
+    q = cfg.quant
+    _one_of("quant.quant_type", q.quant_type, ("nf4", "fp4"))
+
+    d = cfg.data
+    _one_of("data.source", d.source, ("shakespeare", "text", "jsonl", "hf_disk", "hf_hub", "auto"))
+    _check(d.source in ("shakespeare",) or bool(d.path), "data.path",
+           f"must be set for data.source={d.source}")
+    _check(d.block_size >= 2, "data.block_size", f"must be >= 2, got {d.block_size}")
+    _check(d.batch_size >= 1, "data.batch_size", f"must be >= 1, got {d.batch_size}")
+    _check(d.grad_accum >= 1, "data.grad_accum", f"must be >= 1, got {d.grad_accum}")
+    _check(0.0 < d.val_fraction < 1.0, "data.val_fraction", f"must be in (0, 1), got {d.val_fraction}")
+    _check(d.max_documents >= 0, "data.max_documents", f"must be >= 0, got {d.max_documents}")
+    _check(d.loader_workers >= 0, "data.loader_workers", f"must be >= 0, got {d.loader_workers}")
+
+    o = cfg.optim
+    _check(o.lr > 0 and math.isfinite(o.lr), "optim.lr", f"must be > 0, got {o.lr}")
+    _check(o.weight_decay >= 0, "optim.weight_decay", f"must be >= 0, got {o.weight_decay}")
+    _check(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, "optim.beta1", "betas must be in [0, 1)")
+    _check(o.eps > 0, "optim.eps", f"must be > 0, got {o.eps}")
+    _check(o.warmup_steps >= 0, "optim.warmup_steps", f"must be >= 0, got {o.warmup_steps}")
+    _check(0.0 <= o.min_lr_ratio <= 1.0, "optim.min_lr_ratio", f"must be in [0, 1], got {o.min_lr_ratio}")
+    _check(o.grad_clip >= 0, "optim.grad_clip", f"must be >= 0 (0 = off), got {o.grad_clip}")
+
+    t = cfg.train
+    _check(t.max_steps >= 1, "train.max_steps", f"must be >= 1, got {t.max_steps}")
+    _check(t.checkpoint_every >= 1, "train.checkpoint_every", f"must be >= 1, got {t.checkpoint_every}")
+    _check(t.report_every >= 1, "train.report_every", f"must be >= 1, got {t.report_every}")
+    _check(t.eval_every >= 1, "train.eval_every", f"must be >= 1, got {t.eval_every}")
+    _check(t.eval_batches >= 0, "train.eval_batches", f"must be >= 0, got {t.eval_batches}")
+    _check(t.max_consecutive_skips >= 1, "train.max_consecutive_skips",
+           f"must be >= 1, got {t.max_consecutive_skips}")
+    _check(t.checkpoint_every % t.report_every == 0, "train.checkpoint_every",
+           f"must be a multiple of train.report_every ({t.report_every}): checkpoints travel with reports, "
+           f"got {t.checkpoint_every}")
+
+    s = cfg.scaling
+    _check(s.num_workers >= 1, "scaling.num_workers", f"must be >= 1, got {s.num_workers}")
+    _check(s.cpus_per_worker > 0, "scaling.cpus_per_worker", f"must be > 0, got {s.cpus_per_worker}")
+    _check(s.gpus_per_worker > 0, "scaling.gpus_per_worker", f"must be > 0, got {s.gpus_per_worker}")
+    _one_of("scaling.placement_strategy", s.placement_strategy, ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"))
+    if q.load_in_4bit:
+        _check(m.precision != "fp32" or s.use_gpu is not True, "quant.load_in_4bit",
+               "4-bit on GPU needs a bf16/fp16 compute precision (model.precision), not fp32")
+
+    r = cfg.run
+    _check(bool(r.name) and "/" not in r.name and r.name not in (".", ".."), "run.name",
+           f"must be a plain name (no '/'), got {r.name!r}")
+    _check(bool(r.storage_path.strip()), "run.storage_path", "must not be empty")
+    _check(r.max_failures >= -1, "run.max_failures", f"must be >= -1 (-1 = unlimited), got {r.max_failures}")
+    _check(r.num_to_keep >= 1, "run.num_to_keep", f"must be >= 1, got {r.num_to_keep}")
+
+    tr = cfg.tracking
+    _check(tr.uri == "" or tr.uri.startswith(("sqlite:///", "http://", "https://", "databricks", "postgresql",
+                                              "mysql")), "tracking.uri",
+           f"expected sqlite:///..., http(s)://... or a database URI, got {tr.uri!r}")
+
+    tu = cfg.tune
+    _one_of("tune.search", tu.search, ("random", "grid", "optuna"))
+    _one_of("tune.scheduler", tu.scheduler, ("asha", "none"))
+    _one_of("tune.mode", tu.mode, ("min", "max"))
+    _check(tu.num_samples >= 1, "tune.num_samples", f"must be >= 1, got {tu.num_samples}")
+    _check(tu.time_budget_s >= 0, "tune.time_budget_s", f"must be >= 0, got {tu.time_budget_s}")
+    _check(tu.grace_period >= 1, "tune.grace_period", f"must be >= 1, got {tu.grace_period}")
+    _check(tu.max_concurrent_trials >= 0, "tune.max_concurrent_trials", "must be >= 0")
+    for key, spec in tu.space.items():
+        validate_space_entry(key, spec)
+
+    _one_of("hardware.preset", cfg.hardware.preset, ("none", "auto", "a100", "h100", "h200", "4090", "3090", "t4",
+                                                     "cpu"))
+
+
+def validate_space_entry(key: str, spec: Any) -> None:
+    """One `tune.space` entry: a config key -> {kind: args}."""
+    where = f"tune.space.{key}"
+    try:
+        tp = _leaf_type(key)
+    except ConfigError:
+        raise ConfigError(f"{where}: '{key}' is not a config key") from None
+    _check(isinstance(spec, dict) and len(spec) == 1, where,
+           f"expected one of {{{', '.join(TUNE_KINDS)}: ...}}, got {spec!r}")
+    (kind, args), = spec.items()
+    _check(kind in TUNE_KINDS, where, f"unknown kind {kind!r}, expected one of {', '.join(TUNE_KINDS)}")
+    if kind in ("choice", "grid"):
+        _check(isinstance(args, list) and len(args) >= 1, where, f"{kind} needs a non-empty list of values")
+        for i, v in enumerate(args):
+            _coerce(f"{where}[{i}]", v, tp)
+    else:
+        _check(isinstance(args, list) and len(args) == 2 and all(isinstance(a, (int, float)) for a in args),
+               where, f"{kind} needs [low, high], got {args!r}")
+        lo, hi = args
+        _check(lo < hi, where, f"{kind} needs low < high, got {args!r}")
+        if kind == "loguniform":
+            _check(lo > 0, where, f"loguniform needs low > 0, got {args!r}")
+        _check(tp in (int, float), where, f"{kind} needs a numeric key, {key} is {_type_name(tp)}")
+
+
+def get_dotted(cfg: Config, key: str) -> Any:
+    node: Any = cfg
+    for part in key.split("."):
+        node = getattr(node, part)
+    return node
+
+
+def to_dict(cfg: Config) -> dict:
+    return asdict(cfg)
+
+
+def to_yaml(cfg: Config) -> str:
+    return yaml.safe_dump(asdict(cfg), sort_keys=False)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: python -m raytrain_scu.config CONFIG.yaml [key=value ...]")
+        return 0 if argv else 2
+    try:
+        cfg = load_config(argv[0], argv[1:])
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    sys.stdout.write(to_yaml(cfg))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,44 @@
+"""Rank helpers. Work with or without a torch.distributed process group (a single process is rank 0 of 1)."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as tdist
+
+
+def is_dist() -> bool:
+    return tdist.is_available() and tdist.is_initialized()
+
+
+def rank() -> int:
+    return tdist.get_rank() if is_dist() else 0
+
+
+def world_size() -> int:
+    return tdist.get_world_size() if is_dist() else 1
+
+
+def is_rank0() -> bool:
+    return rank() == 0
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    """SUM across ranks in place (no-op in a single process); returns the tensor."""
+    if is_dist():
+        tdist.all_reduce(t, op=tdist.ReduceOp.SUM)
+    return t
+
+
+def all_reduce_max(t: torch.Tensor) -> torch.Tensor:
+    if is_dist():
+        tdist.all_reduce(t, op=tdist.ReduceOp.MAX)
+    return t
+
+
+def barrier() -> None:
+    if is_dist():
+        tdist.barrier()
+
+
+def print0(*args, **kwargs) -> None:
+    if is_rank0():
+        print(*args, **kwargs, flush=True)
