@@ -46,3 +46,20 @@ ui: setup
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
+
+# ---- cluster (docs/deploy.md). Token auth: the token in ~/.ray/auth_token goes to every node
+# (cluster/*.yaml file_mounts) and every client; `ray get-auth-token --generate` makes it once.
+cluster-up: setup
+	$(BIN)/python -m pip install -q 'boto3>=1.28'  # the AWS provider of `ray up`/`ray dashboard`
+	(umask 077; $(BIN)/ray get-auth-token --generate >/dev/null)
+	$(BIN)/ray up -y $(CLUSTER)
+
+cluster-down: setup
+	$(BIN)/ray down -y $(CLUSTER)
+
+# needs the job API at RAY_ADDRESS_SUBMIT: run `ray dashboard $(CLUSTER)` (an SSH tunnel) first.
+# The working dir travels with the job; the cluster already has the pinned packages (setup_commands).
+submit: setup
+	RAY_AUTH_MODE=token $(BIN)/ray job submit --address $(RAY_ADDRESS_SUBMIT) --working-dir . \
+		--runtime-env-json '{"excludes": [".venv", ".git", "runs", "mlruns", "outputs", "*.egg-info", "__pycache__", ".pytest_cache", ".hypothesis"]}' \
+		-- python -m raytrain_scu.train $(CONFIG) $(ARGS)

@@ -11,6 +11,7 @@ resolved config as YAML.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import sys
 import types
@@ -220,6 +221,11 @@ def _coerce(key: str, value: Any, tp) -> Any:
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "1e-3" (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
         raise ConfigError(f"{key}: expected a float, got {value!r}")
     if tp is str:
         if isinstance(value, str):
@@ -520,12 +526,56 @@ def get_dotted(cfg: Config, key: str) -> Any:
     return node
 
 
-def to_dict(cfg: Config) -> dict:
-    return asdict(cfg)
+SECRET_WORDS = ("token", "password", "secret", "api_key", "credential")
 
 
-def to_yaml(cfg: Config) -> str:
-    return yaml.safe_dump(asdict(cfg), sort_keys=False)
+def redact_uri(uri: str) -> str:
+    """``scheme://user:password@host`` -> ``scheme://user:***@host`` (and query-string secrets)."""
+    import re
+
+    uri = re.sub(r"(://[^/:@]+):[^/@]+@", r"\1:***@", uri)
+    return re.sub(r"(?i)((?:token|password|secret|key)=)[^&]+", r"\1***", uri)
+
+
+def _redact(tree: dict) -> dict:
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out[k] = _redact(v) if k != "space" else v
+        elif isinstance(v, str) and any(w in k.lower() for w in SECRET_WORDS):
+            out[k] = "***" if v else v
+        elif isinstance(v, str) and "://" in v:
+            out[k] = redact_uri(v)
+        else:
+            out[k] = v
+    return out
+
+
+def to_dict(cfg: Config, redact: bool = False) -> dict:
+    tree = asdict(cfg)
+    return _redact(tree) if redact else tree
+
+
+def to_yaml(cfg: Config, redact: bool = False) -> str:
+    return yaml.safe_dump(to_dict(cfg, redact=redact), sort_keys=False)
+
+
+def flatten(cfg: Config, redact: bool = True) -> dict:
+    """``{"section.key": value}`` of the whole tree (lists joined by commas), secrets redacted."""
+    out = {}
+
+    def walk(node: dict, prefix: str) -> None:
+        for k, v in node.items():
+            key = f"{prefix}.{k}" if prefix else k
+            if isinstance(v, dict) and key != "tune.space":
+                walk(v, key)
+            elif isinstance(v, list):
+                out[key] = ",".join(str(x) for x in v)
+            else:
+                out[key] = json.dumps(v) if isinstance(v, dict) else v
+
+    walk(to_dict(cfg, redact=redact), "")
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -538,7 +588,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    sys.stdout.write(to_yaml(cfg))
+    sys.stdout.write(to_yaml(cfg, redact=True))
     return 0
 
 

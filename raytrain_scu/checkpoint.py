@@ -1,0 +1,172 @@
+"""Checkpoints: adapter + optimizer + scaler + controller + RNG + data position, written atomically with a manifest.
+
+Layout of one checkpoint directory::
+
+    adapter/            peft save_pretrained (safetensors) -- loadable by PeftModel.from_pretrained
+    state.pt            optimizer, grad scaler, RNG states (python, numpy, torch, CUDA), history
+    controller.json     SCU controller state (JSON, readable without torch)
+    meta.json           step, data position, structure signature, tokens_per_epoch
+    config.yaml         the resolved config (secrets redacted)
+    manifest.json       sha256 and size of every file above; written last
+
+A directory is written under ``<dir>.partial`` and renamed when complete. Loading verifies the manifest; a corrupt or
+truncated latest checkpoint falls back to the newest older good one with a warning; none good is an error.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+
+MANIFEST = "manifest.json"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used; the message says which and why."""
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def rng_state() -> dict:
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.random.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.random.set_rng_state(state["torch"])
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def write_checkpoint(out_dir: str | Path, *, model, optimizer, scaler, controller_state: dict, step: int,
+                     position: int, structure: dict, tokens_per_epoch: int, config_yaml: str,
+                     history: list, extra: Optional[dict] = None) -> Path:
+    """Write a complete checkpoint to ``out_dir`` atomically (``out_dir.partial`` then rename)."""
+    out = Path(out_dir)
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    model.save_pretrained(str(tmp / "adapter"), safe_serialization=True)
+    torch.save({"optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(), "rng": rng_state(),
+                "history": history}, tmp / "state.pt")
+    (tmp / "controller.json").write_text(json.dumps(controller_state, indent=1))
+    meta = {"step": step, "position": position, "structure": structure, "tokens_per_epoch": tokens_per_epoch,
+            **(extra or {})}
+    (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+    (tmp / "config.yaml").write_text(config_yaml)
+    files = sorted(p for p in tmp.rglob("*") if p.is_file())
+    manifest = {str(p.relative_to(tmp)): {"sha256": _sha256(p), "size": p.stat().st_size} for p in files}
+    (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": manifest}, indent=1))
+    shutil.rmtree(out, ignore_errors=True)
+    os.rename(tmp, out)
+    return out
+
+
+def verify(ckpt_dir: str | Path) -> Optional[str]:
+    """None if the checkpoint matches its manifest, else the reason it does not."""
+    d = Path(ckpt_dir)
+    mpath = d / MANIFEST
+    if not mpath.is_file():
+        return "no manifest.json (incomplete checkpoint)"
+    try:
+        manifest = json.loads(mpath.read_text())["files"]
+    except (ValueError, KeyError) as e:
+        return f"unreadable manifest: {e}"
+    for rel, want in manifest.items():
+        p = d / rel
+        if not p.is_file():
+            return f"missing file {rel}"
+        if p.stat().st_size != want["size"]:
+            return f"{rel} has {p.stat().st_size} bytes, manifest says {want['size']} (truncated?)"
+        if _sha256(p) != want["sha256"]:
+            return f"{rel} checksum mismatch (corrupt)"
+    return None
+
+
+def read_meta(ckpt_dir: str | Path) -> dict:
+    return json.loads((Path(ckpt_dir) / "meta.json").read_text())
+
+
+def check_structure(meta: dict, structure: dict) -> None:
+    """Refuse a checkpoint made for a different base model / LoRA shape / block size."""
+    saved = meta.get("structure", {})
+    diffs = [f"{k}: checkpoint has {saved.get(k)!r}, config has {v!r}" for k, v in structure.items()
+             if saved.get(k) != v]
+    if diffs:
+        raise CheckpointError("cannot resume: the checkpoint was made for a structurally different run ("
+                              + "; ".join(diffs) + "). Use a new run.name to start fresh.")
+
+
+def load_training_state(ckpt_dir: str | Path, *, model, optimizer, scaler, map_location="cpu") -> dict:
+    """Restore adapter weights, optimizer, scaler and RNG from a verified directory; returns meta + controller."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    d = Path(ckpt_dir)
+    adapter = load_file(str(d / "adapter" / "adapter_model.safetensors"))
+    result = set_peft_model_state_dict(model, adapter)
+    missing = [k for k in getattr(result, "unexpected_keys", [])]
+    if missing:
+        raise CheckpointError(f"adapter in {d} has keys the model lacks: {missing[:5]}")
+    state = torch.load(d / "state.pt", map_location=map_location, weights_only=False)
+    optimizer.load_state_dict(state["optimizer"])
+    scaler.load_state_dict(state["scaler"])
+    set_rng_state(state["rng"])
+    meta = read_meta(d)
+    meta["controller"] = json.loads((d / "controller.json").read_text())
+    meta["history"] = state.get("history", [])
+    return meta
+
+
+def candidates(ray_checkpoint) -> list:
+    """The given (latest) Ray checkpoint first, then its older siblings in the run directory, newest first."""
+    import pyarrow.fs as pafs
+    from ray.train import Checkpoint
+
+    out = [ray_checkpoint]
+    fs, path = ray_checkpoint.filesystem, ray_checkpoint.path.rstrip("/")
+    parent = path.rsplit("/", 1)[0]
+    try:
+        infos = fs.get_file_info(pafs.FileSelector(parent, recursive=False))
+    except OSError:
+        return out
+    siblings = sorted((i.path for i in infos if i.type == pafs.FileType.Directory
+                       and i.base_name.startswith("checkpoint_") and i.path.rstrip("/") != path), reverse=True)
+    out.extend(Checkpoint(path=p, filesystem=fs) for p in siblings)
+    return out
+
+
+def open_good_checkpoint(ray_checkpoint, stack) -> tuple[Optional[Path], list[str]]:
+    """Materialise the newest checkpoint that verifies; returns (local dir, warnings). Raises if none is good."""
+    problems = []
+    for ckpt in candidates(ray_checkpoint):
+        local = Path(stack.enter_context(ckpt.as_directory()))
+        inner = local / "ckpt" if (local / "ckpt").is_dir() else local
+        why = verify(inner)
+        if why is None:
+            if problems:
+                warnings.warn("skipped bad checkpoint(s): " + "; ".join(problems) + f"; resuming from {ckpt.path}")
+            return inner, problems
+        problems.append(f"{ckpt.path}: {why}")
+    raise CheckpointError("no usable checkpoint: " + "; ".join(problems))
+
+
+def new_local_dir(prefix: str = "raytrain_scu_ckpt_") -> Path:
+    return Path(tempfile.mkdtemp(prefix=prefix))

@@ -1,0 +1,239 @@
+"""The per-worker training function that Ray Train runs on every rank (nanoGPT-style: setup, then one flat loop)."""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import time
+from pathlib import Path
+
+import torch
+
+import ray.train
+import ray.train.torch
+
+from raytrain_scu import checkpoint as ckpt
+from raytrain_scu import tracking
+from raytrain_scu.config import build_config, to_yaml
+from raytrain_scu.controller import from_config as build_controller
+from raytrain_scu.data import prepare_data, train_batch, val_batches
+from raytrain_scu.dist import all_reduce_sum, rank, world_size
+from raytrain_scu.model import (CausalLMLoss, apply_lora, build_model, load_tokenizer, resolve_dtype,
+                                structure_signature)
+from raytrain_scu.regularizer import adapter_params, param_bpt
+
+LN2 = math.log(2.0)
+
+
+class InjectedFault(RuntimeError):
+    """Raised by RAYTRAIN_SCU_FAULT_AT_STEP=N (fault-tolerance tests): a crash after step N of a fresh start."""
+
+
+class NonFiniteError(RuntimeError):
+    """Too many optimizer steps in a row had a non-finite loss or gradient."""
+
+
+def lr_at(step: int, *, lr: float, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:
+    """Linear warmup to ``lr``, then cosine decay to ``lr * min_lr_ratio`` at ``max_steps``."""
+    if step < warmup_steps:
+        return lr * (step + 1) / warmup_steps
+    progress = (step - warmup_steps) / max(1, max_steps - warmup_steps)
+    return lr * (min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress))))
+
+
+@torch.no_grad()
+def evaluate(loss_model, data, *, device, batch_size: int, max_batches: int, autocast) -> float:
+    """Held-out DataBPT, token-weighted over all ranks (every rank runs the same number of batches)."""
+    loss_model.eval()
+    stats = torch.zeros(2, dtype=torch.float64, device=device)
+    for x, y in val_batches(data, rank=rank(), world_size=world_size(), batch_size=batch_size,
+                            max_batches=max_batches):
+        with autocast:
+            nats, n = loss_model(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
+        stats += torch.stack([nats.double(), n.double()])
+    loss_model.train()
+    nats, n = all_reduce_sum(stats).tolist()
+    return nats / n / LN2 if n > 0 else float("nan")
+
+
+def train_func(config: dict) -> None:
+    """Ray Train per-worker entry point. ``config`` is ``asdict(Config)`` plus ``_mlflow_run_id``."""
+    run_id = config.pop("_mlflow_run_id", None)
+    cfg = build_config(config)
+    d, m, c, t = cfg.data, cfg.model, cfg.controller, cfg.train
+
+    # ---- setup (all ranks)
+    device = ray.train.torch.get_device()
+    torch.manual_seed(cfg.seed + rank())
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    dtype = resolve_dtype(m.precision, device)
+    use_amp = device.type == "cuda" and dtype != torch.float32
+    autocast = torch.autocast(device_type=device.type, dtype=dtype, enabled=use_amp)
+    tok = load_tokenizer(m.name, m.gguf_file, m.tokenizer, m.cache_dir)
+    data = prepare_data(tok, source=d.source, path=d.path, text_field=d.text_field, max_documents=d.max_documents,
+                        block_size=d.block_size, val_fraction=d.val_fraction, seed=cfg.seed, cache_dir=d.cache_dir)
+    tokens_per_epoch = c.tokens_per_epoch or data.tokens_per_epoch
+    # frozen base weights are stored in the compute dtype; LoRA adapters stay float32 (peft's default)
+    base = build_model(m.name, gguf_file=m.gguf_file, vocab_size=len(tok), dtype=dtype, device=device,
+                       attn_implementation=m.attn_implementation, gradient_checkpointing=m.gradient_checkpointing,
+                       load_in_4bit=cfg.quant.load_in_4bit, quant_type=cfg.quant.quant_type,
+                       double_quant=cfg.quant.double_quant, cache_dir=m.cache_dir,
+                       trust_remote_code=m.trust_remote_code, seed=cfg.seed)
+    torch.manual_seed(cfg.seed)  # identical LoRA init on every rank
+    model = apply_lora(base, r=cfg.lora.r, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout,
+                       targets=cfg.lora.target_modules, quantized=cfg.quant.load_in_4bit,
+                       gradient_checkpointing=m.gradient_checkpointing)
+    params = adapter_params(model)
+    loss_model = CausalLMLoss(model, fused=m.fused_loss, chunk_size=m.loss_chunk_size)
+    if m.compile:
+        loss_model = torch.compile(loss_model, mode=m.compile_mode)
+    # a quantized model is placed by device_map and must never be moved with .to()
+    ddp_model = ray.train.torch.prepare_model(
+        loss_model, move_to_device=not cfg.quant.load_in_4bit,
+        parallel_strategy_kwargs={"gradient_as_bucket_view": True, "static_graph": False})
+    optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2),
+                                  eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay,
+                                  fused=device.type == "cuda")
+    scaler = torch.amp.GradScaler(device.type, enabled=use_amp and dtype == torch.float16)
+    controller = build_controller(c)
+    structure = structure_signature(name=m.name, gguf_file=m.gguf_file, r=cfg.lora.r, alpha=cfg.lora.alpha,
+                                    targets=cfg.lora.target_modules, block_size=d.block_size,
+                                    load_in_4bit=cfg.quant.load_in_4bit)
+    tracker = tracking.for_rank(cfg, rank(), run_id=run_id)
+    history: list[dict] = []
+    start_step, position, val_bpt, best_val = 0, 0, float("nan"), float("inf")
+
+    # ---- resume (all ranks read the same checkpoint)
+    resume = ray.train.get_checkpoint()
+    if resume is not None:
+        with contextlib.ExitStack() as stack:
+            local, _ = ckpt.open_good_checkpoint(resume, stack)
+            ckpt.check_structure(ckpt.read_meta(local), structure)
+            meta = ckpt.load_training_state(local, model=model, optimizer=optimizer, scaler=scaler)
+        controller.load_state_dict(meta["controller"])
+        start_step, position, history = meta["step"], meta["position"], meta["history"]
+        val_bpt, best_val = meta.get("val_bpt", float("nan")), meta.get("best_val", float("inf"))
+        torch.manual_seed(cfg.seed + rank() + start_step)
+    tracker.start(params=tracking.derived_params(cfg, tokens_per_epoch=tokens_per_epoch, world=world_size(),
+                                                 device=device), resumed_at=start_step)
+
+    fault_at_step = int(os.environ.get("RAYTRAIN_SCU_FAULT_AT_STEP", "0") or 0)
+    ddp = isinstance(ddp_model, torch.nn.parallel.DistributedDataParallel)
+    if start_step == 0:  # the untrained adapter's held-out BPT: the baseline every later eval is compared with
+        val_bpt = evaluate(ddp_model, data, device=device, batch_size=d.batch_size, max_batches=t.eval_batches,
+                           autocast=autocast)
+        history.append({"step": 0, "val/data_bpt": val_bpt, "ctrl/lambda": controller.lam})
+        tracker.log_step(history[-1])
+    val_bpt_start = history[0]["val/data_bpt"] if history and history[0]["step"] == 0 else float("nan")
+    tokens_per_step = d.batch_size * d.grad_accum * world_size() * d.block_size
+    skipped_in_a_row, skipped_total = 0, 0
+    t_last, steps_since = time.perf_counter(), 0
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+    # ---- training loop
+    for step in range(start_step, t.max_steps):
+        lr = lr_at(step, lr=cfg.optim.lr, warmup_steps=cfg.optim.warmup_steps, max_steps=t.max_steps,
+                   min_lr_ratio=cfg.optim.min_lr_ratio)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        lam = controller.lam  # constant within the step: the last controller update's value
+        nats_sum = torch.zeros((), dtype=torch.float32, device=device)
+        tokens = torch.zeros((), dtype=torch.float32, device=device)
+        for micro in range(d.grad_accum):
+            x, y = train_batch(data, position=position, micro_step=micro, rank=rank(), world_size=world_size(),
+                               batch_size=d.batch_size, seed=cfg.seed, pin_memory=device.type == "cuda")
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            last = micro == d.grad_accum - 1
+            # DDP all-reduces gradients only on the last micro-step
+            with (ddp_model.no_sync() if ddp and not last else contextlib.nullcontext()), autocast:
+                nats, n = ddp_model(x, y)
+                loss = nats / n / d.grad_accum
+                if last:  # the penalty's gradient enters once per optimizer step, with full weight
+                    pbpt = param_bpt(params, sigma=c.prior_sigma, tokens_per_epoch=tokens_per_epoch)
+                    loss = loss + lam * LN2 * pbpt
+            scaler.scale(loss).backward()
+            nats_sum += nats.detach().float()
+            tokens += n.float()
+        position += d.batch_size * d.grad_accum * world_size()
+
+        # one all-reduce of (nats, tokens): DataBPT is global and identical on every rank
+        scaler.unscale_(optimizer)
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else 1e30)
+        stats = all_reduce_sum(torch.stack([nats_sum, tokens]))
+        # the one host sync per optimizer step: the controller needs these as floats
+        nats_f, tokens_f, pbpt_f, norm_f = torch.stack([stats[0], stats[1], pbpt.detach().float(),
+                                                        grad_norm.float()]).tolist()
+        data_bpt = nats_f / tokens_f / LN2
+        finite = math.isfinite(data_bpt) and math.isfinite(pbpt_f) and math.isfinite(norm_f)
+        if finite or scaler.is_enabled():
+            scaler.step(optimizer)  # GradScaler skips a non-finite fp16 step by itself
+            scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        skipped_in_a_row = 0 if finite else skipped_in_a_row + 1
+        skipped_total += 0 if finite else 1
+        if skipped_in_a_row >= t.max_consecutive_skips:
+            tracker.finish(history=history, status="FAILED")
+            raise NonFiniteError(f"{skipped_in_a_row} optimizer steps in a row had a non-finite loss or gradient "
+                                 f"(last at step {step + 1}); the last good checkpoint is kept. Lower optim.lr, "
+                                 f"use bf16 instead of fp16, or check the data.")
+        if finite and (step + 1) % c.control_every == 0:
+            controller.update(data_bpt, pbpt_f, step=step + 1)
+        steps_since += 1
+
+        row = {"step": step + 1, "train/data_bpt": data_bpt, "train/param_bpt": pbpt_f, "ctrl/s": controller.s,
+               "ctrl/s_hat": controller.s_hat, "ctrl/error": controller.error, "ctrl/lambda": controller.lam,
+               "ctrl/integral": controller.integral, "ctrl/skipped": controller.n_skipped,
+               "train/skipped_steps": skipped_total, "train/lr": lr, "train/grad_norm": norm_f,
+               "ctrl/lambda_applied": lam}
+        if fault_at_step and resume is None and step + 1 == fault_at_step:
+            raise InjectedFault(f"fault injected after step {step + 1} (RAYTRAIN_SCU_FAULT_AT_STEP)")
+        if controller.saturated_step is not None:
+            row["ctrl/saturated_step"] = controller.saturated_step
+        done = step + 1 == t.max_steps or (t.stop_on_saturation and controller.saturated)
+
+        # ---- once in a while: eval (all ranks), report (all ranks), checkpoint (rank 0 writes)
+        is_ckpt = (step + 1) % t.checkpoint_every == 0 or done
+        if (step + 1) % t.eval_every == 0 or is_ckpt:
+            t_eval = time.perf_counter()
+            val_bpt = evaluate(ddp_model, data, device=device, batch_size=d.batch_size,
+                               max_batches=t.eval_batches, autocast=autocast)
+            t_last += time.perf_counter() - t_eval  # throughput counts training time only
+            row["val/data_bpt"] = val_bpt
+            best_val = min(best_val, val_bpt)
+        history.append(row)
+        tracker.log_step(row)
+        if (step + 1) % t.report_every == 0 or done:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            now = time.perf_counter()
+            perf = {"perf/tokens_per_s": tokens_per_step * steps_since / (now - t_last),
+                    "perf/max_mem_gib": (torch.cuda.max_memory_allocated(device) / 2**30
+                                         if device.type == "cuda" else 0.0)}
+            t_last, steps_since = now, 0
+            row.update(perf)
+            tracker.log_step(perf, step=step + 1)
+            metrics = {**row, "val/data_bpt": val_bpt, "val/data_bpt_start": val_bpt_start,
+                       "tokens_per_epoch": tokens_per_epoch,
+                       "max_steps": t.max_steps, "world_size": world_size()}
+            checkpoint = None
+            if is_ckpt and rank() == 0:
+                local = ckpt.new_local_dir()
+                ckpt.write_checkpoint(local / "ckpt", model=model, optimizer=optimizer, scaler=scaler,
+                                      controller_state=controller.state_dict(), step=step + 1, position=position,
+                                      structure=structure, tokens_per_epoch=tokens_per_epoch,
+                                      config_yaml=to_yaml(cfg, redact=True), history=history,
+                                      extra={"val_bpt": val_bpt, "best_val": best_val})
+                checkpoint = ray.train.Checkpoint.from_directory(str(local / "ckpt"))
+            tracker.flush()
+            ray.train.report(metrics, checkpoint=checkpoint,
+                             checkpoint_dir_name=f"checkpoint_{step + 1:08d}" if is_ckpt else None)
+            if checkpoint is not None:
+                import shutil
+
+                shutil.rmtree(local, ignore_errors=True)
+        if done:
+            break
+
+    tracker.finish(history=history, model=model, status="FINISHED")

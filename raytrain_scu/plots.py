@@ -1,0 +1,64 @@
+"""PNG plots of a run's control trace (matplotlib, no display needed)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def _series(history: list, key: str):
+    pts = [(r["step"], r[key]) for r in history if key in r and r[key] is not None]
+    return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def plot_history(history: list, out_dir: str | Path, *, target_s: float, title: str = "") -> list[Path]:
+    """Write s_tracking.png, lambda.png, bpt.png, val_bpt.png and tokens_per_s.png; return their paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+
+    def save(fig, name):
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=110)
+        plt.close(fig)
+        paths.append(out / name)
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(*_series(history, "ctrl/s"), label="S", alpha=0.5, lw=1)
+    ax.plot(*_series(history, "ctrl/s_hat"), label="Ŝ (EMA)", lw=2)
+    ax.axhline(target_s, color="k", ls="--", label=f"S* = {target_s:g}")
+    ax.set(xlabel="optimizer step", ylabel="S = ParamBPT / (DataBPT + ParamBPT)", title=f"{title}: S and Ŝ vs S*")
+    ax.legend()
+    save(fig, "s_tracking.png")
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    steps, lams = _series(history, "ctrl/lambda")
+    ax.plot(steps, lams, lw=2)
+    if lams and min(lams) > 0:
+        ax.set_yscale("log")
+    ax.set(xlabel="optimizer step", ylabel="λ", title=f"{title}: regularisation weight λ")
+    save(fig, "lambda.png")
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(*_series(history, "train/data_bpt"), label="DataBPT (train)")
+    ax2 = ax.twinx()
+    ax2.plot(*_series(history, "train/param_bpt"), color="tab:red", label="ParamBPT")
+    ax.set(xlabel="optimizer step", ylabel="DataBPT (bits/token)", title=f"{title}: DataBPT and ParamBPT")
+    ax2.set_ylabel("ParamBPT (bits/token)", color="tab:red")
+    ax.legend(loc="upper left")
+    ax2.legend(loc="upper right")
+    save(fig, "bpt.png")
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(*_series(history, "val/data_bpt"), marker="o")
+    ax.set(xlabel="optimizer step", ylabel="held-out DataBPT (bits/token)", title=f"{title}: validation BPT")
+    save(fig, "val_bpt.png")
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(*_series(history, "perf/tokens_per_s"), marker=".")
+    ax.set(xlabel="optimizer step", ylabel="tokens/s (all workers)", title=f"{title}: throughput")
+    save(fig, "tokens_per_s.png")
+    return paths

@@ -1,0 +1,287 @@
+"""MLflow tracking: a real client on rank 0, a no-op elsewhere, so the loop never branches on rank to log.
+
+- Default store ``sqlite:///<storage_path>/mlflow.db`` with artifacts in ``<storage_path>/mlartifacts`` (MLflow >= 3.13
+  refuses the ``file:`` store); ``tracking.uri`` may be an ``http(s)://`` tracking server for clusters.
+- One MLflow run per training run, found again by its tag ``raytrain_scu.run_key`` (storage path + run name) and
+  kept in ``<storage_path>/<name>/mlflow_run.json``: a worker restart or re-running the same run name continues the
+  SAME run; steps already logged are not logged again.
+- Metrics are buffered and sent with ``log_batch`` at each report, never one call per scalar.
+- Tracking never kills training: a failed call warns, keeps the buffer and retries at the next flush; the run ends
+  with what could be recorded and says what was not.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Optional
+
+from raytrain_scu.config import Config, flatten, redact_uri, to_yaml
+
+RUN_KEY_TAG = "raytrain_scu.run_key"
+PARENT_TAG = "mlflow.parentRunId"
+MAX_BUFFER = 2_000_000
+
+
+def storage_dir(storage_path: str) -> str:
+    return os.path.abspath(os.path.expanduser(storage_path)) if "://" not in storage_path else storage_path
+
+
+def default_uri(storage_path: str) -> str:
+    return f"sqlite:///{storage_dir(storage_path)}/mlflow.db"
+
+
+def tracking_uri(cfg: Config) -> str:
+    return cfg.tracking.uri or default_uri(cfg.run.storage_path)
+
+
+def run_key(cfg: Config) -> str:
+    return f"{storage_dir(cfg.run.storage_path)}/{cfg.run.name}"
+
+
+def _quiet_http() -> None:
+    # a dead server must cost seconds, not MLflow's default minutes of retries, per attempt
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+
+
+def client_for(uri: str):
+    _quiet_http()
+    from mlflow.tracking import MlflowClient
+
+    if uri.startswith("sqlite:///"):
+        Path(uri[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
+    return MlflowClient(tracking_uri=uri)
+
+
+def experiment_id(client, name: str, uri: str) -> str:
+    exp = client.get_experiment_by_name(name)
+    if exp is not None:
+        return exp.experiment_id
+    location = None
+    if uri.startswith("sqlite:///"):  # an explicit artifact location beside the database
+        location = Path(Path(uri[len("sqlite:///"):]).parent, "mlartifacts").resolve().as_uri()
+    try:
+        return client.create_experiment(name, artifact_location=location)
+    except Exception:  # noqa: BLE001 - another process created it first
+        return client.get_experiment_by_name(name).experiment_id
+
+
+def get_or_create_run(cfg: Config, parent_run_id: Optional[str] = None) -> str:
+    """The MLflow run id for this training run: found by its run-key tag, else created."""
+    uri = tracking_uri(cfg)
+    client = client_for(uri)
+    exp_id = experiment_id(client, cfg.tracking.experiment or cfg.run.name, uri)
+    key = run_key(cfg)
+    found = client.search_runs([exp_id], filter_string=f"tags.`{RUN_KEY_TAG}` = '{key}'", max_results=1)
+    if found:
+        return found[0].info.run_id
+    tags = {RUN_KEY_TAG: key, "mlflow.runName": cfg.run.name}
+    if parent_run_id:
+        tags[PARENT_TAG] = parent_run_id
+    return client.create_run(exp_id, tags=tags, run_name=cfg.run.name).info.run_id
+
+
+def remember_run_id(cfg: Config, run_id: str) -> None:
+    """Keep the run id with the Ray run directory (local storage) so people and tools can find it."""
+    d = storage_dir(cfg.run.storage_path)
+    if "://" in d:
+        return
+    p = Path(d) / cfg.run.name
+    p.mkdir(parents=True, exist_ok=True)
+    (p / "mlflow_run.json").write_text(json.dumps({"run_id": run_id, "tracking_uri": redact_uri(tracking_uri(cfg))}))
+
+
+def derived_params(cfg: Config, *, tokens_per_epoch: int, world: int, device) -> dict:
+    """Flattened resolved config plus the values derived at run time."""
+    import peft
+    import ray
+    import torch
+    import transformers
+
+    gpu_name, gpu_count = "none", 0
+    if device.type == "cuda":
+        gpu_name, gpu_count = torch.cuda.get_device_name(device), world
+    out = flatten(cfg, redact=True)
+    out.update({"derived.tokens_per_epoch": tokens_per_epoch, "derived.world_size": world,
+                "derived.global_batch_tokens": cfg.data.batch_size * cfg.data.grad_accum * world * cfg.data.block_size,
+                "derived.gpu_name": gpu_name, "derived.gpu_count": gpu_count,
+                "version.torch": torch.__version__, "version.transformers": transformers.__version__,
+                "version.peft": peft.__version__, "version.ray": ray.__version__})
+    return out
+
+
+class NullTracker:
+    """What ranks other than 0 (and runs with tracking off) get."""
+
+    run_id = None
+
+    def start(self, params: dict, resumed_at: int = 0) -> None:
+        pass
+
+    def log_step(self, row: dict, step: Optional[int] = None) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+    def finish(self, history: list, model=None, status: str = "FINISHED") -> None:
+        pass
+
+
+class MlflowTracker(NullTracker):
+    """Rank 0's MLflow client with a retrying metric buffer."""
+
+    def __init__(self, cfg: Config, run_id: Optional[str] = None, parent_run_id: Optional[str] = None):
+        self.cfg, self.run_id, self.parent_run_id = cfg, run_id, parent_run_id
+        self.uri = tracking_uri(cfg)
+        self.client = None
+        self.buffer: list = []
+        self.logged_through = -1  # steps <= this are already in MLflow (a resumed run)
+        self.params: dict = {}
+        self.params_logged = False
+        self.failures = 0
+        self.dropped = 0
+        self.sysmon = None
+
+    def _connect(self) -> bool:
+        if self.client is not None and self.run_id is not None:
+            return True
+        try:
+            self.client = client_for(self.uri)
+            if self.run_id is None:
+                self.run_id = get_or_create_run(self.cfg, self.parent_run_id)
+            hist = self.client.get_metric_history(self.run_id, "ctrl/lambda")
+            self.logged_through = max((m.step for m in hist), default=-1)
+            return True
+        except Exception as e:  # noqa: BLE001 - tracking must never kill training
+            self._warn("connect", e)
+            self.client = None if self.run_id is None else self.client
+            return False
+
+    def _warn(self, what: str, e: Exception) -> None:
+        self.failures += 1
+        if self.failures <= 3 or self.failures % 50 == 0:
+            warnings.warn(f"MLflow {what} failed ({redact_uri(self.uri)}): {type(e).__name__}: {str(e)[:200]}; "
+                          f"buffering {len(self.buffer)} metric points and retrying at the next report")
+
+    def start(self, params: dict, resumed_at: int = 0) -> None:
+        self.params = params
+        if self._connect():
+            self._log_params()
+            self._start_system_metrics()
+
+    def _log_params(self) -> None:
+        if self.params_logged:
+            return
+        from mlflow.entities import Param
+
+        try:
+            existing = self.client.get_run(self.run_id).data.params
+            new = [Param(k, str(v)[:6000]) for k, v in self.params.items() if k not in existing]
+            for i in range(0, len(new), 100):
+                self.client.log_batch(self.run_id, params=new[i:i + 100])
+            self.client.set_terminated(self.run_id, status="RUNNING")
+            self.params_logged = True
+        except Exception as e:  # noqa: BLE001
+            self._warn("log params", e)
+
+    def _start_system_metrics(self) -> None:
+        on = self.cfg.tracking.system_metrics
+        if on is None:
+            import torch
+
+            on = torch.cuda.is_available()
+        if not on or self.sysmon is not None:
+            return
+        try:
+            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+            self.sysmon = SystemMetricsMonitor(self.run_id, sampling_interval=10, resume_logging=True,
+                                               tracking_uri=self.uri)
+            self.sysmon.start()
+        except Exception as e:  # noqa: BLE001
+            self._warn("system metrics", e)
+
+    def log_step(self, row: dict, step: Optional[int] = None) -> None:
+        from mlflow.entities import Metric
+
+        step = int(row["step"] if step is None else step)
+        if step <= self.logged_through:
+            return  # already recorded before a restart: no duplicate steps
+        ts = int(time.time() * 1000)
+        self.buffer.extend(Metric(k, float(v), ts, step) for k, v in row.items()
+                           if k != "step" and isinstance(v, (int, float)))
+        if len(self.buffer) > MAX_BUFFER:
+            self.dropped += len(self.buffer) - MAX_BUFFER
+            del self.buffer[:len(self.buffer) - MAX_BUFFER]
+
+    def flush(self) -> None:
+        if not self.buffer or not self._connect():
+            return
+        self._log_params()
+        try:
+            while self.buffer:
+                self.client.log_batch(self.run_id, metrics=self.buffer[:1000])
+                del self.buffer[:1000]
+        except Exception as e:  # noqa: BLE001
+            self._warn("log metrics", e)
+
+    def finish(self, history: list, model=None, status: str = "FINISHED") -> None:
+        self.flush()
+        if self.sysmon is not None:
+            try:
+                self.sysmon.finish()
+            except Exception as e:  # noqa: BLE001
+                self._warn("system metrics", e)
+        unrecorded = []
+        if self.client is None or self.run_id is None:
+            unrecorded.append("everything (no connection to the tracking server)")
+        else:
+            try:
+                self._log_artifacts(history, model)
+                self.client.set_terminated(self.run_id, status=status)
+            except Exception as e:  # noqa: BLE001
+                self._warn("log artifacts", e)
+                unrecorded.append("artifacts (config, history, plots, adapter)")
+        if self.buffer:
+            unrecorded.append(f"{len(self.buffer)} metric points")
+        if self.dropped:
+            unrecorded.append(f"{self.dropped} metric points dropped from a full buffer")
+        if unrecorded:
+            warnings.warn(f"MLflow ({redact_uri(self.uri)}) did not record: " + "; ".join(unrecorded))
+
+    def _log_artifacts(self, history: list, model) -> None:
+        from raytrain_scu.plots import plot_history
+
+        with tempfile.TemporaryDirectory() as tmp:
+            t = Path(tmp)
+            (t / "config.yaml").write_text(to_yaml(self.cfg, redact=True))
+            (t / "scu_history.json").write_text(json.dumps(history))
+            self.client.log_artifact(self.run_id, str(t / "config.yaml"))
+            self.client.log_artifact(self.run_id, str(t / "scu_history.json"))
+            plots = t / "plots"
+            plot_history(history, plots, target_s=self.cfg.controller.target_s, title=self.cfg.run.name)
+            self.client.log_artifacts(self.run_id, str(plots), artifact_path="plots")
+            if model is not None:
+                model.save_pretrained(str(t / "adapter"), safe_serialization=True)
+                self.client.log_artifacts(self.run_id, str(t / "adapter"), artifact_path="adapter")
+
+
+def for_rank(cfg: Config, rank: int, run_id: Optional[str] = None, parent_run_id: Optional[str] = None):
+    """A real tracker on rank 0 when tracking is on, else a no-op."""
+    if rank != 0 or not cfg.tracking.enabled:
+        return NullTracker()
+    return MlflowTracker(cfg, run_id=run_id, parent_run_id=parent_run_id)
+
+
+def log_best_checkpoint(cfg: Config, run_id: str, ckpt_dir: str) -> Optional[str]:
+    """Driver side, after fit(): the best checkpoint as an artifact. Returns a warning text on failure."""
+    try:
+        client_for(tracking_uri(cfg)).log_artifacts(run_id, ckpt_dir, artifact_path="best_checkpoint")
+        return None
+    except Exception as e:  # noqa: BLE001
+        return f"best checkpoint not logged to MLflow: {type(e).__name__}: {str(e)[:200]}"

@@ -1,0 +1,270 @@
+"""``python -m raytrain_scu.train CONFIG.yaml key=value...``: validate, then run the per-worker loop on Ray Train.
+
+Connects to a running cluster when ``RAY_ADDRESS`` is set (so ``ray job submit`` works), else starts a local one.
+Re-running the same ``run.name`` with the same ``run.storage_path`` resumes from its latest good checkpoint.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Optional
+
+from raytrain_scu.config import Config, ConfigError, load_config, to_yaml
+
+
+class PreflightError(ValueError):
+    """A problem found before any Ray worker starts."""
+
+
+def _gpu_count() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count()
+    except Exception:  # noqa: BLE001
+        return 0
+
+
+def preflight(cfg: Config) -> dict:
+    """Checks that need I/O, run on the driver before Ray starts. Returns derived facts (tokens_per_epoch, ...)."""
+    from raytrain_scu.data import DataError, check_source, prepare_data
+    from raytrain_scu.model import ModelError, check_model_source, is_preset, load_tokenizer, max_positions, \
+        preset_config
+
+    m, d, s = cfg.model, cfg.data, cfg.scaling
+    # storage must be writable (local paths; remote URIs are checked by Ray)
+    if "://" not in cfg.run.storage_path:
+        p = Path(os.path.expanduser(cfg.run.storage_path))
+        try:
+            p.mkdir(parents=True, exist_ok=True)
+            probe = p / f".write-test-{os.getpid()}"
+            probe.write_text("ok")
+            probe.unlink()
+        except OSError as e:
+            raise PreflightError(f"run.storage_path={cfg.run.storage_path}: not writable ({e.strerror})") from None
+    # GPUs: asked for but absent, or more workers than GPUs on a local machine
+    gpus = _gpu_count()
+    use_gpu = s.use_gpu if s.use_gpu is not None else gpus > 0
+    if use_gpu and gpus == 0 and not os.environ.get("RAY_ADDRESS"):
+        raise PreflightError("scaling.use_gpu=true but no CUDA GPU is visible on this machine "
+                             "(set scaling.use_gpu=false for CPU training, or submit to a GPU cluster)")
+    if use_gpu and not os.environ.get("RAY_ADDRESS") and s.num_workers * s.gpus_per_worker > gpus:
+        raise PreflightError(f"scaling.num_workers={s.num_workers} x gpus_per_worker={s.gpus_per_worker} needs "
+                             f"{s.num_workers * s.gpus_per_worker:g} GPUs but this machine has {gpus}")
+    if cfg.quant.load_in_4bit:
+        import importlib.util
+
+        if importlib.util.find_spec("bitsandbytes") is None:
+            raise PreflightError("quant.load_in_4bit=true needs bitsandbytes: pip install bitsandbytes")
+        if m.compile:
+            raise PreflightError("quant.load_in_4bit=true with model.compile=true is not supported "
+                                 "(bitsandbytes 4-bit layers do not compile); turn one off")
+    try:
+        where = check_model_source(m.name, m.gguf_file)
+        tok = load_tokenizer(m.name, m.gguf_file, m.tokenizer, m.cache_dir)
+        if is_preset(m.name):
+            positions = max_positions(preset_config(m.name, len(tok)))
+        else:
+            from transformers import AutoConfig
+
+            from raytrain_scu.model import _gguf_cache, resolve_name
+
+            src = _gguf_cache(m.name, m.gguf_file, m.cache_dir) if m.gguf_file else resolve_name(m.name)
+            positions = max_positions(AutoConfig.from_pretrained(os.path.expanduser(str(src)),
+                                                                 trust_remote_code=m.trust_remote_code))
+    except ModelError as e:
+        raise PreflightError(str(e)) from None
+    if positions and d.block_size > positions:
+        raise PreflightError(f"data.block_size={d.block_size} is beyond the model's {positions} positions "
+                             f"(max_position_embeddings of {m.name})")
+    try:
+        check_source(d.source, d.path, d.text_field)
+        data = prepare_data(tok, source=d.source, path=d.path, text_field=d.text_field,
+                            max_documents=d.max_documents, block_size=d.block_size, val_fraction=d.val_fraction,
+                            seed=cfg.seed, cache_dir=d.cache_dir)
+    except DataError as e:
+        raise PreflightError(str(e)) from None
+    global_batch = d.batch_size * d.grad_accum * s.num_workers
+    if len(data.train) < global_batch:
+        raise PreflightError(f"the training split has {len(data.train)} blocks of {d.block_size} tokens, fewer than "
+                             f"one global batch ({global_batch} = batch_size x grad_accum x num_workers)")
+    return {"model": where, "use_gpu": use_gpu, "tokens_per_epoch": data.tokens_per_epoch,
+            "train_blocks": len(data.train), "val_blocks": len(data.val), "gpus": gpus}
+
+
+def _fmt_eta(seconds: float) -> str:
+    seconds = int(max(0, seconds))
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+def _progress_callback():
+    from ray.train import UserCallback
+
+    class Progress(UserCallback):
+        """One line per report, printed by the Ray Train controller and forwarded to the driver's console."""
+
+        def __init__(self):
+            self.t0, self.step0 = None, None
+
+        def after_report(self, run_context, metrics, checkpoint):
+            r = metrics[0]
+            step, max_steps = int(r["step"]), int(r["max_steps"])
+            now = time.time()
+            if self.t0 is None:
+                self.t0, self.step0 = now, step
+            rate = (step - self.step0) / (now - self.t0) if step > self.step0 else 0.0
+            eta = _fmt_eta((max_steps - step) / rate) if rate > 0 else "?"
+            print(f"[raytrain_scu] step {step}/{max_steps}  DataBPT {r['train/data_bpt']:.4f}  "
+                  f"val {r.get('val/data_bpt', float('nan')):.4f}  λ {r['ctrl/lambda']:.4g}  S {r['ctrl/s']:.4g}  "
+                  f"Ŝ {r['ctrl/s_hat']:.4g}  tok/s {r.get('perf/tokens_per_s', 0):.0f}  ETA {eta}"
+                  + ("  [checkpoint]" if checkpoint is not None else ""), flush=True)
+
+    return Progress()
+
+
+def build_trainer(cfg: Config, *, use_gpu: bool, run_id: Optional[str], callbacks=(), extra_config=None):
+    """The TorchTrainer for one run (the sweep builds one per trial with this too)."""
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from raytrain_scu.loop import train_func
+    from raytrain_scu.tracking import storage_dir
+
+    s = cfg.scaling
+    resources = {"CPU": s.cpus_per_worker}
+    if use_gpu:
+        resources["GPU"] = s.gpus_per_worker
+    loop_config = {**asdict(cfg), "_mlflow_run_id": run_id, **(extra_config or {})}
+    return TorchTrainer(
+        train_func,
+        train_loop_config=loop_config,
+        scaling_config=ScalingConfig(num_workers=s.num_workers, use_gpu=use_gpu, resources_per_worker=resources,
+                                     placement_strategy=s.placement_strategy),
+        run_config=RunConfig(
+            name=cfg.run.name, storage_path=storage_dir(cfg.run.storage_path),
+            failure_config=FailureConfig(max_failures=cfg.run.max_failures),
+            checkpoint_config=CheckpointConfig(num_to_keep=cfg.run.num_to_keep,
+                                               checkpoint_score_attribute="val/data_bpt",
+                                               checkpoint_score_order="min"),
+            callbacks=list(callbacks),
+            # RAYTRAIN_SCU_* variables (fault injection, cache location) reach every worker, on any node
+            worker_runtime_env={"env_vars": {k: v for k, v in os.environ.items() if k.startswith("RAYTRAIN_SCU_")}}),
+    )
+
+
+def init_ray(cfg: Config) -> None:
+    import ray
+
+    if ray.is_initialized():
+        return
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
+    else:
+        ray.init(log_to_driver=True)
+
+
+def output_dir(cfg: Config) -> Path:
+    from raytrain_scu.tracking import storage_dir
+
+    if cfg.run.output_dir:
+        return Path(os.path.expanduser(cfg.run.output_dir))
+    return Path(storage_dir(cfg.run.storage_path)) / cfg.run.name / "output"
+
+
+def export_adapter(checkpoint, dest: Path) -> Path:
+    """Copy the adapter of a Ray checkpoint to ``dest`` (loadable by ``PeftModel.from_pretrained``)."""
+    with checkpoint.as_directory() as d:
+        src = Path(d) / "adapter"
+        if not src.is_dir():
+            raise FileNotFoundError(f"checkpoint {checkpoint.path} has no adapter/")
+        tmp = dest.with_name(dest.name + ".partial")
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(src, tmp)
+        shutil.rmtree(dest, ignore_errors=True)
+        os.rename(tmp, dest)
+    return dest
+
+
+def run(cfg: Config, *, quiet: bool = False) -> dict:
+    """Validate, train, export. Returns a summary dict (also printed unless ``quiet``)."""
+    from raytrain_scu import tracking
+
+    facts = preflight(cfg)
+    run_id, notes = None, []
+    if cfg.tracking.enabled:
+        try:
+            run_id = tracking.get_or_create_run(cfg)
+            tracking.remember_run_id(cfg, run_id)
+        except Exception as e:  # noqa: BLE001 - tracking never kills training; rank 0 retries
+            notes.append(f"MLflow unreachable at start ({type(e).__name__}); rank 0 will retry")
+            print(f"[raytrain_scu] warning: {notes[-1]}", file=sys.stderr)
+    init_ray(cfg)
+    print(f"[raytrain_scu] run {cfg.run.name}: {facts['model']}, {cfg.scaling.num_workers} worker(s) "
+          f"({'GPU' if facts['use_gpu'] else 'CPU'}), {facts['train_blocks']} train / {facts['val_blocks']} val "
+          f"blocks, tokens_per_epoch={facts['tokens_per_epoch']}", flush=True)
+    trainer = build_trainer(cfg, use_gpu=facts["use_gpu"], run_id=run_id, callbacks=[_progress_callback()])
+    result = trainer.fit()
+    if result.error:
+        raise result.error
+    out = output_dir(cfg)
+    out.mkdir(parents=True, exist_ok=True)
+    last = result.metrics or {}
+    summary = {"run": cfg.run.name, "steps": last.get("step"), "val_bpt_start": last.get("val/data_bpt_start"),
+               "val_bpt": last.get("val/data_bpt"),
+               "lambda": last.get("ctrl/lambda"), "s": last.get("ctrl/s"), "s_hat": last.get("ctrl/s_hat"),
+               "tokens_per_s": last.get("perf/tokens_per_s"), "run_dir": result.path, "mlflow_run_id": run_id,
+               "notes": notes}
+    if result.checkpoint is not None:
+        summary["adapter"] = str(export_adapter(result.checkpoint, out / "adapter"))
+    best = result.best_checkpoints[0][0] if result.best_checkpoints else None
+    if best is not None and run_id and cfg.tracking.log_best_checkpoint:
+        with best.as_directory() as d:
+            warn = tracking.log_best_checkpoint(cfg, run_id, d)
+        if warn:
+            notes.append(warn)
+    (out / "config.yaml").write_text(to_yaml(cfg, redact=True))
+    (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    if not quiet:
+        print("[raytrain_scu] done: " + ", ".join(f"{k}={v}" for k, v in summary.items() if k != "notes"
+                                                    and v is not None), flush=True)
+        for n in notes:
+            print(f"[raytrain_scu] note: {n}", flush=True)
+    return summary
+
+
+USAGE = "usage: python -m raytrain_scu.train CONFIG.yaml [key=value ...]"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else 2
+    try:
+        cfg = resolve(argv[0], argv[1:])
+        run(cfg)
+    except (ConfigError, PreflightError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def resolve(path: str, overrides: list[str]) -> Config:
+    """Load the config and apply a hardware preset when asked (explicit values win)."""
+    try:
+        from raytrain_scu.hardware import resolve_config
+    except ImportError:
+        return load_config(path, overrides)
+    cfg, changes = resolve_config(path, overrides)
+    for key, (old, new) in (changes or {}).items():
+        print(f"[raytrain_scu] preset {cfg.hardware.preset}: {key} {old!r} -> {new!r}", flush=True)
+    return cfg
+
+
+if __name__ == "__main__":
+    sys.exit(main())

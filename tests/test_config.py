@@ -1,0 +1,117 @@
+"""Config: YAML -> overrides -> strict build -> cross-field checks; errors name the key."""
+import glob
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from conftest import ROOT, TINY
+from raytrain_scu.config import Config, ConfigError, flatten, load_config, to_yaml
+
+REQUIRED_KEYS = ["scaling.num_workers", "scaling.use_gpu", "train.max_steps", "train.checkpoint_every",
+                 "train.report_every", "run.name", "run.storage_path", "run.max_failures", "tracking.uri", "data.path",
+                 "controller.mode", "controller.target_s", "controller.kp", "controller.ki", "data.batch_size",
+                 "optim.lr", "seed"]
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob(str(ROOT / "experiments" / "*.yaml"))))
+def test_every_experiment_loads(path):
+    cfg = load_config(path)
+    assert isinstance(cfg, Config) and cfg.run.name
+    assert open(path).readline().startswith("# Launch:")
+
+
+def test_required_key_names_exist():
+    flat = flatten(Config())
+    for key in REQUIRED_KEYS:
+        assert key in flat, key
+
+
+def test_overrides_are_typed_by_field():
+    cfg = load_config(TINY, ["train.max_steps=200", "controller.mode=fixed", "lora.target_modules=q_proj,v_proj",
+                             "optim.lr=1e-3", "scaling.use_gpu=auto", "model.compile=true"])
+    assert cfg.train.max_steps == 200 and cfg.controller.mode == "fixed"
+    assert cfg.lora.target_modules == ["q_proj", "v_proj"] and cfg.optim.lr == 1e-3
+    assert cfg.scaling.use_gpu is None and cfg.model.compile is True
+    assert cfg.run.name == "tiny-cpu"   # defaults to the config file's stem
+
+
+@pytest.mark.parametrize("override,key", [
+    ("train.max_stepz=3", "train.max_stepz"),
+    ("nosuch.section=1", "nosuch"),
+    ("train.max_steps=abc", "train.max_steps"),
+    ("train.max_steps=2.5", "train.max_steps"),
+    ("model.compile=maybe", "model.compile"),
+    ("optim.lr=-1", "optim.lr"),
+    ("controller.target_s=0", "controller.target_s"),
+    ("controller.target_s=1", "controller.target_s"),
+    ("controller.kp=-0.1", "controller.kp"),
+    ("controller.ki=-0.1", "controller.ki"),
+    ("controller.lambda_min=2", "controller.lambda_init"),
+    ("controller.lambda_max=0.5", "controller.lambda_init"),
+    ("controller.mode=pid", "controller.mode"),
+    ("data.batch_size=0", "data.batch_size"),
+    ("data.block_size=1", "data.block_size"),
+    ("data.val_fraction=1.0", "data.val_fraction"),
+    ("data.source=csv", "data.source"),
+    ("scaling.num_workers=0", "scaling.num_workers"),
+    ("train.checkpoint_every=7", "train.checkpoint_every"),
+    ("model.precision=fp8", "model.precision"),
+    ("tracking.uri=file:///tmp/mlruns", "tracking.uri"),
+    ("run.name=a/b", "run.name"),
+    ("lora.r=0", "lora.r"),
+    ("hardware.preset=v100", "hardware.preset"),
+    ("tune.search=bayes", "tune.search"),
+])
+def test_bad_values_name_the_key(override, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config(TINY, [override])
+
+
+def test_unknown_and_mistyped_keys_in_yaml(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("train:\n  max_steps: 10\n  bogus: 1\n")
+    with pytest.raises(ConfigError, match=r"train\.bogus"):
+        load_config(p)
+    p.write_text("data:\n  batch_size: [1, 2]\n")
+    with pytest.raises(ConfigError, match=r"data\.batch_size.*int"):
+        load_config(p)
+    p.write_text("- just\n- a list\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(p)
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "missing.yaml")
+
+
+@pytest.mark.parametrize("space,needle", [
+    ({"controller.kp": {"loguniform": [0, 1]}}, "low > 0"),
+    ({"controller.kp": {"uniform": [2, 1]}}, "low < high"),
+    ({"controller.kq": {"choice": [1]}}, "not a config key"),
+    ({"controller.kp": {"normal": [0, 1]}}, "unknown kind"),
+    ({"data.batch_size": {"choice": ["big"]}}, "int"),
+    ({"controller.mode": {"uniform": [0, 1]}}, "numeric"),
+])
+def test_malformed_search_space(tmp_path, space, needle):
+    p = tmp_path / "s.yaml"
+    p.write_text(yaml.safe_dump({"tune": {"space": space}}))
+    with pytest.raises(ConfigError, match=needle):
+        load_config(p)
+
+
+def test_yaml_round_trip_and_cli(tmp_path):
+    cfg = load_config(TINY, ["controller.kp=0.5"])
+    p = tmp_path / "resolved.yaml"
+    p.write_text(to_yaml(cfg))
+    assert load_config(p) == cfg
+    r = subprocess.run([sys.executable, "-m", "raytrain_scu.config", TINY, "controller.kp=0.5"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0 and yaml.safe_load(r.stdout)["controller"]["kp"] == 0.5
+    r = subprocess.run([sys.executable, "-m", "raytrain_scu.config", TINY, "controller.kq=0.5"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "controller.kq" in r.stderr
+
+
+def test_secrets_are_redacted_in_dumps():
+    cfg = load_config(TINY, ["tracking.uri=https://user:s3cret@mlflow.example.com"])
+    assert "s3cret" not in to_yaml(cfg, redact=True) and "s3cret" not in str(flatten(cfg))

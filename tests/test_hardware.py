@@ -1,0 +1,328 @@
+"""GPU detection, presets (explicit values win), the memory estimator and fit, and the preflight check."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from raytrain_scu import check, hardware
+from raytrain_scu.config import ALL_LINEAR, Config, ConfigError, build_config
+from raytrain_scu.hardware import GpuInfo, MemoryFitError
+
+
+def gpu(name, memory_gib, cc=(8, 0)):
+    return GpuInfo(name=name, memory_gib=memory_gib, compute_capability=cc)
+
+
+A100 = gpu("NVIDIA A100-SXM4-40GB", 39.4)
+H100 = gpu("NVIDIA H100 80GB HBM3", 79.6, (9, 0))
+H200 = gpu("NVIDIA H200", 139.8, (9, 0))
+RTX4090 = gpu("NVIDIA GeForce RTX 4090", 23.6, (8, 9))
+RTX3090 = gpu("NVIDIA GeForce RTX 3090", 23.7, (8, 6))
+T4 = gpu("Tesla T4", 14.6, (7, 5))
+
+# Llama-3.2-1B's shape: hidden 2048, 16 layers, 32 heads, 8 KV heads, FFN 8192, vocab 128256, tied embeddings
+LLAMA_1B = hardware.shape_from_hf_config({
+    "hidden_size": 2048, "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "intermediate_size": 8192, "vocab_size": 128256, "tie_word_embeddings": True})
+LLAMA_7B = hardware.shape_from_hf_config({
+    "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
+    "intermediate_size": 11008, "vocab_size": 32000, "tie_word_embeddings": False})
+
+
+def run_kwargs(**over):
+    kw = dict(lora_r=16, lora_targets=ALL_LINEAR, load_in_4bit=False, precision="bf16", block_size=512,
+              gradient_checkpointing=False, compile=False, fused_loss=True)
+    kw.update(over)
+    return kw
+
+
+def estimate(shape=LLAMA_1B, **over):
+    kw = run_kwargs(batch_size=8)
+    kw.update(over)
+    return hardware.estimate_peak_memory_gib(**shape, **kw)
+
+
+# ---------------------------------------------------------------- detection
+
+def test_detect_gpus_is_empty_on_this_cpu_machine():
+    assert hardware.detect_gpus() == []
+
+
+def test_cuda_visible_devices_filters_nvml_cards(monkeypatch):
+    cards = [GpuInfo("NVIDIA A100-SXM4-40GB", 39.4, (8, 0), index=i, uuid=f"GPU-{i}") for i in range(4)]
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert hardware._visible(cards) == cards
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert hardware._visible(cards) == []
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,3")
+    assert [g.index for g in hardware._visible(cards)] == [1, 3]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-2")
+    assert [g.index for g in hardware._visible(cards)] == [2]
+
+
+def test_hardware_imports_no_ray_mlflow_or_torch():
+    code = "import sys, raytrain_scu.hardware; print([m for m in ('ray', 'mlflow', 'torch') if m in sys.modules])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_bf16_and_tf32_follow_compute_capability():
+    assert A100.bf16 and A100.tf32 and H100.bf16
+    assert not T4.bf16 and not T4.tf32
+    assert A100.to_dict()["compute_capability"] == "8.0"
+
+
+# ---------------------------------------------------------------- presets
+
+@pytest.mark.parametrize("gpus, preset", [
+    ([A100], "a100"), ([gpu("NVIDIA A100 80GB PCIe", 79.2)], "a100"), ([H100], "h100"), ([H200], "h200"),
+    ([RTX4090], "4090"), ([RTX3090], "3090"), ([T4], "t4"), ([], "cpu"),
+    ([H100] * 8, "h100"),
+])
+def test_preset_from_card_name(gpus, preset):
+    assert hardware.preset_for(gpus) == preset
+
+
+@pytest.mark.parametrize("card, preset", [
+    (gpu("NVIDIA L40S", 44.4, (8, 9)), "a100"),
+    (gpu("NVIDIA A10G", 22.0, (8, 6)), "3090"),
+    (gpu("NVIDIA GeForce RTX 3080", 9.8, (8, 6)), "t4"),
+    (gpu("Tesla V100-SXM2-32GB", 31.7, (7, 0)), "t4"),  # no bf16: the fp16 preset whatever the memory
+    (gpu("NVIDIA B200", 179.0, (10, 0)), "h200"),
+    (gpu("NVIDIA RTX 4000 Ada Generation", 19.5, (8, 9)), "t4"),
+])
+def test_unknown_cards_by_memory_and_bf16(card, preset):
+    assert hardware.preset_for([card]) == preset
+
+
+def test_presets_are_valid_configs_and_t4_avoids_bf16():
+    for name, values in hardware.PRESETS.items():
+        cfg = build_config({})
+        hardware.apply_preset(cfg, name, explicit=set())
+        for key, value in values.items():
+            assert hardware.C.get_dotted(cfg, key) == value, (name, key)
+        hardware.C.validate(cfg)
+    assert hardware.PRESETS["t4"]["model.precision"] == "fp16"
+    assert hardware.PRESETS["cpu"]["model.precision"] == "fp32" and not hardware.PRESETS["cpu"]["model.compile"]
+    assert hardware.PRESETS["a100"]["data.batch_size"] == 32
+    assert hardware.PRESETS["h100"]["data.batch_size"] > hardware.PRESETS["a100"]["data.batch_size"]
+
+
+def test_apply_preset_reports_changes_and_skips_explicit_keys():
+    cfg = Config()
+    changes = hardware.apply_preset(cfg, "a100", explicit={"data.batch_size"})
+    assert cfg.data.batch_size == Config().data.batch_size  # explicit: untouched
+    assert "data.batch_size" not in changes
+    assert changes["model.precision"] == ("auto", "bf16")
+    assert cfg.model.compile is True
+
+
+def test_auto_resolves_with_given_gpus_and_records_the_preset():
+    cfg = Config()
+    changes = hardware.apply_preset(cfg, "auto", explicit=set(), gpus=[T4])
+    assert cfg.hardware.preset == "t4" and changes["hardware.preset"] == ("auto", "t4")
+    assert cfg.model.precision == "fp16" and cfg.quant.load_in_4bit is True
+    assert hardware.apply_preset(Config(), "none", explicit=set()) == {}
+    cpu_only = Config()
+    cpu_only.scaling.use_gpu = False
+    hardware.apply_preset(cpu_only, "auto", explicit=set(), gpus=[H100])
+    assert cpu_only.hardware.preset == "cpu"
+
+
+def test_auto_on_this_machine_is_cpu():
+    cfg = Config()
+    hardware.apply_preset(cfg, "auto", explicit=set())
+    assert cfg.hardware.preset == "cpu" and cfg.model.precision == "fp32"
+
+
+def test_resolve_config_explicit_yaml_and_overrides_win(tmp_path):
+    path = tmp_path / "exp.yaml"
+    path.write_text("hardware:\n  preset: a100\ndata:\n  batch_size: 5\nmodel:\n  compile: false\n")
+    cfg, changes = hardware.resolve_config(path, ["data.grad_accum=3"])
+    assert cfg.data.batch_size == 5  # from the YAML file
+    assert cfg.model.compile is False  # from the YAML file, though the preset says true
+    assert cfg.data.grad_accum == 3  # from the override, though the preset says 1
+    assert cfg.model.precision == "bf16"  # not set anywhere: the preset's
+    assert set(changes) == {"model.precision"}
+    assert cfg.run.name == "exp"
+
+
+def test_resolve_config_auto_with_fake_gpus(tmp_path):
+    path = tmp_path / "exp.yaml"
+    path.write_text("data:\n  batch_size: 2\n")
+    cfg, changes = hardware.resolve_config(path, ["hardware.preset=auto"], gpus=[RTX4090])
+    assert cfg.hardware.preset == "4090"
+    assert cfg.data.batch_size == 2 and cfg.data.grad_accum == 2 and cfg.model.compile is True
+
+
+def test_resolve_config_preset_none_changes_nothing(tmp_path):
+    path = tmp_path / "exp.yaml"
+    path.write_text("seed: 3\n")
+    cfg, changes = hardware.resolve_config(path, [])
+    assert changes == {} and cfg.data.batch_size == Config().data.batch_size
+
+
+def test_resolve_config_still_validates(tmp_path):
+    path = tmp_path / "exp.yaml"
+    path.write_text("hardware:\n  preset: bogus\n")
+    with pytest.raises(ConfigError, match="hardware.preset"):
+        hardware.resolve_config(path, [])
+
+
+# ---------------------------------------------------------------- estimator
+
+def test_shape_counts_llama_1b_parameters():
+    assert LLAMA_1B["n_params"] == 1_235_814_400  # Llama-3.2-1B, tied embeddings
+    assert LLAMA_1B["kv_heads"] == 8 and LLAMA_1B["head_dim"] == 64
+    assert estimate()["lora_params"] == 11_272_192  # r=16 on q,k,v,o,gate,up,down
+
+
+def test_shape_from_hf_config_object_and_nested_text_config():
+    class Cfg:
+        hidden_size, num_hidden_layers, num_attention_heads = 64, 2, 4
+        num_key_value_heads, intermediate_size, vocab_size = None, 128, 1000
+        tie_word_embeddings = False
+
+    class Outer:
+        text_config = Cfg()
+
+    shape = hardware.shape_from_hf_config(Outer())
+    assert shape["kv_heads"] == 4 and shape["head_dim"] == 16
+    assert shape["n_params"] == 2 * (4 * 64 * 64 + 3 * 64 * 128 + 2 * 64) + 64 + 2 * 1000 * 64
+
+
+def test_estimate_is_monotonic_in_batch_size():
+    totals = [estimate(batch_size=b)["total_gib"] for b in (1, 2, 4, 8, 16, 32)]
+    assert totals == sorted(totals) and len(set(totals)) == len(totals)
+
+
+def test_checkpointing_lowers_activations():
+    full, ckpt = estimate(gradient_checkpointing=False), estimate(gradient_checkpointing=True)
+    assert ckpt["activations_gib"] < full["activations_gib"] / 4
+    assert ckpt["weights_gib"] == full["weights_gib"]
+    assert ckpt["activation_per_layer_gib"] == full["activation_per_layer_gib"]
+
+
+def test_four_bit_cuts_weights_about_4x():
+    bf16, nf4 = estimate(LLAMA_7B), estimate(LLAMA_7B, load_in_4bit=True)
+    assert 3.0 < bf16["weights_gib"] / nf4["weights_gib"] < 4.0  # embeddings and lm_head stay bf16
+    assert nf4["activations_gib"] == bf16["activations_gib"]
+
+
+def test_fused_loss_and_fp32_and_compile():
+    fused, full = estimate(fused_loss=True, batch_size=32), estimate(fused_loss=False, batch_size=32)
+    # 16k tokens x 128k vocab: the full logits in bf16 and fp32 dwarf one 4096-token chunk
+    assert full["logits_gib"] > 5 * fused["logits_gib"]
+    assert estimate(precision="fp32")["weights_gib"] == pytest.approx(2 * estimate()["weights_gib"])
+    assert estimate(compile=True)["activations_gib"] < estimate()["activations_gib"]
+    e = estimate()
+    parts = ("weights_gib", "adapters_gib", "activations_gib", "logits_gib", "overhead_gib")
+    assert e["total_gib"] == pytest.approx(sum(e[k] for k in parts))
+    assert e["overhead_gib"] >= 1.0
+
+
+def test_fit_batch_size_returns_the_largest_batch_that_fits():
+    kw = run_kwargs(block_size=1024)
+    b = hardware.fit_batch_size(gpu_mem_gib=40, max_batch_size=256, **LLAMA_1B, **kw)
+    assert 1 <= b < 256
+    assert hardware.fit_check(hardware.estimate_peak_memory_gib(batch_size=b, **LLAMA_1B, **kw)["total_gib"], 40)
+    assert not hardware.fit_check(
+        hardware.estimate_peak_memory_gib(batch_size=b + 1, **LLAMA_1B, **kw)["total_gib"], 40)
+    assert hardware.fit_batch_size(gpu_mem_gib=80, max_batch_size=256, **LLAMA_1B, **kw) > b
+    assert hardware.fit_batch_size(gpu_mem_gib=80, max_batch_size=4, **LLAMA_1B, **kw) == 4
+
+
+def test_a_run_that_cannot_fit_raises_naming_alternatives():
+    kw = run_kwargs(block_size=4096)
+    with pytest.raises(MemoryFitError) as e:
+        hardware.fit_batch_size(gpu_mem_gib=12, max_batch_size=8, **LLAMA_7B, **kw)
+    msg = str(e.value)
+    assert "GiB" in msg and "quant.load_in_4bit=true" in msg and "gradient_checkpointing=true" in msg
+
+
+def test_nothing_fits_says_so():
+    with pytest.raises(MemoryFitError, match="Nothing fits"):
+        hardware.fit_batch_size(gpu_mem_gib=2, max_batch_size=8, **LLAMA_7B, **run_kwargs())
+
+
+def test_fit_to_gpu_shrinks_a_preset_batch_and_keeps_sequences_per_step():
+    cfg = Config()
+    hardware.apply_preset(cfg, "a100", explicit=set())
+    cfg.data.block_size = 2048
+    changes = hardware.fit_to_gpu(cfg, LLAMA_1B, gpu_mem_gib=40)
+    new_batch = changes["data.batch_size"][1]
+    assert new_batch < 32 and cfg.data.batch_size == new_batch
+    assert cfg.data.batch_size * cfg.data.grad_accum >= 32
+
+
+def test_fit_to_gpu_leaves_a_fitting_config_and_refuses_to_change_an_explicit_batch():
+    cfg = Config()
+    cfg.data.block_size = 256
+    assert hardware.fit_to_gpu(cfg, LLAMA_1B, gpu_mem_gib=80) == {}
+    cfg.data.batch_size, cfg.data.block_size = 64, 4096
+    with pytest.raises(MemoryFitError, match="Would fit"):
+        hardware.fit_to_gpu(cfg, LLAMA_1B, gpu_mem_gib=24, explicit={"data.batch_size"})
+    assert cfg.data.batch_size == 64
+
+
+# ---------------------------------------------------------------- check
+
+def run_check(*args, env_over=None):
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(env_over or {})
+    return subprocess.run([sys.executable, "-m", "raytrain_scu.check", *args], capture_output=True, text=True,
+                          env=env, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def check_report():
+    out = run_check("--json")
+    assert out.returncode == 0, out.stdout + out.stderr
+    return json.loads(out.stdout)
+
+
+def test_check_reports_no_gpu_and_passes():
+    out = run_check()
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert check.NO_GPU_MESSAGE in out.stdout
+    assert "auto would pick 'cpu'" in out.stdout
+
+
+def test_check_require_gpu_fails_with_the_message():
+    out = run_check("--require-gpu", "--json")
+    assert out.returncode == 1, out.stdout + out.stderr
+    report = json.loads(out.stdout)
+    assert report["ok"] is False
+    gpu_row = next(r for r in report["checks"] if r["name"] == "gpu")
+    assert gpu_row["status"] == "fail" and gpu_row["detail"] == check.NO_GPU_MESSAGE
+
+
+def test_check_json_lists_versions_and_skips_ray_without_address(check_report):
+    rows = {r["name"]: r for r in check_report["checks"]}
+    assert check_report["ok"] is True
+    for name in ("python", "torch", "transformers", "peft", "ray", "mlflow", "disk", "preset"):
+        assert rows[name]["status"] == "pass", rows[name]
+    assert rows["gpu"]["status"] == "warn" and rows["gpu"]["detail"] == check.NO_GPU_MESSAGE
+    assert rows["ray cluster"]["status"] == "skip"
+    assert rows["nccl"]["status"] == "skip"
+
+
+def test_check_fails_when_ray_address_is_unreachable(tmp_path):
+    out = run_check(f"run.storage_path={tmp_path / 'new' / 'runs'}", env_over={"RAY_ADDRESS": "http://127.0.0.1:9"})
+    assert out.returncode == 1
+    assert "unreachable" in out.stdout
+    assert f"at {tmp_path} " in out.stdout  # the disk check looked where the config's storage will be
+
+
+def test_check_units():
+    assert check.disk_status(0.5) == "fail" and check.disk_status(5) == "warn" and check.disk_status(50) == "pass"
+    assert check.check_disk("s3://bucket/runs").status == "skip"
+    assert check.check_ray_cluster(None).status == "skip"
+    assert check.check_ray_cluster("127.0.0.1:9", timeout_s=1).status == "fail"
+    assert check.check_ray_cluster("nonsense").status == "fail"
+    rows = check.check_gpus([H100, H100], require_gpu=True)
+    assert [r.status for r in rows] == ["pass", "pass", "pass"] and "H100" in rows[0].detail
+    assert check.check_preset([A100], None).data["auto"] == "a100"
+    assert check._version_tuple("2.13.0+cpu") == (2, 13, 0)

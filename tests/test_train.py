@@ -1,0 +1,101 @@
+"""Integration: the real training engine on Ray with CPU workers (gloo), the tiny model, real checkpoints."""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import ROOT, TINY, tiny_cfg
+from raytrain_scu.train import build_trainer, run
+
+pytestmark = pytest.mark.slow
+
+
+def adapter_norm(adapter_dir):
+    sd = load_file(f"{adapter_dir}/adapter_model.safetensors")
+    return float(torch.sqrt(sum((v.float() ** 2).sum() for v in sd.values())))
+
+
+def history_of(summary):
+    """The per-step control trace of the final checkpoint."""
+    import glob
+
+    last = sorted(glob.glob(f"{summary['run_dir']}/checkpoint_0*"))[-1]
+    return torch.load(f"{last}/state.pt", weights_only=False)["history"]
+
+
+def test_ranks_agree_on_lambda_and_s_every_step(ray_local, tmp_path):
+    from ray.train import UserCallback
+
+    out = tmp_path / "reports.jsonl"
+
+    class Collect(UserCallback):
+        def after_report(self, run_context, metrics, checkpoint):
+            with open(out, "a") as f:
+                f.write(json.dumps([{k: m[k] for k in ("step", "ctrl/lambda", "ctrl/s", "ctrl/s_hat")}
+                                    for m in metrics]) + "\n")
+
+    cfg = tiny_cfg(tmp_path, "ranks", "train.max_steps=8", "train.report_every=1", "train.checkpoint_every=4",
+                   "tracking.enabled=false")
+    assert cfg.scaling.num_workers == 2
+    result = build_trainer(cfg, use_gpu=False, run_id=None, callbacks=[Collect()]).fit()
+    assert result.error is None
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r[0]["step"] for r in rows] == list(range(1, 9))
+    for per_rank in rows:
+        assert len(per_rank) == 2
+        assert per_rank[0] == per_rank[1]          # bit-identical on both ranks
+    assert len({r[0]["ctrl/lambda"] for r in rows}) > 1  # and the controller did move λ
+
+
+def test_resume_by_rerunning_same_name_matches_uninterrupted(ray_local, tmp_path, monkeypatch):
+    full = run(tiny_cfg(tmp_path, "full", "tracking.enabled=false"), quiet=True)
+    monkeypatch.setenv("RAYTRAIN_SCU_FAULT_AT_STEP", "13")
+    with pytest.raises(Exception, match="fault injected after step 13"):
+        run(tiny_cfg(tmp_path, "cut", "tracking.enabled=false", "run.max_failures=0"), quiet=True)
+    monkeypatch.delenv("RAYTRAIN_SCU_FAULT_AT_STEP")
+    resumed = run(tiny_cfg(tmp_path, "cut", "tracking.enabled=false"), quiet=True)
+    a, b = history_of(full), history_of(resumed)
+    assert [r["step"] for r in b] == list(range(0, 21))
+    for ra, rb in zip(a[11:], b[11:]):            # steps 11..20 ran after the resume
+        for k in ("train/data_bpt", "ctrl/lambda", "ctrl/s", "ctrl/s_hat", "train/param_bpt"):
+            assert rb[k] == pytest.approx(ra[k], abs=1e-6), (ra["step"], k)
+    assert adapter_norm(full["adapter"]) == pytest.approx(adapter_norm(resumed["adapter"]), abs=1e-6)
+
+
+def test_fixed_large_lambda_shrinks_adapter(ray_local, tmp_path):
+    common = ["tracking.enabled=false", "scaling.num_workers=1", "train.max_steps=15", "optim.lr=0.01",
+              "train.checkpoint_every=15", "controller.tokens_per_epoch=2000"]
+    none = run(tiny_cfg(tmp_path, "none", "controller.mode=none", *common), quiet=True)
+    fixed = run(tiny_cfg(tmp_path, "fixed", "controller.mode=fixed", "controller.lambda_init=10",
+                         *common), quiet=True)
+    assert adapter_norm(fixed["adapter"]) < 0.8 * adapter_norm(none["adapter"])
+    assert none["lambda"] == 0.0 and fixed["lambda"] == 10.0
+
+
+def test_exported_adapter_loads_with_peft(ray_local, tmp_path):
+    from peft import PeftModel
+
+    from raytrain_scu.model import build_model, load_tokenizer
+
+    s = run(tiny_cfg(tmp_path, "export", "tracking.enabled=false", "scaling.num_workers=1",
+                     "train.max_steps=5", "train.checkpoint_every=5"), quiet=True)
+    tok = load_tokenizer("tiny")
+    model = PeftModel.from_pretrained(build_model("tiny", vocab_size=len(tok)), s["adapter"])
+    assert any("lora_A" in n for n, _ in model.named_parameters())
+    assert (ROOT / "experiments").exists() and json.loads(open(f"{s['adapter']}/adapter_config.json").read())["r"] == 4
+
+
+def test_qlora_4bit_runs_on_cpu(ray_local, tmp_path):
+    s = run(tiny_cfg(tmp_path, "qlora", "tracking.enabled=false", "scaling.num_workers=1", "quant.load_in_4bit=true",
+                     "train.max_steps=4", "train.report_every=2", "train.checkpoint_every=4"), quiet=True)
+    assert s["steps"] == 4 and s["val_bpt"] == s["val_bpt"]  # finite
+
+
+def test_cli_rejects_bad_config_before_ray(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "raytrain_scu.train", TINY, "controller.target_s=1.5",
+                        f"run.storage_path={tmp_path}"], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 2 and "controller.target_s" in r.stderr
+    assert "Started a local Ray instance" not in r.stdout + r.stderr
