@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -56,14 +57,56 @@ def evaluate(loss_model, data, *, device, batch_size: int, max_batches: int, aut
     return nats / n / LN2 if n > 0 else float("nan")
 
 
+class RayHooks:
+    """The handful of calls that touch Ray Train; ``LocalHooks`` stands in for them in one bare process."""
+
+    get_device = staticmethod(lambda: ray.train.torch.get_device())
+    get_checkpoint = staticmethod(lambda: ray.train.get_checkpoint())
+
+    @staticmethod
+    def prepare_model(model, move_to_device: bool):
+        return ray.train.torch.prepare_model(model, move_to_device=move_to_device,
+                                             parallel_strategy_kwargs={"gradient_as_bucket_view": True})
+
+    @staticmethod
+    def report(metrics: dict, checkpoint_dir, checkpoint_dir_name):
+        checkpoint = ray.train.Checkpoint.from_directory(str(checkpoint_dir)) if checkpoint_dir else None
+        ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=checkpoint_dir_name)
+
+
+class LocalHooks:
+    """One process, no Ray: the same loop, for benchmarks (Ray overhead) and debugging. Reports are kept."""
+
+    def __init__(self, device=None):
+        self.device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.reports: list[dict] = []
+
+    def get_device(self):
+        return self.device
+
+    def get_checkpoint(self):
+        return None
+
+    def prepare_model(self, model, move_to_device: bool):
+        return model.to(self.device) if move_to_device else model
+
+    def report(self, metrics: dict, checkpoint_dir, checkpoint_dir_name):
+        self.reports.append(dict(metrics))
+
+
 def train_func(config: dict) -> None:
     """Ray Train per-worker entry point. ``config`` is ``asdict(Config)`` plus ``_mlflow_run_id``."""
+    config = dict(config)
     run_id = config.pop("_mlflow_run_id", None)
-    cfg = build_config(config)
+    run_loop(build_config(config), hooks=RayHooks(), run_id=run_id)
+
+
+def run_loop(cfg, *, hooks, run_id=None) -> None:
+    """Setup, resume, then the training loop; ``hooks`` are Ray Train's calls (or their local stand-ins)."""
     d, m, c, t = cfg.data, cfg.model, cfg.controller, cfg.train
 
     # ---- setup (all ranks)
-    device = ray.train.torch.get_device()
+    device = hooks.get_device()
     torch.manual_seed(cfg.seed + rank())
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
@@ -89,9 +132,7 @@ def train_func(config: dict) -> None:
     if m.compile:
         loss_model = torch.compile(loss_model, mode=m.compile_mode)
     # a quantized model is placed by device_map and must never be moved with .to()
-    ddp_model = ray.train.torch.prepare_model(
-        loss_model, move_to_device=not cfg.quant.load_in_4bit,
-        parallel_strategy_kwargs={"gradient_as_bucket_view": True, "static_graph": False})
+    ddp_model = hooks.prepare_model(loss_model, move_to_device=not cfg.quant.load_in_4bit)
     optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2),
                                   eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay,
                                   fused=device.type == "cuda")
@@ -105,7 +146,7 @@ def train_func(config: dict) -> None:
     start_step, position, val_bpt, best_val = 0, 0, float("nan"), float("inf")
 
     # ---- resume (all ranks read the same checkpoint)
-    resume = ray.train.get_checkpoint()
+    resume = hooks.get_checkpoint()
     if resume is not None:
         with contextlib.ExitStack() as stack:
             local, _ = ckpt.open_good_checkpoint(resume, stack)
@@ -217,7 +258,7 @@ def train_func(config: dict) -> None:
             metrics = {**row, "val/data_bpt": val_bpt, "val/data_bpt_start": val_bpt_start,
                        "tokens_per_epoch": tokens_per_epoch,
                        "max_steps": t.max_steps, "world_size": world_size()}
-            checkpoint = None
+            local = None
             if is_ckpt and rank() == 0:
                 local = ckpt.new_local_dir()
                 ckpt.write_checkpoint(local / "ckpt", model=model, optimizer=optimizer, scaler=scaler,
@@ -225,13 +266,10 @@ def train_func(config: dict) -> None:
                                       structure=structure, tokens_per_epoch=tokens_per_epoch,
                                       config_yaml=to_yaml(cfg, redact=True), history=history,
                                       extra={"val_bpt": val_bpt, "best_val": best_val})
-                checkpoint = ray.train.Checkpoint.from_directory(str(local / "ckpt"))
             tracker.flush()
-            ray.train.report(metrics, checkpoint=checkpoint,
-                             checkpoint_dir_name=f"checkpoint_{step + 1:08d}" if is_ckpt else None)
-            if checkpoint is not None:
-                import shutil
-
+            hooks.report(metrics, local / "ckpt" if local else None,
+                         f"checkpoint_{step + 1:08d}" if is_ckpt else None)
+            if local is not None:
                 shutil.rmtree(local, ignore_errors=True)
         if done:
             break
