@@ -232,9 +232,10 @@ def build_model(name: str, *, gguf_file: str = "", vocab_size: int = 0, dtype: t
             if load_in_4bit:
                 path = _preset_on_disk(name, vocab_size, seed, cache_dir)
                 model = AutoModelForCausalLM.from_pretrained(str(path), **kw)
-            else:
-                model = AutoModelForCausalLM.from_config(preset_config(name, vocab_size), dtype=dtype,
-                                                         attn_implementation=attn_implementation)
+            else:  # initialised directly on the device: a 1B random init on a CPU takes many seconds
+                with torch.device(device):
+                    model = AutoModelForCausalLM.from_config(preset_config(name, vocab_size), dtype=dtype,
+                                                             attn_implementation=attn_implementation)
     else:
         path = _gguf_cache(name, gguf_file, cache_dir) if gguf_file else Path(os.path.expanduser(resolve_name(name)))
         src = str(path) if path.exists() else name
@@ -377,6 +378,23 @@ class CausalLMLoss(nn.Module):
         """The transformer body under the LM head (peft injects LoRA into it in place)."""
         lm = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
         return getattr(lm, lm.base_model_prefix)
+
+
+def matmul_params(hf_config) -> int:
+    """Parameters that take part in matrix products per token: the decoder's linear layers and the LM head."""
+    c = hf_config
+    d, L, ffn, v = c.hidden_size, c.num_hidden_layers, c.intermediate_size, c.vocab_size
+    head_dim = getattr(c, "head_dim", None) or d // c.num_attention_heads
+    kv = c.num_key_value_heads * head_dim
+    q = c.num_attention_heads * head_dim
+    per_layer = d * q + 2 * d * kv + q * d + 3 * d * ffn
+    return L * per_layer + d * v
+
+
+def flops_per_token(hf_config, seq_len: int) -> float:
+    """Training FLOPs per token with a frozen base: 4·N_matmul (forward + input gradients) + 12·L·d·T (attention)."""
+    c = hf_config
+    return 4.0 * matmul_params(c) + 12.0 * c.num_hidden_layers * c.hidden_size * seq_len
 
 
 def bits_per_token(nats: float, tokens: float) -> float:

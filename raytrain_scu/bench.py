@@ -1,0 +1,307 @@
+"""``python -m raytrain_scu.bench``: raytrain_scu's loop against a plain HF + peft loop, side by side on one machine.
+
+Measured in one process (Ray runs start their own workers), on the Llama-3.2-1B shape (random init), block 2048,
+LoRA r=16 on all 7 projections:
+
+  ref_eager / ref_compile   a 40-line HF LlamaForCausalLM + peft loop: bf16 weights, SDPA, fused AdamW,
+                            ``model(input_ids, labels).loss`` (full fp32 logits), without / with torch.compile
+  ours                      raytrain_scu's per-worker loop, bare (no Ray), SCU on, compile, fused chunked CE
+  ours_best                 the same at the largest device batch that fits (``--best-batch``)
+  scu_none                  the same loop with controller.mode=none (controller overhead)
+  ray1 / ray2               the same loop under a TorchTrainer with 1 and 2 GPU workers (Ray overhead, scaling)
+  mem_bf16 / mem_qlora      peak memory of bf16 LoRA vs QLoRA 4-bit at equal batch (eager, checkpointing on)
+
+tokens/s are medians over timed intervals after warm-up; MFU = tokens/s × FLOPs/token / peak, with
+FLOPs/token = 4·N_matmul + 12·L·d·T for a frozen base and the card's dense bf16 peak.
+``--smoke`` runs a tiny CPU version (the test suite uses it).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "4090": 165e12,
+                   "3090": 71e12, "A10": 125e12, "T4": 65e12}
+PROJ = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def peak_flops(device_name: str) -> float:
+    """Dense bf16 peak of a card, from its name (0 when unknown, e.g. a CPU)."""
+    for key, flops in PEAK_BF16_FLOPS.items():
+        if key in device_name:
+            return flops
+    return 0.0
+
+
+def device_name() -> str:
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
+
+
+# ---------------------------------------------------------------- the plain reference loop
+
+def reference_loop(*, preset: str, batch: int, block: int, steps: int, warmup: int, compile: bool, blocks,
+                   lora_r: int = 16) -> dict:
+    """A hand-written HF + peft LoRA loop, timed per step (synchronised) after ``warmup`` steps."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from raytrain_scu.model import preset_config
+
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    vocab = 128256 if preset == "llama-3.2-1b-shape" else 2048
+    with torch.device(dev):
+        model = AutoModelForCausalLM.from_config(preset_config(preset, vocab), dtype=dtype,
+                                                 attn_implementation="sdpa")
+    model.requires_grad_(False)
+    model = get_peft_model(model, LoraConfig(r=lora_r, lora_alpha=2 * lora_r, target_modules=PROJ,
+                                             task_type="CAUSAL_LM"))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=dev.type == "cuda")
+    step_fn = torch.compile(model) if compile else model
+    times = []
+    _reset_mem()
+    for i in range(warmup + steps):
+        x = torch.as_tensor(blocks[(i * batch) % (len(blocks) - batch):][:batch, :block].astype("int64")).to(dev)
+        _sync()
+        t0 = time.perf_counter()
+        with torch.autocast(dev.type, dtype=dtype, enabled=dev.type == "cuda"):
+            loss = step_fn(input_ids=x, labels=x).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        _sync()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    out = {"tokens_per_s": batch * block / statistics.median(times), "peak_mem_gib": _peak_mem(), "batch": batch}
+    del model, opt, step_fn
+    _free()
+    return out
+
+
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _reset_mem():
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _peak_mem() -> float:
+    return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
+
+
+def _free():
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------- raytrain_scu's loop
+
+def bench_config(*, preset: str, batch: int, block: int, steps: int, report_every: int, storage: str, name: str,
+                 compile: bool, mode: str = "scu", load_in_4bit: bool = False, checkpointing: bool = False,
+                 chunk: int = 4096, workers: int = 1):
+    from raytrain_scu.config import load_config
+
+    gpu = torch.cuda.is_available()
+    return load_config(None, [
+        f"model.name={preset}", f"model.precision={'bf16' if gpu else 'fp32'}", f"model.compile={str(compile).lower()}",
+        f"model.gradient_checkpointing={str(checkpointing).lower()}", f"model.loss_chunk_size={chunk}",
+        f"quant.load_in_4bit={str(load_in_4bit).lower()}", "lora.r=16", "lora.alpha=32",
+        f"lora.target_modules={','.join(PROJ)}", "data.source=shakespeare", f"data.block_size={block}",
+        f"data.batch_size={batch}", "data.grad_accum=1", "data.val_fraction=0.05", f"train.max_steps={steps}",
+        f"train.report_every={report_every}", f"train.checkpoint_every={steps}", f"train.eval_every={steps}",
+        "train.eval_batches=1", f"controller.mode={mode}", f"scaling.num_workers={workers}",
+        f"scaling.use_gpu={str(gpu).lower()}", f"run.storage_path={storage}", f"run.name={name}",
+        "tracking.enabled=false", "optim.warmup_steps=2"])
+
+
+def _median_rate(reports: list[dict], warmup_reports: int) -> float:
+    rates = [r["perf/tokens_per_s"] for r in reports if "perf/tokens_per_s" in r]
+    timed = rates[warmup_reports:] or rates[-1:]
+    return statistics.median(timed)
+
+
+def ours_bare(cfg, warmup_reports: int) -> dict:
+    from raytrain_scu.loop import LocalHooks, run_loop
+
+    hooks = LocalHooks()
+    _reset_mem()
+    run_loop(cfg, hooks=hooks)
+    out = {"tokens_per_s": _median_rate(hooks.reports, warmup_reports),
+           "peak_mem_gib": max(r.get("perf/max_mem_gib", 0.0) for r in hooks.reports), "batch": cfg.data.batch_size}
+    _free()
+    return out
+
+
+def ours_ray(cfg, warmup_reports: int) -> dict:
+    from ray.train import UserCallback
+
+    from raytrain_scu.train import build_trainer, init_ray
+
+    sink = Path(tempfile.mkdtemp()) / "reports.jsonl"
+
+    class Collect(UserCallback):
+        def after_report(self, run_context, metrics, checkpoint):
+            with open(sink, "a") as f:
+                f.write(json.dumps(metrics[0]) + "\n")
+
+    init_ray(cfg)
+    result = build_trainer(cfg, use_gpu=torch.cuda.is_available(), run_id=None, callbacks=[Collect()]).fit()
+    if result.error:
+        raise result.error
+    reports = [json.loads(line) for line in sink.read_text().splitlines()]
+    world = cfg.scaling.num_workers
+    return {"tokens_per_s": _median_rate(reports, warmup_reports) / world,
+            "peak_mem_gib": max(r.get("perf/max_mem_gib", 0.0) for r in reports), "batch": cfg.data.batch_size,
+            "workers": world}
+
+
+# ---------------------------------------------------------------- driver
+
+def run_parts(args) -> dict:
+    from raytrain_scu.data import prepare_data
+    from raytrain_scu.model import flops_per_token, load_tokenizer, preset_config
+
+    preset = "tiny" if args.smoke else "llama-3.2-1b-shape"
+    tok = load_tokenizer(preset)
+    data = prepare_data(tok, source="shakespeare", path="", block_size=args.block, val_fraction=0.05)
+    vocab = 128256 if preset == "llama-3.2-1b-shape" else len(tok)
+    fpt = flops_per_token(preset_config(preset, vocab), args.block)
+    storage = tempfile.mkdtemp(prefix="rtscu_bench_")
+    steps = args.warmup_reports * args.report_every + args.steps
+    res = {"card": device_name(), "preset": preset, "block": args.block, "batch": args.batch,
+           "flops_per_token": fpt, "peak_flops": peak_flops(device_name()), "versions": _versions(), "parts": {}}
+    compile_ = not args.no_compile and torch.cuda.is_available()
+
+    def cfg(name, **kw):
+        base = dict(preset=preset, batch=args.batch, block=args.block, steps=steps, report_every=args.report_every,
+                    storage=storage, name=name, compile=compile_)
+        base.update(kw)
+        return bench_config(**base)
+
+    parts = args.parts.split(",")
+    for part in parts:
+        t0 = time.time()
+        try:
+            if part == "ref_eager":
+                r = reference_loop(preset=preset, batch=args.batch, block=args.block, steps=args.steps,
+                                   warmup=args.warmup_reports, compile=False, blocks=data.train)
+            elif part == "ref_compile":
+                r = reference_loop(preset=preset, batch=args.batch, block=args.block, steps=args.steps,
+                                   warmup=max(3, args.warmup_reports), compile=True, blocks=data.train)
+            elif part == "ours":
+                r = ours_bare(cfg("ours"), args.warmup_reports)
+            elif part == "ours_best":
+                r = ours_bare(cfg("ours_best", batch=args.best_batch), args.warmup_reports)
+            elif part == "scu_none":
+                r = ours_bare(cfg("scu_none", mode="none"), args.warmup_reports)
+            elif part == "ray1":
+                r = ours_ray(cfg("ray1"), args.warmup_reports)
+            elif part == "ray2":
+                r = ours_ray(cfg("ray2", workers=2), args.warmup_reports)
+            elif part in ("mem_bf16", "mem_qlora"):
+                r = ours_bare(cfg(part, batch=args.mem_batch, compile=False, checkpointing=True, chunk=1024,
+                                  load_in_4bit=part == "mem_qlora"), args.warmup_reports)
+            else:
+                raise ValueError(f"unknown part {part!r}")
+            r["mfu"] = r["tokens_per_s"] * fpt / res["peak_flops"] if res["peak_flops"] else float("nan")
+        except Exception as e:  # noqa: BLE001 - one failed part must not hide the others' numbers
+            r = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        r["wall_s"] = round(time.time() - t0, 1)
+        res["parts"][part] = r
+        print(f"[bench] {part}: {json.dumps(r)}", flush=True)
+        if args.out:  # after every part: a call cut short still returns what it measured
+            Path(args.out).write_text(json.dumps(res, indent=1))
+    return res
+
+
+def _versions() -> dict:
+    import peft
+    import transformers
+
+    try:
+        import ray
+
+        ray_v = ray.__version__
+    except ImportError:
+        ray_v = "-"
+    return {"torch": torch.__version__, "transformers": transformers.__version__, "peft": peft.__version__,
+            "ray": ray_v, "cuda": torch.version.cuda or "-"}
+
+
+def ratio(res: dict, a: str, b: str, key: str = "tokens_per_s") -> float:
+    pa, pb = res["parts"].get(a, {}), res["parts"].get(b, {})
+    return pa[key] / pb[key] if key in pa and key in pb and pb[key] else float("nan")
+
+
+def table(res: dict) -> str:
+    """The results as a markdown table plus the ratios the targets are stated in."""
+    lines = [f"card: {res['card']}  ({', '.join(f'{k} {v}' for k, v in res['versions'].items())})",
+             f"model: {res['preset']}, block {res['block']}, device batch {res['batch']}, LoRA r=16 on 7 projections",
+             f"FLOPs/token = 4*N_matmul + 12*L*d*T = {res['flops_per_token']:.4g}; "
+             f"peak = {res['peak_flops'] / 1e12:g} TFLOP/s (dense bf16)", "",
+             "| variant | device batch | tokens/s per GPU | MFU | peak mem (GiB) |", "|---|---|---|---|---|"]
+    for name, r in res["parts"].items():
+        if "error" in r:
+            lines.append(f"| {name} | - | error: {r['error'][:80]} | - | - |")
+            continue
+        mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] == r["mfu"] else "-"
+        lines.append(f"| {name} | {r['batch']} | {r['tokens_per_s']:.0f} | {mfu} | {r['peak_mem_gib']:.2f} |")
+    lines += ["", "| ratio | value | target |", "|---|---|---|"]
+    for label, a, b, key, target in [
+            ("ours / ref_compile (same batch)", "ours", "ref_compile", "tokens_per_s", ">= 1.4"),
+            ("ours_best / ref_compile", "ours_best", "ref_compile", "tokens_per_s", ">= 1.4"),
+            ("ours / ref_eager", "ours", "ref_eager", "tokens_per_s", "-"),
+            ("ray1 / ours (Ray overhead = 1 - ratio)", "ray1", "ours", "tokens_per_s", ">= 0.97"),
+            ("scu_none / ours (SCU overhead = ratio - 1)", "scu_none", "ours", "tokens_per_s", "<= 1.01"),
+            ("ray2 / ray1 per GPU (x2 = total speed-up)", "ray2", "ray1", "tokens_per_s", ">= 0.95"),
+            ("mem_qlora / mem_bf16 peak memory", "mem_qlora", "mem_bf16", "peak_mem_gib", "<= 0.5")]:
+        v = ratio(res, a, b, key)
+        if v == v:
+            lines.append(f"| {label} | {v:.3f} | {target} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m raytrain_scu.bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--smoke", action="store_true", help="tiny model on the CPU (seconds)")
+    p.add_argument("--parts", default="ref_eager,ref_compile,ours,scu_none,ray1,ray2,mem_bf16,mem_qlora")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--best-batch", type=int, default=16)
+    p.add_argument("--mem-batch", type=int, default=2)
+    p.add_argument("--block", type=int, default=2048)
+    p.add_argument("--steps", type=int, default=20, help="timed steps (reference) / timed steps after warm-up")
+    p.add_argument("--report-every", type=int, default=5)
+    p.add_argument("--warmup-reports", type=int, default=2)
+    p.add_argument("--no-compile", action="store_true")
+    p.add_argument("--out", default="", help="write the results as JSON here")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.block, args.batch, args.best_batch, args.mem_batch = 64, 2, 4, 2
+        args.steps, args.report_every, args.warmup_reports = 4, 2, 1
+        if args.parts == p.get_default("parts"):
+            args.parts = "ref_eager,ours,scu_none"
+    res = run_parts(args)
+    print(table(res), flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(res, indent=1))
+    return 0 if all("error" not in r for r in res["parts"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

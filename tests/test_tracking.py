@@ -1,0 +1,73 @@
+"""MLflow integration: a real sqlite store read back with MlflowClient."""
+import socket
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from conftest import tiny_cfg
+from raytrain_scu.train import run
+from raytrain_scu.tracking import RUN_KEY_TAG, run_key
+
+pytestmark = pytest.mark.slow
+
+
+def client_and_runs(tmp_path, cfg):
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
+    exp = client.get_experiment_by_name(cfg.run.name)
+    runs = client.search_runs([exp.experiment_id], filter_string=f"tags.`{RUN_KEY_TAG}` = '{run_key(cfg)}'")
+    return client, runs
+
+
+def artifact_paths(client, run_id, path=""):
+    out = []
+    for f in client.list_artifacts(run_id, path):
+        out += artifact_paths(client, run_id, f.path) if f.is_dir else [f.path]
+    return out
+
+
+def test_params_metrics_and_artifacts(ray_local, tmp_path):
+    cfg = tiny_cfg(tmp_path, "tracked", "scaling.num_workers=1", "train.max_steps=10", "train.checkpoint_every=5")
+    summary = run(cfg, quiet=True)
+    client, runs = client_and_runs(tmp_path, cfg)
+    assert len(runs) == 1 and runs[0].info.run_id == summary["mlflow_run_id"]
+    r = client.get_run(summary["mlflow_run_id"])
+    assert r.info.status == "FINISHED"
+    p = r.data.params
+    assert p["controller.target_s"] == "0.01" and p["train.max_steps"] == "10"
+    assert int(p["derived.tokens_per_epoch"]) > 0 and p["derived.world_size"] == "1"
+    assert {"version.torch", "version.ray", "version.peft", "version.transformers", "derived.gpu_name"} <= set(p)
+    lam = client.get_metric_history(r.info.run_id, "ctrl/lambda")
+    steps = sorted(m.step for m in lam)
+    assert steps == list(range(0, 11))  # step 0 (before training) and every optimizer step
+    for name in ("train/data_bpt", "train/param_bpt", "ctrl/s", "ctrl/s_hat", "ctrl/error", "ctrl/integral",
+                 "val/data_bpt", "perf/tokens_per_s"):
+        assert client.get_metric_history(r.info.run_id, name), name
+    arts = artifact_paths(client, r.info.run_id)
+    for want in ("config.yaml", "scu_history.json", "plots/s_tracking.png", "plots/lambda.png", "plots/bpt.png",
+                 "plots/val_bpt.png", "plots/tokens_per_s.png", "adapter/adapter_model.safetensors",
+                 "best_checkpoint/controller.json"):
+        assert want in arts, (want, arts)
+
+
+def test_restart_continues_the_same_run_without_duplicate_steps(ray_local, tmp_path, monkeypatch):
+    monkeypatch.setenv("RAYTRAIN_SCU_FAULT_AT_STEP", "8")  # a worker dies after step 8; Ray restarts from step 5
+    cfg = tiny_cfg(tmp_path, "restarted", "scaling.num_workers=1", "train.max_steps=10", "train.checkpoint_every=5",
+                   "run.max_failures=1")
+    summary = run(cfg, quiet=True)
+    monkeypatch.delenv("RAYTRAIN_SCU_FAULT_AT_STEP")
+    run(cfg, quiet=True)  # re-running the finished run's name: same MLflow run, nothing logged twice
+    client, runs = client_and_runs(tmp_path, cfg)
+    assert len(runs) == 1 and runs[0].info.run_id == summary["mlflow_run_id"]
+    steps = [m.step for m in client.get_metric_history(runs[0].info.run_id, "ctrl/lambda")]
+    assert sorted(steps) == list(range(0, 11))
+
+
+def test_unreachable_tracking_server_does_not_stop_training(ray_local, tmp_path):
+    with socket.socket() as s:  # a port that nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = tiny_cfg(tmp_path, "offline", "scaling.num_workers=1", "train.max_steps=6", "train.report_every=3",
+                   "train.checkpoint_every=3", f"tracking.uri=http://127.0.0.1:{port}")
+    summary = run(cfg, quiet=True)
+    assert summary["steps"] == 6 and summary["adapter"]
+    assert any("MLflow unreachable" in n for n in summary["notes"])
