@@ -1,0 +1,66 @@
+"""`ray start --head` on loopback, then `ray job submit --working-dir . -- python -m raytrain_scu.train ...`."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+
+pytestmark = pytest.mark.slow
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_ray_job_submit_runs_training(tmp_path):
+    bin_dir = Path(sys.executable).parent
+    ray = str(bin_dir / "ray")
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "RAY_AUTH_MODE": "disabled"}
+    env.pop("RAY_ADDRESS", None)
+    gcs, dash = free_port(), free_port()
+    temp = tempfile.mkdtemp(prefix="rj", dir="/tmp")  # AF_UNIX socket paths must stay under 107 bytes
+    # --block keeps this head in one process group that the test stops alone (`ray stop` would stop every Ray
+    # instance on the machine, other tests' included)
+    head = subprocess.Popen([ray, "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={gcs}",
+                             f"--dashboard-port={dash}", "--dashboard-host=127.0.0.1", "--num-cpus=3",
+                             "--include-dashboard=true", f"--temp-dir={temp}", "--disable-usage-stats"],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 120
+    while True:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{dash}/api/version", timeout=2)
+            break
+        except OSError:
+            assert head.poll() is None and time.time() < deadline, "ray head did not come up"
+            time.sleep(1)
+    try:
+        storage = tmp_path / "runs"
+        runtime_env = json.dumps({"excludes": [".venv", ".git", "runs", "*.egg-info", ".carry", ".whl"]})
+        job = subprocess.run(
+            [ray, "job", "submit", f"--address=http://127.0.0.1:{dash}", "--working-dir", str(ROOT),
+             f"--runtime-env-json={runtime_env}", "--",
+             "python", "-m", "raytrain_scu.train", "experiments/tiny-cpu.yaml", f"run.storage_path={storage}",
+             "run.name=submitted", "train.max_steps=6", "train.report_every=3", "train.checkpoint_every=3",
+             "tracking.enabled=false"],
+            env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+        out = job.stdout + job.stderr
+        assert job.returncode == 0, out[-4000:]
+        assert "succeeded" in out.lower() and "[raytrain_scu] done" in out, out[-3000:]
+        assert (storage / "submitted" / "output" / "adapter" / "adapter_model.safetensors").is_file()
+    finally:
+        os.killpg(head.pid, signal.SIGTERM)
+        try:
+            head.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(head.pid, signal.SIGKILL)
