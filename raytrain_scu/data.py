@@ -26,6 +26,7 @@ import itertools
 import json
 import math
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -177,7 +178,12 @@ def _read_hf(source: str, path: str, text_field: str) -> Iterator[str]:
 
 def _iter_documents(source: str, path: str, text_field: str) -> Iterator[str]:
     if source in ("shakespeare", "text"):
-        for f in source_files(source, path):
+        files = source_files(source, path)
+        if source == "text" and len(files) == 1:
+            # one file is one corpus: its blank-line-separated sections are the documents (so it can be split)
+            yield from re.split(r"\n\s*\n", _decode(files[0].read_bytes(), files[0]))
+            return
+        for f in files:
             yield _decode(f.read_bytes(), f)
     elif source == "jsonl":
         for f in source_files(source, path):

@@ -84,6 +84,12 @@ def test_text_file_dir_and_glob(tmp_path):
     assert load_documents("auto", str(d), max_documents=2) == [make_doc(0), make_doc(1)]
 
 
+def test_single_text_file_splits_on_blank_lines(tmp_path):
+    f = tmp_path / "corpus.txt"
+    f.write_text(f"{make_doc(0)}\n\n{make_doc(1)}\n  \n\n{make_doc(2)}\n")
+    assert load_documents("text", str(f)) == [make_doc(0), make_doc(1), make_doc(2) + "\n"]
+
+
 def test_jsonl_and_auto(tmp_path):
     f = tmp_path / "docs.jsonl"
     f.write_text("\n".join(json.dumps({"body": make_doc(i), "id": i}) for i in range(4)) + "\n\n")
@@ -363,7 +369,7 @@ def test_bad_jsonl_lines(tmp_path):
 
 def test_too_few_documents_and_tokens(tok, tmp_path):
     one = tmp_path / "one.txt"
-    one.write_text(make_doc(0))
+    one.write_text(make_doc(0))  # one section, no blank line: one document
     with pytest.raises(DataError, match="1 document.*at least 2"):
         prepare_data(tok, source="text", path=str(one), block_size=8, cache_dir=str(tmp_path / "c"))
     src = write_docs(tmp_path / "corpus", 4)
