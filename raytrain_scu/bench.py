@@ -136,14 +136,36 @@ def _median_rate(reports: list[dict], warmup_reports: int) -> float:
     return statistics.median(timed)
 
 
-def ours_bare(cfg, warmup_reports: int) -> dict:
+def _rates(reports: list[dict]) -> list[float]:
+    return [round(r["perf/tokens_per_s"]) for r in reports if "perf/tokens_per_s" in r]
+
+
+def ours_bare(cfg, warmup_reports: int, profile_to: str = "") -> dict:
+    """The loop in this process. With ``profile_to``, the steps after warm-up run under torch.profiler
+    (one report per step) and the top kernels by device time are written there."""
     from raytrain_scu.loop import LocalHooks, run_loop
 
     hooks = LocalHooks()
     _reset_mem()
-    run_loop(cfg, hooks=hooks)
+    if profile_to:
+        from torch.profiler import ProfilerActivity, profile, schedule
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        with profile(activities=acts, schedule=schedule(wait=warmup_reports, warmup=2, active=3, repeat=1)) as prof:
+            class Stepping(LocalHooks):
+                def report(self, metrics, checkpoint_dir, checkpoint_dir_name):
+                    super().report(metrics, checkpoint_dir, checkpoint_dir_name)
+                    prof.step()
+
+            hooks = Stepping()
+            run_loop(cfg, hooks=hooks)
+        key = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+        Path(profile_to).write_text(prof.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=70))
+    else:
+        run_loop(cfg, hooks=hooks)
     out = {"tokens_per_s": _median_rate(hooks.reports, warmup_reports),
-           "peak_mem_gib": max(r.get("perf/max_mem_gib", 0.0) for r in hooks.reports), "batch": cfg.data.batch_size}
+           "peak_mem_gib": max(r.get("perf/max_mem_gib", 0.0) for r in hooks.reports), "batch": cfg.data.batch_size,
+           "rates": _rates(hooks.reports)}
     _free()
     return out
 
@@ -168,7 +190,7 @@ def ours_ray(cfg, warmup_reports: int) -> dict:
     world = cfg.scaling.num_workers
     return {"tokens_per_s": _median_rate(reports, warmup_reports) / world,
             "peak_mem_gib": max(r.get("perf/max_mem_gib", 0.0) for r in reports), "batch": cfg.data.batch_size,
-            "workers": world}
+            "workers": world, "rates": _rates(reports)}
 
 
 # ---------------------------------------------------------------- driver
@@ -214,6 +236,12 @@ def run_parts(args) -> dict:
                 r = ours_ray(cfg("ray1"), args.warmup_reports)
             elif part == "ray2":
                 r = ours_ray(cfg("ray2", workers=2), args.warmup_reports)
+            elif part == "profile":
+                out_dir = Path(args.out).parent if args.out else Path(".")
+                r = ours_bare(cfg("profile", report_every=1, steps=args.warmup_reports + 6), args.warmup_reports,
+                              profile_to=str(out_dir / "profile.txt"))
+            elif part == "ray1_long":
+                r = ours_ray(cfg("ray1_long", steps=steps * 2), args.warmup_reports)
             elif part in ("mem_bf16", "mem_qlora"):
                 r = ours_bare(cfg(part, batch=args.mem_batch, compile=False, checkpointing=True, chunk=1024,
                                   load_in_4bit=part == "mem_qlora"), args.warmup_reports)

@@ -1,0 +1,232 @@
+"""evaluate.py: per-document BPT on the tiny model checked by hand, the paired bootstrap on synthetic data with a
+known difference, adapters, Ray workers == one process, and the CLI."""
+import json
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import ROOT, TINY
+from raytrain_scu.config import load_config
+from raytrain_scu.data import load_documents, split_documents
+from raytrain_scu.evaluate import (EvalError, evaluate, main, paired_bootstrap, score_documents,
+                                   tokenize_for_scoring)
+from raytrain_scu.model import CausalLMLoss, apply_lora, build_model, load_tokenizer
+
+LN2 = math.log(2.0)
+WORDS = "the king queen sword crown night day love death war peace and of my lord thou art".split()
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer("tiny")
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A .jsonl of 12 short documents (20-120 words): quick to score, several windows each at block 32."""
+    rng = np.random.default_rng(0)
+    path = tmp_path_factory.mktemp("corpus") / "docs.jsonl"
+    with open(path, "w") as f:
+        for _ in range(12):
+            f.write(json.dumps({"text": " ".join(rng.choice(WORDS, rng.integers(20, 120)))}) + "\n")
+    return str(path)
+
+
+def cfg_for(corpus, *overrides):
+    return load_config(TINY, ["data.source=jsonl", f"data.path={corpus}", "data.max_documents=0",
+                              "data.block_size=32", "data.batch_size=4", "data.val_fraction=0.5", *overrides])
+
+
+def save_adapter(tok, path, *, b_std, seed=0, **model_kw):
+    """A LoRA adapter on the tiny model (built as evaluate builds it); b_std > 0 makes it change the outputs."""
+    if model_kw:
+        from transformers import AutoModelForCausalLM
+
+        from raytrain_scu.model import preset_config
+
+        cfg = preset_config("tiny", len(tok))
+        for k, v in model_kw.items():
+            setattr(cfg, k, v)
+        base = AutoModelForCausalLM.from_config(cfg)
+    else:
+        base = build_model("tiny", vocab_size=len(tok), seed=seed)
+    model = apply_lora(base, r=4, alpha=8, targets=["q_proj", "v_proj", "down_proj"])
+    torch.manual_seed(1)
+    for name, p in model.named_parameters():
+        if "lora_B" in name and b_std > 0:
+            torch.nn.init.normal_(p, std=b_std)
+    model.save_pretrained(str(path))
+    return str(path)
+
+
+# ---------------------------------------------------------------- scoring by hand
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_bpt_matches_hand_computation(tok, fused):
+    docs = ["To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer",
+            "Now is the winter of our discontent made glorious summer by this sun of York; and all the clouds"]
+    model = build_model("tiny", vocab_size=len(tok), seed=3)
+    token_docs = tokenize_for_scoring(tok, docs)
+    block = 8
+    assert all(len(ids) > 2 * block for ids in token_docs)  # several windows per document, a short last one
+    nats, tokens = score_documents(CausalLMLoss(model, fused=fused, chunk_size=5), token_docs, block_size=block,
+                                   batch_size=3)
+
+    hand_nats = []
+    for doc in docs:
+        ids = tok(doc, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        total = 0.0
+        for start in range(0, len(ids) - 1, block):
+            x = torch.tensor([ids[start:start + block]])
+            y = torch.tensor(ids[start + 1:start + block + 1])
+            with torch.no_grad():
+                logp = torch.log_softmax(model(input_ids=x).logits[0, :len(y)].float(), dim=-1)
+            total -= logp[torch.arange(len(y)), y].double().sum().item()
+        hand_nats.append(total)
+        assert tokens[len(hand_nats) - 1] == len(ids) - 1  # every token but the first is a target once
+    bpt, hand_bpt = nats.sum() / tokens.sum() / LN2, sum(hand_nats) / tokens.sum() / LN2
+    assert 5 < bpt < 20  # a random-init model over a 2048 vocabulary: about log2(2048) = 11 bits
+    assert bpt == pytest.approx(hand_bpt, abs=1e-6)
+    assert nats == pytest.approx(hand_nats, rel=1e-6)
+
+
+# ---------------------------------------------------------------- paired bootstrap
+
+def synthetic(n_docs, delta_bpt, seed):
+    """Per-document nats of two models whose population BPT, token-weighted, differs by exactly delta_bpt.
+
+    Documents are short (50 tokens) or long (500) and differ a lot in difficulty, shared by A and B (pairing
+    removes it). A is 0.1 bit/token worse on short documents and better on long ones by what makes the
+    token-weighted difference delta_bpt; an average of per-document BPTs would be far off (0.056 for 0.02).
+    Plus zero-mean per-document noise.
+    """
+    rng = np.random.default_rng(seed)
+    tokens = rng.choice([50.0, 500.0], n_docs)
+    nats_b = tokens * rng.uniform(1.0, 4.0, n_docs)
+    bits_a_minus_b = np.where(tokens == 50.0, 0.1, (550.0 * delta_bpt - 50.0 * 0.1) / 500.0)
+    nats_a = nats_b + tokens * bits_a_minus_b * LN2 + rng.normal(0.0, 0.02, n_docs) * tokens
+    return nats_a, nats_b, tokens
+
+
+def test_bootstrap_ci_contains_true_difference():
+    a, b, t = synthetic(200, 0.02, seed=1)
+    r = paired_bootstrap(a, b, t, n_boot=2000, ci=0.95, seed=0)
+    assert r["ci_low"] < 0.02 < r["ci_high"]
+    assert r["ci_low"] > 0 and r["p_sign_flip"] < 0.01   # and the difference is detected
+    assert r["diff_bpt"] == pytest.approx((a.sum() - b.sum()) / t.sum() / LN2)
+    assert r["ci_low"] < r["mean_diff_bpt"] < r["ci_high"]
+    assert paired_bootstrap(a, b, t, n_boot=2000, ci=0.95, seed=0) == r  # seeded
+
+
+def test_bootstrap_zero_difference_ci_contains_zero():
+    a, b, t = synthetic(200, 0.0, seed=2)
+    r = paired_bootstrap(a, b, t, n_boot=2000, ci=0.95, seed=0)
+    assert r["ci_low"] < 0.0 < r["ci_high"] and r["p_sign_flip"] > 0.025
+    same = paired_bootstrap(b, b, t, n_boot=100, seed=0)
+    assert same["ci_low"] == same["ci_high"] == 0.0 and same["p_sign_flip"] == 1.0
+
+
+def test_bootstrap_coverage_is_near_nominal():
+    hits = 0
+    for seed in range(200):
+        a, b, t = synthetic(60, 0.01, seed=100 + seed)
+        r = paired_bootstrap(a, b, t, n_boot=400, ci=0.9, seed=seed)
+        hits += r["ci_low"] <= 0.01 <= r["ci_high"]
+    assert 0.82 <= hits / 200 <= 0.97
+
+
+def test_bootstrap_rejects_bad_input():
+    with pytest.raises(ValueError):
+        paired_bootstrap([1.0], [1.0, 2.0], [3, 4])
+    with pytest.raises(ValueError):
+        paired_bootstrap([1.0], [1.0], [0])
+
+
+# ---------------------------------------------------------------- adapters
+
+def test_adapter_changes_bpt_and_switching_is_exact(tok, corpus, tmp_path):
+    cfg = cfg_for(corpus)
+    trained = save_adapter(tok, tmp_path / "trained", b_std=0.2)
+    zero = save_adapter(tok, tmp_path / "zero", b_std=0.0)  # LoRA B = 0: exactly the base model
+    r = evaluate(cfg, adapter=trained, compare_base=True, n_boot=200)
+    a, b = r["models"]["A"], r["models"]["B"]
+    assert a["adapter"] == trained and b["adapter"] is None
+    assert a["tokens"] == b["tokens"] == r["tokens"] and r["documents"] == 6
+    assert abs(a["bpt"] - b["bpt"]) > 1e-3
+    assert r["comparison"]["diff_bpt"] == pytest.approx(a["bpt"] - b["bpt"], abs=1e-9)
+    swapped = evaluate(cfg, adapter=zero, compare_adapter=trained, n_boot=200)
+    assert swapped["models"]["A"]["bpt"] == b["bpt"]
+    assert swapped["models"]["B"]["bpt"] == a["bpt"]
+
+
+@pytest.mark.filterwarnings("ignore:Found missing adapter keys")  # peft's only complaint about "shallower"
+def test_adapter_for_another_base_is_a_clear_error(tok, corpus, tmp_path):
+    cfg = cfg_for(corpus)
+    narrow = save_adapter(tok, tmp_path / "narrow", b_std=0.1, hidden_size=32, intermediate_size=64)
+    with pytest.raises(EvalError, match="does not fit this base model"):
+        evaluate(cfg, adapter=narrow)
+    deeper = save_adapter(tok, tmp_path / "deeper", b_std=0.1, num_hidden_layers=3)  # same shapes, extra layer
+    with pytest.raises(EvalError, match="6 of its 18 weights have no place in the model"):
+        evaluate(cfg, adapter=deeper)
+    shallower = save_adapter(tok, tmp_path / "shallower", b_std=0.1, num_hidden_layers=1)  # peft only warns
+    with pytest.raises(EvalError, match="6 weights the model expects are not in it"):
+        evaluate(cfg, adapter=shallower)
+    with pytest.raises(EvalError, match="adapter directory not found"):
+        evaluate(cfg, adapter=str(tmp_path / "missing"))
+
+
+# ---------------------------------------------------------------- Ray workers
+
+@pytest.mark.slow
+def test_workers_match_single_process(ray_local, tok, corpus, tmp_path):
+    cfg = cfg_for(corpus)
+    adapter = save_adapter(tok, tmp_path / "a", b_std=0.2)
+    single = evaluate(cfg, adapter=adapter, compare_base=True, n_boot=300)
+    spread = evaluate(cfg, adapter=adapter, compare_base=True, n_boot=300, workers=2, gpus_per_worker=0)
+    assert spread["per_document"]["tokens"] == single["per_document"]["tokens"]
+    for label in ("A", "B"):
+        assert spread["per_document"]["nats"][label] == pytest.approx(single["per_document"]["nats"][label],
+                                                                      rel=1e-6)
+        assert spread["models"][label]["bpt"] == pytest.approx(single["models"][label]["bpt"], rel=1e-6)
+    for key in ("ci_low", "ci_high", "diff_bpt"):
+        assert spread["comparison"][key] == pytest.approx(single["comparison"][key], abs=1e-6)
+
+
+# ---------------------------------------------------------------- CLI
+
+def test_cli_writes_json_and_table(tok, corpus, tmp_path):
+    adapter = save_adapter(tok, tmp_path / "a", b_std=0.2)
+    out = tmp_path / "eval.json"
+    r = subprocess.run([sys.executable, "-m", "raytrain_scu.evaluate", "--config", TINY,
+                        "--set", "data.source=jsonl", "--set", f"data.path={corpus}", "--set", "data.max_documents=0",
+                        "--block-size", "32", "--val-fraction", "0.25", "--adapter", adapter, "--compare-base",
+                        "--bootstrap", "200", "--json", str(out)], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "A − B" in r.stdout and "(base)" in r.stdout
+    result = json.loads(out.read_text())
+    # --config: exactly the training run's validation documents (its seed, the fraction given here)
+    val = split_documents(load_documents("jsonl", corpus), val_fraction=0.25, seed=0)[1]
+    assert result["documents"] == len(val) == 3 and result["split"] == "val" and result["block_size"] == 32
+    assert result["models"]["A"]["tokens"] == sum(len(ids) - 1 for ids in tokenize_for_scoring(tok, val))
+    c = result["comparison"]
+    assert c["n_boot"] == 200 and c["ci_low"] <= c["mean_diff_bpt"] <= c["ci_high"]
+    assert "per_document" not in result
+
+
+def test_cli_errors_exit_2(corpus, tmp_path, capsys):
+    blank = tmp_path / "blank.jsonl"
+    blank.write_text(json.dumps({"text": "  "}) + "\n" + json.dumps({"text": "\n"}) + "\n")
+    cases = [(["--model", "tiny", "--source", "jsonl", "--path", corpus, "--adapter", str(tmp_path / "nope")],
+              "adapter directory not found"),
+             (["--model", "tiny", "--source", "jsonl", "--path", str(blank), "--split", "all"], "no text"),
+             (["--model", "tiny", "--source", "jsonl", "--path", corpus, "--compare-base"], "give --adapter"),
+             (["--model", "tiny", "--source", "jsonl", "--path", corpus, "--precision", "fp8"], "model.precision"),
+             (["--source", "jsonl", "--path", corpus], "give --model")]
+    for argv, message in cases:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and message in err, (argv, err)
