@@ -231,7 +231,10 @@ def resolve_config(path: Optional[str | Path], overrides: list[str] | tuple[str,
 # torch.cuda.max_memory_allocated() on an H200 (torch 2.11, transformers 5.17, peft 0.21; Llama-3.2-1B shape,
 # bf16, LoRA r=16 on all seven projections, model.CausalLMLoss): without the CUDA overhead term the estimate
 # was 0.96-1.07x the measured peak over batch 4-32, block 256-1024, with/without checkpointing and the fused
-# loss, and 1.03x with torch.compile (batch 8 and 16, block 512). The 4-bit constants are not measured yet.
+# loss, and 1.03x with torch.compile (batch 8 and 16, block 512) -- those runs had no autocast, so peft's fp32
+# input copies were saved. The training loop runs under autocast: with it, at block 2048 (bench runs, compile on,
+# batch 8 and 16; eager with checkpointing, batch 2) the saved input copies are bf16 or fused away by compile,
+# which is what the adapter-input term below now says (docs/benchmarks.md). The 4-bit constants are not measured.
 NF4_BYTES_PER_PARAM = 0.52  # 4 bits + blockwise absmax (64-blocks, double-quantised)
 ADAPTER_BYTES_PER_PARAM = 16  # fp32 weight + fp32 grad + AdamW exp_avg + exp_avg_sq
 COMPILE_EXTRA_GIB = 2.0  # torch.compile (inductor) kept as many activation bytes per token as eager, plus this
@@ -269,9 +272,9 @@ def estimate_peak_memory_gib(*, n_params: int, hidden: int, layers: int, heads: 
         per layer    = tokens * (a * (7H + 4F + n_targets*r) + 8H + 4 * sum of the targets' in-features)
                        7H: the two norm outputs, q/k/v/out kept by SDPA (GQA k/v repeated to all heads),
                        the o_proj input; 4F: gate, up, SiLU(gate) and the product; n_targets*r: LoRA A
-                       outputs; 8H: the fp32 copies inside the two RMSNorms; the last term: peft casts each
-                       adapted layer's input to the adapters' fp32 (absent when a = 4). SDPA keeps no
-                       T x T matrix.
+                       outputs; 8H: the fp32 copies inside the two RMSNorms; the last term: the input copy
+                       each adapted layer's LoRA matmul saves, a bytes under autocast (absent when a = 4 and
+                       under torch.compile, which fuses it away). SDPA keeps no T x T matrix.
         activations  = L * per layer                      without checkpointing
                      = tokens * L * H * a + per layer     with it (layer inputs + one layer recomputed)
                        (torch.compile: the same activations, measured, and 2 GiB more overhead)
@@ -298,7 +301,9 @@ def estimate_peak_memory_gib(*, n_params: int, hidden: int, layers: int, heads: 
     lora_params = layers * sum(lora_r * sum(dims[t]) for t in targets)
     adapters = lora_params * ADAPTER_BYTES_PER_PARAM
 
-    adapter_inputs = 0 if a == 4 else 4 * sum(dims[t][0] for t in targets)
+    # the copy of each adapted layer's input that the LoRA matmuls save: bf16 under the loop's autocast (peft's
+    # fp32 cast is cast back); torch.compile fuses it away (measured at block 2048, see the constants above)
+    adapter_inputs = 0 if (a == 4 or compile) else a * sum(dims[t][0] for t in targets)
     per_layer = tokens * (a * (7 * hidden + 4 * ffn + len(targets) * lora_r) + 8 * hidden + adapter_inputs)
     if gradient_checkpointing:
         activations = tokens * layers * hidden * a + per_layer

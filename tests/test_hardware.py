@@ -216,7 +216,23 @@ def test_fused_loss_and_fp32_and_compile():
     # 16k tokens x 128k vocab: the full logits in bf16 and fp32 dwarf one 4096-token chunk
     assert full["logits_gib"] > 5 * fused["logits_gib"]
     assert estimate(precision="fp32")["weights_gib"] == pytest.approx(2 * estimate()["weights_gib"])
-    assert estimate(compile=True)["total_gib"] == pytest.approx(estimate()["total_gib"] + hardware.COMPILE_EXTRA_GIB)
+    # compile: 2 GiB more overhead, but the adapters' saved input copies are fused away
+    eager, compiled = estimate(), estimate(compile=True)
+    assert compiled["overhead_gib"] == pytest.approx(eager["overhead_gib"] + hardware.COMPILE_EXTRA_GIB)
+    assert compiled["activations_gib"] < eager["activations_gib"]
+
+
+def test_estimate_matches_h200_measurements_at_block_2048():
+    """Peak torch.cuda.max_memory_allocated() of the bench runs on an H200 (docs/benchmarks.md); the estimate
+    without its CUDA-context term, which that counter does not see, within 15%."""
+    proj = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    for batch, ckpt, comp, chunk, measured in [(8, False, True, 4096, 35.94), (16, False, True, 4096, 64.54),
+                                                (2, True, False, 1024, 4.33)]:
+        e = hardware.estimate_peak_memory_gib(**LLAMA_1B, lora_r=16, lora_targets=proj, load_in_4bit=False,
+                                              precision="bf16", batch_size=batch, block_size=2048,
+                                              gradient_checkpointing=ckpt, compile=comp, loss_chunk_tokens=chunk)
+        ratio = (e["total_gib"] - hardware.CUDA_OVERHEAD_GIB) / measured
+        assert 0.85 <= ratio <= 1.15, (batch, ckpt, comp, ratio)
     e = estimate()
     parts = ("weights_gib", "adapters_gib", "activations_gib", "logits_gib", "overhead_gib")
     assert e["total_gib"] == pytest.approx(sum(e[k] for k in parts))
