@@ -360,9 +360,22 @@ def load_raw(path: Optional[str | Path], overrides: list[str] | tuple[str, ...] 
     return tree
 
 
+def _numeric(v):
+    """YAML 1.1 reads 1e-4 (no dot) as text: a search-space bound or value that parses as a number is one."""
+    if isinstance(v, str):
+        try:
+            return float(v)
+        except ValueError:
+            return v
+    return v
+
+
 def build_config(tree: dict, default_name: str = "run") -> Config:
     """Strictly build and validate a Config from a nested dict."""
     cfg = _build(Config, tree, "")
+    cfg.tune.space = {k: {kind: [_numeric(a) for a in args] if isinstance(args, list) else args
+                          for kind, args in spec.items()} if isinstance(spec, dict) else spec
+                      for k, spec in cfg.tune.space.items()}
     if not cfg.run.name:
         cfg.run.name = default_name
     validate(cfg)

@@ -285,3 +285,27 @@ def log_best_checkpoint(cfg: Config, run_id: str, ckpt_dir: str) -> Optional[str
         return None
     except Exception as e:  # noqa: BLE001
         return f"best checkpoint not logged to MLflow: {type(e).__name__}: {str(e)[:200]}"
+
+
+# ---------------------------------------------------------------- sweeps: one parent run, one child run per trial
+
+SWEEP_TAG = "raytrain_scu.sweep"  # the sweep's name, on the parent and on every child
+TRIAL_TAG = "raytrain_scu.trial_id"  # the Tune trial id, on each child
+
+
+def log_params_once(client, run_id: str, params: dict) -> None:
+    """Log the params ``run_id`` does not have yet: MLflow refuses to change a param, and a resumed sweep re-logs."""
+    from mlflow.entities import Param
+
+    existing = client.get_run(run_id).data.params
+    new = [Param(k, str(v)[:6000]) for k, v in params.items() if k not in existing]
+    for i in range(0, len(new), 100):
+        client.log_batch(run_id, params=new[i:i + 100])
+
+
+def child_runs(cfg: Config, parent_run_id: str) -> list:
+    """The runs whose ``mlflow.parentRunId`` tag is ``parent_run_id`` (a sweep's trials), in cfg's experiment."""
+    uri = tracking_uri(cfg)
+    client = client_for(uri)
+    exp_id = experiment_id(client, cfg.tracking.experiment or cfg.run.name, uri)
+    return client.search_runs([exp_id], filter_string=f"tags.`{PARENT_TAG}` = '{parent_run_id}'", max_results=5000)

@@ -115,3 +115,11 @@ def test_yaml_round_trip_and_cli(tmp_path):
 def test_secrets_are_redacted_in_dumps():
     cfg = load_config(TINY, ["tracking.uri=https://user:s3cret@mlflow.example.com"])
     assert "s3cret" not in to_yaml(cfg, redact=True) and "s3cret" not in str(flatten(cfg))
+
+
+def test_search_space_numbers_written_without_a_dot(tmp_path):
+    p = tmp_path / "s.yaml"
+    p.write_text("tune:\n  space:\n    optim.lr: {loguniform: [1e-5, 1e-3]}\n    controller.kp: {choice: [1e-1, 0.8]}\n")
+    cfg = load_config(p)
+    assert cfg.tune.space["optim.lr"] == {"loguniform": [1e-5, 1e-3]}
+    assert cfg.tune.space["controller.kp"] == {"choice": [0.1, 0.8]}

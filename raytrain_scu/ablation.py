@@ -1,0 +1,236 @@
+"""``python -m raytrain_scu.ablation CONFIG.yaml key=value...``: does SCU help? none vs fixed λ vs SCU, honestly.
+
+Runs the arms as grid sweeps through the sweep machinery (so every run is a Ray Train run recorded in MLflow, a child
+of its arm's sweep), all with the config's steps and data, then scores every adapter on its seed's held-out
+documents with ``evaluate.score_shard`` and writes ``docs/ablation.md``-ready markdown, JSON and plots:
+
+- arms: ``none``; ``fixed`` with λ ∈ ``--lambdas``; ``scu`` with S* ∈ ``--targets``; each over ``--seeds``
+  (a seed also picks the train/validation split of documents, so every comparison is paired within a seed);
+- per arm: held-out BPT (mean over seeds, 95% t-interval), the gap to ``none`` (per-document paired bootstrap,
+  pooled over seeds), S tracking error (RMS of Ŝ − S* after warm-up), λ swing (max/min of λ after warm-up), final λ,
+  saturation step;
+- stability: a grid over (Kp, Ki) at one S*, ranked by RMS tracking error, against the default gains.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from raytrain_scu.config import Config, ConfigError, load_config
+from raytrain_scu.evaluate import paired_bootstrap, score_shard
+
+T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
+
+
+def arm_sweeps(base: Config, *, seeds, lambdas, targets, gains) -> dict[str, list[str]]:
+    """Overrides for each grid sweep: one per arm family, plus the (Kp, Ki) stability sweep."""
+    seed_grid = f"seed: {{grid: {list(seeds)}}}"
+    return {
+        "none": ["controller.mode=none", f"tune.space={{{seed_grid}}}"],
+        "fixed": ["controller.mode=fixed", "controller.lambda_min=1e-6",
+                  f"tune.space={{controller.lambda_init: {{grid: {list(lambdas)}}}, {seed_grid}}}"],
+        "scu": ["controller.mode=scu",
+                f"tune.space={{controller.target_s: {{grid: {list(targets)}}}, {seed_grid}}}"],
+        "gains": ["controller.mode=scu", f"seed={seeds[0]}",
+                  f"tune.space={{controller.kp: {{grid: {list(gains[0])}}}, controller.ki: {{grid: {list(gains[1])}}}}}"],
+    }
+
+
+def run_arms(config_path: str, overrides: list[str], sweeps: dict[str, list[str]]) -> dict[str, dict]:
+    from raytrain_scu.sweep import run_sweep
+
+    out = {}
+    for family, extra in sweeps.items():
+        cfg = load_config(config_path, [*overrides, *extra, "tune.search=grid", "tune.scheduler=none",
+                                        "tune.num_samples=1"])
+        cfg.run.name = f"{cfg.run.name}-{family}"
+        out[family] = {"cfg": cfg, "summary": run_sweep(cfg)}
+    return out
+
+
+def trial_dir(family_cfg: Config, row: dict) -> Path:
+    from raytrain_scu.sweep import sweep_dir
+
+    return Path(sweep_dir(family_cfg)) / "trials" / row["run_name"]
+
+
+def history(run_dir: Path) -> list[dict]:
+    last = sorted(run_dir.glob("checkpoint_0*"))[-1]
+    return torch.load(last / "state.pt", map_location="cpu", weights_only=False)["history"]
+
+
+def control_stats(hist: list[dict], target_s: float, warmup_frac: float = 0.2) -> dict:
+    """RMS of Ŝ − S* and λ swing (max/min) after the first ``warmup_frac`` of steps; final λ; saturation step."""
+    rows = [r for r in hist if r.get("step", 0) >= 1 and "ctrl/s_hat" in r]
+    cut = rows[int(len(rows) * warmup_frac):]
+    err = np.array([r["ctrl/s_hat"] - target_s for r in cut])
+    lams = np.array([r["ctrl/lambda"] for r in cut])
+    sat = next((r["ctrl/saturated_step"] for r in rows if "ctrl/saturated_step" in r), None)
+    return {"rms_tracking_error": float(np.sqrt(np.mean(err ** 2))) if len(err) else math.nan,
+            "lambda_swing": float(lams.max() / lams.min()) if len(lams) and lams.min() > 0 else math.nan,
+            "final_lambda": rows[-1]["ctrl/lambda"] if rows else math.nan, "saturated_step": sat,
+            "final_s_hat": rows[-1]["ctrl/s_hat"] if rows else math.nan}
+
+
+def arm_label(family: str, params: dict) -> str:
+    if family == "fixed":
+        return f"fixed λ={params['controller.lambda_init']:g}"
+    if family == "scu":
+        return f"scu S*={params['controller.target_s']:g}"
+    if family == "gains":
+        return f"scu Kp={params['controller.kp']:g} Ki={params['controller.ki']:g}"
+    return "none"
+
+
+def mean_ci(values) -> tuple[float, float]:
+    v = np.asarray(values, dtype=np.float64)
+    if len(v) < 2:
+        return float(v.mean()), math.nan
+    return float(v.mean()), T975.get(len(v) - 1, 1.96) * float(v.std(ddof=1)) / math.sqrt(len(v))
+
+
+def collect(arms: dict[str, dict], *, n_boot: int) -> dict:
+    """Score every adapter on its seed's held-out documents and gather the control traces."""
+    from raytrain_scu.evaluate import held_out_documents
+
+    trials = []
+    for family, a in arms.items():
+        for row in a["summary"]["rows"]:
+            params = row["params"]
+            seed = int(params.get("seed", a["cfg"].seed))
+            cfg = a["cfg"]
+            run_dir = trial_dir(cfg, row)
+            target = params.get("controller.target_s", cfg.controller.target_s)
+            trials.append({"family": family, "arm": arm_label(family, params), "seed": seed, "params": params,
+                           "adapter": str(run_dir / "output" / "adapter"), "history": history(run_dir),
+                           "target_s": target, "status": row["status"], "cfg": cfg,
+                           **control_stats(history(run_dir), target)})
+    by_seed: dict[int, list[dict]] = {}
+    for t in trials:
+        by_seed.setdefault(t["seed"], []).append(t)
+    for seed, group in by_seed.items():
+        cfg = dataclasses.replace(group[0]["cfg"], seed=seed)  # the arms' model and data, this seed's split
+        docs = held_out_documents(cfg, "val")
+        adapters = {"base": "", **{f"{t['arm']}|{i}": t["adapter"] for i, t in enumerate(group)}}
+        scores = score_shard(asdict(cfg), adapters, docs)
+        tokens = scores["tokens"]
+        none = next(t for t in group if t["family"] == "none")
+        none_key = f"{none['arm']}|{group.index(none)}"
+        for i, t in enumerate(group):
+            key = f"{t['arm']}|{i}"
+            t["nats"], t["tokens"] = scores["nats"][key], tokens
+            t["val_bpt"] = float(t["nats"].sum() / tokens.sum() / math.log(2))
+            t["none_nats"] = scores["nats"][none_key]
+        for t in group:
+            t["base_bpt"] = float(scores["nats"]["base"].sum() / tokens.sum() / math.log(2))
+    return {"trials": trials, "n_boot": n_boot}
+
+
+def summarize(result: dict) -> list[dict]:
+    rows = []
+    arms: dict[str, list[dict]] = {}
+    for t in result["trials"]:
+        arms.setdefault(t["arm"], []).append(t)
+    for arm, ts in arms.items():
+        mean, half = mean_ci([t["val_bpt"] for t in ts])
+        # gap to none: per-document differences of every seed pooled, each seed paired on its own documents
+        nats_a = np.concatenate([t["nats"] for t in ts])
+        nats_b = np.concatenate([t["none_nats"] for t in ts])
+        toks = np.concatenate([t["tokens"] for t in ts])
+        gap = paired_bootstrap(nats_a, nats_b, toks, n_boot=result["n_boot"], seed=0)
+        rows.append({"arm": arm, "family": ts[0]["family"], "seeds": len(ts), "val_bpt": mean, "val_bpt_ci95": half,
+                     "base_bpt": float(np.mean([t["base_bpt"] for t in ts])),
+                     "gap_to_none": gap["diff_bpt"], "gap_ci_low": gap["ci_low"], "gap_ci_high": gap["ci_high"],
+                     "rms_tracking_error": float(np.mean([t["rms_tracking_error"] for t in ts])),
+                     "lambda_swing": float(np.mean([t["lambda_swing"] for t in ts])),
+                     "final_lambda": float(np.mean([t["final_lambda"] for t in ts])),
+                     "final_s_hat": float(np.mean([t["final_s_hat"] for t in ts])),
+                     "saturated_steps": [t["saturated_step"] for t in ts]})
+    return rows
+
+
+def plot(result: dict, out_dir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for family, ylabel, key, log in [("scu", "λ", "ctrl/lambda", True), ("scu", "Ŝ", "ctrl/s_hat", False),
+                                     ("gains", "λ", "ctrl/lambda", True), ("gains", "Ŝ", "ctrl/s_hat", False)]:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for t in result["trials"]:
+            if t["family"] != family:
+                continue
+            pts = [(r["step"], r[key]) for r in t["history"] if r.get("step", 0) >= 1 and key in r]
+            ax.plot(*zip(*pts), label=f"{t['arm']} seed {t['seed']}", lw=1)
+            if key == "ctrl/s_hat":
+                ax.axhline(t["target_s"], color="k", ls=":", lw=0.7)
+        if log:
+            ax.set_yscale("log")
+        ax.set(xlabel="optimizer step", ylabel=ylabel, title=f"{family}: {ylabel}(t) (dotted: S*)")
+        ax.legend(fontsize=6, ncol=2)
+        fig.tight_layout()
+        name = f"{family}_{'lambda' if key == 'ctrl/lambda' else 's_hat'}.png"
+        fig.savefig(out_dir / name, dpi=110)
+        plt.close(fig)
+        paths.append(out_dir / name)
+    return paths
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| arm | seeds | held-out BPT (mean ± 95% CI) | gap to none [95% CI] | RMS(Ŝ−S*) | λ swing | final λ | "
+             "final Ŝ | saturation step |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        sat = ", ".join("-" if s is None else str(s) for s in r["saturated_steps"])
+        lines.append(f"| {r['arm']} | {r['seeds']} | {r['val_bpt']:.4f} ± {r['val_bpt_ci95']:.4f} | "
+                     f"{r['gap_to_none']:+.4f} [{r['gap_ci_low']:+.4f}, {r['gap_ci_high']:+.4f}] | "
+                     f"{r['rms_tracking_error']:.4g} | {r['lambda_swing']:.3g} | {r['final_lambda']:.4g} | "
+                     f"{r['final_s_hat']:.4g} | {sat} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m raytrain_scu.ablation", description=__doc__.split("\n\n")[0])
+    p.add_argument("config")
+    p.add_argument("overrides", nargs="*")
+    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--lambdas", default="0.1,1,10")
+    p.add_argument("--targets", default="0.005,0.01,0.02")
+    p.add_argument("--kp", default="0.2,0.8")
+    p.add_argument("--ki", default="0.05,0.15")
+    p.add_argument("--bootstrap", type=int, default=2000)
+    p.add_argument("--out", default="ablation_out", help="directory for results.json, table.md and plots")
+    a = p.parse_args(argv)
+    floats = lambda s: [float(x) for x in s.split(",")]  # noqa: E731
+    try:
+        load_config(a.config, a.overrides)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    sweeps = arm_sweeps(load_config(a.config, a.overrides), seeds=[int(x) for x in a.seeds.split(",")],
+                        lambdas=floats(a.lambdas), targets=floats(a.targets), gains=(floats(a.kp), floats(a.ki)))
+    arms = run_arms(a.config, a.overrides, sweeps)
+    result = collect(arms, n_boot=a.bootstrap)
+    rows = summarize(result)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    plots = plot(result, out / "plots")
+    (out / "table.md").write_text(markdown(rows) + "\n")
+    (out / "results.json").write_text(json.dumps(rows, indent=1, default=str))
+    print(markdown(rows))
+    print(f"[raytrain_scu] ablation results in {out} (plots: {', '.join(p.name for p in plots)})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

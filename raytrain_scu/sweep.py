@@ -1,0 +1,648 @@
+"""``python -m raytrain_scu.sweep CONFIG.yaml key=value... [--lr]``: a Ray Tune sweep whose trials are Ray Train runs.
+
+Each trial is a small driver function (:func:`run_trial`) that builds the trial's TorchTrainer with
+``train.build_trainer`` and calls ``fit()``; ``TuneReportCallback`` hands every ``ray.train.report`` to Tune, so ASHA
+sees ``val/data_bpt`` while the run trains. The space is the config's ``tune.space`` (key -> {choice | grid | uniform
+| loguniform | randint: args}); left empty it is data.batch_size and, under the SCU, controller.kp, controller.ki and
+controller.target_s. ``--lr`` adds optim.lr (log-uniform over a decade either side of the config's).
+
+- Batch size: with ``tune.keep_tokens_per_step`` (the default) a trial's data.grad_accum is set so that
+  batch_size x grad_accum equals the base config's, so every trial takes the same tokens per optimizer step; a batch
+  that does not divide it is an error before launch. Either way the global batch is in the table and in MLflow.
+- MLflow: one parent run for the sweep; each trial is a child run (tag ``mlflow.parentRunId``) that the trial's
+  rank-0 worker fills with the trial's params and metrics.
+- Outputs in ``<run.storage_path>/<run.name>/``: trials.csv, best.yaml (the best trial's full config, ready for
+  ``python -m raytrain_scu.train``) and plots/ (the metric against each swept parameter), also logged to the parent.
+- Re-running the same command (same run.name and storage_path) resumes an interrupted sweep: finished trials are
+  kept, unfinished and failed ones continue from their own Ray Train checkpoints.
+- A trial ASHA stops gives its workers' CPUs/GPUs back at once (:class:`PlacementGroupReaper`), so the next trial
+  does not wait for them.
+"""
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import os
+import sys
+import threading
+import time
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional
+
+import ray
+from ray import tune
+from ray.train.v2._internal.execution.callback import WorkerGroupCallback
+from ray.util.placement_group import placement_group_table, remove_placement_group
+
+from raytrain_scu import tracking
+from raytrain_scu.config import Config, ConfigError, build_config, flatten, get_dotted, to_yaml, validate_space_entry
+
+ASHA_REDUCTION_FACTOR = 2  # ASHA keeps the best half at each rung
+DRIVER_CPU = 0.01  # what a trial's driver function holds; its Train workers ask for their own resources
+
+
+class SweepError(ValueError):
+    """A sweep problem found before Ray starts: the space, the search, the resources."""
+
+
+# ---------------------------------------------------------------- the space
+
+def default_space(cfg: Config) -> dict:
+    """What is swept when ``tune.space`` is empty: the batch size, and the SCU's gains and target when it is on."""
+    b, per_step = cfg.data.batch_size, cfg.data.batch_size * cfg.data.grad_accum
+    batches = sorted({x for x in (b // 2, b, 2 * b) if x >= 1})
+    if cfg.tune.keep_tokens_per_step:  # only batches that keep the tokens per optimizer step
+        batches = [x for x in batches if per_step % x == 0]
+    space = {"data.batch_size": {"choice": batches}}
+    if cfg.controller.mode == "scu":
+        space["controller.kp"] = {"loguniform": [0.2, 3.2]}
+        space["controller.ki"] = {"loguniform": [0.02, 0.6]}
+        space["controller.target_s"] = {"loguniform": [0.002, 0.05]}
+    return space
+
+
+def _plain(value):
+    return value.item() if hasattr(value, "item") else value  # numpy scalars from Tune's samplers
+
+
+def apply_params(base: Config, params: dict) -> Config:
+    """The base config with one trial's values set (and validated).
+
+    With ``tune.keep_tokens_per_step`` a swept data.batch_size also sets data.grad_accum to
+    base batch_size x base grad_accum / batch_size; a batch that does not divide that product is a ConfigError.
+    """
+    tree = asdict(base)
+    for key, value in params.items():
+        *parents, leaf = key.split(".")
+        node = tree
+        for p in parents:
+            node = node[p]
+        node[leaf] = _plain(value)
+    if base.tune.keep_tokens_per_step and "data.batch_size" in params:
+        per_step = base.data.batch_size * base.data.grad_accum
+        batch = tree["data"]["batch_size"]
+        if isinstance(batch, int) and batch >= 1:  # anything else: build_config names the problem
+            if per_step % batch:
+                raise ConfigError(f"data.batch_size={batch} does not divide the base config's {per_step} sequences "
+                                  f"per worker per optimizer step (data.batch_size x data.grad_accum): with "
+                                  f"tune.keep_tokens_per_step=true every swept batch must divide it (or set "
+                                  f"tune.keep_tokens_per_step=false)")
+            tree["data"]["grad_accum"] = per_step // batch
+    return build_config(tree, default_name=base.run.name)
+
+
+def global_batch_tokens(cfg: Config) -> int:
+    """Tokens per optimizer step over all workers (what the worker logs as derived.global_batch_tokens)."""
+    d = cfg.data
+    return d.batch_size * d.grad_accum * cfg.scaling.num_workers * d.block_size
+
+
+def resolve_space(cfg: Config, *, with_lr: bool = False) -> dict:
+    """The space to sweep, checked against the search, the scheduler and the config. Raises SweepError.
+
+    Every listed value, and both ends of every range, must make a valid config; listed values get their key's type.
+    """
+    t = cfg.tune
+    space = dict(t.space) or default_space(cfg)
+    if with_lr and "optim.lr" not in space:
+        space["optim.lr"] = {"loguniform": [float(f"{cfg.optim.lr / 10:.3g}"), float(f"{cfg.optim.lr * 10:.3g}")]}
+    if not space:
+        raise SweepError("tune.space is empty: nothing to sweep")
+    kinds = {}
+    for key, spec in space.items():
+        try:
+            validate_space_entry(key, spec)
+        except ConfigError as e:
+            raise SweepError(str(e)) from None
+        kinds[key] = next(iter(spec))
+    ranges = [k for k, kind in kinds.items() if kind not in ("choice", "grid")]
+    grids = [k for k, kind in kinds.items() if kind == "grid"]
+    if t.search == "grid" and ranges:
+        raise SweepError(f"tune.search=grid runs every combination of listed values, but {', '.join(ranges)} "
+                         f"{'is a range' if len(ranges) == 1 else 'are ranges'}: give choice/grid values in "
+                         f"tune.space, or use tune.search=random or optuna")
+    if t.search == "optuna":
+        if grids:
+            raise SweepError(f"tune.search=optuna picks values itself: use choice instead of grid for "
+                             f"{', '.join(grids)}")
+        try:
+            import optuna  # noqa: F401
+        except ImportError:
+            raise SweepError("tune.search=optuna needs optuna, an extra: pip install 'raytrain_scu[optuna]' "
+                             "(or use tune.search=random)") from None
+    if t.keep_tokens_per_step:
+        if "data.grad_accum" in space:
+            raise SweepError("tune.keep_tokens_per_step=true sets data.grad_accum from data.batch_size: remove "
+                             "data.grad_accum from tune.space, or set tune.keep_tokens_per_step=false")
+        if kinds.get("data.batch_size") not in (None, "choice", "grid"):
+            raise SweepError("tune.keep_tokens_per_step=true needs data.batch_size as choice or grid values (each "
+                             "must divide the base batch_size x grad_accum), not a range")
+    if t.scheduler == "asha" and t.grace_period * cfg.train.report_every > cfg.train.max_steps:
+        raise SweepError(f"tune.grace_period={t.grace_period} reports x train.report_every={cfg.train.report_every} "
+                         f"is beyond train.max_steps={cfg.train.max_steps}: ASHA could never stop a trial")
+    typed = {}
+    for key, spec in space.items():
+        (kind, args), = spec.items()
+        values = []
+        for v in args:
+            try:
+                values.append(get_dotted(apply_params(cfg, {key: v}), key))
+            except ConfigError as e:
+                raise SweepError(f"tune.space.{key} value {v!r}: {e}") from None
+        typed[key] = {kind: values if kind in ("choice", "grid") else list(args)}
+    return typed
+
+
+def max_sequences_per_step(cfg: Config, space: dict) -> int:
+    """The largest global batch (sequences per optimizer step) any trial can take."""
+    def top(key):
+        spec = space.get(key)
+        return max(next(iter(spec.values()))) if spec else get_dotted(cfg, key)
+
+    if cfg.tune.keep_tokens_per_step:
+        per_worker = cfg.data.batch_size * cfg.data.grad_accum
+    else:
+        per_worker = top("data.batch_size") * top("data.grad_accum")
+    return int(per_worker * top("scaling.num_workers"))
+
+
+def tune_space(cfg: Config, space: dict) -> dict:
+    """``tune.space`` as Ray Tune domains; randint's high is inclusive, and ranges over int keys sample ints."""
+    from ray import tune
+
+    out = {}
+    for key, spec in space.items():
+        (kind, args), = spec.items()
+        value = get_dotted(cfg, key)
+        is_int = isinstance(value, int) and not isinstance(value, bool)
+        if kind == "grid" or (kind == "choice" and cfg.tune.search == "grid"):
+            out[key] = tune.grid_search(list(args))
+        elif kind == "choice":
+            out[key] = tune.choice(list(args))
+        elif kind == "randint" or (kind == "uniform" and is_int):
+            out[key] = tune.randint(int(args[0]), int(args[1]) + 1)
+        elif kind == "loguniform":
+            out[key] = tune.lograndint(int(args[0]), int(args[1]) + 1) if is_int else tune.loguniform(*args)
+        else:
+            out[key] = tune.uniform(*args)
+    return out
+
+
+# ---------------------------------------------------------------- resources
+
+def trial_need(cfg: Config, use_gpu: bool) -> dict:
+    """Logical resources one trial holds while it trains: its driver's sliver of CPU plus its Train workers'."""
+    s = cfg.scaling
+    need = {"CPU": s.num_workers * s.cpus_per_worker + DRIVER_CPU}
+    if use_gpu:
+        need["GPU"] = s.num_workers * s.gpus_per_worker
+    return need
+
+
+def concurrent_trials(cluster: dict, need: dict) -> int:
+    """How many trials fit on the cluster at once: the floor over every resource a trial needs."""
+    fits = min(math.floor(cluster.get(r, 0.0) / n + 1e-9) for r, n in need.items() if n > 0)
+    if fits < 1:
+        have = ", ".join(f"{r}={cluster.get(r, 0.0):g}" for r in need)
+        want = ", ".join(f"{r}={n:g}" for r, n in need.items())
+        raise SweepError(f"one trial needs {want} but the cluster has {have}: lower scaling.num_workers or "
+                         f"scaling.cpus_per_worker/gpus_per_worker, or set tune.max_concurrent_trials for a cluster "
+                         f"that scales up")
+    return fits
+
+
+# ---------------------------------------------------------------- stopped trials give their resources back
+
+class NotePlacementGroup(WorkerGroupCallback):
+    """In a trial's Train controller: hand (this controller, its workers' placement group) to the sweep's driver.
+
+    A Train run's placement group outlives its controller while the job lives, and Ray Train's own cleaner finds
+    dead controllers through the state API, which is not always there (no dashboard, several Ray instances on a
+    node). Without a cleanup, every trial ASHA stops keeps its workers' CPUs/GPUs until the sweep ends, and later
+    trials wait for them forever.
+    """
+
+    def __init__(self, queue):
+        self.queue = queue
+
+    def after_worker_group_start(self, worker_group):
+        pg = worker_group.get_worker_group_state().placement_group_handle.placement_group
+        self.queue.put((ray.get_runtime_context().current_actor, pg))
+
+
+class PlacementGroupReaper:
+    """In the sweep's driver, beside Tune: removes the placement group of every Train run whose controller died."""
+
+    def __init__(self, queue):
+        self.queue = queue
+        self.watched: list = []
+
+    def release(self) -> int:
+        """One pass over the runs noted so far; returns how many are still alive."""
+        while not self.queue.empty():
+            self.watched.append(self.queue.get_nowait())
+        alive = []
+        for controller, pg in self.watched:
+            try:
+                ray.get(controller.__ray_ready__.remote(), timeout=5)
+                alive.append((controller, pg))  # a run that ends by itself removes its own placement group
+                continue
+            except ray.exceptions.GetTimeoutError:
+                alive.append((controller, pg))
+                continue
+            except ray.exceptions.RayActorError:
+                pass
+            if placement_group_table(pg).get("state", "REMOVED") != "REMOVED":
+                remove_placement_group(pg)
+        self.watched = alive
+        return len(alive)
+
+    def run(self, stop: threading.Event, every_s: float = 2.0) -> None:
+        """Release every ``every_s`` seconds until ``stop``; then wait up to 30 s for the last controllers to die."""
+        while not stop.wait(every_s):
+            self.release()
+        deadline = time.monotonic() + 30
+        while self.release() and time.monotonic() < deadline:
+            time.sleep(1)
+
+
+# ---------------------------------------------------------------- one trial
+
+def sweep_dir(cfg: Config) -> str:
+    """Where the Tune experiment, the trials' Train runs and the sweep's outputs live."""
+    return f"{tracking.storage_dir(cfg.run.storage_path)}/{cfg.run.name}"
+
+
+def trial_config(base: Config, params: dict, trial_id: str) -> Config:
+    """A trial's full config: its values, its own Train run under the sweep's directory, the sweep's MLflow store."""
+    cfg = apply_params(base, params)
+    cfg.run.name = f"{base.run.name}-{trial_id}"
+    cfg.run.storage_path = f"{sweep_dir(base)}/trials"
+    # the store and experiment are the sweep's, not derived from the trial's own storage path and name
+    cfg.tracking.uri = tracking.tracking_uri(base)
+    cfg.tracking.experiment = base.tracking.experiment or base.run.name
+    return cfg
+
+
+@dataclass
+class TrialSetup:
+    """What every trial's driver function needs besides its sampled values."""
+
+    base: Config
+    parent_run_id: Optional[str]
+    use_gpu: bool
+    env: dict  # the sweep command's RAYTRAIN_SCU_* variables
+    placement_groups: object  # a ray.util.queue.Queue that PlacementGroupReaper reads
+
+
+def open_child_run(cfg: Config, sweep_name: str, parent_run_id: Optional[str], params: dict,
+                   trial_id: str) -> Optional[str]:
+    """The trial's MLflow run, a child of the sweep's, with the swept values and the global batch as params."""
+    try:
+        run_id = tracking.get_or_create_run(cfg, parent_run_id=parent_run_id)
+        client = tracking.client_for(tracking.tracking_uri(cfg))
+        client.set_tag(run_id, tracking.SWEEP_TAG, sweep_name)
+        client.set_tag(run_id, tracking.TRIAL_TAG, trial_id)
+        flat = flatten(cfg)  # the same strings the worker logs, so the two never disagree
+        keys = [*params, "data.grad_accum"] if "data.batch_size" in params else list(params)
+        tracking.log_params_once(client, run_id, {**{k: flat[k] for k in keys},
+                                                  "derived.global_batch_tokens": global_batch_tokens(cfg)})
+        return run_id
+    except Exception as e:  # noqa: BLE001 - tracking never kills training; rank 0 retries (without the parent link)
+        warnings.warn(f"MLflow child run for trial {trial_id} not opened: {type(e).__name__}: {str(e)[:200]}")
+        return None
+
+
+def run_trial(params: dict, setup: TrialSetup) -> None:
+    """Tune's trainable: one trial is one Ray Train run, whose reports reach Tune through TuneReportCallback."""
+    from ray.tune.integration.ray_train import TuneReportCallback
+
+    from raytrain_scu.train import build_trainer
+
+    # this actor inherited the cluster's environment; the sweep command's RAYTRAIN_SCU_* variables are the ones meant
+    for k in [k for k in os.environ if k.startswith("RAYTRAIN_SCU_")]:
+        del os.environ[k]
+    os.environ.update(setup.env)
+    trial_id = tune.get_context().get_trial_id()
+    cfg = trial_config(setup.base, params, trial_id)
+    run_id = None
+    if cfg.tracking.enabled:
+        run_id = open_child_run(cfg, setup.base.run.name, setup.parent_run_id, params, trial_id)
+    # same run.name and storage_path on a resumed sweep: Ray Train continues from this trial's latest checkpoint
+    callbacks = [TuneReportCallback(), NotePlacementGroup(setup.placement_groups)]
+    build_trainer(cfg, use_gpu=setup.use_gpu, run_id=run_id, callbacks=callbacks).fit()
+
+
+def trial_dirname(trial) -> str:
+    """Tune's directory for a trial: just its id, which names its Train run and MLflow child too."""
+    return trial.trial_id
+
+
+# ---------------------------------------------------------------- the Tune experiment
+
+def make_tuner(cfg: Config, space: dict, setup: TrialSetup, max_concurrent: int):
+    """A new Tuner, or the interrupted one restored from the sweep's directory (same run.name and storage_path)."""
+    from ray.tune.schedulers import ASHAScheduler
+    from ray.tune.search import BasicVariantGenerator
+
+    trainable = tune.with_resources(tune.with_parameters(run_trial, setup=setup), {"CPU": DRIVER_CPU})
+    path = sweep_dir(cfg)
+    if tune.Tuner.can_restore(path):
+        print(f"[raytrain_scu] resuming sweep {path}: finished trials are kept, unfinished and failed ones continue "
+              f"(the space and tune settings are the first run's)", flush=True)
+        return tune.Tuner.restore(path, trainable, resume_unfinished=True, resume_errored=True)
+    t = cfg.tune
+    scheduler = None
+    if t.scheduler == "asha":
+        # time is the optimizer step, so a resumed trial is judged where it really is; a trial that reaches
+        # max_steps ends by itself (stopping it there would cut its Train run's shutdown short)
+        scheduler = ASHAScheduler(time_attr="step", max_t=cfg.train.max_steps,
+                                  grace_period=t.grace_period * cfg.train.report_every,
+                                  reduction_factor=ASHA_REDUCTION_FACTOR, stop_last_trials=False)
+    if t.search == "optuna":
+        from ray.tune.search.optuna import OptunaSearch
+
+        search_alg, limit = OptunaSearch(seed=cfg.seed), max_concurrent  # Tune wraps it in a ConcurrencyLimiter
+    else:  # random and grid: the generator limits itself (Tune ignores max_concurrent_trials for it)
+        search_alg, limit = BasicVariantGenerator(random_state=cfg.seed, max_concurrent=max_concurrent), None
+    return tune.Tuner(
+        trainable,
+        param_space=tune_space(cfg, space),
+        tune_config=tune.TuneConfig(metric=t.metric, mode=t.mode, search_alg=search_alg, scheduler=scheduler,
+                                    num_samples=1 if t.search == "grid" else t.num_samples,
+                                    max_concurrent_trials=limit, time_budget_s=t.time_budget_s or None,
+                                    trial_dirname_creator=trial_dirname),
+        run_config=tune.RunConfig(name=cfg.run.name, storage_path=tracking.storage_dir(cfg.run.storage_path)),
+    )
+
+
+# ---------------------------------------------------------------- results
+
+def trial_rows(results, base: Config, space: dict) -> list[dict]:
+    """One row per trial, best first: id, swept values, grad_accum, global batch, metric, steps, status.
+
+    The metric is the trial's last reported value. Status: DONE (reached train.max_steps), STOPPED (ended early:
+    ASHA, the time budget, or saturation), ERROR, PENDING (never reported).
+    """
+    rows = []
+    for r in results:
+        trial_id = Path(r.path).name
+        params = {k: _plain(v) for k, v in (r.config or {}).items() if k in space}
+        cfg = trial_config(base, params, trial_id)
+        m = r.metrics or {}
+        step = m.get("step")
+        if r.error is not None:
+            status = "ERROR"
+        elif step is None:
+            status = "PENDING"
+        else:
+            status = "DONE" if step >= base.train.max_steps else "STOPPED"
+        rows.append({"trial": trial_id, "params": params, "grad_accum": cfg.data.grad_accum,
+                     "global_batch_tokens": global_batch_tokens(cfg),
+                     "metric": float(m.get(base.tune.metric, math.nan)), "steps": step, "status": status,
+                     "run_name": cfg.run.name})
+    sign = 1.0 if base.tune.mode == "min" else -1.0
+    rows.sort(key=lambda row: (not math.isfinite(row["metric"]),
+                               sign * row["metric"] if math.isfinite(row["metric"]) else 0.0))
+    return rows
+
+
+def best_row(rows: list[dict]) -> Optional[dict]:
+    """The best trial that did not fail and has a finite metric (rows are sorted best first)."""
+    return next((r for r in rows if r["status"] != "ERROR" and math.isfinite(r["metric"])), None)
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return "-" if v is None else str(v)
+
+
+def _columns(rows: list[dict], keys: list[str], metric: str) -> tuple[list[str], list[list]]:
+    extra = ["data.grad_accum"] if "data.batch_size" in keys and "data.grad_accum" not in keys else []
+    head = ["trial", *keys, *extra, "global_batch_tokens", metric, "steps", "status"]
+    body = [[r["trial"], *(r["params"].get(k) for k in keys), *([r["grad_accum"]] if extra else []),
+             r["global_batch_tokens"], r["metric"], r["steps"], r["status"]] for r in rows]
+    return head, body
+
+
+def format_table(rows: list[dict], keys: list[str], metric: str) -> str:
+    """The trials table as aligned text, best first."""
+    head, body = _columns(rows, keys, metric)
+    lines = [head, *([_fmt(v) for v in line] for line in body)]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines)
+
+
+def trials_csv(rows: list[dict], keys: list[str], metric: str) -> str:
+    """The trials table as CSV, plus each trial's run name (its Train run and MLflow child run)."""
+    head, body = _columns(rows, keys, metric)
+    buf = io.StringIO()
+    w = csv.writer(buf)
+    w.writerow([*head, "run_name"])
+    for line, r in zip(body, rows):
+        w.writerow([*line, r["run_name"]])
+    return buf.getvalue()
+
+
+def best_config(base: Config, row: dict) -> Config:
+    """The best trial's full config as a plain training run named ``<sweep>-best`` (no space left to sweep)."""
+    cfg = apply_params(base, row["params"])
+    cfg.run.name = f"{base.run.name}-best"
+    cfg.tune.space = {}
+    return cfg
+
+
+def plot_metric_vs_params(rows: list[dict], space: dict, metric: str, out_dir: Path,
+                          best: Optional[dict]) -> list[Path]:
+    """One PNG per swept parameter: every trial's metric against its value; the best trial is starred."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    shown = [r for r in rows if math.isfinite(r["metric"])]
+    paths = []
+    for key, spec in space.items():
+        values = [r["params"].get(key) for r in shown]
+        numeric = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
+        labels = sorted({str(v) for v in values})
+        xs = values if numeric else [labels.index(str(v)) for v in values]
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for status, marker in (("DONE", "o"), ("STOPPED", "x"), ("ERROR", "^")):
+            pts = [(x, r["metric"]) for x, r in zip(xs, shown) if r["status"] == status]
+            if pts:
+                ax.scatter(*zip(*pts), marker=marker, s=40, label=status.lower())
+        if best is not None and best in shown:
+            i = shown.index(best)
+            ax.scatter([xs[i]], [best["metric"]], marker="*", s=260, color="C3", zorder=3, label="best")
+        if numeric and next(iter(spec)) == "loguniform":
+            ax.set_xscale("log")
+        if not numeric:
+            ax.set_xticks(range(len(labels)), labels)
+        ax.set(xlabel=key, ylabel=metric, title=f"{metric} vs {key} ({len(shown)} trials)")
+        ax.legend()
+        fig.tight_layout()
+        path = out_dir / f"{metric.replace('/', '_')}_vs_{key}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+# ---------------------------------------------------------------- MLflow parent run
+
+def open_parent_run(cfg: Config, space: dict) -> Optional[str]:
+    """The sweep's MLflow run (found again on resume), with the sweep's settings and base config as params."""
+    if not cfg.tracking.enabled:
+        return None
+    try:
+        run_id = tracking.get_or_create_run(cfg)
+        client = tracking.client_for(tracking.tracking_uri(cfg))
+        client.set_tag(run_id, tracking.SWEEP_TAG, cfg.run.name)
+        tracking.log_params_once(client, run_id, {**flatten(cfg), "sweep.space": json.dumps(space),
+                                                  "derived.global_batch_tokens": global_batch_tokens(cfg)})
+        client.set_terminated(run_id, status="RUNNING")
+        return run_id
+    except Exception as e:  # noqa: BLE001 - the sweep runs without its parent run
+        print(f"[raytrain_scu] warning: MLflow parent run not opened ({type(e).__name__}: {str(e)[:200]}); "
+              f"trials are logged without a parent", file=sys.stderr)
+        return None
+
+
+def close_parent_run(cfg: Config, parent_run_id: str, rows: list[dict], best: Optional[dict], best_yaml: str,
+                     files: list[Path]) -> None:
+    """Mark each child with its outcome, and give the parent the best result, the table, best.yaml and plots."""
+    client = tracking.client_for(tracking.tracking_uri(cfg))
+    children = {r.data.tags.get(tracking.TRIAL_TAG): r.info.run_id
+                for r in tracking.child_runs(cfg, parent_run_id)}
+    for row in rows:
+        run_id = children.get(row["trial"])
+        if run_id is None:
+            continue
+        client.set_tag(run_id, "raytrain_scu.trial_status", row["status"])
+        if row["status"] in ("STOPPED", "ERROR"):  # its worker was stopped or failed before it could say so
+            client.set_terminated(run_id, status="KILLED" if row["status"] == "STOPPED" else "FAILED")
+    if best is not None:
+        client.log_metric(parent_run_id, f"best/{cfg.tune.metric}", best["metric"])
+        client.set_tag(parent_run_id, "raytrain_scu.best_trial", best["trial"])
+        if best["trial"] in children:
+            client.set_tag(parent_run_id, "raytrain_scu.best_run_id", children[best["trial"]])
+        client.log_text(parent_run_id, best_yaml, "best.yaml")
+    client.log_metric(parent_run_id, "sweep/trials", len(rows))
+    client.log_metric(parent_run_id, "sweep/errors", sum(r["status"] == "ERROR" for r in rows))
+    for f in files:
+        client.log_artifact(parent_run_id, str(f), artifact_path="plots" if f.suffix == ".png" else None)
+    client.set_terminated(parent_run_id, status="FINISHED" if best is not None else "FAILED")
+
+
+# ---------------------------------------------------------------- the sweep
+
+def run_sweep(cfg: Config, *, with_lr: bool = False) -> dict:
+    """Check, launch (or resume) the sweep on Ray Tune, then print the table and write best.yaml and plots."""
+    from raytrain_scu.train import init_ray, preflight
+
+    if "://" in cfg.run.storage_path:
+        raise SweepError("the sweep writes its table, best.yaml and plots beside its runs: run.storage_path must "
+                         "be a local or shared-filesystem path")
+    space = resolve_space(cfg, with_lr=with_lr)  # no I/O: a bad space fails at once
+    cfg.tune.space = space
+    t = cfg.tune
+    if t.scheduler == "asha" and t.metric.startswith("val/") and cfg.train.report_every % cfg.train.eval_every:
+        print(f"[raytrain_scu] warning: {t.metric} is measured every train.eval_every={cfg.train.eval_every} steps "
+              f"but reported every train.report_every={cfg.train.report_every}: ASHA compares stale values in "
+              f"between (set train.eval_every={cfg.train.report_every})", file=sys.stderr)
+    facts = preflight(cfg)
+    largest = max_sequences_per_step(cfg, space)
+    if largest > facts["train_blocks"]:
+        raise SweepError(f"a trial's global batch of {largest} sequences is more than the training split's "
+                         f"{facts['train_blocks']} blocks: lower the swept batch sizes")
+    out = Path(sweep_dir(cfg))
+    if (out / "mlflow_run.json").exists():
+        raise SweepError(f"{out} is a training run's directory (python -m raytrain_scu.train): give the sweep "
+                         f"another run.name")
+    parent_run_id = open_parent_run(cfg, space)
+    init_ray(cfg)
+    from ray.util.queue import Queue
+
+    need = trial_need(cfg, facts["use_gpu"])
+    max_concurrent = t.max_concurrent_trials or concurrent_trials(ray.cluster_resources(), need)
+    print(f"[raytrain_scu] sweep {cfg.run.name}: {', '.join(space)}; search={t.search}, scheduler={t.scheduler}, "
+          f"{max_concurrent} trial(s) at a time, each holding "
+          f"{', '.join(f'{r}={n:g}' for r, n in need.items())}; global batch "
+          f"{'kept at' if t.keep_tokens_per_step else 'from'} {global_batch_tokens(cfg)} tokens/step", flush=True)
+    setup = TrialSetup(base=cfg, parent_run_id=parent_run_id, use_gpu=facts["use_gpu"],
+                       env={k: v for k, v in os.environ.items() if k.startswith("RAYTRAIN_SCU_")},
+                       placement_groups=Queue(actor_options={"num_cpus": 0}))
+    reaper, stop = PlacementGroupReaper(setup.placement_groups), threading.Event()
+    watcher = threading.Thread(target=reaper.run, args=(stop,), daemon=True)
+    watcher.start()
+    try:
+        results = make_tuner(cfg, space, setup, max_concurrent).fit()
+    finally:
+        stop.set()
+        watcher.join()
+        setup.placement_groups.shutdown()
+
+    rows = trial_rows(results, cfg, space)
+    best = best_row(rows)
+    keys = list(space)
+    print(format_table(rows, keys, t.metric), flush=True)
+    out.mkdir(parents=True, exist_ok=True)
+    files = [out / "trials.csv"]
+    files[0].write_text(trials_csv(rows, keys, t.metric))
+    best_yaml, best_path = "", None
+    if best is not None:
+        best_path = out / "best.yaml"
+        head = (f"# Best trial {best['trial']} of sweep {cfg.run.name}: {t.metric} = {best['metric']:.6g}\n"
+                f"# Launch: python -m raytrain_scu.train {best_path}\n")
+        best_cfg = best_config(cfg, best)
+        best_path.write_text(head + to_yaml(best_cfg))
+        best_yaml = head + to_yaml(best_cfg, redact=True)
+    files += plot_metric_vs_params(rows, space, t.metric, out / "plots", best)
+    if parent_run_id:
+        try:
+            close_parent_run(cfg, parent_run_id, rows, best, best_yaml, files)
+        except Exception as e:  # noqa: BLE001 - the results are on disk either way
+            print(f"[raytrain_scu] warning: MLflow parent run not completed: {type(e).__name__}: {str(e)[:200]}",
+                  file=sys.stderr)
+    errors = [r["trial"] for r in rows if r["status"] == "ERROR"]
+    if best_path:
+        print(f"[raytrain_scu] best trial {best['trial']}: {t.metric}={best['metric']:.6g}; config {best_path}",
+              flush=True)
+    if errors:
+        print(f"[raytrain_scu] {len(errors)} trial(s) failed ({', '.join(errors)}): re-run the same command to "
+              f"resume them", flush=True)
+    return {"sweep_dir": str(out), "rows": rows, "best": best, "best_yaml": str(best_path) if best_path else None,
+            "parent_run_id": parent_run_id, "errors": errors, "files": [str(f) for f in files]}
+
+
+USAGE = "usage: python -m raytrain_scu.sweep CONFIG.yaml [key=value ...] [--lr]"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI: 0 when every trial ran, 1 when some failed (re-run to resume), 2 for errors found before launch."""
+    from raytrain_scu.train import PreflightError, resolve
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else 2
+    with_lr = "--lr" in argv
+    args = [a for a in argv if a != "--lr"]
+    try:
+        cfg = resolve(args[0], args[1:])
+        summary = run_sweep(cfg, with_lr=with_lr)
+    except (ConfigError, PreflightError, SweepError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 1 if summary["errors"] or summary["best"] is None else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
