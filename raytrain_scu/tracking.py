@@ -177,13 +177,8 @@ class MlflowTracker(NullTracker):
     def _log_params(self) -> None:
         if self.params_logged:
             return
-        from mlflow.entities import Param
-
         try:
-            existing = self.client.get_run(self.run_id).data.params
-            new = [Param(k, str(v)[:6000]) for k, v in self.params.items() if k not in existing]
-            for i in range(0, len(new), 100):
-                self.client.log_batch(self.run_id, params=new[i:i + 100])
+            log_params_once(self.client, self.run_id, self.params)
             self.client.set_terminated(self.run_id, status="RUNNING")
             self.params_logged = True
         except Exception as e:  # noqa: BLE001
