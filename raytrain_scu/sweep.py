@@ -39,7 +39,8 @@ from ray.train.v2._internal.execution.callback import WorkerGroupCallback
 from ray.util.placement_group import placement_group_table, remove_placement_group
 
 from raytrain_scu import tracking
-from raytrain_scu.config import Config, ConfigError, build_config, flatten, get_dotted, to_yaml, validate_space_entry
+from raytrain_scu.config import (Config, ConfigError, build_config, flatten, get_dotted, redact_uri, to_yaml,
+                                 validate_space_entry)
 
 ASHA_REDUCTION_FACTOR = 2  # ASHA keeps the best half at each rung
 DRIVER_CPU = 0.01  # what a trial's driver function holds; its Train workers ask for their own resources
@@ -313,7 +314,8 @@ def open_child_run(cfg: Config, sweep_name: str, parent_run_id: Optional[str], p
                                                   "derived.global_batch_tokens": global_batch_tokens(cfg)})
         return run_id
     except Exception as e:  # noqa: BLE001 - tracking never kills training; rank 0 retries (without the parent link)
-        warnings.warn(f"MLflow child run for trial {trial_id} not opened: {type(e).__name__}: {str(e)[:200]}")
+        warnings.warn(f"MLflow child run for trial {trial_id} not opened: {type(e).__name__}: "
+                      f"{redact_uri(str(e))[:200]}")
         return None
 
 
@@ -510,7 +512,7 @@ def open_parent_run(cfg: Config, space: dict) -> Optional[str]:
         client.set_terminated(run_id, status="RUNNING")
         return run_id
     except Exception as e:  # noqa: BLE001 - the sweep runs without its parent run
-        print(f"[raytrain_scu] warning: MLflow parent run not opened ({type(e).__name__}: {str(e)[:200]}); "
+        print(f"[raytrain_scu] warning: MLflow parent run not opened ({type(e).__name__}: {redact_uri(str(e))[:200]}); "
               f"trials are logged without a parent", file=sys.stderr)
         return None
 
@@ -609,7 +611,8 @@ def run_sweep(cfg: Config, *, with_lr: bool = False) -> dict:
         try:
             close_parent_run(cfg, parent_run_id, rows, best, best_yaml, files)
         except Exception as e:  # noqa: BLE001 - the results are on disk either way
-            print(f"[raytrain_scu] warning: MLflow parent run not completed: {type(e).__name__}: {str(e)[:200]}",
+            print(f"[raytrain_scu] warning: MLflow parent run not completed: {type(e).__name__}: "
+                  f"{redact_uri(str(e))[:200]}",
                   file=sys.stderr)
     errors = [r["trial"] for r in rows if r["status"] == "ERROR"]
     if best_path:

@@ -165,7 +165,8 @@ class MlflowTracker(NullTracker):
     def _warn(self, what: str, e: Exception) -> None:
         self.failures += 1
         if self.failures <= 3 or self.failures % 50 == 0:
-            warnings.warn(f"MLflow {what} failed ({redact_uri(self.uri)}): {type(e).__name__}: {str(e)[:200]}; "
+            warnings.warn(f"MLflow {what} failed ({redact_uri(self.uri)}): {type(e).__name__}: "
+                          f"{redact_uri(str(e))[:200]}; "
                           f"buffering {len(self.buffer)} metric points and retrying at the next report")
 
     def start(self, params: dict, resumed_at: int = 0) -> None:
@@ -279,7 +280,7 @@ def log_best_checkpoint(cfg: Config, run_id: str, ckpt_dir: str) -> Optional[str
         client_for(tracking_uri(cfg)).log_artifacts(run_id, ckpt_dir, artifact_path="best_checkpoint")
         return None
     except Exception as e:  # noqa: BLE001
-        return f"best checkpoint not logged to MLflow: {type(e).__name__}: {str(e)[:200]}"
+        return f"best checkpoint not logged to MLflow: {type(e).__name__}: {redact_uri(str(e))[:200]}"
 
 
 # ---------------------------------------------------------------- sweeps: one parent run, one child run per trial
