@@ -222,7 +222,25 @@ def resolve_config(path: Optional[str | Path], overrides: list[str] | tuple[str,
     if cfg.hardware.preset != "none":
         changes = apply_preset(cfg, cfg.hardware.preset, explicit, gpus=gpus)
         C.validate(cfg)
+    found = [] if cfg.scaling.use_gpu is False else (detect_gpus() if gpus is None else gpus)
+    shape = model_shape(cfg) if found else None
+    if shape is not None:  # before launch: lower a default/preset batch, or refuse an explicit one that can't fit
+        changes.update(fit_to_gpu(cfg, shape, min(g.memory_gib for g in found), explicit))
+        C.validate(cfg)
     return cfg, changes
+
+
+def model_shape(cfg: C.Config) -> Optional[dict[str, int]]:
+    """The estimator's shape of the config's model, or None when its config cannot be read here (the run's own
+    pre-flight check then says why)."""
+    try:
+        from raytrain_scu.model import model_config
+
+        m = cfg.model
+        return shape_from_hf_config(model_config(m.name, gguf_file=m.gguf_file, cache_dir=m.cache_dir,
+                                                 trust_remote_code=m.trust_remote_code))
+    except Exception:  # noqa: BLE001 - a missing model is reported by the pre-flight check, with its reason
+        return None
 
 
 # ---------------------------------------------------------------- memory estimate

@@ -209,6 +209,17 @@ def preset_config(name: str, vocab_size: int):
     return LlamaConfig(**kw)
 
 
+def model_config(name: str, *, gguf_file: str = "", vocab_size: int = 0, cache_dir: str = "",
+                 trust_remote_code: bool = False):
+    """The transformers config of a model (no weights loaded; a GGUF file is converted once and cached)."""
+    from transformers import AutoConfig
+
+    if is_preset(name):
+        return preset_config(name, vocab_size or PRESET_TOKENIZER_VOCAB)
+    src = _gguf_cache(name, gguf_file, cache_dir) if gguf_file else resolve_name(name)
+    return AutoConfig.from_pretrained(os.path.expanduser(str(src)), trust_remote_code=trust_remote_code)
+
+
 def max_positions(model_or_config) -> int:
     cfg = getattr(model_or_config, "config", model_or_config)
     return int(getattr(cfg, "max_position_embeddings", 0) or 0)

@@ -342,3 +342,16 @@ def test_check_units():
     assert [r.status for r in rows] == ["pass", "pass", "pass"] and "H100" in rows[0].detail
     assert check.check_preset([A100], None).data["auto"] == "a100"
     assert check._version_tuple("2.13.0+cpu") == (2, 13, 0)
+
+
+def test_resolve_config_fits_the_batch_to_the_card_before_launch(tmp_path):
+    a100 = [hardware.GpuInfo("NVIDIA A100-SXM4-40GB", 40.0, (8, 0))]
+    p = tmp_path / "big.yaml"
+    p.write_text("model: {name: llama-3.2-1b-shape}\ndata: {block_size: 2048}\nhardware: {preset: auto}\n")
+    cfg, changes = hardware.resolve_config(p, [], gpus=a100)  # the a100 preset's batch 32 is lowered
+    assert cfg.hardware.preset == "a100" and "data.batch_size" in changes
+    assert cfg.data.batch_size < 32 and cfg.data.batch_size * cfg.data.grad_accum >= 32
+    with pytest.raises(MemoryFitError, match="batch"):  # an explicit batch that cannot fit is refused
+        hardware.resolve_config(p, ["data.batch_size=64"], gpus=a100)
+    cfg, changes = hardware.resolve_config(p, ["data.batch_size=2"], gpus=a100)
+    assert cfg.data.batch_size == 2 and "data.batch_size" not in changes
