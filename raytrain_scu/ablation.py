@@ -62,9 +62,13 @@ def trial_dir(family_cfg: Config, row: dict) -> Path:
     return Path(sweep_dir(family_cfg)) / "trials" / row["run_name"]
 
 
+def last_checkpoint(run_dir: Path) -> Path:
+    """A trial's final checkpoint (sweep trials keep their adapter there, under adapter/)."""
+    return sorted(run_dir.glob("checkpoint_0*"))[-1]
+
+
 def history(run_dir: Path) -> list[dict]:
-    last = sorted(run_dir.glob("checkpoint_0*"))[-1]
-    return torch.load(last / "state.pt", map_location="cpu", weights_only=False)["history"]
+    return torch.load(last_checkpoint(run_dir) / "state.pt", map_location="cpu", weights_only=False)["history"]
 
 
 def control_stats(hist: list[dict], target_s: float, warmup_frac: float = 0.2) -> dict:
@@ -110,7 +114,7 @@ def collect(arms: dict[str, dict], *, n_boot: int) -> dict:
             run_dir = trial_dir(cfg, row)
             target = params.get("controller.target_s", cfg.controller.target_s)
             trials.append({"family": family, "arm": arm_label(family, params), "seed": seed, "params": params,
-                           "adapter": str(run_dir / "output" / "adapter"), "history": history(run_dir),
+                           "adapter": str(last_checkpoint(run_dir) / "adapter"), "history": history(run_dir),
                            "target_s": target, "status": row["status"], "cfg": cfg,
                            **control_stats(history(run_dir), target)})
     by_seed: dict[int, list[dict]] = {}
@@ -119,13 +123,14 @@ def collect(arms: dict[str, dict], *, n_boot: int) -> dict:
     for seed, group in by_seed.items():
         cfg = dataclasses.replace(group[0]["cfg"], seed=seed)  # the arms' model and data, this seed's split
         docs = held_out_documents(cfg, "val")
-        adapters = {"base": "", **{f"{t['arm']}|{i}": t["adapter"] for i, t in enumerate(group)}}
+        # peft adapter names: plain identifiers (no dots), mapped back to the trials by position
+        adapters = {"base": "", **{f"trial{i}": t["adapter"] for i, t in enumerate(group)}}
         scores = score_shard(asdict(cfg), adapters, docs)
         tokens = scores["tokens"]
         none = next(t for t in group if t["family"] == "none")
-        none_key = f"{none['arm']}|{group.index(none)}"
+        none_key = f"trial{group.index(none)}"
         for i, t in enumerate(group):
-            key = f"{t['arm']}|{i}"
+            key = f"trial{i}"
             t["nats"], t["tokens"] = scores["nats"][key], tokens
             t["val_bpt"] = float(t["nats"].sum() / tokens.sum() / math.log(2))
             t["none_nats"] = scores["nats"][none_key]

@@ -9,8 +9,10 @@ Layout of one checkpoint directory::
     config.yaml         the resolved config (secrets redacted)
     manifest.json       sha256 and size of every file above; written last
 
-A directory is written under ``<dir>.partial`` and renamed when complete. Loading verifies the manifest; a corrupt or
-truncated latest checkpoint falls back to the newest older good one with a warning; none good is an error.
+A directory is written under ``<dir>.partial`` and renamed when complete. Ray then copies it into the run directory
+file by file (not atomic there), so a checkpoint counts as complete only when every file matches ``manifest.json``.
+Loading verifies the manifest; a corrupt or truncated latest checkpoint falls back to the newest older good one with a
+warning; none good is a :class:`CheckpointError`.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ import numpy as np
 import torch
 
 MANIFEST = "manifest.json"
+REQUIRED = ("adapter/adapter_model.safetensors", "state.pt", "controller.json", "meta.json")
 
 
 class CheckpointError(RuntimeError):
@@ -87,8 +90,11 @@ def verify(ckpt_dir: str | Path) -> Optional[str]:
         return "no manifest.json (incomplete checkpoint)"
     try:
         manifest = json.loads(mpath.read_text())["files"]
-    except (ValueError, KeyError) as e:
-        return f"unreadable manifest: {e}"
+        missing = [rel for rel in REQUIRED if rel not in manifest]
+    except (ValueError, KeyError, TypeError) as e:
+        return f"unreadable manifest: {type(e).__name__}: {e}"
+    if missing:
+        return f"manifest lists no {', '.join(missing)}"
     for rel, want in manifest.items():
         p = d / rel
         if not p.is_file():
@@ -136,19 +142,20 @@ def load_training_state(ckpt_dir: str | Path, *, model, optimizer, scaler, map_l
 
 
 def candidates(ray_checkpoint) -> list:
-    """The given (latest) Ray checkpoint first, then its older siblings in the run directory, newest first."""
+    """The given (latest) Ray checkpoint first, then its older ``checkpoint_*`` siblings, newest first."""
     import pyarrow.fs as pafs
     from ray.train import Checkpoint
 
     out = [ray_checkpoint]
     fs, path = ray_checkpoint.filesystem, ray_checkpoint.path.rstrip("/")
-    parent = path.rsplit("/", 1)[0]
+    parent, name = path.rsplit("/", 1)
     try:
         infos = fs.get_file_info(pafs.FileSelector(parent, recursive=False))
     except OSError:
         return out
+    # names carry the zero-padded step, so name order is step order
     siblings = sorted((i.path for i in infos if i.type == pafs.FileType.Directory
-                       and i.base_name.startswith("checkpoint_") and i.path.rstrip("/") != path), reverse=True)
+                       and i.base_name.startswith("checkpoint_") and i.base_name < name), reverse=True)
     out.extend(Checkpoint(path=p, filesystem=fs) for p in siblings)
     return out
 
@@ -165,7 +172,26 @@ def open_good_checkpoint(ray_checkpoint, stack) -> tuple[Optional[Path], list[st
                 warnings.warn("skipped bad checkpoint(s): " + "; ".join(problems) + f"; resuming from {ckpt.path}")
             return inner, problems
         problems.append(f"{ckpt.path}: {why}")
-    raise CheckpointError("no usable checkpoint: " + "; ".join(problems))
+    raise CheckpointError("no usable checkpoint: " + "; ".join(problems)
+                          + ". Delete the run directory or use a new run.name to start fresh.")
+
+
+def newest_good_local(run_dir: str | Path) -> tuple[Optional[Path], list[str]]:
+    """The newest ``checkpoint_*`` under a local run directory that verifies, and the problems of newer ones.
+
+    (None, []) when there is no checkpoint at all; CheckpointError when there are some but none is good."""
+    problems = []
+    for d in sorted(Path(run_dir).glob("checkpoint_*"), reverse=True):
+        if not d.is_dir() or d.name.endswith(".partial"):
+            continue
+        why = verify(d)
+        if why is None:
+            return d, problems
+        problems.append(f"{d.name}: {why}")
+    if problems:
+        raise CheckpointError(f"no usable checkpoint in {run_dir}: " + "; ".join(problems)
+                              + ". Delete the run directory or use a new run.name to start fresh.")
+    return None, []
 
 
 def new_local_dir(prefix: str = "raytrain_scu_ckpt_") -> Path:

@@ -5,6 +5,7 @@ import contextlib
 import math
 import os
 import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from raytrain_scu import tracking
 from raytrain_scu.config import build_config, to_yaml
 from raytrain_scu.controller import from_config as build_controller
 from raytrain_scu.data import prepare_data, train_batch, val_batches
-from raytrain_scu.dist import all_reduce_sum, rank, world_size
+from raytrain_scu.dist import all_reduce_sum, barrier, print0, rank, world_size
 from raytrain_scu.model import (CausalLMLoss, apply_lora, build_model, load_tokenizer, resolve_dtype,
                                 structure_signature)
 from raytrain_scu.regularizer import adapter_params, param_bpt
@@ -28,6 +29,16 @@ LN2 = math.log(2.0)
 
 class InjectedFault(RuntimeError):
     """Raised by RAYTRAIN_SCU_FAULT_AT_STEP=N (fault-tolerance tests): a crash after step N of a fresh start."""
+
+
+def hold_for_kill(step: int, seconds: float = 120.0) -> None:
+    """RAYTRAIN_SCU_HOLD_AT_STEP=N: after step N of a fresh start, write ``rank<R>.pid`` under RAYTRAIN_SCU_HOLD_DIR
+    and wait to be killed from outside (SIGKILL, node removal), so a test kills at a known step."""
+    hold_dir = Path(os.environ.get("RAYTRAIN_SCU_HOLD_DIR") or tempfile.gettempdir())
+    hold_dir.mkdir(parents=True, exist_ok=True)
+    (hold_dir / f"rank{rank()}.pid").write_text(f"{os.getpid()} {step}")
+    time.sleep(seconds)
+    raise InjectedFault(f"held after step {step} for {seconds:.0f} s and nobody killed this worker")
 
 
 class NonFiniteError(RuntimeError):
@@ -72,6 +83,10 @@ class RayHooks:
     def report(metrics: dict, checkpoint_dir, checkpoint_dir_name):
         checkpoint = ray.train.Checkpoint.from_directory(str(checkpoint_dir)) if checkpoint_dir else None
         ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=checkpoint_dir_name)
+        if checkpoint is not None:
+            # wait until the controller has registered it: a worker lost from here on restarts from this checkpoint
+            # (Ray registers reports asynchronously, one health-check poll at a time)
+            ray.train.get_all_reported_checkpoints(consistency_mode=ray.train.CheckpointConsistencyMode.COMMITTED)
 
 
 class LocalHooks:
@@ -147,19 +162,29 @@ def run_loop(cfg, *, hooks, run_id=None) -> None:
 
     # ---- resume (all ranks read the same checkpoint)
     resume = hooks.get_checkpoint()
+    resumed_at, skipped_total, skipped_in_a_row, ckpt_suffix = [], 0, 0, ""
     if resume is not None:
         with contextlib.ExitStack() as stack:
-            local, _ = ckpt.open_good_checkpoint(resume, stack)
+            local, problems = ckpt.open_good_checkpoint(resume, stack)  # a bad latest falls back to an older one
             ckpt.check_structure(ckpt.read_meta(local), structure)
             meta = ckpt.load_training_state(local, model=model, optimizer=optimizer, scaler=scaler)
         controller.load_state_dict(meta["controller"])
         start_step, position, history = meta["step"], meta["position"], meta["history"]
         val_bpt, best_val = meta.get("val_bpt", float("nan")), meta.get("best_val", float("inf"))
+        resumed_at = meta.get("resumed_at", []) + [start_step]
+        skipped_total, skipped_in_a_row = meta.get("skipped_steps", 0), meta.get("skipped_in_a_row", 0)
+        # after a fallback, never reuse the name of a skipped bad checkpoint: Ray still lists it
+        ckpt_suffix = f"_from{start_step:08d}" if problems else ""
+        print0(f"[raytrain_scu] resumed at step {start_step}"
+               + (f" after skipping {len(problems)} bad checkpoint(s)" if problems else ""))
         torch.manual_seed(cfg.seed + rank() + start_step)
     tracker.start(params=tracking.derived_params(cfg, tokens_per_epoch=tokens_per_epoch, world=world_size(),
                                                  device=device), resumed_at=start_step)
 
+    # fault injection for the reliability tests (docs/reliability.md); RAYTRAIN_SCU_* reach every worker
     fault_at_step = int(os.environ.get("RAYTRAIN_SCU_FAULT_AT_STEP", "0") or 0)
+    hold_at_step = int(os.environ.get("RAYTRAIN_SCU_HOLD_AT_STEP", "0") or 0)
+    nan_at_steps = {int(s) for s in os.environ.get("RAYTRAIN_SCU_NAN_AT_STEPS", "").split(",") if s.strip()}
     ddp = isinstance(ddp_model, torch.nn.parallel.DistributedDataParallel)
     if start_step == 0:  # the untrained adapter's held-out BPT: the baseline every later eval is compared with
         val_bpt = evaluate(ddp_model, data, device=device, batch_size=d.batch_size, max_batches=t.eval_batches,
@@ -168,7 +193,6 @@ def run_loop(cfg, *, hooks, run_id=None) -> None:
         tracker.log_step(history[-1])
     val_bpt_start = history[0]["val/data_bpt"] if history and history[0]["step"] == 0 else float("nan")
     tokens_per_step = d.batch_size * d.grad_accum * world_size() * d.block_size
-    skipped_in_a_row, skipped_total = 0, 0
     t_last, steps_since = time.perf_counter(), 0
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -190,6 +214,8 @@ def run_loop(cfg, *, hooks, run_id=None) -> None:
             # DDP all-reduces gradients only on the last micro-step
             with (ddp_model.no_sync() if ddp and not last else contextlib.nullcontext()), autocast:
                 nats, n = ddp_model(x, y)
+                if step + 1 in nan_at_steps:
+                    nats = nats * float("nan")  # injected: a non-finite loss (and gradient) on the real path
                 loss = nats / n / d.grad_accum
                 if last:  # the penalty's gradient enters once per optimizer step, with full weight
                     pbpt = param_bpt(params, sigma=c.prior_sigma, tokens_per_epoch=tokens_per_epoch)
@@ -216,6 +242,7 @@ def run_loop(cfg, *, hooks, run_id=None) -> None:
         skipped_total += 0 if finite else 1
         if skipped_in_a_row >= t.max_consecutive_skips:
             tracker.finish(history=history, status="FAILED")
+            barrier()  # all ranks: rank 0 has recorded the failure before any rank raises and Ray stops the group
             raise NonFiniteError(f"{skipped_in_a_row} optimizer steps in a row had a non-finite loss or gradient "
                                  f"(last at step {step + 1}); the last good checkpoint is kept. Lower optim.lr, "
                                  f"use bf16 instead of fp16, or check the data.")
@@ -230,6 +257,8 @@ def run_loop(cfg, *, hooks, run_id=None) -> None:
                "ctrl/lambda_applied": lam}
         if fault_at_step and resume is None and step + 1 == fault_at_step:
             raise InjectedFault(f"fault injected after step {step + 1} (RAYTRAIN_SCU_FAULT_AT_STEP)")
+        if hold_at_step and resume is None and step + 1 == hold_at_step:
+            hold_for_kill(step + 1)
         if controller.saturated_step is not None:
             row["ctrl/saturated_step"] = controller.saturated_step
         done = step + 1 == t.max_steps or (t.stop_on_saturation and controller.saturated)
@@ -265,10 +294,11 @@ def run_loop(cfg, *, hooks, run_id=None) -> None:
                                       controller_state=controller.state_dict(), step=step + 1, position=position,
                                       structure=structure, tokens_per_epoch=tokens_per_epoch,
                                       config_yaml=to_yaml(cfg, redact=True), history=history,
-                                      extra={"val_bpt": val_bpt, "best_val": best_val})
+                                      extra={"val_bpt": val_bpt, "best_val": best_val, "resumed_at": resumed_at,
+                                             "skipped_steps": skipped_total, "skipped_in_a_row": skipped_in_a_row})
             tracker.flush()
             hooks.report(metrics, local / "ckpt" if local else None,
-                         f"checkpoint_{step + 1:08d}" if is_ckpt else None)
+                         f"checkpoint_{step + 1:08d}{ckpt_suffix}" if is_ckpt else None)
             if local is not None:
                 shutil.rmtree(local, ignore_errors=True)
         if done:

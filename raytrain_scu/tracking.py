@@ -274,6 +274,14 @@ def for_rank(cfg: Config, rank: int, run_id: Optional[str] = None, parent_run_id
     return MlflowTracker(cfg, run_id=run_id, parent_run_id=parent_run_id)
 
 
+def mark_failed(cfg: Config, run_id: str) -> None:
+    """Driver side: a run that Ray gave up on is FAILED in MLflow, not left RUNNING."""
+    try:
+        client_for(tracking_uri(cfg)).set_terminated(run_id, status="FAILED")
+    except Exception as e:  # noqa: BLE001
+        warnings.warn(f"MLflow run {run_id} not marked FAILED: {type(e).__name__}: {redact_uri(str(e))[:200]}")
+
+
 def log_best_checkpoint(cfg: Config, run_id: str, ckpt_dir: str) -> Optional[str]:
     """Driver side, after fit(): the best checkpoint as an artifact. Returns a warning text on failure."""
     try:

@@ -30,13 +30,40 @@ def _gpu_count() -> int:
         return 0
 
 
+def _local_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def _missing_lora_targets(hf_config, targets: list[str], trust_remote_code: bool) -> list[str]:
+    """Target module names absent from the model, found on a weightless (meta-device) skeleton; [] if unsure."""
+    try:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=trust_remote_code)
+    except Exception:  # noqa: BLE001 - the workers check again while building the real model
+        return []
+    present = {n.rsplit(".", 1)[-1] for n, _ in skeleton.named_modules()}
+    return [t for t in targets if t not in present and t != "all-linear"]
+
+
 def preflight(cfg: Config) -> dict:
-    """Checks that need I/O, run on the driver before Ray starts. Returns derived facts (tokens_per_epoch, ...)."""
+    """Checks that need I/O, run on the driver before Ray starts. Returns derived facts (tokens_per_epoch, ...).
+
+    Every problem found here is a PreflightError naming the key at fault; no Ray worker has started.
+    """
+    from raytrain_scu.checkpoint import CheckpointError, check_structure, newest_good_local, read_meta
     from raytrain_scu.data import DataError, check_source, prepare_data
     from raytrain_scu.model import ModelError, check_model_source, is_preset, load_tokenizer, max_positions, \
-        preset_config
+        preset_config, structure_signature
+    from raytrain_scu.tracking import storage_dir
 
     m, d, s = cfg.model, cfg.data, cfg.scaling
+    local_ray = not os.environ.get("RAY_ADDRESS") and not ("ray" in sys.modules and sys.modules["ray"].is_initialized())
     # storage must be writable (local paths; remote URIs are checked by Ray)
     if "://" not in cfg.run.storage_path:
         p = Path(os.path.expanduser(cfg.run.storage_path))
@@ -54,8 +81,17 @@ def preflight(cfg: Config) -> dict:
         raise PreflightError("scaling.use_gpu=true but no CUDA GPU is visible on this machine "
                              "(set scaling.use_gpu=false for CPU training, or submit to a GPU cluster)")
     if use_gpu and not os.environ.get("RAY_ADDRESS") and s.num_workers * s.gpus_per_worker > gpus:
-        raise PreflightError(f"scaling.num_workers={s.num_workers} x gpus_per_worker={s.gpus_per_worker} needs "
+        raise PreflightError(f"scaling.num_workers={s.num_workers} x gpus_per_worker={s.gpus_per_worker:g} needs "
                              f"{s.num_workers * s.gpus_per_worker:g} GPUs but this machine has {gpus}")
+    # a local Ray instance would wait forever for workers it cannot place
+    if local_ray and s.num_workers * s.cpus_per_worker > _local_cpus():
+        raise PreflightError(f"scaling.num_workers={s.num_workers} x cpus_per_worker={s.cpus_per_worker:g} needs "
+                             f"{s.num_workers * s.cpus_per_worker:g} CPUs but this machine has {_local_cpus()} "
+                             f"(lower them, or set RAY_ADDRESS to a cluster)")
+    if m.precision == "fp16" and not use_gpu:
+        raise PreflightError("model.precision=fp16 needs CUDA workers (fp16 loss scaling runs under CUDA autocast "
+                             "only); use fp32 or bf16 on CPU" + (", also with quant.load_in_4bit" if
+                                                                 cfg.quant.load_in_4bit else ""))
     if cfg.quant.load_in_4bit:
         import importlib.util
 
@@ -68,20 +104,37 @@ def preflight(cfg: Config) -> dict:
         where = check_model_source(m.name, m.gguf_file)
         tok = load_tokenizer(m.name, m.gguf_file, m.tokenizer, m.cache_dir)
         if is_preset(m.name):
-            positions = max_positions(preset_config(m.name, len(tok)))
+            hf_config = preset_config(m.name, len(tok))
         else:
             from transformers import AutoConfig
 
             from raytrain_scu.model import _gguf_cache, resolve_name
 
             src = _gguf_cache(m.name, m.gguf_file, m.cache_dir) if m.gguf_file else resolve_name(m.name)
-            positions = max_positions(AutoConfig.from_pretrained(os.path.expanduser(str(src)),
-                                                                 trust_remote_code=m.trust_remote_code))
+            hf_config = AutoConfig.from_pretrained(os.path.expanduser(str(src)), trust_remote_code=m.trust_remote_code)
     except ModelError as e:
         raise PreflightError(str(e)) from None
+    positions = max_positions(hf_config)
     if positions and d.block_size > positions:
         raise PreflightError(f"data.block_size={d.block_size} is beyond the model's {positions} positions "
                              f"(max_position_embeddings of {m.name})")
+    missing = _missing_lora_targets(hf_config, cfg.lora.target_modules, m.trust_remote_code)
+    if missing:
+        raise PreflightError(f"lora.target_modules: {missing} not found in {m.name}")
+    # re-running a run name resumes it: its newest good checkpoint must fit this config (local storage)
+    run_dir = Path(storage_dir(cfg.run.storage_path)) / cfg.run.name
+    if "://" not in str(run_dir):
+        try:
+            good, problems = newest_good_local(run_dir)
+            if good is not None:
+                check_structure(read_meta(good), structure_signature(
+                    name=m.name, gguf_file=m.gguf_file, r=cfg.lora.r, alpha=cfg.lora.alpha,
+                    targets=cfg.lora.target_modules, block_size=d.block_size, load_in_4bit=cfg.quant.load_in_4bit))
+        except CheckpointError as e:
+            raise PreflightError(str(e)) from None
+        if problems:
+            print(f"[raytrain_scu] warning: bad checkpoint(s) in {run_dir}: {'; '.join(problems)}; "
+                  f"resuming from {good.name}", file=sys.stderr, flush=True)
     try:
         check_source(d.source, d.path, d.text_field)
         data = prepare_data(tok, source=d.source, path=d.path, text_field=d.text_field,
@@ -210,6 +263,8 @@ def run(cfg: Config, *, quiet: bool = False) -> dict:
     trainer = build_trainer(cfg, use_gpu=facts["use_gpu"], run_id=run_id, callbacks=[_progress_callback()])
     result = trainer.fit()
     if result.error:
+        if run_id:
+            tracking.mark_failed(cfg, run_id)
         raise result.error
     out = output_dir(cfg)
     out.mkdir(parents=True, exist_ok=True)
@@ -240,7 +295,20 @@ def run(cfg: Config, *, quiet: bool = False) -> dict:
 USAGE = "usage: python -m raytrain_scu.train CONFIG.yaml [key=value ...]"
 
 
+def root_cause(error: BaseException) -> Optional[str]:
+    """``Type: message`` of the worker (or controller) exception inside Ray Train's wrapping; None if not Ray's."""
+    from ray.train import TrainingFailedError
+
+    if not isinstance(error, TrainingFailedError):
+        return None
+    failures = getattr(error, "worker_failures", None) or {}
+    cause = failures[min(failures)] if failures else getattr(error, "controller_failure", error)
+    return f"{type(cause).__name__}: {cause}".strip()
+
+
 def main(argv: list[str] | None = None) -> int:
+    from raytrain_scu.hardware import MemoryFitError
+
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
@@ -248,9 +316,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = resolve(argv[0], argv[1:])
         run(cfg)
-    except (ConfigError, PreflightError) as e:
+    except (ConfigError, PreflightError, MemoryFitError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:  # noqa: BLE001 - a failed run: its root cause in one line, not Ray's wrapping
+        cause = root_cause(e)
+        if cause is None:
+            raise
+        print(f"error: {cause}", file=sys.stderr)
+        return 1
     return 0
 
 

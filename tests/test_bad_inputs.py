@@ -1,0 +1,146 @@
+"""Bad inputs: each is refused before any Ray worker starts, with a message that names the problem, exit code 2.
+
+Most cases call ``train.main`` in this process with Ray's start replaced by a failure (fast); the cases that depend on
+process-wide state (HF_HUB_OFFLINE, whether Ray runs) and a few representative ones run the real CLI in a subprocess.
+The table of cases and messages is in docs/reliability.md. A resumed run whose checkpoint has a different structure is
+tested in test_reliability.py (it needs a real earlier run).
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, TINY
+
+
+def text_file(tmp_path, name: str, data: bytes) -> str:
+    p = tmp_path / name
+    p.write_bytes(data)
+    return str(p)
+
+
+def jsonl_without_text(tmp_path) -> str:
+    return text_file(tmp_path, "d.jsonl", json.dumps({"body": "no text field here"}).encode() + b"\n")
+
+
+def yaml_with(tmp_path, body: str) -> str:
+    p = tmp_path / "bad.yaml"
+    p.write_text(open(TINY).read() + body)
+    return str(p)
+
+
+# name -> (argv after the program name, given tmp_path; substrings the error must contain)
+CASES = {
+    "unknown key": (lambda t: [TINY, "train.max_stepz=5"], ["unknown config key 'train.max_stepz'"]),
+    "unknown key in the YAML file": (lambda t: [yaml_with(t, "extra_section:\n  a: 1\n")],
+                                     ["unknown config key 'extra_section'"]),
+    "wrong type": (lambda t: [TINY, "train.max_steps=ten"], ["train.max_steps", "expected an int", "'ten'"]),
+    "wrong type in the YAML file": (lambda t: [yaml_with(t, "hardware:\n  preset: [a100]\n")],
+                                    ["hardware.preset", "expected a string"]),
+    "override without '='": (lambda t: [TINY, "train.max_steps"], ["train.max_steps", "expected key=value"]),
+    "config file missing": (lambda t: [str(t / "nope.yaml")], ["config file not found", "nope.yaml"]),
+    "config file not YAML": (lambda t: [text_file(t, "x.yaml", b"seed: [0\n")], ["not valid YAML"]),
+    "negative lr": (lambda t: [TINY, "optim.lr=-0.001"], ["optim.lr", "must be > 0", "-0.001"]),
+    "target_s above 1": (lambda t: [TINY, "controller.target_s=1.5"], ["controller.target_s", "(0, 1)", "1.5"]),
+    "target_s = 0": (lambda t: [TINY, "controller.target_s=0"], ["controller.target_s", "(0, 1)"]),
+    "kp < 0": (lambda t: [TINY, "controller.kp=-0.5"], ["controller.kp", "must be >= 0", "-0.5"]),
+    "lambda bounds inverted": (lambda t: [TINY, "controller.lambda_min=5", "controller.lambda_max=1"],
+                               ["lambda_min < lambda_init <= lambda_max", "5.0"]),
+    "batch size 0": (lambda t: [TINY, "data.batch_size=0"], ["data.batch_size", "must be >= 1", "got 0"]),
+    "val_fraction 1": (lambda t: [TINY, "data.val_fraction=1.0"], ["data.val_fraction", "(0, 1)"]),
+    "checkpoint_every not a multiple of report_every": (lambda t: [TINY, "train.checkpoint_every=7"],
+                                                        ["train.checkpoint_every", "multiple of train.report_every"]),
+    "malformed search space (low > high)": (lambda t: [TINY, "tune.space={controller.kp: {loguniform: [2.0, 0.1]}}"],
+                                            ["tune.space.controller.kp", "low < high"]),
+    "search space on an unknown key": (lambda t: [TINY, "tune.space={controller.kq: {choice: [1, 2]}}"],
+                                       ["tune.space.controller.kq", "is not a config key"]),
+    "search space of an unknown kind": (lambda t: [TINY, "tune.space={optim.lr: {normal: [0, 1]}}"],
+                                        ["tune.space.optim.lr", "unknown kind 'normal'"]),
+    # ---- found by preflight (I/O on the driver, still before Ray)
+    "block_size beyond the model's positions": (lambda t: [TINY, "data.block_size=4096"],
+                                                ["data.block_size=4096", "2048 positions"]),
+    "data path missing": (lambda t: [TINY, "data.source=text", f"data.path={t}/missing.txt"],
+                          ["data path does not exist", "missing.txt"]),
+    "data path not set": (lambda t: [TINY, "data.source=text"], ["data.path", "must be set for data.source=text"]),
+    "data empty": (lambda t: [TINY, "data.source=text", f"data.path={text_file(t, 'empty.txt', b'  ')}"],
+                   ["no text in", "empty"]),
+    "data undecodable": (lambda t: [TINY, "data.source=text",
+                                    f"data.path={text_file(t, 'bin.txt', b'ok then ' + bytes([0xff, 0xfe, 0x00]))}"],
+                         ["bin.txt is not UTF-8", "0xff", "byte offset 8"]),
+    "jsonl without the text field": (lambda t: [TINY, "data.source=jsonl", f"data.path={jsonl_without_text(t)}"],
+                                     ["d.jsonl:1", "no field 'text'", "data.text_field"]),
+    "training split smaller than one global batch": (lambda t: [TINY, "data.batch_size=100000"],
+                                                     ["fewer than one global batch"]),
+    "missing GGUF file": (lambda t: [TINY, f"model.name={t}", "model.gguf_file=missing.gguf"],
+                          ["model.gguf_file", "GGUF file not found", "missing.gguf"]),
+    "model directory without config.json": (lambda t: [TINY, f"model.name={t}"], ["has no config.json"]),
+    "LoRA target module the model lacks": (lambda t: [TINY, "lora.target_modules=q_proj,qkv_proj"],
+                                           ["lora.target_modules", "qkv_proj", "not found in tiny"]),
+    "use_gpu with no GPU": (lambda t: [TINY, "scaling.use_gpu=true"], ["scaling.use_gpu=true", "no CUDA GPU"]),
+    "fp16 on CPU workers": (lambda t: [TINY, "model.precision=fp16"], ["model.precision=fp16", "CUDA", "fp32 or bf16"]),
+    "4-bit with model.compile": (lambda t: [TINY, "quant.load_in_4bit=true", "model.compile=true"],
+                                 ["quant.load_in_4bit=true with model.compile=true is not supported"]),
+    "4-bit with fp16 on CPU": (lambda t: [TINY, "quant.load_in_4bit=true", "model.precision=fp16"],
+                               ["model.precision=fp16", "also with quant.load_in_4bit"]),
+    "unwritable storage path": (lambda t: [TINY, f"run.storage_path={text_file(t, 'a-file', b'x')}/runs"],
+                                ["run.storage_path=", "not writable"]),
+}
+
+
+@pytest.fixture
+def no_ray(monkeypatch):
+    """train.main in this process, where starting Ray fails the test."""
+    import raytrain_scu.train as train
+
+    def refuse(cfg):
+        raise AssertionError("Ray was about to start: the bad input was not caught early")
+
+    monkeypatch.setattr(train, "init_ray", refuse)
+    return train.main
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_bad_input_is_refused_early_with_a_clear_message(name, tmp_path, no_ray, capsys):
+    argv_of, expected = CASES[name]
+    code = no_ray(argv_of(tmp_path))
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.startswith("error: ") and all(s in err for s in expected), err
+    print(f"BAD_INPUT {json.dumps({'case': name, 'message': err.strip()})}")
+
+
+def test_more_workers_than_gpus(tmp_path, no_ray, capsys, monkeypatch):
+    import raytrain_scu.train as train
+
+    monkeypatch.setattr(train, "_gpu_count", lambda: 1)  # this machine has none; pretend one
+    code = no_ray([TINY, "scaling.use_gpu=true", "scaling.num_workers=2", f"run.storage_path={tmp_path}"])
+    err = capsys.readouterr().err
+    assert code == 2 and "scaling.num_workers=2 x gpus_per_worker=1 needs 2 GPUs but this machine has 1" in err
+    print(f"BAD_INPUT {json.dumps({'case': 'more workers than GPUs', 'message': err.strip()})}")
+
+
+def cli(*args, env=None):
+    full_env = {**os.environ, "RAY_AUTH_MODE": "disabled", **(env or {})}
+    full_env.pop("RAY_ADDRESS", None)
+    return subprocess.run([sys.executable, "-m", "raytrain_scu.train", *args], capture_output=True, text=True,
+                          cwd=ROOT, env=full_env, timeout=300)
+
+
+# the real CLI: exit code, message, and no Ray instance started
+@pytest.mark.parametrize("name, args, env, expected", [
+    ("unknown model id offline", ["model.name=no-such-org/no-such-model"], {"HF_HUB_OFFLINE": "1"},
+     ["model.name=no-such-org/no-such-model", "HF_HUB_OFFLINE=1"]),
+    ("more workers than CPUs", ["scaling.num_workers=4096"], {}, ["scaling.num_workers=4096", "needs 4096 CPUs"]),
+    ("unknown key (CLI)", ["train.max_stepz=5"], {}, ["unknown config key 'train.max_stepz'"]),
+    ("undecodable data (CLI)", ["data.source=text", "data.path={tmp}/bin.txt"], {}, ["bin.txt is not UTF-8"]),
+])
+def test_cli_bad_input_exits_non_zero_without_starting_ray(name, args, env, expected, tmp_path):
+    (tmp_path / "bin.txt").write_bytes(b"\xff\xfe")
+    r = cli(TINY, f"run.storage_path={tmp_path}", *[a.format(tmp=tmp_path) for a in args], env=env)
+    out = r.stdout + r.stderr
+    assert r.returncode == 2 and all(s in r.stderr for s in expected), out[-3000:]
+    assert "Started a local Ray instance" not in out and "RayTrainWorker" not in out
+    message = next(line for line in r.stderr.splitlines() if line.startswith("error: "))
+    print(f"BAD_INPUT {json.dumps({'case': name, 'message': message})}")

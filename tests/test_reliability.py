@@ -1,0 +1,501 @@
+"""Reliability: checkpoints that verify or fall back, worker and node loss survived through Ray, non-finite steps
+skipped and bounded, secrets kept out of logs and dumps, old checkpoints removed. Figures: docs/reliability.md.
+
+Unit tests need no Ray. The integration tests (marked slow, run by `make test`) train the tiny model on CPU workers;
+the fault tests hold the workers at a known step (RAYTRAIN_SCU_HOLD_AT_STEP) and kill them from outside.
+Run as a script, ``python tests/test_reliability.py two-node STORAGE`` is the two-node scenario (own Ray cluster).
+"""
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import ROOT, TINY, tiny_cfg
+from raytrain_scu import checkpoint as ckpt
+
+SECRETS = {"HF_TOKEN": "hf_SECRETtoken123", "MLFLOW_TRACKING_PASSWORD": "mlflowSECRETpw456",
+           "AWS_SECRET_ACCESS_KEY": "awsSECRETkey789"}
+
+
+# ---------------------------------------------------------------- helpers
+
+def tiny_peft():
+    from raytrain_scu.model import apply_lora, build_model
+
+    torch.manual_seed(0)
+    return apply_lora(build_model("tiny", vocab_size=256), r=2, alpha=4, targets=["q_proj", "v_proj"])
+
+
+def write(out, model, step=10):
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    return ckpt.write_checkpoint(out, model=model, optimizer=opt, scaler=torch.amp.GradScaler("cpu", enabled=False),
+                                 controller_state={"lam": 1.5}, step=step, position=step * 8,
+                                 structure={"lora.r": 2}, tokens_per_epoch=1000, config_yaml="seed: 0\n",
+                                 history=[{"step": step}])
+
+
+def truncate(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def flip_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def adapter(d) -> dict:
+    return load_file(f"{d}/adapter_model.safetensors" if Path(d, "adapter_model.safetensors").exists()
+                     else f"{d}/adapter/adapter_model.safetensors")
+
+
+def max_abs_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+def checkpoint_dirs(run_dir) -> list[Path]:
+    return sorted(p for p in Path(run_dir).glob("checkpoint_*") if p.is_dir())
+
+
+def wait_for(predicate, timeout_s: float, what: str):
+    """The first truthy value of ``predicate()``; an exception counts as not yet (a busy state API, say)."""
+    t0, last_error = time.time(), None
+    while time.time() - t0 < timeout_s:
+        try:
+            value = predicate()
+        except Exception as e:  # noqa: BLE001
+            value, last_error = None, e
+        if value:
+            return value
+        time.sleep(0.5)
+    raise TimeoutError(f"waited {timeout_s:.0f} s for {what} (last error: {last_error!r})")
+
+
+def held_pids(hold_dir: Path, world: int) -> dict[int, int]:
+    """rank -> pid of the workers that reached the hold step (files written by loop.hold_for_kill)."""
+    files = sorted(hold_dir.glob("rank*.pid"))
+    if len(files) < world:
+        return {}
+    return {int(f.stem[4:]): int(f.read_text().split()[0]) for f in files}
+
+
+def mlflow_run(storage, name):
+    """(the only MLflow run of this run name, its client); fails if there is not exactly one."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{storage}/mlflow.db")
+    exp = client.get_experiment_by_name(name)
+    runs = client.search_runs([exp.experiment_id])
+    assert len(runs) == 1, [r.info.run_id for r in runs]
+    return runs[0], client
+
+
+def cli(*args, env=None, timeout=600):
+    full_env = {**os.environ, "RAY_AUTH_MODE": "disabled", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "raytrain_scu.train", TINY, *args], capture_output=True, text=True,
+                          cwd=ROOT, env=full_env, timeout=timeout)
+
+
+# ---------------------------------------------------------------- checkpoints (no Ray)
+
+def test_write_checkpoint_is_atomic_and_verifies(tmp_path, monkeypatch):
+    model = tiny_peft()
+    out = write(tmp_path / "checkpoint_00000010", model)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert set(ckpt.REQUIRED) <= set(manifest["files"]) and manifest["step"] == 10
+    assert ckpt.verify(out) is None
+    assert not (tmp_path / "checkpoint_00000010.partial").exists()
+    # a write that dies half-way leaves the previous checkpoint at that path untouched
+    before = (out / "state.pt").read_bytes()
+
+    def crash(*a, **k):
+        raise OSError("disk full (injected)")
+
+    monkeypatch.setattr(ckpt.torch, "save", crash)
+    with pytest.raises(OSError, match="injected"):
+        write(out, model, step=20)
+    monkeypatch.undo()
+    assert ckpt.verify(out) is None and (out / "state.pt").read_bytes() == before
+    assert ckpt.newest_good_local(tmp_path) == (out, [])  # the leftover .partial is ignored
+
+
+@pytest.mark.parametrize("damage, reason", [
+    (lambda d: truncate(d / "state.pt"), "truncated"),
+    (lambda d: flip_byte(d / "adapter" / "adapter_model.safetensors"), "checksum mismatch"),
+    (lambda d: (d / "manifest.json").unlink(), "no manifest.json"),
+    (lambda d: (d / "controller.json").unlink(), "missing file controller.json"),
+    (lambda d: (d / "manifest.json").write_text("{not json"), "unreadable manifest"),
+    (lambda d: (d / "manifest.json").write_text('{"files": {}}'), "manifest lists no"),
+], ids=["truncated", "bit-flip", "no-manifest", "file-missing", "manifest-not-json", "manifest-empty"])
+def test_verify_names_what_is_wrong(tmp_path, damage, reason):
+    out = write(tmp_path / "c", tiny_peft())
+    damage(out)
+    assert reason in ckpt.verify(out)
+
+
+def test_fallback_to_previous_good_checkpoint_and_clear_error_when_none(tmp_path):
+    from ray.train import Checkpoint
+
+    model = tiny_peft()
+    old, new = write(tmp_path / "checkpoint_00000010", model, 10), write(tmp_path / "checkpoint_00000020", model, 20)
+    write(tmp_path / "checkpoint_00000030", model, 30)  # newer than the given latest: never used
+    truncate(new / "state.pt")
+    with contextlib.ExitStack() as stack, pytest.warns(UserWarning, match="skipped bad checkpoint.*truncated"):
+        local, problems = ckpt.open_good_checkpoint(Checkpoint.from_directory(str(new)), stack)
+    assert local == old and len(problems) == 1 and "checkpoint_00000020" in problems[0]
+    good, problems = ckpt.newest_good_local(tmp_path)
+    assert good.name == "checkpoint_00000030" and problems == []
+    for d in checkpoint_dirs(tmp_path):
+        flip_byte(d / "meta.json")
+    with contextlib.ExitStack() as stack, pytest.raises(ckpt.CheckpointError, match="no usable checkpoint"):
+        ckpt.open_good_checkpoint(Checkpoint.from_directory(str(new)), stack)
+    with pytest.raises(ckpt.CheckpointError, match="no usable checkpoint.*checkpoint_00000030.*use a new run.name"):
+        ckpt.newest_good_local(tmp_path)
+    assert ckpt.newest_good_local(tmp_path / "nothing-here") == (None, [])
+
+
+def assert_close_tree(a, b, tol=1e-6, where="controller"):
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for k in a:
+            assert_close_tree(a[k], b[k], tol, f"{where}.{k}")
+    elif isinstance(a, list):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_close_tree(x, y, tol, f"{where}[{i}]")
+    elif isinstance(a, float):
+        assert b == pytest.approx(a, abs=tol), where
+    else:
+        assert a == b, where
+
+
+def figures(**kw) -> None:
+    """The numbers docs/reliability.md quotes; `pytest -s` shows them."""
+    print("RELIABILITY " + json.dumps(kw))
+
+
+# ---------------------------------------------------------------- worker killed with SIGKILL (Ray restarts it)
+
+@pytest.mark.slow
+def test_sigkill_worker_mid_run_recovers_exactly(ray_local, tmp_path, monkeypatch):
+    import psutil
+
+    from raytrain_scu.train import run
+
+    common = ["train.max_steps=30", "train.checkpoint_every=10", "train.report_every=5", "run.max_failures=2"]
+    t0 = time.time()
+    clean = run(tiny_cfg(tmp_path, "clean", "tracking.enabled=false", *common), quiet=True)
+    clean_s = time.time() - t0
+
+    hold = tmp_path / "hold"
+    monkeypatch.setenv("RAYTRAIN_SCU_HOLD_AT_STEP", "15")  # both ranks stop after step 15 and wait to be killed
+    monkeypatch.setenv("RAYTRAIN_SCU_HOLD_DIR", str(hold))
+    kill = {}
+
+    def killer():
+        try:
+            pids = wait_for(lambda: held_pids(hold, 2), 300, "both workers to reach step 15")
+            cmdline = " ".join(psutil.Process(pids[0]).cmdline())
+            kill.update(pid=pids[0], cmdline=cmdline, t=time.time(),
+                        ckpts=[p.name for p in checkpoint_dirs(tmp_path / "cut")])
+            os.kill(pids[0], signal.SIGKILL)  # rank 0: the checkpoint writer and MLflow client
+        except Exception as e:  # noqa: BLE001 - reported by the test body
+            kill["error"] = repr(e)
+
+    threading.Thread(target=killer, daemon=True).start()
+    t0 = time.time()
+    cut = run(tiny_cfg(tmp_path, "cut", *common), quiet=True)
+    cut_s = time.time() - t0
+    assert "error" not in kill and "RayTrainWorker" in kill["cmdline"]
+    assert held_pids(hold, 2)[0] == kill["pid"]  # the restart did not start over: nobody reached step 15 again
+    assert not psutil.pid_exists(kill["pid"]) or psutil.Process(kill["pid"]).status() == psutil.STATUS_ZOMBIE
+
+    # it completed, from the checkpoint that existed when the worker died
+    assert cut["steps"] == 30 and kill["ckpts"] == ["checkpoint_00000010"]
+    last = checkpoint_dirs(tmp_path / "cut")[-1]
+    assert last.name == "checkpoint_00000030"
+    meta = ckpt.read_meta(last)
+    assert meta["resumed_at"] == [10]
+    steps_lost = 15 - meta["resumed_at"][0]
+    assert steps_lost <= 10  # train.checkpoint_every
+
+    # same final adapter and controller state as the uninterrupted run
+    diff = max_abs_diff(adapter(clean["adapter"]), adapter(cut["adapter"]))
+    assert diff <= 1e-6
+    clean_last = checkpoint_dirs(tmp_path / "clean")[-1]
+    assert_close_tree(json.loads((clean_last / "controller.json").read_text()),
+                      json.loads((last / "controller.json").read_text()))
+
+    # one MLflow run; every step logged exactly once
+    mrun, client = mlflow_run(tmp_path, "cut")
+    assert mrun.info.status == "FINISHED"
+    for key in ("ctrl/lambda", "train/data_bpt"):
+        steps = [m.step for m in client.get_metric_history(mrun.info.run_id, key)]
+        assert sorted(steps) == list(range(0 if key == "ctrl/lambda" else 1, 31)), key
+    figures(test="sigkill", kill_step=15, resumed_at=meta["resumed_at"], steps_lost=steps_lost,
+            adapter_max_abs_diff=diff, clean_s=round(clean_s, 1), killed_run_s=round(cut_s, 1),
+            recovery_s=round(time.time() - kill["t"], 1))
+
+
+# ---------------------------------------------------------------- non-finite loss or gradients
+
+@pytest.mark.slow
+def test_nonfinite_steps_are_skipped_and_counted(ray_local, tmp_path, monkeypatch):
+    from raytrain_scu.train import run
+
+    monkeypatch.setenv("RAYTRAIN_SCU_NAN_AT_STEPS", "5,6")  # the loss of steps 5 and 6 is multiplied by NaN
+    s = run(tiny_cfg(tmp_path, "nan", "tracking.enabled=false", "train.max_steps=8", "train.checkpoint_every=2",
+                     "train.report_every=2", "run.num_to_keep=10"), quiet=True)
+    assert s["steps"] == 8
+    c = {int(d.name[-8:]): d for d in checkpoint_dirs(tmp_path / "nan")}
+    assert sorted(c) == [2, 4, 6, 8]
+    # no optimizer step and no controller update on the skipped steps: state after 6 == state after 4
+    assert max_abs_diff(adapter(c[4]), adapter(c[6])) == 0.0 and max_abs_diff(adapter(c[6]), adapter(c[8])) > 0
+    ctrl4, ctrl6 = (json.loads((c[k] / "controller.json").read_text()) for k in (4, 6))
+    assert ctrl4 == ctrl6 and ctrl6["n_updates"] == 4
+    opt = [torch.load(c[k] / "state.pt", weights_only=False)["optimizer"]["state"] for k in (4, 6)]
+    assert all(torch.equal(opt[0][i]["exp_avg"], opt[1][i]["exp_avg"]) for i in opt[0])
+    rows = {r["step"]: r for r in torch.load(c[8] / "state.pt", weights_only=False)["history"]}
+    assert [rows[k]["train/skipped_steps"] for k in range(1, 9)] == [0, 0, 0, 0, 1, 2, 2, 2]
+    assert rows[5]["train/data_bpt"] != rows[5]["train/data_bpt"]  # NaN, recorded as such
+    assert rows[4]["ctrl/lambda"] == rows[5]["ctrl/lambda"] == rows[6]["ctrl/lambda"] != rows[7]["ctrl/lambda"]
+    assert ckpt.read_meta(c[8])["skipped_steps"] == 2
+
+
+@pytest.mark.slow
+def test_consecutive_nonfinite_steps_stop_the_run_with_a_clear_error(ray_local, tmp_path):
+    # the CLI, joined to the test's Ray instance: exit code and the one-line root cause, not Ray's wrapping
+    r = cli(f"run.storage_path={tmp_path}", "run.name=diverge", "train.max_steps=12", "train.checkpoint_every=2",
+            "train.report_every=2", "train.max_consecutive_skips=3", "run.max_failures=0", "run.num_to_keep=10",
+            env={"RAYTRAIN_SCU_NAN_AT_STEPS": "7,8,9", "RAY_ADDRESS": ray_local.get_runtime_context().gcs_address})
+    assert r.returncode == 1, r.stderr[-3000:]
+    assert ("error: NonFiniteError: 3 optimizer steps in a row had a non-finite loss or gradient (last at step 9); "
+            "the last good checkpoint is kept") in r.stderr
+    assert "_run_module_as_main" not in r.stderr  # no driver traceback
+    # the last good checkpoints stay on disk and verify; nothing was written after the stop
+    dirs = checkpoint_dirs(tmp_path / "diverge")
+    assert [d.name[-2:] for d in dirs] == ["02", "04", "06", "08"] and all(ckpt.verify(d) is None for d in dirs)
+    assert max_abs_diff(adapter(dirs[2]), adapter(dirs[3])) == 0.0  # step 8 was skipped: same weights as step 6
+    mrun, _ = mlflow_run(tmp_path, "diverge")
+    assert mrun.info.status == "FAILED"
+
+
+# ---------------------------------------------------------------- corrupt or truncated checkpoints in a real run
+
+@pytest.mark.slow
+def test_corrupt_latest_checkpoint_falls_back_then_none_good_is_a_clear_error(ray_local, tmp_path, capfd):
+    from raytrain_scu.train import PreflightError, run
+
+    args = ["tracking.enabled=false", "train.max_steps=20", "train.checkpoint_every=10", "train.report_every=5"]
+    first = run(tiny_cfg(tmp_path, "c", *args), quiet=True)
+    run_dir = tmp_path / "c"
+    assert [d.name for d in checkpoint_dirs(run_dir)] == ["checkpoint_00000010", "checkpoint_00000020"]
+    good_adapter = adapter(first["adapter"])
+    truncate(run_dir / "checkpoint_00000020" / "state.pt")
+
+    again = run(tiny_cfg(tmp_path, "c", *args), quiet=True)
+    assert "bad checkpoint(s)" in capfd.readouterr().err  # the driver's warning, before any worker starts
+    redone = run_dir / "checkpoint_00000020_from00000010"  # resumed at 10, redid 11..20 under a new name
+    assert again["steps"] == 20 and ckpt.verify(redone) is None
+    assert ckpt.read_meta(redone)["resumed_at"] == [10]
+    assert max_abs_diff(good_adapter, adapter(redone)) <= 1e-6
+
+    for d in checkpoint_dirs(run_dir):
+        flip_byte(d / "adapter" / "adapter_model.safetensors")
+    with pytest.raises(PreflightError, match="no usable checkpoint in .*checksum mismatch.*use a new run.name"):
+        run(tiny_cfg(tmp_path, "c", *args), quiet=True)
+
+
+# ---------------------------------------------------------------- secrets, disk, a structurally different resume
+
+@pytest.fixture(scope="module")
+def secret_run(tmp_path_factory):
+    """One real CLI run (its own Ray) with secrets in the environment of the driver, raylet and workers;
+    MLflow tracking on (sqlite), checkpoints at 5, 10, 15, 20 with run.num_to_keep=2."""
+    storage = tmp_path_factory.mktemp("secret")
+    t0 = time.time()
+    r = cli(f"run.storage_path={storage}", "run.name=sec", "train.max_steps=20", "train.checkpoint_every=5",
+            "train.report_every=5", "run.num_to_keep=2", env={**SECRETS, "RAY_ADDRESS": ""})
+    assert r.returncode == 0, r.stderr[-3000:]
+    return storage, r, time.time() - t0
+
+
+@pytest.mark.slow
+def test_secrets_from_the_environment_are_never_logged_or_dumped(secret_run):
+    storage, r, _ = secret_run
+    files = [p for p in storage.rglob("*") if p.is_file()]
+    assert any(p.name == "mlflow.db" for p in files) and any(p.name == "config.yaml" for p in files)
+    mrun, client = mlflow_run(storage, "sec")
+    assert len(mrun.data.params) > 50  # the params were logged, just not the secrets
+    for name, secret in SECRETS.items():
+        assert secret not in r.stdout + r.stderr, name
+        leaks = [str(p) for p in files if secret.encode() in p.read_bytes()]  # MLflow db, artifacts, checkpoints
+        assert not leaks, (name, leaks)
+        assert not any(secret in str(v) for v in {**mrun.data.params, **mrun.data.tags}.values()), name
+
+
+def test_tracking_uri_credentials_are_redacted_in_params_dumps_and_run_file(tmp_path):
+    from raytrain_scu import tracking
+    from raytrain_scu.config import to_yaml
+
+    cfg = tiny_cfg(tmp_path, "uri", "tracking.uri=https://alice:pw_SECRET@mlflow.example.invalid/")
+    params = tracking.derived_params(cfg, tokens_per_epoch=1, world=1, device=torch.device("cpu"))
+    assert params["tracking.uri"] == "https://alice:***@mlflow.example.invalid/"
+    tracking.remember_run_id(cfg, "0123")
+    dumps = [to_yaml(cfg, redact=True), json.dumps(params, default=str),
+             (tmp_path / "uri" / "mlflow_run.json").read_text()]
+    assert all("pw_SECRET" not in d for d in dumps)
+
+
+def test_tracking_uri_credentials_are_redacted_in_warnings(tmp_path):
+    # MLflow's exception text holds the full URI: the tracker's warnings must redact it too
+    import warnings
+
+    from raytrain_scu import tracking
+
+    cfg = tiny_cfg(tmp_path, "uri", "tracking.uri=https://alice:pw_SECRET@mlflow.example.invalid/")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tracker = tracking.MlflowTracker(cfg)  # the server cannot be reached: every call warns
+        tracker.start({"seed": 0})
+        tracker.log_step({"step": 1, "train/data_bpt": 1.0})
+        tracker.flush()
+        tracker.finish([])
+    messages = [str(w.message) for w in caught if "MLflow" in str(w.message)]
+    assert messages and not any("pw_SECRET" in m for m in messages), messages
+
+
+@pytest.mark.slow
+def test_old_checkpoints_beyond_num_to_keep_are_removed(secret_run):
+    storage, _, run_s = secret_run
+    dirs = checkpoint_dirs(storage / "sec")
+    # 4 checkpoints reported; Ray keeps the 2 best by val/data_bpt plus always the latest
+    assert 1 <= len(dirs) <= 3 and dirs[-1].name == "checkpoint_00000020", [d.name for d in dirs]
+    assert all(ckpt.verify(d) is None for d in dirs)
+    size = {d.name: sum(f.stat().st_size for f in d.rglob("*") if f.is_file()) for d in dirs}
+    figures(test="disk", checkpoints_reported=4, checkpoints_left=len(dirs), checkpoint_bytes=size,
+            run_dir_bytes=sum(f.stat().st_size for f in (storage / "sec").rglob("*") if f.is_file()),
+            cli_run_s=round(run_s, 1))
+
+
+@pytest.mark.slow
+def test_resuming_a_structurally_different_checkpoint_is_refused_before_ray(secret_run):
+    storage, _, _ = secret_run
+    r = cli(f"run.storage_path={storage}", "run.name=sec", "train.max_steps=20", "lora.r=8", env={"RAY_ADDRESS": ""})
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "lora.r: checkpoint has 4, config has 8" in r.stderr and "use a new run.name" in r.stderr.lower()
+    assert "Started a local Ray instance" not in r.stdout + r.stderr
+    print(f"BAD_INPUT {json.dumps({'case': 'resume with a different lora.r', 'message': r.stderr.strip()})}")
+
+
+# ---------------------------------------------------------------- a node lost from a two-node cluster
+
+def two_node_scenario(storage: str) -> dict:
+    """Two Ray nodes on this machine, one training worker on each (STRICT_SPREAD); the worker node is removed after
+    step 15 (checkpoint at 10) and a replacement node added. Prints and returns what happened.
+
+    Training runs in a thread; the main thread changes the cluster (Ray starts node processes from the main thread)."""
+    import ray
+    from ray.cluster_utils import Cluster
+    from ray.util.state import list_actors
+
+    from raytrain_scu.train import run
+
+    hold = Path(storage) / "hold"
+    os.environ.update(RAYTRAIN_SCU_HOLD_AT_STEP="15", RAYTRAIN_SCU_HOLD_DIR=str(hold))
+    t0 = time.time()
+    with socket.socket() as sock:  # the state API needs the head's dashboard; 8265 may be another Ray's on this box
+        sock.bind(("127.0.0.1", 0))
+        dashboard_port = sock.getsockname()[1]
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "dashboard_port": dashboard_port})
+    worker_node = cluster.add_node(num_cpus=2)
+    ray.init(address=cluster.address, log_to_driver=False)
+    out = {"head": cluster.head_node.node_id, "worker_node": worker_node.node_id,
+           "cluster_start_s": round(time.time() - t0, 1)}
+
+    def workers_if(condition) -> dict:
+        alive = list_actors(address=cluster.address,
+                            filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")])
+        w = {a.pid: a.node_id for a in alive}
+        return w if condition(w) else {}
+
+    def train():
+        try:
+            cfg = tiny_cfg(storage, "two-node", "train.max_steps=30", "train.checkpoint_every=10",
+                           "train.report_every=5", "scaling.placement_strategy=STRICT_SPREAD", "run.max_failures=3")
+            out["summary"] = run(cfg, quiet=True)
+        except Exception as e:  # noqa: BLE001 - reported in the output
+            out["error"] = repr(e)
+
+    trainer = threading.Thread(target=train, daemon=True)
+    trainer.start()
+    try:
+        pids = wait_for(lambda: held_pids(hold, 2), 300, "both workers to reach step 15")
+        before = wait_for(lambda: workers_if(lambda w: set(pids.values()) <= set(w)), 90, "actor states")
+        out["nodes_before"] = sorted({before[p] for p in pids.values()})
+        t_lost = time.time()
+        cluster.remove_node(worker_node, allow_graceful=False)
+        out["replacement"] = cluster.add_node(num_cpus=2).node_id
+        after = wait_for(lambda: workers_if(lambda w: len(w) == 2 and not set(w) & set(before)), 300,
+                         "a new worker group")
+        out["nodes_after"] = sorted(set(after.values()))
+        out["restarted_s"] = round(time.time() - t_lost, 1)
+        trainer.join(timeout=300)
+        out["recovered_s"] = round(time.time() - t_lost, 1)
+    except Exception as e:  # noqa: BLE001
+        out["error"] = repr(e)
+    if trainer.is_alive():
+        out.setdefault("error", "training did not finish")
+    last = checkpoint_dirs(Path(storage) / "two-node")[-1]
+    out.update(steps=out.pop("summary", {}).get("steps"), last_checkpoint=last.name,
+               resumed_at=ckpt.read_meta(last).get("resumed_at"), total_s=round(time.time() - t0, 1))
+    print("TWO_NODE " + json.dumps(out), flush=True)
+    if "error" in out:
+        os._exit(1)  # a stuck trainer thread must not keep the process alive
+    ray.shutdown()
+    cluster.shutdown()
+    return out
+
+
+@pytest.mark.slow
+def test_two_node_cluster_survives_losing_a_node(tmp_path):
+    import tempfile
+
+    # its own Ray cluster in its own process; a private RAY_TMPDIR keeps other ray.init() calls on this machine
+    # from finding (and joining) it through /tmp/ray/ray_current_cluster
+    ray_tmp = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # short: Ray's socket paths live under it
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_TMPDIR": ray_tmp}
+    env.pop("RAY_ADDRESS", None)
+    try:
+        r = subprocess.run([sys.executable, __file__, "two-node", str(tmp_path)], capture_output=True, text=True,
+                           cwd=ROOT, env=env, timeout=600)
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    lines = [line for line in r.stdout.splitlines() if line.startswith("TWO_NODE ")]
+    assert lines, r.stdout[-3000:] + r.stderr[-5000:]
+    out = json.loads(lines[-1][len("TWO_NODE "):])
+    assert "error" not in out and r.returncode == 0, json.dumps(out) + r.stderr[-3000:]
+    assert out["nodes_before"] == sorted([out["head"], out["worker_node"]])  # training spanned both nodes
+    assert out["nodes_after"] == sorted([out["head"], out["replacement"]])  # and recovered onto the new one
+    assert out["steps"] == 30 and out["last_checkpoint"] == "checkpoint_00000030"
+    assert out["resumed_at"] == [10]  # from the checkpoint written before the node was lost: 5 steps redone
+    figures(test="two_node", steps_lost=15 - out["resumed_at"][0], **{k: out[k] for k in (
+        "cluster_start_s", "restarted_s", "recovered_s", "total_s")})
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["two-node"]:
+        two_node_scenario(sys.argv[2])
