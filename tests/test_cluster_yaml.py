@@ -3,6 +3,7 @@ integer GPUs, the package installed from the synced directory, no Ray port open 
 of the installed Ray version, token auth on every node. Also the Makefile's cluster recipes."""
 import copy
 import json
+import os
 import re
 import shlex
 import shutil
@@ -160,7 +161,10 @@ def make():
         pytest.skip("no make")
 
     def dry_run(*args):
-        out = subprocess.run(["make", "-n", *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        # under `make test` the parent make's MAKEFLAGS/MAKELEVEL would add "Entering directory" lines
+        env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}
+        out = subprocess.run(["make", "--no-print-directory", "-n", *args], cwd=ROOT, capture_output=True,
+                             text=True, timeout=60, env=env)
         assert out.returncode == 0, out.stderr
         return out.stdout
     return dry_run

@@ -1,4 +1,8 @@
-"""`ray start --head` on loopback, then `ray job submit --working-dir . -- python -m raytrain_scu.train ...`."""
+"""Runs first (file name): `ray start --head` on loopback, then `ray job submit --working-dir . -- python -m raytrain_scu.train`.
+
+It must run before any other Ray instance starts on this machine: with a second instance up, the head's job agent
+was seen never to register ("No available agent to submit job").
+"""
 import json
 import os
 import signal
@@ -46,15 +50,20 @@ def test_ray_job_submit_runs_training(tmp_path):
             time.sleep(1)
     try:
         storage = tmp_path / "runs"
-        runtime_env = json.dumps({"excludes": [".venv", ".git", "runs", "*.egg-info", ".carry", ".whl"]})
-        job = subprocess.run(
+        runtime_env = json.dumps({"excludes": [".venv", ".git", "runs", "*.egg-info", ".carry", ".whl", ".pytest_cache",
+                                               ".hypothesis"]})
+        submit = (
             [ray, "job", "submit", f"--address=http://127.0.0.1:{dash}", "--working-dir", str(ROOT),
              f"--runtime-env-json={runtime_env}", "--",
              "python", "-m", "raytrain_scu.train", "experiments/tiny-cpu.yaml", f"run.storage_path={storage}",
              "run.name=submitted", "train.max_steps=6", "train.report_every=3", "train.checkpoint_every=3",
-             "tracking.enabled=false"],
-            env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
-        out = job.stdout + job.stderr
+             "tracking.enabled=false"])
+        for _ in range(20):  # the dashboard answers before its job agent is ready ("No available agent")
+            job = subprocess.run(submit, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+            out = job.stdout + job.stderr
+            if "No available agent" not in out:
+                break
+            time.sleep(3)
         assert job.returncode == 0, out[-4000:]
         assert "succeeded" in out.lower() and "[raytrain_scu] done" in out, out[-3000:]
         assert (storage / "submitted" / "output" / "adapter" / "adapter_model.safetensors").is_file()
