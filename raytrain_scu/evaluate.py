@@ -69,7 +69,7 @@ def tokenize_for_scoring(tokenizer, docs: list[str]) -> list[list[int]]:
 def row_nats(loss_model: CausalLMLoss, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Σ cross-entropy nats of each row of (x, y), shape (rows,): CausalLMLoss's math, kept apart per row."""
     if loss_model.fused:
-        hidden = loss_model._decoder()(input_ids=x).last_hidden_state  # the body under the head, as in training
+        hidden = loss_model.decoder()(input_ids=x).last_hidden_state  # the body under the head, as in training
         weight = loss_model.model.get_output_embeddings().weight
         return torch.stack([chunked_ce_sum(h, weight, t, loss_model.chunk_size) for h, t in zip(hidden, y)])
     logits = loss_model.model(input_ids=x, return_dict=True).logits.float()

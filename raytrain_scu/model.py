@@ -376,7 +376,7 @@ class CausalLMLoss(nn.Module):
     def forward(self, x: torch.Tensor, y: torch.Tensor):
         n_tokens = (y != -100).sum()
         if self.fused:
-            hidden = self._decoder()(input_ids=x).last_hidden_state
+            hidden = self.decoder()(input_ids=x).last_hidden_state
             head = self.model.get_output_embeddings()
             nats = chunked_ce_sum(hidden.reshape(-1, hidden.shape[-1]), head.weight, y.reshape(-1), self.chunk_size)
         else:
@@ -385,7 +385,7 @@ class CausalLMLoss(nn.Module):
                                    ignore_index=-100, reduction="sum")
         return nats, n_tokens
 
-    def _decoder(self):
+    def decoder(self):
         """The transformer body under the LM head (peft injects LoRA into it in place)."""
         lm = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
         return getattr(lm, lm.base_model_prefix)

@@ -58,8 +58,8 @@ def preflight(cfg: Config) -> dict:
     """
     from raytrain_scu.checkpoint import CheckpointError, check_structure, newest_good_local, read_meta
     from raytrain_scu.data import DataError, check_source, prepare_data
-    from raytrain_scu.model import ModelError, check_model_source, is_preset, load_tokenizer, max_positions, \
-        preset_config, structure_signature
+    from raytrain_scu.model import ModelError, check_model_source, load_tokenizer, max_positions, model_config, \
+        structure_signature
     from raytrain_scu.tracking import storage_dir
 
     m, d, s = cfg.model, cfg.data, cfg.scaling
@@ -103,15 +103,8 @@ def preflight(cfg: Config) -> dict:
     try:
         where = check_model_source(m.name, m.gguf_file)
         tok = load_tokenizer(m.name, m.gguf_file, m.tokenizer, m.cache_dir)
-        if is_preset(m.name):
-            hf_config = preset_config(m.name, len(tok))
-        else:
-            from transformers import AutoConfig
-
-            from raytrain_scu.model import _gguf_cache, resolve_name
-
-            src = _gguf_cache(m.name, m.gguf_file, m.cache_dir) if m.gguf_file else resolve_name(m.name)
-            hf_config = AutoConfig.from_pretrained(os.path.expanduser(str(src)), trust_remote_code=m.trust_remote_code)
+        hf_config = model_config(m.name, gguf_file=m.gguf_file, vocab_size=len(tok), cache_dir=m.cache_dir,
+                                 trust_remote_code=m.trust_remote_code)
     except ModelError as e:
         raise PreflightError(str(e)) from None
     positions = max_positions(hf_config)

@@ -85,7 +85,7 @@ def test_exported_adapter_loads_with_peft(ray_local, tmp_path):
     tok = load_tokenizer("tiny")
     model = PeftModel.from_pretrained(build_model("tiny", vocab_size=len(tok)), s["adapter"])
     assert any("lora_A" in n for n, _ in model.named_parameters())
-    assert (ROOT / "experiments").exists() and json.loads(open(f"{s['adapter']}/adapter_config.json").read())["r"] == 4
+    assert json.loads(open(f"{s['adapter']}/adapter_config.json").read())["r"] == 4
 
 
 def test_qlora_4bit_runs_on_cpu(ray_local, tmp_path):
