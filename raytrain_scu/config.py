@@ -127,6 +127,10 @@ class ScalingConfig:
     cpus_per_worker: float = 1.0
     gpus_per_worker: float = 1.0
     placement_strategy: str = "PACK"
+    # how often Ray Train's controller polls the workers (RAY_TRAIN_HEALTH_CHECK_INTERVAL_S, Ray's default 2 s).
+    # A worker holds one unconsumed report, so a report every < poll_interval_s stalls training until the next poll;
+    # a checkpoint is registered at a poll too
+    poll_interval_s: float = 0.25
 
 
 @dataclass
@@ -476,6 +480,8 @@ def validate(cfg: Config) -> None:
     _check(s.cpus_per_worker > 0, "scaling.cpus_per_worker", f"must be > 0, got {s.cpus_per_worker}")
     _check(s.gpus_per_worker > 0, "scaling.gpus_per_worker", f"must be > 0, got {s.gpus_per_worker}")
     _one_of("scaling.placement_strategy", s.placement_strategy, ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"))
+    _check(0 < s.poll_interval_s <= 60, "scaling.poll_interval_s",
+           f"must be in (0, 60] seconds, got {s.poll_interval_s}")
     if q.load_in_4bit:
         _check(m.precision != "fp32" or s.use_gpu is not True, "quant.load_in_4bit",
                "4-bit on GPU needs a bf16/fp16 compute precision (model.precision), not fp32")

@@ -193,7 +193,7 @@ def run_loop(cfg, *, hooks, run_id=None) -> None:
         tracker.log_step(history[-1])
     val_bpt_start = history[0]["val/data_bpt"] if history and history[0]["step"] == 0 else float("nan")
     tokens_per_step = d.batch_size * d.grad_accum * world_size() * d.block_size
-    t_last, steps_since = time.perf_counter(), 0
+    t_last, steps_since, report_wait, wait_was_ckpt, warned_wait = time.perf_counter(), 0, 0.0, False, False
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
@@ -280,7 +280,14 @@ def run_loop(cfg, *, hooks, run_id=None) -> None:
             now = time.perf_counter()
             perf = {"perf/tokens_per_s": tokens_per_step * steps_since / (now - t_last),
                     "perf/max_mem_gib": (torch.cuda.max_memory_allocated(device) / 2**30
-                                         if device.type == "cuda" else 0.0)}
+                                         if device.type == "cuda" else 0.0),
+                    "perf/report_wait_s": report_wait}  # time the previous report (and checkpoint) took
+            if report_wait > max(0.05, 0.1 * (now - t_last)) and not wait_was_ckpt and not warned_wait:
+                warned_wait = True
+                print0(f"[raytrain_scu] warning: reporting to Ray blocked training for {report_wait:.2f} s of a "
+                       f"{now - t_last:.2f} s interval: reports come faster than Ray's controller takes them (every "
+                       f"scaling.poll_interval_s={cfg.scaling.poll_interval_s} s). Raise train.report_every or lower "
+                       f"scaling.poll_interval_s.")
             t_last, steps_since = now, 0
             row.update(perf)
             tracker.log_step(perf, step=step + 1)
@@ -297,8 +304,10 @@ def run_loop(cfg, *, hooks, run_id=None) -> None:
                                       extra={"val_bpt": val_bpt, "best_val": best_val, "resumed_at": resumed_at,
                                              "skipped_steps": skipped_total, "skipped_in_a_row": skipped_in_a_row})
             tracker.flush()
+            t_report = time.perf_counter()
             hooks.report(metrics, local / "ckpt" if local else None,
                          f"checkpoint_{step + 1:08d}{ckpt_suffix}" if is_ckpt else None)
+            report_wait, wait_was_ckpt = time.perf_counter() - t_report, is_ckpt
             if local is not None:
                 shutil.rmtree(local, ignore_errors=True)
         if done:

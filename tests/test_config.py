@@ -56,6 +56,7 @@ def test_overrides_are_typed_by_field():
     ("data.val_fraction=1.0", "data.val_fraction"),
     ("data.source=csv", "data.source"),
     ("scaling.num_workers=0", "scaling.num_workers"),
+    ("scaling.poll_interval_s=0", "scaling.poll_interval_s"),
     ("train.checkpoint_every=7", "train.checkpoint_every"),
     ("model.precision=fp8", "model.precision"),
     ("tracking.uri=file:///tmp/mlruns", "tracking.uri"),

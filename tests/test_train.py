@@ -34,8 +34,8 @@ def test_ranks_agree_on_lambda_and_s_every_step(ray_local, tmp_path):
     class Collect(UserCallback):
         def after_report(self, run_context, metrics, checkpoint):
             with open(out, "a") as f:
-                f.write(json.dumps([{k: m[k] for k in ("step", "ctrl/lambda", "ctrl/s", "ctrl/s_hat")}
-                                    for m in metrics]) + "\n")
+                f.write(json.dumps([{k: m[k] for k in ("step", "ctrl/lambda", "ctrl/s", "ctrl/s_hat",
+                                                       "perf/report_wait_s")} for m in metrics]) + "\n")
 
     cfg = tiny_cfg(tmp_path, "ranks", "train.max_steps=8", "train.report_every=1", "train.checkpoint_every=4",
                    "tracking.enabled=false")
@@ -46,8 +46,17 @@ def test_ranks_agree_on_lambda_and_s_every_step(ray_local, tmp_path):
     assert [r[0]["step"] for r in rows] == list(range(1, 9))
     for per_rank in rows:
         assert len(per_rank) == 2
-        assert per_rank[0] == per_rank[1]          # bit-identical on both ranks
+        ctrl = [{k: v for k, v in m.items() if k != "perf/report_wait_s"} for m in per_rank]
+        assert ctrl[0] == ctrl[1]                  # bit-identical on both ranks
     assert len({r[0]["ctrl/lambda"] for r in rows}) > 1  # and the controller did move λ
+    # a worker holds one unconsumed report: at Ray's default 2 s poll a report per step would wait ~2 s from the
+    # third on; build_trainer sets the controller's poll to scaling.poll_interval_s (0.25 s)
+    import os
+    import statistics
+
+    assert os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] == str(cfg.scaling.poll_interval_s)
+    waits = [r[0]["perf/report_wait_s"] for r in rows[3:] if r[0]["step"] % 4]  # reports without a checkpoint
+    assert statistics.median(waits) < 1.0, waits
 
 
 def test_resume_by_rerunning_same_name_matches_uninterrupted(ray_local, tmp_path, monkeypatch):
