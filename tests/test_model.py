@@ -67,3 +67,58 @@ def test_check_model_source_errors(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ModelError, match="HF_HUB_OFFLINE"):
         check_model_source("no-such-org/no-such-model-xyz")
+
+
+def _sdpa_spy(monkeypatch):
+    """Record (mask given, is_causal, enable_gqa) of every SDPA call, also while dynamo traces."""
+    import torch.nn.functional as F
+
+    orig, calls = F.scaled_dot_product_attention, []
+
+    def spy(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, **kw):
+        calls.append((attn_mask is not None, is_causal, kw.get("enable_gqa", False)))
+        return orig(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, **kw)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    return calls
+
+
+def _hf_sdpa_twin(model, tok):
+    """The same weights under transformers' own "sdpa" attention."""
+    from transformers import AutoModelForCausalLM
+
+    from raytrain_scu.model import preset_config
+
+    ref = AutoModelForCausalLM.from_config(preset_config("tiny", len(tok)), attn_implementation="sdpa")
+    ref.load_state_dict(model.state_dict())
+    return ref.eval()
+
+
+def test_causal_sdpa_runs_the_causal_kernel_under_compile_and_matches_hf(tok, monkeypatch):
+    from raytrain_scu.model import CAUSAL_SDPA
+
+    model = build_model("tiny", vocab_size=len(tok), seed=3).eval()
+    assert model.config._attn_implementation == CAUSAL_SDPA
+    ref = _hf_sdpa_twin(model, tok)
+    x = torch.randint(0, len(tok), (2, 32))
+    calls = _sdpa_spy(monkeypatch)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        compiled = torch.compile(model, backend="eager")(input_ids=x).logits  # dynamo traces the mask code
+        expected = ref(input_ids=x).logits
+    assert calls and calls[0] == (False, True, True)  # no T x T mask, causal flag, shared KV heads
+    assert torch.allclose(compiled, expected, atol=1e-5)
+
+
+def test_causal_sdpa_keeps_a_padding_mask(tok, monkeypatch):
+    model = build_model("tiny", vocab_size=len(tok), seed=3).eval()
+    ref = _hf_sdpa_twin(model, tok)
+    x = torch.randint(0, len(tok), (2, 16))
+    pad = torch.ones(2, 16, dtype=torch.long)
+    pad[1, 10:] = 0  # right padding in the second row
+    calls = _sdpa_spy(monkeypatch)
+    with torch.no_grad():
+        ours = model(input_ids=x, attention_mask=pad).logits
+        expected = ref(input_ids=x, attention_mask=pad).logits
+    assert calls[0][0]  # the padding mask reached SDPA
+    assert torch.allclose(ours[pad.bool()], expected[pad.bool()], atol=1e-5)
