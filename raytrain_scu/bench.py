@@ -10,6 +10,8 @@ LoRA r=16 on all 7 projections:
   scu_none                  the same loop with controller.mode=none (controller overhead)
   ray1 / ray2               the same loop under a TorchTrainer with 1 and 2 GPU workers (Ray overhead, scaling)
   mem_bf16 / mem_qlora      peak memory of bf16 LoRA vs QLoRA 4-bit at equal batch (eager, checkpointing on)
+  attn                      causal SDPA alone at the model's attention shape: each fused backend first in turn,
+                            both q/k/v layouts, and transformers' call sequence under torch.compile
 
 tokens/s are medians over timed intervals after warm-up; MFU = tokens/s × FLOPs/token / peak, with
 FLOPs/token = 4·N_matmul + 12·L·d·T for a frozen base and the card's dense bf16 peak.
@@ -85,6 +87,112 @@ def reference_loop(*, preset: str, batch: int, block: int, steps: int, warmup: i
     del model, opt, step_fn
     _free()
     return out
+
+
+def attention_bench(*, preset: str, batch: int, block: int, reps: int = 20) -> dict:
+    """Causal SDPA forward+backward at the model's attention shape, each fused backend put first in turn, with the
+    key/value heads shared (``enable_gqa``, as transformers calls SDPA). Layouts: ``bhsd`` (contiguous heads-first)
+    and ``bshd`` (the transposed projection outputs that transformers passes); ``hf_compiled`` runs transformers'
+    view/transpose/SDPA/transpose sequence under torch.compile. TFLOP/s count the causal work the kernels do:
+    2 products forward, 5 backward (recomputed scores), half the T x T square."""
+    from raytrain_scu.model import preset_config
+
+    cfg = preset_config(preset, 2048)
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    head_dim = cfg.hidden_size // heads
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    gen = torch.Generator(device=dev).manual_seed(0)
+    B, T, D = batch, block, head_dim
+
+    def leaf(*shape):
+        return torch.randn(*shape, device=dev, dtype=dtype, generator=gen).requires_grad_()
+
+    qs, ks, vs = leaf(B, T, heads * D), leaf(B, T, kv_heads * D), leaf(B, T, kv_heads * D)  # projection outputs
+    grad = torch.randn(B, T, heads * D, device=dev, dtype=dtype, generator=gen)
+    F = torch.nn.functional
+
+    def hf_attention(q, k, v):  # transformers' sdpa path for a causal LM without padding
+        q = q.view(B, T, heads, D).transpose(1, 2)
+        k = k.view(B, T, kv_heads, D).transpose(1, 2)
+        v = v.view(B, T, kv_heads, D).transpose(1, 2)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=D ** -0.5, enable_gqa=True)
+        return o.transpose(1, 2).reshape(B, T, heads * D)
+
+    def bhsd_attention(q, k, v):  # the same on contiguous heads-first copies
+        q = q.view(B, T, heads, D).transpose(1, 2).contiguous()
+        k = k.view(B, T, kv_heads, D).transpose(1, 2).contiguous()
+        v = v.view(B, T, kv_heads, D).transpose(1, 2).contiguous()
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=D ** -0.5, enable_gqa=True)
+        return o.transpose(1, 2).reshape(B, T, heads * D)
+
+    flops = 7 * 2 * B * heads * T * T * D / 2
+    out = {"shape": f"B{B} H{heads}/{kv_heads} T{T} D{D}", "batch": batch}
+    ref = None
+    variants = [(f"{b}_{lay}", b, fn) for b in ("auto", "cudnn", "flash", "efficient")
+                for lay, fn in (("bshd", hf_attention), ("bhsd", bhsd_attention))]
+    variants += [("auto_hf_compiled", "auto", "compile")] if dev.type == "cuda" else []
+    for name, backend, fn in variants:
+        try:
+            with _sdpa_first(backend):
+                if fn == "compile":
+                    torch._dynamo.reset()
+                    fn = torch.compile(hf_attention)
+
+                def step():
+                    o = fn(qs, ks, vs)
+                    o.backward(grad)
+                    return o
+
+                o = step()
+                gq = qs.grad.detach().float()
+                if ref is None:
+                    ref = (o.detach().float(), gq)
+                err = max(((o.detach().float() - ref[0]).norm() / ref[0].norm()).item(),
+                          ((gq - ref[1]).norm() / ref[1].norm()).item())
+                times = []
+                for i in range(3 + reps):
+                    qs.grad = ks.grad = vs.grad = None
+                    _sync()
+                    t0 = time.perf_counter()
+                    step()
+                    _sync()
+                    if i >= 3:
+                        times.append(time.perf_counter() - t0)
+                kernels = ""
+                if dev.type == "cuda":
+                    from torch.profiler import ProfilerActivity, profile
+
+                    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                        step()
+                        _sync()
+                    top = sorted((e for e in prof.key_averages() if e.device_time_total > 0),
+                                 key=lambda e: -e.device_time_total)[:4]
+                    kernels = "; ".join(f"{e.key[:60]} {e.device_time_total / 1e3:.2f}ms" for e in top)
+            qs.grad = ks.grad = vs.grad = None
+            ms = 1e3 * statistics.median(times)
+            out[name] = {"ms": round(ms, 3), "tflops": round(flops / ms / 1e9, 1), "rel_err": float(f"{err:.2g}"),
+                         "kernels": kernels}
+        except RuntimeError as e:  # a backend that cannot run this shape/dtype here
+            out[name] = {"error": str(e).splitlines()[0][:120]}
+    timed = {n: r["ms"] for n, r in out.items() if isinstance(r, dict) and "ms" in r}
+    out["fastest"] = min(timed, key=timed.get) if timed else "-"
+    out["tokens_per_s"] = batch * block / (timed[out["fastest"]] / 1e3) if timed else 0.0
+    out["peak_mem_gib"] = _peak_mem()
+    return out
+
+
+def _sdpa_first(backend: str):
+    """SDPA with ``backend``'s kernel as first choice, the others as fallbacks ("auto": torch's own order)."""
+    import contextlib
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if backend == "auto":
+        return contextlib.nullcontext()
+    enum = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+            "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
+    return sdpa_kernel([enum[backend]] + [v for k, v in enum.items() if k != backend], set_priority=True)
 
 
 def _sync():
@@ -243,11 +351,14 @@ def run_parts(args) -> dict:
             elif part == "ray1_long":
                 r = ours_ray(cfg("ray1_long", steps=steps * 2), args.warmup_reports)
             elif part in ("mem_bf16", "mem_qlora"):
-                r = ours_bare(cfg(part, batch=args.mem_batch, compile=False, checkpointing=True, chunk=1024,
+                r = ours_bare(cfg(part, batch=args.mem_batch, compile=False, checkpointing=True, chunk=args.mem_chunk,
                                   load_in_4bit=part == "mem_qlora"), args.warmup_reports)
+            elif part == "attn":
+                r = attention_bench(preset=preset, batch=args.batch, block=args.block)
             else:
                 raise ValueError(f"unknown part {part!r}")
-            r["mfu"] = r["tokens_per_s"] * fpt / res["peak_flops"] if res["peak_flops"] else float("nan")
+            r["mfu"] = (r["tokens_per_s"] * fpt / res["peak_flops"] if res["peak_flops"] and part != "attn"
+                        else float("nan"))
         except Exception as e:  # noqa: BLE001 - one failed part must not hide the others' numbers
             r = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
         r["wall_s"] = round(time.time() - t0, 1)
@@ -288,6 +399,11 @@ def table(res: dict) -> str:
         if "error" in r:
             lines.append(f"| {name} | - | error: {r['error'][:80]} | - | - |")
             continue
+        if name == "attn":  # SDPA alone: ms and TFLOP/s per backend, not a training rate
+            cells = ", ".join(f"{k} {v['ms']} ms / {v['tflops']} TF/s" for k, v in r.items()
+                              if isinstance(v, dict) and "ms" in v)
+            lines.append(f"| attn ({r['shape']}, fwd+bwd) | {r['batch']} | fastest: {r['fastest']}: {cells} | - | - |")
+            continue
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] == r["mfu"] else "-"
         lines.append(f"| {name} | {r['batch']} | {r['tokens_per_s']:.0f} | {mfu} | {r['peak_mem_gib']:.2f} |")
     lines += ["", "| ratio | value | target |", "|---|---|---|"]
@@ -308,10 +424,11 @@ def table(res: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m raytrain_scu.bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--smoke", action="store_true", help="tiny model on the CPU (seconds)")
-    p.add_argument("--parts", default="ref_eager,ref_compile,ours,scu_none,ray1,ray2,mem_bf16,mem_qlora")
+    p.add_argument("--parts", default="attn,ref_eager,ref_compile,ours,scu_none,ray1,ray2,mem_bf16,mem_qlora")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--best-batch", type=int, default=16)
     p.add_argument("--mem-batch", type=int, default=2)
+    p.add_argument("--mem-chunk", type=int, default=256, help="loss chunk (tokens) of the memory parts")
     p.add_argument("--block", type=int, default=2048)
     p.add_argument("--steps", type=int, default=20, help="timed steps (reference) / timed steps after warm-up")
     p.add_argument("--report-every", type=int, default=5)
@@ -323,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
         args.block, args.batch, args.best_batch, args.mem_batch = 64, 2, 4, 2
         args.steps, args.report_every, args.warmup_reports = 4, 2, 1
         if args.parts == p.get_default("parts"):
-            args.parts = "ref_eager,ours,scu_none"
+            args.parts = "attn,ref_eager,ours,scu_none"
     res = run_parts(args)
     print(table(res), flush=True)
     if args.out:

@@ -14,8 +14,12 @@ def test_bench_smoke_prints_the_table(tmp_path):
     assert "| variant | device batch | tokens/s per GPU | MFU | peak mem (GiB) |" in r.stdout
     assert "FLOPs/token = 4*N_matmul + 12*L*d*T" in r.stdout and "card: CPU" in r.stdout
     res = json.loads(out.read_text())
-    assert set(res["parts"]) == {"ref_eager", "ours", "scu_none"}
+    assert set(res["parts"]) == {"attn", "ref_eager", "ours", "scu_none"}
     assert all(p["tokens_per_s"] > 0 for p in res["parts"].values())
+    attn = res["parts"]["attn"]  # every SDPA variant computes the same attention as the first one
+    timed = {k: v for k, v in attn.items() if isinstance(v, dict) and "ms" in v}
+    assert {"auto_bshd", "auto_bhsd", "flash_bshd", "efficient_bshd"} <= set(timed)
+    assert all(v["rel_err"] < 1e-4 for v in timed.values()) and attn["fastest"] in timed
 
 
 def test_mfu_formula_counts_the_llama_1b_shape():
