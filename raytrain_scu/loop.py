@@ -21,7 +21,7 @@ from raytrain_scu.controller import from_config as build_controller
 from raytrain_scu.data import prepare_data, train_batch, val_batches
 from raytrain_scu.dist import all_reduce_sum, barrier, print0, rank, world_size
 from raytrain_scu.model import (CausalLMLoss, apply_lora, build_model, load_tokenizer, resolve_dtype,
-                                structure_signature)
+                                structure_of)
 from raytrain_scu.regularizer import adapter_params, param_bpt
 
 LN2 = math.log(2.0)
@@ -153,9 +153,7 @@ def run_loop(cfg, *, hooks, run_id=None) -> None:
                                   fused=device.type == "cuda")
     scaler = torch.amp.GradScaler(device.type, enabled=use_amp and dtype == torch.float16)
     controller = build_controller(c)
-    structure = structure_signature(name=m.name, gguf_file=m.gguf_file, r=cfg.lora.r, alpha=cfg.lora.alpha,
-                                    targets=cfg.lora.target_modules, block_size=d.block_size,
-                                    load_in_4bit=cfg.quant.load_in_4bit)
+    structure = structure_of(cfg)
     tracker = tracking.for_rank(cfg, rank(), run_id=run_id)
     history: list[dict] = []
     start_step, position, val_bpt, best_val = 0, 0, float("nan"), float("inf")

@@ -14,6 +14,7 @@ under ``cache_dir`` and later loads take a second.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import importlib.util
 import json
@@ -228,6 +229,7 @@ def max_positions(model_or_config) -> int:
 CAUSAL_SDPA = "raytrain_sdpa"
 
 
+@functools.cache
 def causal_sdpa() -> str:
     """Register (once) and return the name of transformers' SDPA attention whose mask function returns no mask for a
     plain causal LM on whole blocks, so SDPA runs its causal kernel with shared key/value heads -- also under
@@ -329,9 +331,8 @@ def apply_lora(model, *, r: int = 16, alpha: int = 32, dropout: float = 0.0, tar
     # build_model already set up) it upcasts every non-quantized weight to fp32 -- the 128k x d embedding among them --
     # which on a 1B model costs more memory than the 4-bit linears save (measured on an H200: docs/benchmarks.md).
     targets = list(targets) if targets else "all-linear"
-    present = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
     if isinstance(targets, list):
-        missing = [t for t in targets if t not in present and t != "all-linear"]
+        missing, present = missing_targets(model, targets)
         if missing:
             raise ModelError(f"lora.target_modules: {missing} not found in the model "
                              f"(it has e.g. {sorted(x for x in present if x.endswith('proj'))[:10]})")
@@ -340,6 +341,20 @@ def apply_lora(model, *, r: int = 16, alpha: int = 32, dropout: float = 0.0, tar
     lcfg = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, bias="none",
                       task_type="CAUSAL_LM")
     return get_peft_model(model, lcfg)
+
+
+def missing_targets(model, targets) -> tuple[list[str], set[str]]:
+    """LoRA target names that no module of ``model`` has ("all-linear" always matches), and the names it has."""
+    present = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
+    return [t for t in targets if t not in present and t != "all-linear"], present
+
+
+def structure_of(cfg) -> dict:
+    """:func:`structure_signature` of a Config (what the loop writes and preflight checks)."""
+    m = cfg.model
+    return structure_signature(name=m.name, gguf_file=m.gguf_file, r=cfg.lora.r, alpha=cfg.lora.alpha,
+                               targets=cfg.lora.target_modules, block_size=cfg.data.block_size,
+                               load_in_4bit=cfg.quant.load_in_4bit)
 
 
 def structure_signature(*, name: str, gguf_file: str, r: int, alpha: int, targets, block_size: int,
@@ -416,6 +431,15 @@ class CausalLMLoss(nn.Module):
             nats = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1),
                                    ignore_index=-100, reduction="sum")
         return nats, n_tokens
+
+    def row_nats(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Σ cross-entropy nats of each row of (x, y), shape (rows,): forward's math, kept apart per row."""
+        if self.fused:
+            hidden = self.decoder()(input_ids=x).last_hidden_state
+            weight = self.model.get_output_embeddings().weight
+            return torch.stack([chunked_ce_sum(h, weight, t, self.chunk_size) for h, t in zip(hidden, y)])
+        logits = self.model(input_ids=x, return_dict=True).logits.float()
+        return F.cross_entropy(logits.transpose(1, 2), y, ignore_index=-100, reduction="none").sum(dim=1)
 
     def decoder(self):
         """The transformer body under the LM head (peft injects LoRA into it in place)."""

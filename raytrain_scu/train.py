@@ -14,11 +14,21 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Optional
 
-from raytrain_scu.config import Config, ConfigError, load_config, to_yaml
+from raytrain_scu.config import Config, ConfigError, to_yaml
+from raytrain_scu.hardware import MemoryFitError
 
 
 class PreflightError(ValueError):
     """A problem found before any Ray worker starts."""
+
+
+# bad input found before launch: the CLIs print "error: ..." and exit 2
+USER_ERRORS = (ConfigError, PreflightError, MemoryFitError)
+
+
+def scu_env() -> dict[str, str]:
+    """This process's RAYTRAIN_SCU_* variables (fault injection, cache location): what every worker gets."""
+    return {k: v for k, v in os.environ.items() if k.startswith("RAYTRAIN_SCU_")}
 
 
 def _gpu_count() -> int:
@@ -39,6 +49,8 @@ def _local_cpus() -> int:
 
 def _missing_lora_targets(hf_config, targets: list[str], trust_remote_code: bool) -> list[str]:
     """Target module names absent from the model, found on a weightless (meta-device) skeleton; [] if unsure."""
+    from raytrain_scu.model import missing_targets
+
     try:
         import torch
         from transformers import AutoModelForCausalLM
@@ -47,8 +59,7 @@ def _missing_lora_targets(hf_config, targets: list[str], trust_remote_code: bool
             skeleton = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=trust_remote_code)
     except Exception:  # noqa: BLE001 - the workers check again while building the real model
         return []
-    present = {n.rsplit(".", 1)[-1] for n, _ in skeleton.named_modules()}
-    return [t for t in targets if t not in present and t != "all-linear"]
+    return missing_targets(skeleton, targets)[0]
 
 
 def preflight(cfg: Config) -> dict:
@@ -59,7 +70,7 @@ def preflight(cfg: Config) -> dict:
     from raytrain_scu.checkpoint import CheckpointError, check_structure, newest_good_local, read_meta
     from raytrain_scu.data import DataError, check_source, prepare_data
     from raytrain_scu.model import ModelError, check_model_source, load_tokenizer, max_positions, model_config, \
-        structure_signature
+        structure_of
     from raytrain_scu.tracking import storage_dir
 
     m, d, s = cfg.model, cfg.data, cfg.scaling
@@ -77,10 +88,10 @@ def preflight(cfg: Config) -> dict:
     # GPUs: asked for but absent, or more workers than GPUs on a local machine
     gpus = _gpu_count()
     use_gpu = s.use_gpu if s.use_gpu is not None else gpus > 0
-    if use_gpu and gpus == 0 and not os.environ.get("RAY_ADDRESS"):
+    if use_gpu and gpus == 0 and local_ray:
         raise PreflightError("scaling.use_gpu=true but no CUDA GPU is visible on this machine "
                              "(set scaling.use_gpu=false for CPU training, or submit to a GPU cluster)")
-    if use_gpu and not os.environ.get("RAY_ADDRESS") and s.num_workers * s.gpus_per_worker > gpus:
+    if use_gpu and local_ray and s.num_workers * s.gpus_per_worker > gpus:
         raise PreflightError(f"scaling.num_workers={s.num_workers} x gpus_per_worker={s.gpus_per_worker:g} needs "
                              f"{s.num_workers * s.gpus_per_worker:g} GPUs but this machine has {gpus}")
     # a local Ray instance would wait forever for workers it cannot place
@@ -115,14 +126,12 @@ def preflight(cfg: Config) -> dict:
     if missing:
         raise PreflightError(f"lora.target_modules: {missing} not found in {m.name}")
     # re-running a run name resumes it: its newest good checkpoint must fit this config (local storage)
-    run_dir = Path(storage_dir(cfg.run.storage_path)) / cfg.run.name
-    if "://" not in str(run_dir):
+    if "://" not in cfg.run.storage_path:  # (a Path of "s3://b" would read "s3:/b")
+        run_dir = Path(storage_dir(cfg.run.storage_path)) / cfg.run.name
         try:
             good, problems = newest_good_local(run_dir)
             if good is not None:
-                check_structure(read_meta(good), structure_signature(
-                    name=m.name, gguf_file=m.gguf_file, r=cfg.lora.r, alpha=cfg.lora.alpha,
-                    targets=cfg.lora.target_modules, block_size=d.block_size, load_in_4bit=cfg.quant.load_in_4bit))
+                check_structure(read_meta(good), structure_of(cfg))
         except CheckpointError as e:
             raise PreflightError(str(e)) from None
         if problems:
@@ -173,8 +182,10 @@ def _progress_callback():
     return Progress()
 
 
-def build_trainer(cfg: Config, *, use_gpu: bool, run_id: Optional[str], callbacks=(), extra_config=None):
-    """The TorchTrainer for one run (the sweep builds one per trial with this too)."""
+def build_trainer(cfg: Config, *, use_gpu: bool, run_id: Optional[str], callbacks=(), extra_config=None,
+                  env: Optional[dict[str, str]] = None):
+    """The TorchTrainer for one run (the sweep builds one per trial with this too). ``env``: the workers'
+    RAYTRAIN_SCU_* variables (default: this process's, :func:`scu_env`)."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
@@ -202,7 +213,7 @@ def build_trainer(cfg: Config, *, use_gpu: bool, run_id: Optional[str], callback
                                                checkpoint_score_order="min"),
             callbacks=list(callbacks),
             # RAYTRAIN_SCU_* variables (fault injection, cache location) reach every worker, on any node
-            worker_runtime_env={"env_vars": {k: v for k, v in os.environ.items() if k.startswith("RAYTRAIN_SCU_")}}),
+            worker_runtime_env={"env_vars": scu_env() if env is None else env}),
     )
 
 
@@ -303,8 +314,6 @@ def root_cause(error: BaseException) -> Optional[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from raytrain_scu.hardware import MemoryFitError
-
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
@@ -312,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = resolve(argv[0], argv[1:])
         run(cfg)
-    except (ConfigError, PreflightError, MemoryFitError) as e:
+    except USER_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except Exception as e:  # noqa: BLE001 - a failed run: its root cause in one line, not Ray's wrapping
@@ -326,10 +335,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def resolve(path: str, overrides: list[str]) -> Config:
     """Load the config and apply a hardware preset when asked (explicit values win)."""
-    try:
-        from raytrain_scu.hardware import resolve_config
-    except ImportError:
-        return load_config(path, overrides)
+    from raytrain_scu.hardware import resolve_config
+
     cfg, changes = resolve_config(path, overrides)
     for key, (old, new) in (changes or {}).items():
         print(f"[raytrain_scu] preset {cfg.hardware.preset}: {key} {old!r} -> {new!r}", flush=True)
