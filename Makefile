@@ -41,7 +41,7 @@ check: setup
 
 # MLflow UI on the default local store (the full mlflow package carries the UI server)
 ui: setup
-	$(BIN)/python -m pip install -q 'mlflow>=3.13'
+	$(BIN)/python -m pip install -q -e '.[ui]'  # editable, as in setup: no second copy of this package
 	$(BIN)/mlflow ui --backend-store-uri sqlite:///$$HOME/raytrain_scu_runs/mlflow.db --host 127.0.0.1 --port 5000
 
 clean:

@@ -112,19 +112,15 @@ def attention_bench(*, preset: str, batch: int, block: int, reps: int = 20) -> d
     grad = torch.randn(B, T, heads * D, device=dev, dtype=dtype, generator=gen)
     F = torch.nn.functional
 
-    def hf_attention(q, k, v):  # transformers' sdpa path for a causal LM without padding
-        q = q.view(B, T, heads, D).transpose(1, 2)
-        k = k.view(B, T, kv_heads, D).transpose(1, 2)
-        v = v.view(B, T, kv_heads, D).transpose(1, 2)
+    def hf_attention(q, k, v, contiguous=False):  # transformers' sdpa path for a causal LM without padding
+        q, k, v = (t.view(B, T, -1, D).transpose(1, 2) for t in (q, k, v))
+        if contiguous:  # heads-first copies instead of the transposed views
+            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=D ** -0.5, enable_gqa=True)
         return o.transpose(1, 2).reshape(B, T, heads * D)
 
-    def bhsd_attention(q, k, v):  # the same on contiguous heads-first copies
-        q = q.view(B, T, heads, D).transpose(1, 2).contiguous()
-        k = k.view(B, T, kv_heads, D).transpose(1, 2).contiguous()
-        v = v.view(B, T, kv_heads, D).transpose(1, 2).contiguous()
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=D ** -0.5, enable_gqa=True)
-        return o.transpose(1, 2).reshape(B, T, heads * D)
+    def bhsd_attention(q, k, v):
+        return hf_attention(q, k, v, contiguous=True)
 
     flops = 7 * 2 * B * heads * T * T * D / 2
     out = {"shape": f"B{B} H{heads}/{kv_heads} T{T} D{D}", "batch": batch}
@@ -348,8 +344,6 @@ def run_parts(args) -> dict:
                 out_dir = Path(args.out).parent if args.out else Path(".")
                 r = ours_bare(cfg("profile", report_every=1, steps=args.warmup_reports + 6), args.warmup_reports,
                               profile_to=str(out_dir / "profile.txt"))
-            elif part == "ray1_long":
-                r = ours_ray(cfg("ray1_long", steps=steps * 2), args.warmup_reports)
             elif part in ("mem_bf16", "mem_qlora"):
                 r = ours_bare(cfg(part, batch=args.mem_batch, compile=False, checkpointing=True, chunk=args.mem_chunk,
                                   load_in_4bit=part == "mem_qlora"), args.warmup_reports)

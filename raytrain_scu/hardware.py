@@ -219,10 +219,10 @@ def resolve_config(path: Optional[str | Path], overrides: list[str] | tuple[str,
     explicit = C.explicit_keys(tree)
     cfg = C.build_config(tree, default_name=Path(path).stem if path is not None else "run")
     changes: dict[str, tuple[Any, Any]] = {}
-    if cfg.hardware.preset != "none":
-        changes = apply_preset(cfg, cfg.hardware.preset, explicit, gpus=gpus)
-        C.validate(cfg)
     found = [] if cfg.scaling.use_gpu is False else (detect_gpus() if gpus is None else gpus)
+    if cfg.hardware.preset != "none":  # (no preset sets scaling.use_gpu: `found` stays right)
+        changes = apply_preset(cfg, cfg.hardware.preset, explicit, gpus=found)
+        C.validate(cfg)
     shape = model_shape(cfg) if found else None
     if shape is not None:  # before launch: lower a default/preset batch, or refuse an explicit one that can't fit
         changes.update(fit_to_gpu(cfg, shape, min(g.memory_gib for g in found), explicit))

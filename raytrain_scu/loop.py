@@ -191,7 +191,7 @@ def run_loop(cfg, *, hooks, run_id=None) -> None:
         tracker.log_step(history[-1])
     val_bpt_start = history[0]["val/data_bpt"] if history and history[0]["step"] == 0 else float("nan")
     tokens_per_step = d.batch_size * d.grad_accum * world_size() * d.block_size
-    t_last, steps_since, report_wait, wait_was_ckpt, warned_wait = time.perf_counter(), 0, 0.0, False, False
+    t_last, steps_since, report_wait, warned_wait = time.perf_counter(), 0, 0.0, False
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
@@ -276,17 +276,12 @@ def run_loop(cfg, *, hooks, run_id=None) -> None:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             now = time.perf_counter()
-            perf = {"perf/tokens_per_s": tokens_per_step * steps_since / (now - t_last),
+            interval, t_last = now - t_last, now
+            perf = {"perf/tokens_per_s": tokens_per_step * steps_since / interval,
                     "perf/max_mem_gib": (torch.cuda.max_memory_allocated(device) / 2**30
                                          if device.type == "cuda" else 0.0),
                     "perf/report_wait_s": report_wait}  # time the previous report (and checkpoint) took
-            if report_wait > max(0.05, 0.1 * (now - t_last)) and not wait_was_ckpt and not warned_wait:
-                warned_wait = True
-                print0(f"[raytrain_scu] warning: reporting to Ray blocked training for {report_wait:.2f} s of a "
-                       f"{now - t_last:.2f} s interval: reports come faster than Ray's controller takes them (every "
-                       f"scaling.poll_interval_s={cfg.scaling.poll_interval_s} s). Raise train.report_every or lower "
-                       f"scaling.poll_interval_s.")
-            t_last, steps_since = now, 0
+            steps_since = 0
             row.update(perf)
             tracker.log_step(perf, step=step + 1)
             metrics = {**row, "val/data_bpt": val_bpt, "val/data_bpt_start": val_bpt_start,
@@ -305,7 +300,13 @@ def run_loop(cfg, *, hooks, run_id=None) -> None:
             t_report = time.perf_counter()
             hooks.report(metrics, local / "ckpt" if local else None,
                          f"checkpoint_{step + 1:08d}{ckpt_suffix}" if is_ckpt else None)
-            report_wait, wait_was_ckpt = time.perf_counter() - t_report, is_ckpt
+            report_wait = time.perf_counter() - t_report
+            if not is_ckpt and not warned_wait and report_wait > max(0.05, 0.1 * interval):
+                warned_wait = True
+                print0(f"[raytrain_scu] warning: reporting to Ray blocked training for {report_wait:.2f} s after a "
+                       f"{interval:.2f} s interval: reports come faster than Ray's controller takes them (every "
+                       f"scaling.poll_interval_s={cfg.scaling.poll_interval_s} s). Raise train.report_every or lower "
+                       f"scaling.poll_interval_s.")
             if local is not None:
                 shutil.rmtree(local, ignore_errors=True)
         if done:
