@@ -429,8 +429,12 @@ def validate(cfg: Config) -> None:
     _check(0.0 < c.leak <= 1.0, "controller.leak", f"must be in (0, 1], got {c.leak}")
     _check(c.integral_limit >= 0, "controller.integral_limit", f"must be >= 0, got {c.integral_limit}")
     _check(c.lambda_min > 0, "controller.lambda_min", f"must be > 0, got {c.lambda_min}")
-    _check(c.lambda_min < c.lambda_init <= c.lambda_max, "controller.lambda_init",
-           f"need lambda_min < lambda_init <= lambda_max, got {c.lambda_min} < {c.lambda_init} <= {c.lambda_max}")
+    if c.mode == "scu":  # the bounds clamp the law's updates; a fixed λ is never updated
+        _check(c.lambda_min < c.lambda_init <= c.lambda_max, "controller.lambda_init",
+               f"need lambda_min < lambda_init <= lambda_max, got {c.lambda_min} < {c.lambda_init} <= "
+               f"{c.lambda_max}")
+    elif c.mode == "fixed":
+        _check(c.lambda_init > 0, "controller.lambda_init", f"a fixed λ must be > 0, got {c.lambda_init}")
     _check(c.prior_sigma > 0, "controller.prior_sigma", f"must be > 0, got {c.prior_sigma}")
     _check(c.control_every >= 1, "controller.control_every", f"must be >= 1, got {c.control_every}")
     _check(c.saturation_window >= 2, "controller.saturation_window", f"must be >= 2, got {c.saturation_window}")

@@ -50,8 +50,11 @@ class SCUController:
             raise ValueError(f"target_s must be in (0, 1), got {target_s}")
         if not 0.0 < lambda_min < lambda_max:
             raise ValueError(f"need 0 < lambda_min < lambda_max, got {lambda_min}, {lambda_max}")
-        if not lambda_min <= lambda_init <= lambda_max:
+        # the bounds clamp the law's updates; a fixed λ is never updated, so it need not lie between them
+        if mode == "scu" and not lambda_min <= lambda_init <= lambda_max:
             raise ValueError(f"lambda_init {lambda_init} outside [{lambda_min}, {lambda_max}]")
+        if mode == "fixed" and not lambda_init > 0:
+            raise ValueError(f"a fixed lambda_init must be > 0, got {lambda_init}")
         if saturation_window < 1:
             raise ValueError(f"saturation_window must be >= 1, got {saturation_window}")
         self.target_s = float(target_s)

@@ -70,6 +70,12 @@ def test_bad_values_name_the_key(override, key):
         load_config(TINY, [override])
 
 
+def test_a_fixed_lambda_may_lie_outside_the_scu_bounds():
+    assert load_config(TINY, ["controller.mode=fixed", "controller.lambda_init=1e-6"]).controller.lambda_init == 1e-6
+    with pytest.raises(ConfigError, match=r"controller\.lambda_init"):
+        load_config(TINY, ["controller.mode=fixed", "controller.lambda_init=0"])
+
+
 def test_unknown_and_mistyped_keys_in_yaml(tmp_path):
     p = tmp_path / "c.yaml"
     p.write_text("train:\n  max_steps: 10\n  bogus: 1\n")

@@ -122,6 +122,15 @@ def test_modes_fixed_and_none():
     assert f.integral == 0.0 and n.integral == 0.0
 
 
+def test_fixed_lambda_is_not_bound_by_the_law_s_clamp():
+    assert make(mode="fixed", lambda_init=50.0).update(3.0, 0.3) == 50.0   # above lambda_max
+    assert make(mode="fixed", lambda_init=1e-6).update(3.0, 0.3) == 1e-6   # below lambda_min
+    with pytest.raises(ValueError, match="lambda_init"):
+        make(mode="scu", lambda_init=50.0)
+    with pytest.raises(ValueError, match="fixed lambda_init must be > 0"):
+        make(mode="fixed", lambda_init=0.0)
+
+
 def test_state_dict_is_json_and_mode_checked():
     c = make()
     c.update(3.0, 0.06)
