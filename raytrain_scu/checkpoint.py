@@ -88,20 +88,21 @@ def verify(ckpt_dir: str | Path) -> Optional[str]:
     mpath = d / MANIFEST
     if not mpath.is_file():
         return "no manifest.json (incomplete checkpoint)"
-    try:
+    try:  # a malformed entry is a bad checkpoint too, not an exception out of verify()
         manifest = json.loads(mpath.read_text())["files"]
         missing = [rel for rel in REQUIRED if rel not in manifest]
-    except (ValueError, KeyError, TypeError) as e:
+        expected = {rel: (int(want["size"]), str(want["sha256"])) for rel, want in manifest.items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
         return f"unreadable manifest: {type(e).__name__}: {e}"
     if missing:
         return f"manifest lists no {', '.join(missing)}"
-    for rel, want in manifest.items():
+    for rel, (size, sha256) in expected.items():
         p = d / rel
         if not p.is_file():
             return f"missing file {rel}"
-        if p.stat().st_size != want["size"]:
-            return f"{rel} has {p.stat().st_size} bytes, manifest says {want['size']} (truncated?)"
-        if _sha256(p) != want["sha256"]:
+        if p.stat().st_size != size:
+            return f"{rel} has {p.stat().st_size} bytes, manifest says {size} (truncated?)"
+        if _sha256(p) != sha256:
             return f"{rel} checksum mismatch (corrupt)"
     return None
 
@@ -160,38 +161,47 @@ def candidates(ray_checkpoint) -> list:
     return out
 
 
+def _newest_good(dirs, where: str) -> tuple[Optional[tuple[str, Path]], list[str]]:
+    """The first ``(label, local dir)`` of ``dirs`` (newest first) that verifies, and the problems of those before it.
+
+    (None, []) when ``dirs`` is empty; CheckpointError when none verifies. ``dirs`` may be lazy: a remote checkpoint
+    is materialised only when the newer ones were bad."""
+    problems = []
+    for label, local in dirs:
+        why = verify(local)
+        if why is None:
+            return (label, local), problems
+        problems.append(f"{label}: {why}")
+    if problems:
+        raise CheckpointError(f"no usable checkpoint{where}: " + "; ".join(problems)
+                              + ". Delete the run directory or use a new run.name to start fresh.")
+    return None, []
+
+
 def open_good_checkpoint(ray_checkpoint, stack) -> tuple[Optional[Path], list[str]]:
     """Materialise the newest checkpoint that verifies; returns (local dir, warnings). Raises if none is good."""
-    problems = []
-    for ckpt in candidates(ray_checkpoint):
-        local = Path(stack.enter_context(ckpt.as_directory()))
-        inner = local / "ckpt" if (local / "ckpt").is_dir() else local
-        why = verify(inner)
-        if why is None:
-            if problems:
-                warnings.warn("skipped bad checkpoint(s): " + "; ".join(problems) + f"; resuming from {ckpt.path}")
-            return inner, problems
-        problems.append(f"{ckpt.path}: {why}")
-    raise CheckpointError("no usable checkpoint: " + "; ".join(problems)
-                          + ". Delete the run directory or use a new run.name to start fresh.")
+    def materialised():
+        for c in candidates(ray_checkpoint):
+            local = Path(stack.enter_context(c.as_directory()))
+            yield c.path, (local / "ckpt" if (local / "ckpt").is_dir() else local)
+
+    (path, inner), problems = _newest_good(materialised(), "")  # never empty: the given checkpoint comes first
+    if problems:
+        warnings.warn("skipped bad checkpoint(s): " + "; ".join(problems) + f"; resuming from {path}")
+    return inner, problems
 
 
 def newest_good_local(run_dir: str | Path) -> tuple[Optional[Path], list[str]]:
     """The newest ``checkpoint_*`` under a local run directory that verifies, and the problems of newer ones.
 
     (None, []) when there is no checkpoint at all; CheckpointError when there are some but none is good."""
-    problems = []
-    for d in sorted(Path(run_dir).glob("checkpoint_*"), reverse=True):
-        if not d.is_dir() or d.name.endswith(".partial"):
-            continue
-        why = verify(d)
-        if why is None:
-            return d, problems
-        problems.append(f"{d.name}: {why}")
-    if problems:
-        raise CheckpointError(f"no usable checkpoint in {run_dir}: " + "; ".join(problems)
-                              + ". Delete the run directory or use a new run.name to start fresh.")
-    return None, []
+    # Training writes a checkpoint under <dir>.partial in its own temp dir (loop.py: new_local_dir) and Ray copies
+    # the finished one here, so a .partial here is only a direct write_checkpoint into the run directory that died
+    # half-way: never a candidate.
+    dirs = ((d.name, d) for d in sorted(Path(run_dir).glob("checkpoint_*"), reverse=True)
+            if d.is_dir() and not d.name.endswith(".partial"))
+    good, problems = _newest_good(dirs, f" in {run_dir}")
+    return (good[1] if good else None), problems
 
 
 def new_local_dir(prefix: str = "raytrain_scu_ckpt_") -> Path:

@@ -56,6 +56,12 @@ def flip_byte(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
+def drop_size_of_state(d: Path) -> None:
+    manifest = json.loads((d / "manifest.json").read_text())
+    del manifest["files"]["state.pt"]["size"]
+    (d / "manifest.json").write_text(json.dumps(manifest))
+
+
 def adapter(d) -> dict:
     return load_file(f"{d}/adapter_model.safetensors" if Path(d, "adapter_model.safetensors").exists()
                      else f"{d}/adapter/adapter_model.safetensors")
@@ -139,7 +145,9 @@ def test_write_checkpoint_is_atomic_and_verifies(tmp_path, monkeypatch):
     (lambda d: (d / "controller.json").unlink(), "missing file controller.json"),
     (lambda d: (d / "manifest.json").write_text("{not json"), "unreadable manifest"),
     (lambda d: (d / "manifest.json").write_text('{"files": {}}'), "manifest lists no"),
-], ids=["truncated", "bit-flip", "no-manifest", "file-missing", "manifest-not-json", "manifest-empty"])
+    (drop_size_of_state, "unreadable manifest: KeyError"),
+], ids=["truncated", "bit-flip", "no-manifest", "file-missing", "manifest-not-json", "manifest-empty",
+        "manifest-entry-malformed"])
 def test_verify_names_what_is_wrong(tmp_path, damage, reason):
     out = write(tmp_path / "c", tiny_peft())
     damage(out)
