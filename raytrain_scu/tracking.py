@@ -114,6 +114,16 @@ def derived_params(cfg: Config, *, tokens_per_epoch: int, world: int, device) ->
     return out
 
 
+def log_params_once(client, run_id: str, params: dict) -> None:
+    """Log the params ``run_id`` does not have yet: MLflow refuses to change a param, and a resumed sweep re-logs."""
+    from mlflow.entities import Param
+
+    existing = client.get_run(run_id).data.params
+    new = [Param(k, str(v)[:6000]) for k, v in params.items() if k not in existing]
+    for i in range(0, len(new), 100):
+        client.log_batch(run_id, params=new[i:i + 100])
+
+
 class NullTracker:
     """What ranks other than 0 (and runs with tracking off) get."""
 
@@ -295,16 +305,6 @@ def log_best_checkpoint(cfg: Config, run_id: str, ckpt_dir: str) -> Optional[str
 
 SWEEP_TAG = "raytrain_scu.sweep"  # the sweep's name, on the parent and on every child
 TRIAL_TAG = "raytrain_scu.trial_id"  # the Tune trial id, on each child
-
-
-def log_params_once(client, run_id: str, params: dict) -> None:
-    """Log the params ``run_id`` does not have yet: MLflow refuses to change a param, and a resumed sweep re-logs."""
-    from mlflow.entities import Param
-
-    existing = client.get_run(run_id).data.params
-    new = [Param(k, str(v)[:6000]) for k, v in params.items() if k not in existing]
-    for i in range(0, len(new), 100):
-        client.log_batch(run_id, params=new[i:i + 100])
 
 
 def child_runs(cfg: Config, parent_run_id: str) -> list:
