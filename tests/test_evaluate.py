@@ -11,9 +11,8 @@ import torch
 
 from conftest import ROOT, TINY
 from raytrain_scu.config import load_config
-from raytrain_scu.data import load_documents, split_documents
-from raytrain_scu.evaluate import (EvalError, evaluate, main, paired_bootstrap, score_documents,
-                                   tokenize_for_scoring)
+from raytrain_scu.data import document_ids, load_documents, split_documents
+from raytrain_scu.evaluate import EvalError, evaluate, main, paired_bootstrap, score_documents
 from raytrain_scu.model import CausalLMLoss, apply_lora, build_model, load_tokenizer
 
 LN2 = math.log(2.0)
@@ -70,7 +69,7 @@ def test_bpt_matches_hand_computation(tok, fused):
     docs = ["To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer",
             "Now is the winter of our discontent made glorious summer by this sun of York; and all the clouds"]
     model = build_model("tiny", vocab_size=len(tok), seed=3)
-    token_docs = tokenize_for_scoring(tok, docs)
+    token_docs = document_ids(tok, docs)
     block = 8
     assert all(len(ids) > 2 * block for ids in token_docs)  # several windows per document, a short last one
     nats, tokens = score_documents(CausalLMLoss(model, fused=fused, chunk_size=5), token_docs, block_size=block,
@@ -211,7 +210,7 @@ def test_cli_writes_json_and_table(tok, corpus, tmp_path):
     # --config: exactly the training run's validation documents (its seed, the fraction given here)
     val = split_documents(load_documents("jsonl", corpus), val_fraction=0.25, seed=0)[1]
     assert result["documents"] == len(val) == 3 and result["split"] == "val" and result["block_size"] == 32
-    assert result["models"]["A"]["tokens"] == sum(len(ids) - 1 for ids in tokenize_for_scoring(tok, val))
+    assert result["models"]["A"]["tokens"] == sum(len(ids) - 1 for ids in document_ids(tok, val))
     c = result["comparison"]
     assert c["n_boot"] == 200 and c["ci_low"] <= c["mean_diff_bpt"] <= c["ci_high"]
     assert "per_document" not in result
