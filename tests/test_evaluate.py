@@ -11,7 +11,7 @@ import torch
 
 from conftest import ROOT, TINY
 from raytrain_scu.config import load_config
-from raytrain_scu.data import document_ids, load_documents, split_documents
+from raytrain_scu.data import document_ids, prepare_data
 from raytrain_scu.evaluate import EvalError, evaluate, main, paired_bootstrap, score_documents
 from raytrain_scu.model import CausalLMLoss, apply_lora, build_model, load_tokenizer
 
@@ -154,7 +154,11 @@ def test_adapter_changes_bpt_and_switching_is_exact(tok, corpus, tmp_path):
     r = evaluate(cfg, adapter=trained, compare_base=True, n_boot=200)
     a, b = r["models"]["A"], r["models"]["B"]
     assert a["adapter"] == trained and b["adapter"] is None
-    assert a["tokens"] == b["tokens"] == r["tokens"] and r["documents"] == 6
+    # the targets counted apart from scoring: every held-out document's tokens + EOS, less its first token
+    meta = prepare_data(tok, source="jsonl", path=corpus, block_size=32, val_fraction=0.5, seed=0,
+                        cache_dir=str(tmp_path / "cache")).meta
+    assert r["documents"] == meta["n_val_docs"] == 6
+    assert a["tokens"] == b["tokens"] == meta["n_val_tokens"] - meta["n_val_docs"]
     assert abs(a["bpt"] - b["bpt"]) > 1e-3
     assert r["comparison"]["diff_bpt"] == pytest.approx(a["bpt"] - b["bpt"], abs=1e-9)
     swapped = evaluate(cfg, adapter=zero, compare_adapter=trained, n_boot=200)
@@ -207,10 +211,11 @@ def test_cli_writes_json_and_table(tok, corpus, tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     assert "A − B" in r.stdout and "(base)" in r.stdout
     result = json.loads(out.read_text())
-    # --config: exactly the training run's validation documents (its seed, the fraction given here)
-    val = split_documents(load_documents("jsonl", corpus), val_fraction=0.25, seed=0)[1]
-    assert result["documents"] == len(val) == 3 and result["split"] == "val" and result["block_size"] == 32
-    assert result["models"]["A"]["tokens"] == sum(len(ids) - 1 for ids in document_ids(tok, val))
+    # --config: exactly the documents training held out (its seed, the fraction given here), as prepare_data split them
+    meta = prepare_data(tok, source="jsonl", path=corpus, block_size=32, val_fraction=0.25, seed=0,
+                        cache_dir=str(tmp_path / "cache")).meta
+    assert result["documents"] == meta["n_val_docs"] == 3 and result["split"] == "val" and result["block_size"] == 32
+    assert result["models"]["A"]["tokens"] == meta["n_val_tokens"] - meta["n_val_docs"]
     c = result["comparison"]
     assert c["n_boot"] == 200 and c["ci_low"] <= c["mean_diff_bpt"] <= c["ci_high"]
     assert "per_document" not in result
