@@ -14,9 +14,9 @@ documents with ``evaluate.score_shard`` and writes ``docs/ablation.md``-ready ma
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
+import re
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -24,13 +24,21 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from raytrain_scu.checkpoint import CheckpointError, newest_good_local, read_meta
 from raytrain_scu.config import Config, ConfigError, load_config
-from raytrain_scu.evaluate import paired_bootstrap, score_shard
+from raytrain_scu.evaluate import DEFAULT_BOOTSTRAP, paired_bootstrap, score_shard
+from raytrain_scu.model import bits_per_token
+from raytrain_scu.tracking import storage_dir
 
 T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
+FAMILIES = ("none", "fixed", "scu", "gains")  # the order of the tables' rows; gains is a table of its own
 
 
-def arm_sweeps(base: Config, *, seeds, lambdas, targets, gains) -> dict[str, list[str]]:
+class AblationError(RuntimeError):
+    """A trial that cannot be compared (unfinished, or without its final checkpoint); the message says why."""
+
+
+def arm_sweeps(*, seeds, lambdas, targets, gains) -> dict[str, list[str]]:
     """Overrides for each grid sweep: one per arm family, plus the (Kp, Ki) stability sweep."""
     seed_grid = f"seed: {{grid: {list(seeds)}}}"
     return {
@@ -44,31 +52,58 @@ def arm_sweeps(base: Config, *, seeds, lambdas, targets, gains) -> dict[str, lis
     }
 
 
+def check_finished(sweep_name: str, rows: list[dict]) -> None:
+    """Raise AblationError unless every trial of the sweep reached train.max_steps (status DONE).
+
+    An ERROR or PENDING trial has no final adapter yet; a STOPPED one trained fewer steps than the other arms.
+    """
+    unfinished = [f"{r['trial']} ({r['status']})" for r in rows if r["status"] != "DONE"]
+    if unfinished:
+        raise AblationError(f"sweep {sweep_name}: {len(unfinished)} trial(s) did not reach train.max_steps: "
+                            f"{', '.join(unfinished)}. ERROR/PENDING trials resume when the same command is run "
+                            f"again; a STOPPED one (time budget, stop_on_saturation) needs those limits lifted and a "
+                            f"new run.name, since every arm must train the same steps")
+
+
 def run_arms(config_path: str, overrides: list[str], sweeps: dict[str, list[str]]) -> dict[str, dict]:
+    """Run (or resume) each family's grid sweep; ``{family: {"cfg": sweep config, "rows": sweep.trial_rows}}``."""
     from raytrain_scu.sweep import run_sweep
 
     out = {}
     for family, extra in sweeps.items():
-        cfg = load_config(config_path, [*overrides, *extra, "tune.search=grid", "tune.scheduler=none",
-                                        "tune.num_samples=1"])
+        # a grid search runs each combination once (sweep.make_tuner ignores tune.num_samples for it)
+        cfg = load_config(config_path, [*overrides, *extra, "tune.search=grid", "tune.scheduler=none"])
         cfg.run.name = f"{cfg.run.name}-{family}"
-        out[family] = {"cfg": cfg, "summary": run_sweep(cfg)}
+        rows = run_sweep(cfg)["rows"]
+        check_finished(cfg.run.name, rows)
+        out[family] = {"cfg": cfg, "rows": rows}
     return out
 
 
-def trial_dir(family_cfg: Config, row: dict) -> Path:
-    from raytrain_scu.sweep import sweep_dir
+def trial_run(family_cfg: Config, row: dict) -> tuple[Config, Path]:
+    """A trial's full config, built by the sweep's own ``trial_config``, and its Train run directory."""
+    from raytrain_scu.sweep import trial_config
 
-    return Path(sweep_dir(family_cfg)) / "trials" / row["run_name"]
-
-
-def last_checkpoint(run_dir: Path) -> Path:
-    """A trial's final checkpoint (sweep trials keep their adapter there, under adapter/)."""
-    return sorted(run_dir.glob("checkpoint_0*"))[-1]
+    cfg = trial_config(family_cfg, row["params"], row["trial"])
+    return cfg, Path(storage_dir(cfg.run.storage_path)) / cfg.run.name
 
 
-def history(run_dir: Path) -> list[dict]:
-    return torch.load(last_checkpoint(run_dir) / "state.pt", map_location="cpu", weights_only=False)["history"]
+def final_checkpoint(run_dir: Path, max_steps: int) -> Path:
+    """The trial's newest checkpoint that matches its manifest, which must be the one of step ``max_steps``
+    (sweep trials keep their adapter there, under adapter/). Raises AblationError or CheckpointError."""
+    ckpt, problems = newest_good_local(run_dir)
+    if ckpt is None:
+        raise AblationError(f"no checkpoint in {run_dir}")
+    step = read_meta(ckpt)["step"]
+    if step != max_steps:
+        raise AblationError(f"{run_dir}: the newest good checkpoint {ckpt.name} is of step {step}, not the final "
+                            f"step {max_steps}" + (f" (newer ones: {'; '.join(problems)})" if problems else ""))
+    return ckpt
+
+
+def history(ckpt: Path) -> list[dict]:
+    """The per-step rows the training loop saved in a checkpoint."""
+    return torch.load(ckpt / "state.pt", map_location="cpu", weights_only=False)["history"]
 
 
 def control_stats(hist: list[dict], target_s: float, warmup_frac: float = 0.2) -> dict:
@@ -107,39 +142,36 @@ def collect(arms: dict[str, dict], *, n_boot: int) -> dict:
 
     trials = []
     for family, a in arms.items():
-        for row in a["summary"]["rows"]:
-            params = row["params"]
-            seed = int(params.get("seed", a["cfg"].seed))
-            cfg = a["cfg"]
-            run_dir = trial_dir(cfg, row)
-            target = params.get("controller.target_s", cfg.controller.target_s)
-            trials.append({"family": family, "arm": arm_label(family, params), "seed": seed, "params": params,
-                           "adapter": str(last_checkpoint(run_dir) / "adapter"), "history": history(run_dir),
-                           "target_s": target, "status": row["status"], "cfg": cfg,
-                           **control_stats(history(run_dir), target)})
+        for row in a["rows"]:
+            cfg, run_dir = trial_run(a["cfg"], row)
+            ckpt = final_checkpoint(run_dir, cfg.train.max_steps)
+            hist = history(ckpt)
+            target = cfg.controller.target_s  # none and fixed: the config's S*, for the tracking error
+            trials.append({"family": family, "arm": arm_label(family, row["params"]), "seed": cfg.seed, "cfg": cfg,
+                           "adapter": str(ckpt / "adapter"), "history": hist, "target_s": target,
+                           **control_stats(hist, target)})
     by_seed: dict[int, list[dict]] = {}
     for t in trials:
         by_seed.setdefault(t["seed"], []).append(t)
-    for seed, group in by_seed.items():
-        cfg = dataclasses.replace(group[0]["cfg"], seed=seed)  # the arms' model and data, this seed's split
+    for group in by_seed.values():
+        cfg = group[0]["cfg"]  # the arms' model and data, this seed's split
         docs = held_out_documents(cfg, "val")
         # peft adapter names: plain identifiers (no dots), mapped back to the trials by position
         adapters = {"base": "", **{f"trial{i}": t["adapter"] for i, t in enumerate(group)}}
         scores = score_shard(asdict(cfg), adapters, docs)
         tokens = scores["tokens"]
-        none = next(t for t in group if t["family"] == "none")
-        none_key = f"trial{group.index(none)}"
+        n_tokens = float(tokens.sum())
+        none_nats = scores["nats"][f"trial{next(i for i, t in enumerate(group) if t['family'] == 'none')}"]
+        base_bpt = bits_per_token(float(scores["nats"]["base"].sum()), n_tokens)
         for i, t in enumerate(group):
-            key = f"trial{i}"
-            t["nats"], t["tokens"] = scores["nats"][key], tokens
-            t["val_bpt"] = float(t["nats"].sum() / tokens.sum() / math.log(2))
-            t["none_nats"] = scores["nats"][none_key]
-        for t in group:
-            t["base_bpt"] = float(scores["nats"]["base"].sum() / tokens.sum() / math.log(2))
+            nats = scores["nats"][f"trial{i}"]
+            t.update(nats=nats, tokens=tokens, none_nats=none_nats, base_bpt=base_bpt,
+                     val_bpt=bits_per_token(float(nats.sum()), n_tokens))
     return {"trials": trials, "n_boot": n_boot}
 
 
 def summarize(result: dict) -> list[dict]:
+    """One row per arm, its seeds pooled, in :func:`row_order`: what table.md and results.json hold."""
     rows = []
     arms: dict[str, list[dict]] = {}
     for t in result["trials"]:
@@ -159,7 +191,7 @@ def summarize(result: dict) -> list[dict]:
                      "final_lambda": float(np.mean([t["final_lambda"] for t in ts])),
                      "final_s_hat": float(np.mean([t["final_s_hat"] for t in ts])),
                      "saturated_steps": [t["saturated_step"] for t in ts]})
-    return rows
+    return sorted(rows, key=row_order)
 
 
 def plot(result: dict, out_dir: Path) -> list[Path]:
@@ -192,19 +224,52 @@ def plot(result: dict, out_dir: Path) -> list[Path]:
     return paths
 
 
+HEADER = ("| arm | seeds | held-out BPT (mean ± 95% CI) | gap to none [95% CI] | RMS(Ŝ−S*) | λ swing | final λ | "
+          "final Ŝ | saturation step |\n|---|---|---|---|---|---|---|---|---|")
+
+
+def row_order(row: dict) -> tuple:
+    """Family (FAMILIES order), then the arm's swept values as :func:`arm_label` wrote them."""
+    return FAMILIES.index(row["family"]), [float(v) for v in re.findall(r"=(\S+)", row["arm"])]
+
+
+def _num(value, spec: str) -> str:
+    """``value`` formatted, or '-' where it is undefined (None, NaN: e.g. the λ swing of λ = 0, one seed's CI)."""
+    return "-" if value is None or not math.isfinite(value) else format(value, spec)
+
+
 def markdown(rows: list[dict]) -> str:
-    lines = ["| arm | seeds | held-out BPT (mean ± 95% CI) | gap to none [95% CI] | RMS(Ŝ−S*) | λ swing | final λ | "
-             "final Ŝ | saturation step |", "|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        sat = ", ".join("-" if s is None else str(s) for s in r["saturated_steps"])
-        lines.append(f"| {r['arm']} | {r['seeds']} | {r['val_bpt']:.4f} ± {r['val_bpt_ci95']:.4f} | "
-                     f"{r['gap_to_none']:+.4f} [{r['gap_ci_low']:+.4f}, {r['gap_ci_high']:+.4f}] | "
-                     f"{r['rms_tracking_error']:.4g} | {r['lambda_swing']:.3g} | {r['final_lambda']:.4g} | "
-                     f"{r['final_s_hat']:.4g} | {sat} |")
-    return "\n".join(lines)
+    """The arms table (none, fixed, scu), then the gains table, each in :func:`row_order`; takes :func:`summarize`'s
+    rows or the results.json they were written to."""
+    tables = []
+    for families in (FAMILIES[:3], FAMILIES[3:]):
+        lines = [HEADER]
+        for r in sorted((r for r in rows if r["family"] in families), key=row_order):
+            ci = _num(r["val_bpt_ci95"], ".4f")
+            bpt = _num(r["val_bpt"], ".4f") + ("" if ci == "-" else f" ± {ci}")
+            gap = f"{_num(r['gap_to_none'], '+.4f')} [{_num(r['gap_ci_low'], '+.4f')}, {_num(r['gap_ci_high'], '+.4f')}]"
+            sat = ", ".join("-" if s is None else str(s) for s in r["saturated_steps"])
+            lines.append(f"| {r['arm']} | {r['seeds']} | {bpt} | {gap} | {_num(r['rms_tracking_error'], '.4g')} | "
+                         f"{_num(r['lambda_swing'], '.3g')} | {_num(r['final_lambda'], '.4g')} | "
+                         f"{_num(r['final_s_hat'], '.4g')} | {sat} |")
+        if len(lines) > 1:
+            tables.append("\n".join(lines))
+    return "\n\n".join(tables)
+
+
+def json_ready(value):
+    """``value`` with every NaN or infinity as None: JSON has no NaN (``json.dumps`` would write an invalid token)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: json_ready(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_ready(v) for v in value]
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:
+    """CLI: 0 with results written, 1 when a trial cannot be compared (re-run to resume), 2 for a bad config."""
     p = argparse.ArgumentParser(prog="python -m raytrain_scu.ablation", description=__doc__.split("\n\n")[0])
     p.add_argument("config")
     p.add_argument("overrides", nargs="*")
@@ -213,25 +278,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--targets", default="0.005,0.01,0.02")
     p.add_argument("--kp", default="0.2,0.8")
     p.add_argument("--ki", default="0.05,0.15")
-    p.add_argument("--bootstrap", type=int, default=2000)
+    p.add_argument("--bootstrap", type=int, default=DEFAULT_BOOTSTRAP)
     p.add_argument("--out", default="ablation_out", help="directory for results.json, table.md and plots")
     a = p.parse_args(argv)
     floats = lambda s: [float(x) for x in s.split(",")]  # noqa: E731
     try:
-        load_config(a.config, a.overrides)
+        load_config(a.config, a.overrides)  # a bad config fails here, before any sweep starts
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    sweeps = arm_sweeps(load_config(a.config, a.overrides), seeds=[int(x) for x in a.seeds.split(",")],
-                        lambdas=floats(a.lambdas), targets=floats(a.targets), gains=(floats(a.kp), floats(a.ki)))
-    arms = run_arms(a.config, a.overrides, sweeps)
-    result = collect(arms, n_boot=a.bootstrap)
+    sweeps = arm_sweeps(seeds=[int(x) for x in a.seeds.split(",")], lambdas=floats(a.lambdas),
+                        targets=floats(a.targets), gains=(floats(a.kp), floats(a.ki)))
+    try:
+        arms = run_arms(a.config, a.overrides, sweeps)
+        result = collect(arms, n_boot=a.bootstrap)
+    except (AblationError, CheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     rows = summarize(result)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     plots = plot(result, out / "plots")
     (out / "table.md").write_text(markdown(rows) + "\n")
-    (out / "results.json").write_text(json.dumps(rows, indent=1, default=str))
+    (out / "results.json").write_text(json.dumps(json_ready(rows), indent=1, allow_nan=False, default=str))
     print(markdown(rows))
     print(f"[raytrain_scu] ablation results in {out} (plots: {', '.join(p.name for p in plots)})")
     return 0
