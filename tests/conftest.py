@@ -1,4 +1,6 @@
 import os
+import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -26,3 +28,28 @@ def tiny_cfg(tmp_path, name, *overrides):
     from raytrain_scu.config import load_config
 
     return load_config(TINY, [f"run.storage_path={tmp_path}", f"run.name={name}", *overrides])
+
+
+def cli(*overrides, env=None, timeout=600):
+    """``python -m raytrain_scu.train experiments/tiny-cpu.yaml *overrides`` in a subprocess, output captured. It
+    starts its own Ray unless ``env`` names a RAY_ADDRESS (one inherited from this process is dropped)."""
+    full_env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    full_env.update({"RAY_AUTH_MODE": "disabled", **(env or {})})
+    return subprocess.run([sys.executable, "-m", "raytrain_scu.train", TINY, *overrides], capture_output=True,
+                          text=True, cwd=ROOT, env=full_env, timeout=timeout)
+
+
+def free_port() -> int:
+    """A loopback TCP port that nothing listened on a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def mlflow_runs(storage, experiment: str, filter_string: str = ""):
+    """(client, runs) of ``experiment`` in the MLflow store a run with ``run.storage_path=storage`` uses by default."""
+    from raytrain_scu.tracking import client_for, default_uri
+
+    client = client_for(default_uri(str(storage)))
+    exp = client.get_experiment_by_name(experiment)
+    return client, client.search_runs([exp.experiment_id], filter_string=filter_string)

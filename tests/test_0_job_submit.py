@@ -6,7 +6,6 @@ was seen never to register ("No available agent to submit job").
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -16,15 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, free_port
 
 pytestmark = pytest.mark.slow
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_ray_job_submit_runs_training(tmp_path):

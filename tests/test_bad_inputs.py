@@ -6,13 +6,10 @@ The table of cases and messages is in docs/reliability.md. A resumed run whose c
 tested in test_reliability.py (it needs a real earlier run).
 """
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-from conftest import ROOT, TINY
+from conftest import TINY, cli
 
 
 def text_file(tmp_path, name: str, data: bytes) -> str:
@@ -121,13 +118,6 @@ def test_more_workers_than_gpus(tmp_path, no_ray, capsys, monkeypatch):
     print(f"BAD_INPUT {json.dumps({'case': 'more workers than GPUs', 'message': err.strip()})}")
 
 
-def cli(*args, env=None):
-    full_env = {**os.environ, "RAY_AUTH_MODE": "disabled", **(env or {})}
-    full_env.pop("RAY_ADDRESS", None)
-    return subprocess.run([sys.executable, "-m", "raytrain_scu.train", *args], capture_output=True, text=True,
-                          cwd=ROOT, env=full_env, timeout=300)
-
-
 # the real CLI: exit code, message, and no Ray instance started
 @pytest.mark.parametrize("name, args, env, expected", [
     ("unknown model id offline", ["model.name=no-such-org/no-such-model"], {"HF_HUB_OFFLINE": "1"},
@@ -138,7 +128,7 @@ def cli(*args, env=None):
 ])
 def test_cli_bad_input_exits_non_zero_without_starting_ray(name, args, env, expected, tmp_path):
     (tmp_path / "bin.txt").write_bytes(b"\xff\xfe")
-    r = cli(TINY, f"run.storage_path={tmp_path}", *[a.format(tmp=tmp_path) for a in args], env=env)
+    r = cli(f"run.storage_path={tmp_path}", *[a.format(tmp=tmp_path) for a in args], env=env, timeout=300)
     out = r.stdout + r.stderr
     assert r.returncode == 2 and all(s in r.stderr for s in expected), out[-3000:]
     assert "Started a local Ray instance" not in out and "RayTrainWorker" not in out

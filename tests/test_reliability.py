@@ -10,7 +10,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -21,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ROOT, TINY, tiny_cfg
+from conftest import ROOT, cli, free_port, mlflow_runs, tiny_cfg
 from raytrain_scu import checkpoint as ckpt
 
 SECRETS = {"HF_TOKEN": "hf_SECRETtoken123", "MLFLOW_TRACKING_PASSWORD": "mlflowSECRETpw456",
@@ -100,19 +99,9 @@ def held_pids(hold_dir: Path, world: int) -> dict[int, int]:
 
 def mlflow_run(storage, name):
     """(the only MLflow run of this run name, its client); fails if there is not exactly one."""
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(tracking_uri=f"sqlite:///{storage}/mlflow.db")
-    exp = client.get_experiment_by_name(name)
-    runs = client.search_runs([exp.experiment_id])
+    client, runs = mlflow_runs(storage, name)
     assert len(runs) == 1, [r.info.run_id for r in runs]
     return runs[0], client
-
-
-def cli(*args, env=None, timeout=600):
-    full_env = {**os.environ, "RAY_AUTH_MODE": "disabled", **(env or {})}
-    return subprocess.run([sys.executable, "-m", "raytrain_scu.train", TINY, *args], capture_output=True, text=True,
-                          cwd=ROOT, env=full_env, timeout=timeout)
 
 
 # ---------------------------------------------------------------- checkpoints (no Ray)
@@ -431,10 +420,8 @@ def two_node_scenario(storage: str) -> dict:
     hold = Path(storage) / "hold"
     os.environ.update(RAYTRAIN_SCU_HOLD_AT_STEP="15", RAYTRAIN_SCU_HOLD_DIR=str(hold))
     t0 = time.time()
-    with socket.socket() as sock:  # the state API needs the head's dashboard; 8265 may be another Ray's on this box
-        sock.bind(("127.0.0.1", 0))
-        dashboard_port = sock.getsockname()[1]
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "dashboard_port": dashboard_port})
+    # the state API needs the head's dashboard; 8265 may be another Ray's on this box
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "dashboard_port": free_port()})
     worker_node = cluster.add_node(num_cpus=2)
     ray.init(address=cluster.address, log_to_driver=False)
     out = {"head": cluster.head_node.node_id, "worker_node": worker_node.node_id,

@@ -1,10 +1,7 @@
 """MLflow integration: a real sqlite store read back with MlflowClient."""
-import socket
-
 import pytest
-from mlflow.tracking import MlflowClient
 
-from conftest import tiny_cfg
+from conftest import free_port, mlflow_runs, tiny_cfg
 from raytrain_scu.train import run
 from raytrain_scu.tracking import RUN_KEY_TAG, run_key
 
@@ -12,10 +9,8 @@ pytestmark = pytest.mark.slow
 
 
 def client_and_runs(tmp_path, cfg):
-    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
-    exp = client.get_experiment_by_name(cfg.run.name)
-    runs = client.search_runs([exp.experiment_id], filter_string=f"tags.`{RUN_KEY_TAG}` = '{run_key(cfg)}'")
-    return client, runs
+    """The MLflow runs that carry this training run's run-key tag."""
+    return mlflow_runs(tmp_path, cfg.run.name, f"tags.`{RUN_KEY_TAG}` = '{run_key(cfg)}'")
 
 
 def artifact_paths(client, run_id, path=""):
@@ -63,11 +58,8 @@ def test_restart_continues_the_same_run_without_duplicate_steps(ray_local, tmp_p
 
 
 def test_unreachable_tracking_server_does_not_stop_training(ray_local, tmp_path):
-    with socket.socket() as s:  # a port that nothing listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     cfg = tiny_cfg(tmp_path, "offline", "scaling.num_workers=1", "train.max_steps=6", "train.report_every=3",
-                   "train.checkpoint_every=3", f"tracking.uri=http://127.0.0.1:{port}")
+                   "train.checkpoint_every=3", f"tracking.uri=http://127.0.0.1:{free_port()}")  # nothing listens
     summary = run(cfg, quiet=True)
     assert summary["steps"] == 6 and summary["adapter"]
     assert any("MLflow unreachable" in n for n in summary["notes"])

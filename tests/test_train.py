@@ -1,13 +1,11 @@
 """Integration: the real training engine on Ray with CPU workers (gloo), the tiny model, real checkpoints."""
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ROOT, TINY, tiny_cfg
+from conftest import cli, tiny_cfg
 from raytrain_scu.train import build_trainer, run
 
 pytestmark = pytest.mark.slow
@@ -104,7 +102,6 @@ def test_qlora_4bit_runs_on_cpu(ray_local, tmp_path):
 
 
 def test_cli_rejects_bad_config_before_ray(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "raytrain_scu.train", TINY, "controller.target_s=1.5",
-                        f"run.storage_path={tmp_path}"], capture_output=True, text=True, cwd=ROOT)
+    r = cli("controller.target_s=1.5", f"run.storage_path={tmp_path}")
     assert r.returncode == 2 and "controller.target_s" in r.stderr
     assert "Started a local Ray instance" not in r.stdout + r.stderr
