@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 import math
-import os
 import sys
 import threading
 import time
@@ -39,8 +37,8 @@ from ray.train.v2._internal.execution.callback import WorkerGroupCallback
 from ray.util.placement_group import placement_group_table, remove_placement_group
 
 from raytrain_scu import tracking
-from raytrain_scu.config import (Config, ConfigError, build_config, flatten, get_dotted, redact_uri, to_yaml,
-                                 validate_space_entry)
+from raytrain_scu.config import (Config, ConfigError, build_config, flatten, get_dotted, global_batch_tokens,
+                                 redact_uri, set_dotted, to_yaml)
 
 ASHA_REDUCTION_FACTOR = 2  # ASHA keeps the best half at each rung
 DRIVER_CPU = 0.01  # what a trial's driver function holds; its Train workers ask for their own resources
@@ -78,11 +76,7 @@ def apply_params(base: Config, params: dict) -> Config:
     """
     tree = asdict(base)
     for key, value in params.items():
-        *parents, leaf = key.split(".")
-        node = tree
-        for p in parents:
-            node = node[p]
-        node[leaf] = _plain(value)
+        set_dotted(tree, key, _plain(value))
     if base.tune.keep_tokens_per_step and "data.batch_size" in params:
         per_step = base.data.batch_size * base.data.grad_accum
         batch = tree["data"]["batch_size"]
@@ -96,16 +90,11 @@ def apply_params(base: Config, params: dict) -> Config:
     return build_config(tree, default_name=base.run.name)
 
 
-def global_batch_tokens(cfg: Config) -> int:
-    """Tokens per optimizer step over all workers (what the worker logs as derived.global_batch_tokens)."""
-    d = cfg.data
-    return d.batch_size * d.grad_accum * cfg.scaling.num_workers * d.block_size
-
-
 def resolve_space(cfg: Config, *, with_lr: bool = False) -> dict:
     """The space to sweep, checked against the search, the scheduler and the config. Raises SweepError.
 
-    Every listed value, and both ends of every range, must make a valid config; listed values get their key's type.
+    Each entry's form was checked when the config was built (``config.validate_space_entry``); here every listed
+    value, and both ends of every range, must make a valid config; listed values get their key's type.
     """
     t = cfg.tune
     space = dict(t.space) or default_space(cfg)
@@ -113,13 +102,12 @@ def resolve_space(cfg: Config, *, with_lr: bool = False) -> dict:
         space["optim.lr"] = {"loguniform": [float(f"{cfg.optim.lr / 10:.3g}"), float(f"{cfg.optim.lr * 10:.3g}")]}
     if not space:
         raise SweepError("tune.space is empty: nothing to sweep")
-    kinds = {}
-    for key, spec in space.items():
-        try:
-            validate_space_entry(key, spec)
-        except ConfigError as e:
-            raise SweepError(str(e)) from None
-        kinds[key] = next(iter(spec))
+    scaling = [k for k in space if k.startswith("scaling.")]
+    if scaling:
+        # one trial's resources size the concurrency and are checked against the cluster once, from the base config
+        raise SweepError(f"tune.space cannot sweep {', '.join(scaling)}: every trial takes the base config's "
+                         f"scaling.* (set them as overrides, one sweep per setting)")
+    kinds = {key: next(iter(spec)) for key, spec in space.items()}
     ranges = [k for k, kind in kinds.items() if kind not in ("choice", "grid")]
     grids = [k for k, kind in kinds.items() if kind == "grid"]
     if t.search == "grid" and ranges:
@@ -168,13 +156,11 @@ def max_sequences_per_step(cfg: Config, space: dict) -> int:
         per_worker = cfg.data.batch_size * cfg.data.grad_accum
     else:
         per_worker = top("data.batch_size") * top("data.grad_accum")
-    return int(per_worker * top("scaling.num_workers"))
+    return int(per_worker * cfg.scaling.num_workers)  # scaling.* is never swept
 
 
 def tune_space(cfg: Config, space: dict) -> dict:
     """``tune.space`` as Ray Tune domains; randint's high is inclusive, and ranges over int keys sample ints."""
-    from ray import tune
-
     out = {}
     for key, spec in space.items():
         (kind, args), = spec.items()
@@ -250,15 +236,13 @@ class PlacementGroupReaper:
         for controller, pg in self.watched:
             try:
                 ray.get(controller.__ray_ready__.remote(), timeout=5)
-                alive.append((controller, pg))  # a run that ends by itself removes its own placement group
+            except ray.exceptions.RayActorError:  # the controller died: its workers' placement group is left behind
+                if placement_group_table(pg).get("state", "REMOVED") != "REMOVED":
+                    remove_placement_group(pg)
                 continue
-            except ray.exceptions.GetTimeoutError:
-                alive.append((controller, pg))
-                continue
-            except ray.exceptions.RayActorError:
+            except ray.exceptions.GetTimeoutError:  # busy, not dead
                 pass
-            if placement_group_table(pg).get("state", "REMOVED") != "REMOVED":
-                remove_placement_group(pg)
+            alive.append((controller, pg))  # a run that ends by itself removes its own placement group
         self.watched = alive
         return len(alive)
 
@@ -325,10 +309,6 @@ def run_trial(params: dict, setup: TrialSetup) -> None:
 
     from raytrain_scu.train import build_trainer
 
-    # this actor inherited the cluster's environment; the sweep command's RAYTRAIN_SCU_* variables are the ones meant
-    for k in [k for k in os.environ if k.startswith("RAYTRAIN_SCU_")]:
-        del os.environ[k]
-    os.environ.update(setup.env)
     trial_id = tune.get_context().get_trial_id()
     cfg = trial_config(setup.base, params, trial_id)
     run_id = None
@@ -336,7 +316,8 @@ def run_trial(params: dict, setup: TrialSetup) -> None:
         run_id = open_child_run(cfg, setup.base.run.name, setup.parent_run_id, params, trial_id)
     # same run.name and storage_path on a resumed sweep: Ray Train continues from this trial's latest checkpoint
     callbacks = [TuneReportCallback(), NotePlacementGroup(setup.placement_groups)]
-    build_trainer(cfg, use_gpu=setup.use_gpu, run_id=run_id, callbacks=callbacks).fit()
+    # this actor inherited the cluster's environment: the workers get the sweep command's RAYTRAIN_SCU_* variables
+    build_trainer(cfg, use_gpu=setup.use_gpu, run_id=run_id, callbacks=callbacks, env=setup.env).fit()
 
 
 def trial_dirname(trial) -> str:
@@ -499,15 +480,16 @@ def plot_metric_vs_params(rows: list[dict], space: dict, metric: str, out_dir: P
 
 # ---------------------------------------------------------------- MLflow parent run
 
-def open_parent_run(cfg: Config, space: dict) -> Optional[str]:
-    """The sweep's MLflow run (found again on resume), with the sweep's settings and base config as params."""
+def open_parent_run(cfg: Config) -> Optional[str]:
+    """The sweep's MLflow run (found again on resume), with the base config (its tune.space the resolved space) and
+    the global batch as params."""
     if not cfg.tracking.enabled:
         return None
     try:
         run_id = tracking.get_or_create_run(cfg)
         client = tracking.client_for(tracking.tracking_uri(cfg))
         client.set_tag(run_id, tracking.SWEEP_TAG, cfg.run.name)
-        tracking.log_params_once(client, run_id, {**flatten(cfg), "sweep.space": json.dumps(space),
+        tracking.log_params_once(client, run_id, {**flatten(cfg),
                                                   "derived.global_batch_tokens": global_batch_tokens(cfg)})
         client.set_terminated(run_id, status="RUNNING")
         return run_id
@@ -519,22 +501,30 @@ def open_parent_run(cfg: Config, space: dict) -> Optional[str]:
 
 def close_parent_run(cfg: Config, parent_run_id: str, rows: list[dict], best: Optional[dict], best_yaml: str,
                      files: list[Path]) -> None:
-    """Mark each child with its outcome, and give the parent the best result, the table, best.yaml and plots."""
+    """Mark each child with its outcome, and give the parent the best result, the table, best.yaml and plots.
+
+    A child still RUNNING was cut off before its worker could end it: KILLED if Tune stopped the trial (ASHA, the time
+    budget), FAILED if it failed. A worker that ends its run itself (train.max_steps, train.stop_on_saturation) has
+    marked it FINISHED, and that stays.
+    """
     client = tracking.client_for(tracking.tracking_uri(cfg))
-    children = {r.data.tags.get(tracking.TRIAL_TAG): r.info.run_id
-                for r in tracking.child_runs(cfg, parent_run_id)}
+    children = {r.data.tags.get(tracking.TRIAL_TAG): r for r in tracking.child_runs(cfg, parent_run_id)}
     for row in rows:
-        run_id = children.get(row["trial"])
-        if run_id is None:
+        child = children.get(row["trial"])
+        if child is None:
             continue
-        client.set_tag(run_id, "raytrain_scu.trial_status", row["status"])
-        if row["status"] in ("STOPPED", "ERROR"):  # its worker was stopped or failed before it could say so
-            client.set_terminated(run_id, status="KILLED" if row["status"] == "STOPPED" else "FAILED")
+        client.set_tag(child.info.run_id, "raytrain_scu.trial_status", row["status"])
+        if child.info.status != "RUNNING":
+            continue
+        if row["status"] == "STOPPED":
+            client.set_terminated(child.info.run_id, status="KILLED")
+        elif row["status"] == "ERROR":
+            tracking.mark_failed(cfg, child.info.run_id)
     if best is not None:
         client.log_metric(parent_run_id, f"best/{cfg.tune.metric}", best["metric"])
         client.set_tag(parent_run_id, "raytrain_scu.best_trial", best["trial"])
         if best["trial"] in children:
-            client.set_tag(parent_run_id, "raytrain_scu.best_run_id", children[best["trial"]])
+            client.set_tag(parent_run_id, "raytrain_scu.best_run_id", children[best["trial"]].info.run_id)
         client.log_text(parent_run_id, best_yaml, "best.yaml")
     client.log_metric(parent_run_id, "sweep/trials", len(rows))
     client.log_metric(parent_run_id, "sweep/errors", sum(r["status"] == "ERROR" for r in rows))
@@ -547,7 +537,7 @@ def close_parent_run(cfg: Config, parent_run_id: str, rows: list[dict], best: Op
 
 def run_sweep(cfg: Config, *, with_lr: bool = False) -> dict:
     """Check, launch (or resume) the sweep on Ray Tune, then print the table and write best.yaml and plots."""
-    from raytrain_scu.train import init_ray, preflight
+    from raytrain_scu.train import init_ray, preflight, scu_env
 
     if "://" in cfg.run.storage_path:
         raise SweepError("the sweep writes its table, best.yaml and plots beside its runs: run.storage_path must "
@@ -568,7 +558,7 @@ def run_sweep(cfg: Config, *, with_lr: bool = False) -> dict:
     if (out / "mlflow_run.json").exists():
         raise SweepError(f"{out} is a training run's directory (python -m raytrain_scu.train): give the sweep "
                          f"another run.name")
-    parent_run_id = open_parent_run(cfg, space)
+    parent_run_id = open_parent_run(cfg)
     init_ray(cfg)
     from ray.util.queue import Queue
 
@@ -578,8 +568,7 @@ def run_sweep(cfg: Config, *, with_lr: bool = False) -> dict:
           f"{max_concurrent} trial(s) at a time, each holding "
           f"{', '.join(f'{r}={n:g}' for r, n in need.items())}; global batch "
           f"{'kept at' if t.keep_tokens_per_step else 'from'} {global_batch_tokens(cfg)} tokens/step", flush=True)
-    setup = TrialSetup(base=cfg, parent_run_id=parent_run_id, use_gpu=facts["use_gpu"],
-                       env={k: v for k, v in os.environ.items() if k.startswith("RAYTRAIN_SCU_")},
+    setup = TrialSetup(base=cfg, parent_run_id=parent_run_id, use_gpu=facts["use_gpu"], env=scu_env(),
                        placement_groups=Queue(actor_options={"num_cpus": 0}))
     reaper, stop = PlacementGroupReaper(setup.placement_groups), threading.Event()
     watcher = threading.Thread(target=reaper.run, args=(stop,), daemon=True)
@@ -598,9 +587,8 @@ def run_sweep(cfg: Config, *, with_lr: bool = False) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     files = [out / "trials.csv"]
     files[0].write_text(trials_csv(rows, keys, t.metric))
-    best_yaml, best_path = "", None
+    best_path, best_yaml = out / "best.yaml", ""
     if best is not None:
-        best_path = out / "best.yaml"
         head = (f"# Best trial {best['trial']} of sweep {cfg.run.name}: {t.metric} = {best['metric']:.6g}\n"
                 f"# Launch: python -m raytrain_scu.train {best_path}\n")
         best_cfg = best_config(cfg, best)
@@ -615,14 +603,15 @@ def run_sweep(cfg: Config, *, with_lr: bool = False) -> dict:
                   f"{redact_uri(str(e))[:200]}",
                   file=sys.stderr)
     errors = [r["trial"] for r in rows if r["status"] == "ERROR"]
-    if best_path:
+    if best is not None:
         print(f"[raytrain_scu] best trial {best['trial']}: {t.metric}={best['metric']:.6g}; config {best_path}",
               flush=True)
     if errors:
         print(f"[raytrain_scu] {len(errors)} trial(s) failed ({', '.join(errors)}): re-run the same command to "
               f"resume them", flush=True)
-    return {"sweep_dir": str(out), "rows": rows, "best": best, "best_yaml": str(best_path) if best_path else None,
-            "parent_run_id": parent_run_id, "errors": errors, "files": [str(f) for f in files]}
+    return {"sweep_dir": str(out), "rows": rows, "best": best,
+            "best_yaml": str(best_path) if best is not None else None, "parent_run_id": parent_run_id,
+            "errors": errors, "files": [str(f) for f in files]}
 
 
 USAGE = "usage: python -m raytrain_scu.sweep CONFIG.yaml [key=value ...] [--lr]"
@@ -630,18 +619,18 @@ USAGE = "usage: python -m raytrain_scu.sweep CONFIG.yaml [key=value ...] [--lr]"
 
 def main(argv: list[str] | None = None) -> int:
     """CLI: 0 when every trial ran, 1 when some failed (re-run to resume), 2 for errors found before launch."""
-    from raytrain_scu.train import PreflightError, resolve
+    from raytrain_scu.train import USER_ERRORS, resolve
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
-        print(USAGE)
-        return 0 if argv else 2
     with_lr = "--lr" in argv
     args = [a for a in argv if a != "--lr"]
+    if not args or args[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if args else 2
     try:
         cfg = resolve(args[0], args[1:])
         summary = run_sweep(cfg, with_lr=with_lr)
-    except (ConfigError, PreflightError, SweepError) as e:
+    except USER_ERRORS + (SweepError,) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 1 if summary["errors"] or summary["best"] is None else 0

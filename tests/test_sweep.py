@@ -8,7 +8,7 @@ import pytest
 
 from conftest import ROOT, TINY, tiny_cfg
 from raytrain_scu import sweep, tracking
-from raytrain_scu.config import ConfigError, load_config, to_yaml
+from raytrain_scu.config import ConfigError, global_batch_tokens, load_config, to_yaml
 
 # a 1-worker tiny run: val/data_bpt measured at every report so ASHA compares fresh values
 FAST = ["scaling.num_workers=1", "train.max_steps=6", "train.report_every=2", "train.eval_every=2",
@@ -34,8 +34,8 @@ def test_default_space_sweeps_batch_and_controller_and_lr_when_asked(tmp_path):
 
 def test_batch_trials_keep_tokens_per_step(tmp_path):
     cfg = base(tmp_path)
-    tokens = {sweep.global_batch_tokens(sweep.apply_params(cfg, {"data.batch_size": b})) for b in (1, 2, 4, 8)}
-    assert tokens == {sweep.global_batch_tokens(cfg)} == {4 * 2 * 64}
+    tokens = {global_batch_tokens(sweep.apply_params(cfg, {"data.batch_size": b})) for b in (1, 2, 4, 8)}
+    assert tokens == {global_batch_tokens(cfg)} == {4 * 2 * 64}
     assert sweep.apply_params(cfg, {"data.batch_size": 2}).data.grad_accum == 4
     with pytest.raises(ConfigError, match="does not divide"):
         sweep.apply_params(cfg, {"data.batch_size": 3})
@@ -44,7 +44,7 @@ def test_batch_trials_keep_tokens_per_step(tmp_path):
     # without the rule, grad_accum stays and the global batch follows the batch size
     loose = base(tmp_path, "tune.keep_tokens_per_step=false")
     trial = sweep.apply_params(loose, {"data.batch_size": 8})
-    assert trial.data.grad_accum == 2 and sweep.global_batch_tokens(trial) == 2 * sweep.global_batch_tokens(loose)
+    assert trial.data.grad_accum == 2 and global_batch_tokens(trial) == 2 * global_batch_tokens(loose)
 
 
 def test_space_kinds_become_tune_domains(tmp_path):
@@ -71,6 +71,10 @@ def test_search_and_space_checks(tmp_path, monkeypatch):
         sweep.resolve_space(base(tmp_path, "tune.space={controller.target_s: {uniform: [0.01, 2]}}"))
     with pytest.raises(sweep.SweepError, match="grace_period"):
         sweep.resolve_space(base(tmp_path, "tune.grace_period=4"))
+    # a trial's resources are the base config's: they size the concurrency and are checked once
+    with pytest.raises(sweep.SweepError, match="cannot sweep scaling.num_workers, scaling.cpus_per_worker:"):
+        sweep.resolve_space(base(tmp_path, "tune.space={scaling.num_workers: {choice: [1, 2]}, "
+                                           "scaling.cpus_per_worker: {choice: [1, 2]}, seed: {choice: [0, 1]}}"))
     monkeypatch.setitem(sys.modules, "optuna", None)  # as if the extra were not installed
     with pytest.raises(sweep.SweepError, match=r"needs optuna.*pip install"):
         sweep.resolve_space(base(tmp_path, "tune.search=optuna"))
@@ -83,6 +87,23 @@ def test_concurrent_trials_from_cluster_resources(tmp_path):
     assert sweep.concurrent_trials({"CPU": 64.0, "GPU": 8.0}, sweep.trial_need(gpu, use_gpu=True)) == 4
     with pytest.raises(sweep.SweepError, match="one trial needs CPU=8.01, GPU=2 but the cluster has CPU=64, GPU=1"):
         sweep.concurrent_trials({"CPU": 64.0, "GPU": 1.0}, sweep.trial_need(gpu, use_gpu=True))
+
+
+def test_cli_without_a_config_prints_usage_and_exits_2(capsys):
+    assert sweep.main(["--lr"]) == 2
+    assert capsys.readouterr().out.startswith("usage: ")
+    assert sweep.main(["--help"]) == 0
+
+
+def test_cli_memory_fit_error_exits_2(tmp_path, monkeypatch, capsys):
+    from raytrain_scu.hardware import MemoryFitError
+
+    def no_fit(cfg, with_lr):
+        raise MemoryFitError("data.batch_size=64 does not fit")
+
+    monkeypatch.setattr(sweep, "run_sweep", no_fit)
+    assert sweep.main([TINY, f"run.storage_path={tmp_path}"]) == 2
+    assert capsys.readouterr().err == "error: data.batch_size=64 does not fit\n"
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -123,13 +144,50 @@ def test_table_sorted_by_metric_and_best_yaml_loads(tmp_path):
     loaded = load_config(path)
     assert (loaded.data.batch_size, loaded.data.grad_accum, loaded.run.name) == (8, 1, "sw-best")
     pngs = sweep.plot_metric_vs_params(rows, space, "val/data_bpt", tmp_path / "plots", best)
-    assert [p.name for p in pngs] == ["val_data_bpt_vs_data.batch_size.png"] and pngs[0].stat().st_size > 0
+    assert [p.name for p in pngs] == ["val_data_bpt_vs_data.batch_size.png"]
+    png = pngs[0].read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")) == (660, 440)  # 6 x 4 in at 110 dpi
 
 
 def test_tiny_sweep_experiment_resolves():
     cfg = load_config(ROOT / "experiments" / "tiny-sweep.yaml")
     space = sweep.resolve_space(cfg)
-    assert cfg.scaling.num_workers == 1 and len(space) >= 2
+    assert cfg.scaling.num_workers == 1
+    assert space == {"data.batch_size": {"choice": [2, 4, 8]}, "controller.kp": {"loguniform": [0.2, 3.2]},
+                     "controller.target_s": {"loguniform": [0.002, 0.05]}}
+
+
+def test_close_parent_run_ends_only_the_children_left_running(tmp_path):
+    # a real sqlite store; the four ways a trial's child run ends
+    cfg = base(tmp_path, "tune.space={optim.lr: {choice: [0.01, 0.001]}}")
+    cfg.tune.space = sweep.resolve_space(cfg)
+    parent_run_id = sweep.open_parent_run(cfg)
+    client = tracking.client_for(tracking.tracking_uri(cfg))
+    ends = {"done": ("DONE", "FINISHED"),           # reached train.max_steps: its worker ended the run
+            "saturated": ("STOPPED", "FINISHED"),   # train.stop_on_saturation: its worker ended the run too
+            "asha": ("STOPPED", None),              # stopped by Tune: left RUNNING
+            "crashed": ("ERROR", None)}             # failed: left RUNNING
+    rows, run_ids = [], {}
+    for i, (trial, (status, worker_end)) in enumerate(ends.items()):
+        params = {"optim.lr": 0.01}
+        run_ids[trial] = sweep.open_child_run(sweep.trial_config(cfg, params, trial), cfg.run.name, parent_run_id,
+                                              params, trial)
+        if worker_end:
+            client.set_terminated(run_ids[trial], status=worker_end)
+        rows.append({"trial": trial, "status": status, "metric": 7.0 + i})
+    sweep.close_parent_run(cfg, parent_run_id, rows, rows[0], "best: yes\n", [])
+
+    runs = {t: client.get_run(r) for t, r in run_ids.items()}
+    assert {t: r.info.status for t, r in runs.items()} == {"done": "FINISHED", "saturated": "FINISHED",
+                                                           "asha": "KILLED", "crashed": "FAILED"}
+    assert {t: r.data.tags["raytrain_scu.trial_status"] for t, r in runs.items()} == \
+        {t: status for t, (status, _) in ends.items()}
+    parent = client.get_run(parent_run_id)
+    assert parent.info.status == "FINISHED" and parent.data.tags["raytrain_scu.best_run_id"] == run_ids["done"]
+    # the space is logged once, as the base config's tune.space
+    assert "sweep.space" not in parent.data.params
+    assert parent.data.params["tune.space"] == '{"optim.lr": {"choice": [0.01, 0.001]}}'
 
 
 # ---------------------------------------------------------------- integration: real sweeps (Ray, CPU workers, MLflow)
@@ -153,7 +211,7 @@ def test_three_trial_sweep_asha_stops_the_bad_one_children_linked_best_yaml_trai
     rows = summary["rows"]
     by_lr = {r["params"]["optim.lr"]: r for r in rows}
     assert len(rows) == 3 and not summary["errors"]
-    assert [r["metric"] for r in rows] == sorted(r["metric"] for r in rows)
+    assert [r["params"]["optim.lr"] for r in rows] == [0.01, 0.005, 1e-7]  # best first, ASHA's stopped one last
     assert rows[0]["status"] == "DONE" and rows[0]["steps"] == 8
     assert rows[0]["params"]["optim.lr"] == 0.01
     bad = by_lr[1e-7]
