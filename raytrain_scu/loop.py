@@ -240,7 +240,7 @@ def run_loop(cfg, *, hooks, run_id=None) -> None:
         skipped_total += 0 if finite else 1
         if skipped_in_a_row >= t.max_consecutive_skips:
             tracker.finish(history=history, status="FAILED")
-            barrier()  # all ranks: rank 0 has recorded the failure before any rank raises and Ray stops the group
+            barrier()  # all ranks: rank 0's final MLflow flush lands before any rank raises and Ray stops the group
             raise NonFiniteError(f"{skipped_in_a_row} optimizer steps in a row had a non-finite loss or gradient "
                                  f"(last at step {step + 1}); the last good checkpoint is kept. Lower optim.lr, "
                                  f"use bf16 instead of fp16, or check the data.")
