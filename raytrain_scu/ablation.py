@@ -43,7 +43,7 @@ def arm_sweeps(*, seeds, lambdas, targets, gains) -> dict[str, list[str]]:
     seed_grid = f"seed: {{grid: {list(seeds)}}}"
     return {
         "none": ["controller.mode=none", f"tune.space={{{seed_grid}}}"],
-        "fixed": ["controller.mode=fixed", "controller.lambda_min=1e-6",
+        "fixed": ["controller.mode=fixed",
                   f"tune.space={{controller.lambda_init: {{grid: {list(lambdas)}}}, {seed_grid}}}"],
         "scu": ["controller.mode=scu",
                 f"tune.space={{controller.target_s: {{grid: {list(targets)}}}, {seed_grid}}}"],
