@@ -13,6 +13,9 @@ LoRA r=16 on all 7 projections:
   attn                      causal SDPA alone at the model's attention shape: each fused backend first in turn,
                             both q/k/v layouts, and transformers' call sequence under torch.compile
 
+Every part that times training must prove it trained (:func:`proof_of_training`): the LoRA B matrices left zero
+and the BPT on a fixed set of blocks fell (ours: the validation set before step 1 and at the last step; the
+reference: its first batch before and after). A part that fails this reports an error, not a speed.
 tokens/s are medians over timed intervals after warm-up; MFU = tokens/s × FLOPs/token / peak, with
 FLOPs/token = 4·N_matmul + 12·L·d·T for a frozen base and the card's dense bf16 peak.
 ``--smoke`` runs a tiny CPU version (the test suite uses it).
@@ -57,6 +60,7 @@ def reference_loop(*, preset: str, batch: int, block: int, steps: int, warmup: i
     from transformers import AutoModelForCausalLM
 
     from raytrain_scu.model import preset_config
+    from raytrain_scu.regularizer import lora_b_norm
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -69,10 +73,19 @@ def reference_loop(*, preset: str, batch: int, block: int, steps: int, warmup: i
                                              task_type="CAUSAL_LM"))
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=dev.type == "cuda")
     step_fn = torch.compile(model) if compile else model
+
+    def batch_at(i):
+        return torch.as_tensor(blocks[(i * batch) % (len(blocks) - batch):][:batch, :block].astype("int64")).to(dev)
+
+    def fixed_batch_loss():  # the first training batch, scored in eager mode (no recompile for eval)
+        with torch.no_grad(), torch.autocast(dev.type, dtype=dtype, enabled=dev.type == "cuda"):
+            return model(input_ids=batch_at(0), labels=batch_at(0)).loss.item() / math.log(2.0)
+
+    loss_before = fixed_batch_loss()
     times = []
     _reset_mem()
     for i in range(warmup + steps):
-        x = torch.as_tensor(blocks[(i * batch) % (len(blocks) - batch):][:batch, :block].astype("int64")).to(dev)
+        x = batch_at(i)
         _sync()
         t0 = time.perf_counter()
         with torch.autocast(dev.type, dtype=dtype, enabled=dev.type == "cuda"):
@@ -83,7 +96,9 @@ def reference_loop(*, preset: str, batch: int, block: int, steps: int, warmup: i
         _sync()
         if i >= warmup:
             times.append(time.perf_counter() - t0)
-    out = {"tokens_per_s": batch * block / statistics.median(times), "peak_mem_gib": _peak_mem(), "batch": batch}
+    peak = _peak_mem()
+    out = {"tokens_per_s": batch * block / statistics.median(times), "peak_mem_gib": peak, "batch": batch,
+           **proof_of_training(loss_before, fixed_batch_loss(), lora_b_norm(model).item())}
     del model, opt, step_fn
     _free()
     return out
@@ -214,6 +229,26 @@ def _free():
         torch.cuda.empty_cache()
 
 
+class DidNotTrain(RuntimeError):
+    """A timed loop whose adapters did not change or whose loss did not fall: it has no speed to report."""
+
+
+def proof_of_training(bpt_before: float, bpt_after: float, b_norm: float) -> dict:
+    """The evidence that a timed loop trained: LoRA B left zero and the loss on a fixed set of blocks fell.
+    Raises :class:`DidNotTrain` otherwise (the part then shows an error instead of a speed)."""
+    if not (b_norm > 0.0 and bpt_after < bpt_before):
+        raise DidNotTrain(f"the loop did not train: LoRA B norm {b_norm:.3g}, fixed-batch BPT {bpt_before:.4f} -> "
+                          f"{bpt_after:.4f}")
+    return {"bpt_before": round(bpt_before, 4), "bpt_after": round(bpt_after, 4), "lora_b_norm": round(b_norm, 4)}
+
+
+def _proof_from_reports(reports: list[dict]) -> dict:
+    """The loop's own evidence: val BPT before training (step 0) and at the last step, and the final LoRA B norm."""
+    last = reports[-1]
+    return proof_of_training(last.get("val/data_bpt_start", float("nan")), last.get("val/data_bpt", float("nan")),
+                             last.get("train/lora_b_norm", 0.0))
+
+
 # ---------------------------------------------------------------- raytrain_scu's loop
 
 def bench_config(*, preset: str, batch: int, block: int, steps: int, report_every: int, storage: str, name: str,
@@ -269,7 +304,7 @@ def ours_bare(cfg, warmup_reports: int, profile_to: str = "") -> dict:
         run_loop(cfg, hooks=hooks)
     out = {"tokens_per_s": _median_rate(hooks.reports, warmup_reports),
            "peak_mem_gib": max(r.get("perf/max_mem_gib", 0.0) for r in hooks.reports), "batch": cfg.data.batch_size,
-           "rates": _rates(hooks.reports)}
+           "rates": _rates(hooks.reports), **_proof_from_reports(hooks.reports)}
     _free()
     return out
 
@@ -294,7 +329,7 @@ def ours_ray(cfg, warmup_reports: int) -> dict:
     world = cfg.scaling.num_workers
     return {"tokens_per_s": _median_rate(reports, warmup_reports) / world,
             "peak_mem_gib": max(r.get("perf/max_mem_gib", 0.0) for r in reports), "batch": cfg.data.batch_size,
-            "workers": world, "rates": _rates(reports)}
+            "workers": world, "rates": _rates(reports), **_proof_from_reports(reports)}
 
 
 # ---------------------------------------------------------------- driver
@@ -388,18 +423,20 @@ def table(res: dict) -> str:
              f"model: {res['preset']}, block {res['block']}, device batch {res['batch']}, LoRA r=16 on 7 projections",
              f"FLOPs/token = 4*N_matmul + 12*L*d*T = {res['flops_per_token']:.4g}; "
              f"peak = {res['peak_flops'] / 1e12:g} TFLOP/s (dense bf16)", "",
-             "| variant | device batch | tokens/s per GPU | MFU | peak mem (GiB) |", "|---|---|---|---|---|"]
+             "| variant | device batch | tokens/s per GPU | MFU | peak mem (GiB) | trained: fixed-set BPT, LoRA B norm |",
+             "|---|---|---|---|---|---|"]
     for name, r in res["parts"].items():
         if "error" in r:
-            lines.append(f"| {name} | - | error: {r['error'][:80]} | - | - |")
+            lines.append(f"| {name} | - | error: {r['error'][:80]} | - | - | - |")
             continue
         if name == "attn":  # SDPA alone: ms and TFLOP/s per backend, not a training rate
             cells = ", ".join(f"{k} {v['ms']} ms / {v['tflops']} TF/s" for k, v in r.items()
                               if isinstance(v, dict) and "ms" in v)
-            lines.append(f"| attn ({r['shape']}, fwd+bwd) | {r['batch']} | fastest: {r['fastest']}: {cells} | - | - |")
+            lines.append(f"| attn ({r['shape']}, fwd+bwd) | {r['batch']} | fastest: {r['fastest']}: {cells} | - | - | - |")
             continue
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] == r["mfu"] else "-"
-        lines.append(f"| {name} | {r['batch']} | {r['tokens_per_s']:.0f} | {mfu} | {r['peak_mem_gib']:.2f} |")
+        proof = f"{r['bpt_before']:.3f} -> {r['bpt_after']:.3f}, {r['lora_b_norm']:.3g}"
+        lines.append(f"| {name} | {r['batch']} | {r['tokens_per_s']:.0f} | {mfu} | {r['peak_mem_gib']:.2f} | {proof} |")
     lines += ["", "| ratio | value | target |", "|---|---|---|"]
     for label, a, b, key, target in [
             ("ours / ref_compile (same batch)", "ours", "ref_compile", "tokens_per_s", ">= 1.4"),

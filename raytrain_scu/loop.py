@@ -22,7 +22,7 @@ from raytrain_scu.data import prepare_data, train_batch, val_batches
 from raytrain_scu.dist import all_reduce_sum, barrier, print0, rank, world_size
 from raytrain_scu.model import (CausalLMLoss, apply_lora, build_model, load_tokenizer, resolve_dtype,
                                 structure_of)
-from raytrain_scu.regularizer import adapter_params, param_bpt
+from raytrain_scu.regularizer import adapter_params, lora_b_norm, param_bpt
 
 LN2 = math.log(2.0)
 
@@ -43,6 +43,10 @@ def hold_for_kill(step: int, seconds: float = 120.0) -> None:
 
 class NonFiniteError(RuntimeError):
     """Too many optimizer steps in a row had a non-finite loss or gradient."""
+
+
+class NotLearningError(RuntimeError):
+    """The LoRA B matrices are still exactly zero after optimizer steps: no data gradient reached the adapters."""
 
 
 def lr_at(step: int, *, lr: float, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:
@@ -277,7 +281,14 @@ def run_loop(cfg, *, hooks, run_id=None) -> None:
                 torch.cuda.synchronize(device)
             now = time.perf_counter()
             interval, t_last = now - t_last, now
-            perf = {"perf/tokens_per_s": tokens_per_step * steps_since / interval,
+            b_norm = lora_b_norm(model).item()
+            if b_norm == 0.0 and step + 1 - start_step > skipped_total:
+                # B starts at zero and any data gradient moves it at the first step (a silent no-op loop once did
+                # exactly this under torch.compile on CUDA): refuse to report a run that trains nothing
+                raise NotLearningError(f"after {step + 1 - start_step} optimizer step(s) every LoRA B matrix is still "
+                                       f"exactly zero: no gradient reached the adapters (model.compile="
+                                       f"{m.compile}, model.fused_loss={m.fused_loss}, model.precision={m.precision})")
+            perf = {"perf/tokens_per_s": tokens_per_step * steps_since / interval, "train/lora_b_norm": b_norm,
                     "perf/max_mem_gib": (torch.cuda.max_memory_allocated(device) / 2**30
                                          if device.type == "cuda" else 0.0),
                     "perf/report_wait_s": report_wait}  # time the previous report (and checkpoint) took

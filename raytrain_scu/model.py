@@ -401,7 +401,15 @@ class _ChunkedLinearCE(torch.autograd.Function):
         return grad_h * grad_out.to(grad_h.dtype), None, None, None
 
 
+@torch.compiler.disable
 def chunked_ce_sum(h: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, chunk_size: int = 4096) -> torch.Tensor:
+    """Σ CE nats of ``h @ weight.T`` against ``y`` (``_ChunkedLinearCE``), always run eagerly.
+
+    Kept out of torch.compile on purpose: traced by dynamo/inductor on CUDA (torch 2.11, H200), this autograd.Function
+    returned an exactly zero gradient for ``h``, so under ``model.compile=true`` the LoRA B matrices never left zero
+    and nothing trained (issue #14, item 0; the CPU build compiled it correctly). Eager, it is a handful of large
+    GEMMs per chunk, which compile could not speed up; the decoder before it stays compiled (one graph break).
+    """
     return _ChunkedLinearCE.apply(h, weight, y, chunk_size)
 
 

@@ -45,3 +45,12 @@ def adapter_params(model: torch.nn.Module) -> list[torch.Tensor]:
     if not out:
         raise ValueError("no trainable lora_A/lora_B parameters found in the model")
     return out
+
+
+def lora_b_norm(model: torch.nn.Module) -> torch.Tensor:
+    """‖B‖ over every LoRA B tensor (a 0-dim float32 tensor). B starts at exactly zero and any data gradient moves it
+    at the first optimizer step, so a zero here after training steps means no gradient reached the adapters."""
+    bs = [p for n, p in model.named_parameters() if "lora_B" in n or "lora_embedding_B" in n]
+    if not bs:
+        raise ValueError("no lora_B parameters found in the model")
+    return sum_of_squares([b.detach() for b in bs]).sqrt()
