@@ -20,8 +20,9 @@ from raytrain_scu.config import build_config, to_yaml
 from raytrain_scu.controller import from_config as build_controller
 from raytrain_scu.data import prepare_data, train_batch, val_batches
 from raytrain_scu.dist import all_reduce_sum, barrier, print0, rank, world_size
-from raytrain_scu.model import (CausalLMLoss, apply_lora, build_model, load_tokenizer, resolve_dtype,
-                                structure_of)
+from raytrain_scu.hardware import mfu, peak_flops
+from raytrain_scu.model import (CausalLMLoss, apply_lora, build_model, flops_per_token, load_tokenizer,
+                                resolve_dtype, structure_of)
 from raytrain_scu.regularizer import adapter_params, param_bpt
 
 LN2 = math.log(2.0)
@@ -73,6 +74,11 @@ def optimizer_step(optimizer, scaler, *, data_bpt: float, param_bpt: float, grad
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
     return outcome
+
+
+def device_peak_flops(device) -> float:
+    """The card's dense bf16 peak FLOP/s (hardware.PEAK_BF16_FLOPS); 0 on a CPU or a card not in the table."""
+    return peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else 0.0
 
 
 def lr_at(step: int, *, lr: float, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:
@@ -225,6 +231,13 @@ def run_loop(cfg, *, hooks, run_id=None) -> None:
     t_last, steps_since, report_wait, warned_wait = time.perf_counter(), 0, 0.0, False
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    # perf/mfu as docs/benchmarks.md defines it: tokens/s per GPU x FLOPs/token of the frozen base / the card's peak
+    model_flops_per_token = flops_per_token(base.config.get_text_config(), d.block_size)  # a nested text config too
+    peak = device_peak_flops(device)
+    if peak == 0:
+        print0(f"[raytrain_scu] perf/mfu is not logged: no dense bf16 peak FLOP/s is known for "
+               f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else device.type} "
+               f"(hardware.PEAK_BF16_FLOPS)")
 
     # ---- training loop
     for step in range(start_step, t.max_steps):
@@ -309,6 +322,9 @@ def run_loop(cfg, *, hooks, run_id=None) -> None:
                     "perf/max_mem_gib": (torch.cuda.max_memory_allocated(device) / 2**30
                                          if device.type == "cuda" else 0.0),
                     "perf/report_wait_s": report_wait}  # time the previous report (and checkpoint) took
+            util = mfu(perf["perf/tokens_per_s"] / world_size(), model_flops_per_token, peak)
+            if util is not None:  # no peak for this device: perf/mfu is left out (said once before the loop)
+                perf["perf/mfu"] = util
             steps_since = 0
             row.update(perf)
             tracker.log_step(perf, step=step + 1)
