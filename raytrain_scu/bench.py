@@ -34,17 +34,9 @@ from pathlib import Path
 
 import torch
 
-PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "4090": 165e12,
-                   "3090": 71e12, "A10": 125e12, "T4": 65e12}
+from raytrain_scu.hardware import mfu, peak_flops
+
 PROJ = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-def peak_flops(device_name: str) -> float:
-    """Dense bf16 peak of a card, from its name (0 when unknown, e.g. a CPU)."""
-    for key, flops in PEAK_BF16_FLOPS.items():
-        if key in device_name:
-            return flops
-    return 0.0
 
 
 def device_name() -> str:
@@ -386,8 +378,8 @@ def run_parts(args) -> dict:
                 r = attention_bench(preset=preset, batch=args.batch, block=args.block)
             else:
                 raise ValueError(f"unknown part {part!r}")
-            r["mfu"] = (r["tokens_per_s"] * fpt / res["peak_flops"] if res["peak_flops"] and part != "attn"
-                        else float("nan"))
+            util = mfu(r["tokens_per_s"], fpt, res["peak_flops"]) if part != "attn" else None
+            r["mfu"] = float("nan") if util is None else util
         except Exception as e:  # noqa: BLE001 - one failed part must not hide the others' numbers
             r = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
         r["wall_s"] = round(time.time() - t0, 1)

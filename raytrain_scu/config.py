@@ -96,7 +96,7 @@ class TrainConfig:
     report_every: int = 10
     eval_every: int = 50
     eval_batches: int = 0  # 0 = the whole validation split
-    max_consecutive_skips: int = 10  # non-finite steps in a row before the run stops
+    max_consecutive_skips: int = 10  # skipped steps in a row before the run stops (fp16 scaler overflows never count)
     stop_on_saturation: bool = False
 
 

@@ -1,6 +1,6 @@
 """What GPUs are here, which preset suits them, and whether a run fits in their memory.
 
-Three pieces, all pure Python (no torch, ray or mlflow imports; NVML is imported inside :func:`detect_gpus`):
+Four pieces, all pure Python (no torch, ray or mlflow imports; NVML is imported inside :func:`detect_gpus`):
 
 1. :func:`detect_gpus` lists the NVIDIA cards through NVML (``pynvml`` from nvidia-ml-py). No driver, no
    library or no card is not an error: it returns ``[]``.
@@ -29,6 +29,8 @@ Three pieces, all pure Python (no torch, ray or mlflow imports; NVML is imported
 3. A memory estimator (:func:`estimate_peak_memory_gib`) for LoRA/QLoRA fine-tuning of a decoder-only
    transformer, and :func:`fit_batch_size` / :func:`fit_to_gpu`, which pick the largest device batch that
    fits in ~90% of the card or fail up front, naming what would fit, instead of OOM-ing an hour in.
+4. Each card's dense bf16 peak (:data:`PEAK_BF16_FLOPS`, :func:`peak_flops`) and :func:`mfu`, which the bench and
+   the training loop's ``perf/mfu`` share.
 
 On a Ray cluster the driver usually runs on a CPU head node: ``auto`` must be resolved with the GPUs of a
 worker, e.g. ``ray.get(ray.remote(num_gpus=1)(detect_gpus).remote())`` passed as ``gpus=`` (the caller
@@ -241,6 +243,28 @@ def model_shape(cfg: C.Config) -> Optional[dict[str, int]]:
                                                  trust_remote_code=m.trust_remote_code))
     except Exception:  # noqa: BLE001 - a missing model is reported by the pre-flight check, with its reason
         return None
+
+
+# ---------------------------------------------------------------- peak FLOP/s and MFU
+
+# dense (no sparsity) bf16 tensor-core peak per card, matched by name in this order; the bench and the loop's
+# perf/mfu both divide by it (docs/benchmarks.md)
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "4090": 165e12,
+                   "3090": 71e12, "A10": 125e12, "T4": 65e12}
+
+
+def peak_flops(device_name: str) -> float:
+    """Dense bf16 peak FLOP/s of a card, from its name (0 when unknown, e.g. a CPU)."""
+    for key, flops in PEAK_BF16_FLOPS.items():
+        if key in device_name:
+            return flops
+    return 0.0
+
+
+def mfu(tokens_per_s_per_gpu: float, flops_per_token: float, peak: float) -> Optional[float]:
+    """Model FLOPs utilisation: tokens/s per GPU x training FLOPs per token / the card's peak FLOP/s
+    (``model.flops_per_token``, :func:`peak_flops`). None when the peak is unknown (0): never a made-up 0."""
+    return tokens_per_s_per_gpu * flops_per_token / peak if peak > 0 else None
 
 
 # ---------------------------------------------------------------- memory estimate

@@ -20,8 +20,9 @@ from raytrain_scu.config import build_config, to_yaml
 from raytrain_scu.controller import from_config as build_controller
 from raytrain_scu.data import prepare_data, train_batch, val_batches
 from raytrain_scu.dist import all_reduce_sum, barrier, print0, rank, world_size
-from raytrain_scu.model import (CausalLMLoss, apply_lora, build_model, load_tokenizer, resolve_dtype,
-                                structure_of)
+from raytrain_scu.hardware import mfu, peak_flops
+from raytrain_scu.model import (CausalLMLoss, apply_lora, build_model, flops_per_token, load_tokenizer,
+                                resolve_dtype, structure_of)
 from raytrain_scu.regularizer import adapter_params, lora_b_norm, param_bpt
 
 LN2 = math.log(2.0)
@@ -42,7 +43,42 @@ def hold_for_kill(step: int, seconds: float = 120.0) -> None:
 
 
 class NonFiniteError(RuntimeError):
-    """Too many optimizer steps in a row had a non-finite loss or gradient."""
+    """Too many optimizer steps in a row were skipped: a non-finite loss, or (without fp16 loss scaling) a non-finite
+    gradient."""
+
+
+def step_outcome(data_bpt: float, param_bpt: float, grad_norm: float, *, loss_scaling: bool) -> str:
+    """What becomes of one optimizer step, from its global DataBPT, ParamBPT and (unscaled) gradient norm.
+
+    ``"skipped"``: a non-finite loss, or non-finite gradients with no loss scaling to recover from them; no
+    optimizer step, counted in train/skipped_steps and toward train.max_consecutive_skips. ``"overflow"``: under
+    fp16 loss scaling, a finite loss with inf/NaN gradients, the ordinary way GradScaler finds its scale too high;
+    it skips the step and lowers the scale, counted apart in train/scaler_overflows, never as a failure.
+    ``"ok"``: the optimizer steps.
+    """
+    if not (math.isfinite(data_bpt) and math.isfinite(param_bpt)):
+        return "skipped"
+    if math.isfinite(grad_norm):
+        return "ok"
+    return "overflow" if loss_scaling else "skipped"
+
+
+def optimizer_step(optimizer, scaler, *, data_bpt: float, param_bpt: float, grad_norm: float) -> str:
+    """Step (or skip) after ``scaler.unscale_(optimizer)``, update the scaler, zero the gradients; returns
+    :func:`step_outcome`."""
+    outcome = step_outcome(data_bpt, param_bpt, grad_norm, loss_scaling=scaler.is_enabled())
+    if outcome != "skipped":
+        scaler.step(optimizer)  # on an "overflow" GradScaler skips the step by itself
+    # unscale_ recorded whether the gradients were finite: the scale backs off after inf/NaN gradients even when we
+    # skipped the step ourselves, and the scaler is ready for the next unscale_
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    return outcome
+
+
+def device_peak_flops(device) -> float:
+    """The card's dense bf16 peak FLOP/s (hardware.PEAK_BF16_FLOPS); 0 on a CPU or a card not in the table."""
+    return peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else 0.0
 
 
 class NotLearningError(RuntimeError):
@@ -164,7 +200,7 @@ def run_loop(cfg, *, hooks, run_id=None) -> None:
 
     # ---- resume (all ranks read the same checkpoint)
     resume = hooks.get_checkpoint()
-    resumed_at, skipped_total, skipped_in_a_row, ckpt_suffix = [], 0, 0, ""
+    resumed_at, skipped_total, skipped_in_a_row, overflows_total, ckpt_suffix = [], 0, 0, 0, ""
     if resume is not None:
         with contextlib.ExitStack() as stack:
             local, problems = ckpt.open_good_checkpoint(resume, stack)  # a bad latest falls back to an older one
@@ -175,6 +211,7 @@ def run_loop(cfg, *, hooks, run_id=None) -> None:
         val_bpt, best_val = meta.get("val_bpt", float("nan")), meta.get("best_val", float("inf"))
         resumed_at = meta.get("resumed_at", []) + [start_step]
         skipped_total, skipped_in_a_row = meta.get("skipped_steps", 0), meta.get("skipped_in_a_row", 0)
+        overflows_total = meta.get("scaler_overflows", 0)
         # after a fallback, never reuse the name of a skipped bad checkpoint: Ray still lists it
         ckpt_suffix = f"_from{start_step:08d}" if problems else ""
         print0(f"[raytrain_scu] resumed at step {start_step}"
@@ -198,6 +235,13 @@ def run_loop(cfg, *, hooks, run_id=None) -> None:
     t_last, steps_since, report_wait, warned_wait = time.perf_counter(), 0, 0.0, False
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    # perf/mfu as docs/benchmarks.md defines it: tokens/s per GPU x FLOPs/token of the frozen base / the card's peak
+    model_flops_per_token = flops_per_token(base.config.get_text_config(), d.block_size)  # a nested text config too
+    peak = device_peak_flops(device)
+    if peak == 0:
+        print0(f"[raytrain_scu] perf/mfu is not logged: no dense bf16 peak FLOP/s is known for "
+               f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else device.type} "
+               f"(hardware.PEAK_BF16_FLOPS)")
 
     # ---- training loop
     for step in range(start_step, t.max_steps):
@@ -235,28 +279,25 @@ def run_loop(cfg, *, hooks, run_id=None) -> None:
         nats_f, tokens_f, pbpt_f, norm_f = torch.stack([stats[0], stats[1], pbpt.detach().float(),
                                                         grad_norm.float()]).tolist()
         data_bpt = nats_f / tokens_f / LN2
-        finite = math.isfinite(data_bpt) and math.isfinite(pbpt_f) and math.isfinite(norm_f)
-        if finite or scaler.is_enabled():
-            scaler.step(optimizer)  # GradScaler skips a non-finite fp16 step by itself
-            scaler.update()
-        optimizer.zero_grad(set_to_none=True)
-        skipped_in_a_row = 0 if finite else skipped_in_a_row + 1
-        skipped_total += 0 if finite else 1
+        outcome = optimizer_step(optimizer, scaler, data_bpt=data_bpt, param_bpt=pbpt_f, grad_norm=norm_f)
+        skipped_in_a_row = skipped_in_a_row + 1 if outcome == "skipped" else 0
+        skipped_total += outcome == "skipped"
+        overflows_total += outcome == "overflow"  # fp16 only: GradScaler's own skip, not a failure
         if skipped_in_a_row >= t.max_consecutive_skips:
             tracker.finish(history=history, status="FAILED")
             barrier()  # all ranks: rank 0's final MLflow flush lands before any rank raises and Ray stops the group
             raise NonFiniteError(f"{skipped_in_a_row} optimizer steps in a row had a non-finite loss or gradient "
                                  f"(last at step {step + 1}); the last good checkpoint is kept. Lower optim.lr, "
                                  f"use bf16 instead of fp16, or check the data.")
-        if finite and (step + 1) % c.control_every == 0:
+        if (step + 1) % c.control_every == 0:  # a non-finite loss: the controller counts ctrl/skipped, changes nothing
             controller.update(data_bpt, pbpt_f, step=step + 1)
         steps_since += 1
 
         row = {"step": step + 1, "train/data_bpt": data_bpt, "train/param_bpt": pbpt_f, "ctrl/s": controller.s,
                "ctrl/s_hat": controller.s_hat, "ctrl/error": controller.error, "ctrl/lambda": controller.lam,
                "ctrl/integral": controller.integral, "ctrl/skipped": controller.n_skipped,
-               "train/skipped_steps": skipped_total, "train/lr": lr, "train/grad_norm": norm_f,
-               "ctrl/lambda_applied": lam}
+               "train/skipped_steps": skipped_total, "train/scaler_overflows": overflows_total, "train/lr": lr,
+               "train/grad_norm": norm_f, "ctrl/lambda_applied": lam}
         if fault_at_step and resume is None and step + 1 == fault_at_step:
             raise InjectedFault(f"fault injected after step {step + 1} (RAYTRAIN_SCU_FAULT_AT_STEP)")
         if hold_at_step and resume is None and step + 1 == hold_at_step:
@@ -292,6 +333,9 @@ def run_loop(cfg, *, hooks, run_id=None) -> None:
                     "perf/max_mem_gib": (torch.cuda.max_memory_allocated(device) / 2**30
                                          if device.type == "cuda" else 0.0),
                     "perf/report_wait_s": report_wait}  # time the previous report (and checkpoint) took
+            util = mfu(perf["perf/tokens_per_s"] / world_size(), model_flops_per_token, peak)
+            if util is not None:  # no peak for this device: perf/mfu is left out (said once before the loop)
+                perf["perf/mfu"] = util
             steps_since = 0
             row.update(perf)
             tracker.log_step(perf, step=step + 1)
@@ -306,7 +350,8 @@ def run_loop(cfg, *, hooks, run_id=None) -> None:
                                       structure=structure, tokens_per_epoch=tokens_per_epoch,
                                       config_yaml=to_yaml(cfg, redact=True), history=history,
                                       extra={"val_bpt": val_bpt, "best_val": best_val, "resumed_at": resumed_at,
-                                             "skipped_steps": skipped_total, "skipped_in_a_row": skipped_in_a_row})
+                                             "skipped_steps": skipped_total, "skipped_in_a_row": skipped_in_a_row,
+                                             "scaler_overflows": overflows_total})
             tracker.flush()
             t_report = time.perf_counter()
             hooks.report(metrics, local / "ckpt" if local else None,

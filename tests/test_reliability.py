@@ -250,6 +250,60 @@ def test_sigkill_worker_mid_run_recovers_exactly(ray_local, tmp_path, monkeypatc
 
 # ---------------------------------------------------------------- non-finite loss or gradients
 
+@pytest.mark.parametrize("data_bpt,param_bpt,grad_norm,loss_scaling,outcome", [
+    (3.0, 0.1, 1.0, True, "ok"), (3.0, 0.1, 1.0, False, "ok"),
+    (3.0, 0.1, float("inf"), True, "overflow"),     # fp16: GradScaler's ordinary overflow, not a failure
+    (3.0, 0.1, float("nan"), True, "overflow"),
+    (3.0, 0.1, float("inf"), False, "skipped"),     # bf16/fp32: nothing lowers a scale, so it is skipped
+    (float("nan"), 0.1, float("nan"), True, "skipped"),  # a non-finite loss is skipped, with or without a scaler
+    (3.0, float("inf"), 1.0, True, "skipped"), (float("inf"), 0.1, 1.0, False, "skipped")])
+def test_step_outcome_tells_an_fp16_overflow_from_a_nonfinite_loss(data_bpt, param_bpt, grad_norm, loss_scaling,
+                                                                   outcome):
+    from raytrain_scu.loop import step_outcome
+
+    assert step_outcome(data_bpt, param_bpt, grad_norm, loss_scaling=loss_scaling) == outcome
+
+
+def test_a_real_grad_scaler_overflow_is_an_overflow_not_a_skipped_step():
+    """The loop's optimizer step with a real GradScaler (on CPU; fp16 runs need CUDA): an inf gradient under a
+    finite loss is skipped by the scaler, which halves its scale; a NaN loss is skipped by us and also backs off."""
+    from raytrain_scu.loop import optimizer_step
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(layer.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    x = torch.randn(8, 4)
+
+    def step(inf_grad=False, nan_loss=False):
+        loss = layer(x).pow(2).mean() * (float("nan") if nan_loss else 1.0)
+        scaler.scale(loss).backward()
+        if inf_grad:
+            layer.weight.grad[0, 0] = float("inf")  # what an fp16 overflow in the backward pass leaves
+        scaler.unscale_(opt)
+        norm = torch.nn.utils.clip_grad_norm_(layer.parameters(), 1e30)
+        return optimizer_step(opt, scaler, data_bpt=float(loss.detach()), param_bpt=0.1, grad_norm=float(norm))
+
+    w0 = layer.weight.detach().clone()
+    assert step(inf_grad=True) == "overflow"
+    assert torch.equal(layer.weight, w0) and scaler.get_scale() == 2.0**15 and not opt.state
+    assert step() == "ok"
+    w1 = layer.weight.detach().clone()
+    assert not torch.equal(w1, w0) and scaler.get_scale() == 2.0**15
+    assert step(nan_loss=True) == "skipped"
+    assert torch.equal(layer.weight, w1) and scaler.get_scale() == 2.0**14
+    assert step() == "ok" and not torch.equal(layer.weight, w1)  # the scaler is ready for the next step
+    # no loss scaling (bf16/fp32): an inf gradient is a skipped step, the weights stay
+    plain = torch.amp.GradScaler("cpu", enabled=False)
+    loss = layer(x).pow(2).mean()
+    loss.backward()
+    layer.bias.grad[0] = float("inf")
+    w2 = layer.weight.detach().clone()
+    norm = torch.nn.utils.clip_grad_norm_(layer.parameters(), 1e30)
+    assert optimizer_step(opt, plain, data_bpt=float(loss.detach()), param_bpt=0.1, grad_norm=float(norm)) == "skipped"
+    assert torch.equal(layer.weight, w2) and layer.weight.grad is None
+
+
 @pytest.mark.slow
 def test_nonfinite_steps_are_skipped_and_counted(ray_local, tmp_path, monkeypatch):
     from raytrain_scu.train import run
@@ -263,13 +317,16 @@ def test_nonfinite_steps_are_skipped_and_counted(ray_local, tmp_path, monkeypatc
     # no optimizer step and no controller update on the skipped steps: state after 6 == state after 4
     assert max_abs_diff(adapter(c[4]), adapter(c[6])) == 0.0 and max_abs_diff(adapter(c[6]), adapter(c[8])) > 0
     ctrl4, ctrl6 = (json.loads((c[k] / "controller.json").read_text()) for k in (4, 6))
-    assert ctrl4 == ctrl6 and ctrl6["n_updates"] == 4
+    # the controller saw both non-finite steps (control_every=1) and counted them as skipped updates, nothing else
+    assert ctrl6 == {**ctrl4, "n_skipped": 2} and ctrl6["n_updates"] == 4 and ctrl4["n_skipped"] == 0
     opt = [torch.load(c[k] / "state.pt", weights_only=False)["optimizer"]["state"] for k in (4, 6)]
     assert opt[0] and opt[0].keys() == opt[1].keys()
     for i in opt[0]:  # AdamW's moments and its step count
         assert all(torch.equal(opt[0][i][k], opt[1][i][k]) for k in ("exp_avg", "exp_avg_sq", "step")), i
     rows = {r["step"]: r for r in torch.load(c[8] / "state.pt", weights_only=False)["history"]}
     assert [rows[k]["train/skipped_steps"] for k in range(1, 9)] == [0, 0, 0, 0, 1, 2, 2, 2]
+    assert [rows[k]["ctrl/skipped"] for k in range(1, 9)] == [0, 0, 0, 0, 1, 2, 2, 2]  # the same count, every step
+    assert all(rows[k]["train/scaler_overflows"] == 0 for k in range(1, 9))  # fp32: no loss scaler, no overflows
     assert rows[5]["train/data_bpt"] != rows[5]["train/data_bpt"]  # NaN, recorded as such
     assert rows[4]["ctrl/lambda"] == rows[5]["ctrl/lambda"] == rows[6]["ctrl/lambda"] != rows[7]["ctrl/lambda"]
     assert ckpt.read_meta(c[8])["skipped_steps"] == 2

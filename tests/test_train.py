@@ -106,3 +106,29 @@ def test_cli_rejects_bad_config_before_ray(tmp_path):
     r = cli("controller.target_s=1.5", f"run.storage_path={tmp_path}")
     assert r.returncode == 2 and "controller.target_s" in r.stderr
     assert "Started a local Ray instance" not in r.stdout + r.stderr
+
+
+def test_loop_logs_mfu_where_the_card_peak_is_known_and_leaves_it_out_elsewhere(tmp_path, monkeypatch, capfd):
+    """The loop in this process (no Ray needed): with the peak of an H100 looked up for its device, every report
+    and the MLflow run carry perf/mfu = tokens/s per GPU x FLOPs/token / peak; on this CPU there is no peak, so no
+    perf/mfu at all (not 0) and one line that says so."""
+    from conftest import mlflow_runs
+    from raytrain_scu import loop
+    from raytrain_scu.model import flops_per_token, load_tokenizer, preset_config
+
+    common = ["scaling.num_workers=1", "train.max_steps=4", "train.report_every=2", "train.checkpoint_every=4"]
+    fpt = flops_per_token(preset_config("tiny", len(load_tokenizer("tiny"))), 64)  # tiny-cpu.yaml: block 64
+    cpu = loop.LocalHooks(device=torch.device("cpu"))
+    loop.run_loop(tiny_cfg(tmp_path, "no_peak", "tracking.enabled=false", *common), hooks=cpu)
+    assert len(cpu.reports) == 2 and all("perf/tokens_per_s" in r and "perf/mfu" not in r for r in cpu.reports)
+    assert capfd.readouterr().out.count("perf/mfu is not logged: no dense bf16 peak FLOP/s is known for cpu") == 1
+
+    monkeypatch.setattr(loop, "device_peak_flops", lambda device: 989e12)  # as on an H100
+    hooks = loop.LocalHooks(device=torch.device("cpu"))
+    loop.run_loop(tiny_cfg(tmp_path, "peak", *common), hooks=hooks)
+    assert [r["step"] for r in hooks.reports] == [2, 4]
+    for r in hooks.reports:
+        assert r["perf/mfu"] == pytest.approx(r["perf/tokens_per_s"] * fpt / 989e12, rel=1e-12) and r["perf/mfu"] > 0
+    client, runs = mlflow_runs(tmp_path, "peak")
+    logged = client.get_metric_history(runs[0].info.run_id, "perf/mfu")
+    assert sorted((m.step, m.value) for m in logged) == [(r["step"], r["perf/mfu"]) for r in hooks.reports]
