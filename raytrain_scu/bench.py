@@ -7,6 +7,8 @@ LoRA r=16 on all 7 projections:
                             ``model(input_ids, labels).loss`` (full fp32 logits), without / with torch.compile
   ours                      raytrain_scu's per-worker loop, bare (no Ray), SCU on, compile, fused chunked CE
   ours_best                 the same at the largest device batch that fits (``--best-batch``)
+  ours_compile_model        ours with the whole model as one compiled graph (model.compile_scope=model) instead of
+                            one compiled decoder layer shared by all layers (the default)
   scu_none                  the same loop with controller.mode=none (controller overhead)
   ray1 / ray2               the same loop under a TorchTrainer with 1 and 2 GPU workers (Ray overhead, scaling)
   mem_bf16 / mem_qlora      peak memory of bf16 LoRA vs QLoRA 4-bit at equal batch (eager, checkpointing on)
@@ -245,12 +247,13 @@ def _proof_from_reports(reports: list[dict]) -> dict:
 
 def bench_config(*, preset: str, batch: int, block: int, steps: int, report_every: int, storage: str, name: str,
                  compile: bool, mode: str = "scu", load_in_4bit: bool = False, checkpointing: bool = False,
-                 chunk: int = 4096, workers: int = 1):
+                 chunk: int = 4096, workers: int = 1, compile_scope: str = "layers"):
     from raytrain_scu.config import load_config
 
     gpu = torch.cuda.is_available()
     return load_config(None, [
         f"model.name={preset}", f"model.precision={'bf16' if gpu else 'fp32'}", f"model.compile={str(compile).lower()}",
+        f"model.compile_scope={compile_scope}",
         f"model.gradient_checkpointing={str(checkpointing).lower()}", f"model.loss_chunk_size={chunk}",
         f"quant.load_in_4bit={str(load_in_4bit).lower()}", "lora.r=16", "lora.alpha=32",
         f"lora.target_modules={','.join(PROJ)}", "data.source=shakespeare", f"data.block_size={block}",
@@ -361,6 +364,8 @@ def run_parts(args) -> dict:
                 r = ours_bare(cfg("ours"), args.warmup_reports)
             elif part == "ours_best":
                 r = ours_bare(cfg("ours_best", batch=args.best_batch), args.warmup_reports)
+            elif part == "ours_compile_model":
+                r = ours_bare(cfg("ours_compile_model", compile_scope="model"), args.warmup_reports)
             elif part == "scu_none":
                 r = ours_bare(cfg("scu_none", mode="none"), args.warmup_reports)
             elif part == "ray1":

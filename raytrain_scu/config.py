@@ -41,6 +41,9 @@ class ModelConfig:
     gradient_checkpointing: bool = False
     compile: bool = False
     compile_mode: str = "default"
+    # layers: each decoder layer compiled on its own, one compiled code shared by all layers (warm-up in seconds);
+    # model: the whole forward as one graph (inductor compiles every layer: minutes for a 30-layer model)
+    compile_scope: str = "layers"
     fused_loss: bool = True  # chunked linear + cross-entropy: logits are never materialised in fp32
     loss_chunk_size: int = 4096  # tokens per chunk of the fused loss
     trust_remote_code: bool = False
@@ -445,6 +448,7 @@ def validate(cfg: Config) -> None:
     _check(bool(m.name.strip()), "model.name", "must not be empty")
     _one_of("model.precision", m.precision, ("auto", "bf16", "fp16", "fp32"))
     _one_of("model.attn_implementation", m.attn_implementation, ("sdpa", "eager", "flash_attention_2"))
+    _one_of("model.compile_scope", m.compile_scope, ("layers", "model"))
     _one_of("model.compile_mode", m.compile_mode, ("default", "reduce-overhead", "max-autotune",
                                                    "max-autotune-no-cudagraphs"))
     _check(m.loss_chunk_size >= 1, "model.loss_chunk_size", f"must be >= 1, got {m.loss_chunk_size}")

@@ -21,8 +21,8 @@ from raytrain_scu.controller import from_config as build_controller
 from raytrain_scu.data import prepare_data, train_batch, val_batches
 from raytrain_scu.dist import all_reduce_sum, barrier, print0, rank, world_size
 from raytrain_scu.hardware import mfu, peak_flops
-from raytrain_scu.model import (CausalLMLoss, apply_lora, build_model, flops_per_token, load_tokenizer,
-                                resolve_dtype, structure_of)
+from raytrain_scu.model import (CausalLMLoss, apply_lora, build_model, compile_for_training, flops_per_token,
+                                load_tokenizer, resolve_dtype, structure_of)
 from raytrain_scu.regularizer import adapter_params, lora_b_norm, param_bpt
 
 LN2 = math.log(2.0)
@@ -185,7 +185,7 @@ def run_loop(cfg, *, hooks, run_id=None) -> None:
     params = adapter_params(model)
     loss_model = CausalLMLoss(model, fused=m.fused_loss, chunk_size=m.loss_chunk_size)
     if m.compile:
-        loss_model = torch.compile(loss_model, mode=m.compile_mode)
+        loss_model = compile_for_training(loss_model, scope=m.compile_scope, mode=m.compile_mode)
     # a quantized model is placed by device_map and must never be moved with .to()
     ddp_model = hooks.prepare_model(loss_model, move_to_device=not cfg.quant.load_in_4bit)
     optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2),

@@ -455,6 +455,22 @@ class CausalLMLoss(nn.Module):
         return getattr(lm, lm.base_model_prefix)
 
 
+def compile_for_training(loss_model: CausalLMLoss, *, scope: str = "layers", mode: str = "default") -> nn.Module:
+    """torch.compile for the training loop. ``layers``: every decoder layer is compiled in place and, being the same
+    code on parameters that dynamo treats as inputs, all of them share one compiled graph, so warm-up costs one layer's
+    compile (forward+backward, and again for eval under no_grad) instead of the whole unrolled model's. ``model``: one
+    graph for the whole forward. Both leave the chunked loss eager (see :func:`chunked_ce_sum`)."""
+    layers = getattr(loss_model.decoder(), "layers", None)
+    if scope == "model" or not isinstance(layers, nn.ModuleList):
+        if scope == "layers":
+            print(f"[raytrain_scu] note: {type(loss_model.decoder()).__name__} has no decoder `layers` list; "
+                  f"compiling the whole model (model.compile_scope=model)", flush=True)
+        return torch.compile(loss_model, mode=mode)
+    for layer in layers:
+        layer.compile(mode=mode)
+    return loss_model
+
+
 def matmul_params(hf_config) -> int:
     """Parameters that take part in matrix products per token: the decoder's linear layers and the LM head."""
     c = hf_config

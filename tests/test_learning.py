@@ -81,3 +81,36 @@ def test_compiled_gpu_loop_learns_like_eager_on_the_real_model(tmp_path):
           f"compiled {[round(r['train/data_bpt'], 4) for r in compiled]}; val {eager[-1]['val/data_bpt_start']:.4f} -> "
           f"eager {eager[-1]['val/data_bpt']:.4f} / compiled {compiled[-1]['val/data_bpt']:.4f}; B norm {b_e:.4f} / "
           f"{b_c:.4f}")
+
+
+@pytest.mark.parametrize("scope", ["layers", "model"])
+def test_compiled_training_matches_eager_on_cpu(scope):
+    """Both compile scopes give eager's losses and adapters (fp32 on the CPU; the GPU test above covers bf16)."""
+    from raytrain_scu.model import CausalLMLoss, apply_lora, build_model, compile_for_training, load_tokenizer
+    from raytrain_scu.regularizer import adapter_params, lora_b_norm
+
+    tok = load_tokenizer("tiny")
+    x = torch.randint(0, len(tok), (2, 32), generator=torch.Generator().manual_seed(0))
+    y = torch.roll(x, -1, 1)
+    out = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = apply_lora(build_model("tiny", vocab_size=len(tok), seed=1), r=4, alpha=8,
+                           targets=["q_proj", "v_proj", "down_proj"])
+        loss_model = CausalLMLoss(model)
+        if compiled:
+            loss_model = compile_for_training(loss_model, scope=scope)
+            layers = loss_model.decoder().layers if scope == "layers" else loss_model._orig_mod.decoder().layers
+            assert all((layer._compiled_call_impl is not None) == (scope == "layers") for layer in layers)
+        opt = torch.optim.AdamW(adapter_params(model), lr=1e-2)
+        losses = []
+        for _ in range(3):
+            nats, n = loss_model(x, y)
+            (nats / n).backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(float(nats / n))
+        out.append((losses, float(lora_b_norm(model))))
+    (eager, b_eager), (comp, b_comp) = out
+    assert comp == pytest.approx(eager, rel=1e-5) and b_comp == pytest.approx(b_eager, rel=1e-4) and b_comp > 0
