@@ -1,6 +1,6 @@
 """ParamBPT: the description length of the LoRA weights under a Gaussian prior, as a differentiable tensor.
 
-    ParamBPT = Σ_{LoRA params} w² / (2 σ² N ln 2)      (bits per training token)
+    ParamBPT = Σ_{LoRA factors} w² / (2 σ² N ln 2)      (bits per training token)
 
 σ = ``sigma`` (prior_sigma), N = ``tokens_per_epoch`` (global training tokens in one pass). The penalty added to
 the per-token loss in nats is ``λ · ParamBPT · ln 2 = λ · Σw² / (2 σ² N)``; it is NOT detached, so λ reaches the
@@ -39,18 +39,40 @@ def penalty_nats(param_bpt_value: torch.Tensor, lam: float) -> torch.Tensor:
     return param_bpt_value * (lam * math.log(2.0))
 
 
+# The trainable tensors of a LoRA adapter: the A and B factors of adapted Linear/Conv layers, and of an adapted
+# embedding (peft names those lora_embedding_A/B; lora.target_modules may name embed_tokens).
+LORA_FACTORS = frozenset({"lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B"})
+
+
 def adapter_params(model: torch.nn.Module) -> list[torch.Tensor]:
-    """The trainable LoRA tensors (lora_A / lora_B weights) of a peft model, in a stable order."""
-    out = [p for n, p in model.named_parameters() if p.requires_grad and ("lora_A" in n or "lora_B" in n)]
+    """Every trainable tensor of a peft LoRA model, in a stable order: what the optimizer steps and ParamBPT counts.
+
+    All of them must be LoRA factors (:data:`LORA_FACTORS`). ParamBPT's zero-mean Gaussian prior fits each factor
+    alike: the adapter adds B·A·alpha/r to a frozen weight (an embedding's too), so every factor entry is a free
+    parameter whose "no change" value is 0. Any other trainable tensor is refused with the names: a DoRA magnitude
+    (lora_magnitude_vector) starts at the weight's column norms and a modules_to_save copy at the pretrained
+    weights, so a prior centred on 0 would pull them away from the base model rather than towards it, and leaving
+    them out of the optimizer would let them require grad yet never train.
+    """
+    out, other = [], []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            (out if LORA_FACTORS.intersection(name.split(".")) else other).append((name, p))
+    if other:
+        names = [n for n, _ in other]
+        raise ValueError(f"{len(names)} trainable parameter(s) are not LoRA factors ({', '.join(sorted(LORA_FACTORS))})"
+                         f", e.g. {names[:3]}: raytrain_scu trains and counts in ParamBPT only LoRA factors; "
+                         f"DoRA magnitudes, modules_to_save copies and unfrozen base weights are not supported "
+                         f"(check lora.target_modules)")
     if not out:
-        raise ValueError("no trainable lora_A/lora_B parameters found in the model")
-    return out
+        raise ValueError("no trainable LoRA factors (lora_A/lora_B) found in the model (is LoRA applied?)")
+    return [p for _, p in out]
 
 
 def lora_b_norm(model: torch.nn.Module) -> torch.Tensor:
-    """‖B‖ over every LoRA B tensor (a 0-dim float32 tensor). B starts at exactly zero and any data gradient moves it
+    """‖B‖ over every LoRA B factor (a 0-dim float32 tensor). B starts at exactly zero and any data gradient moves it
     at the first optimizer step, so a zero here after training steps means no gradient reached the adapters."""
-    bs = [p for n, p in model.named_parameters() if "lora_B" in n or "lora_embedding_B" in n]
+    bs = [p for n, p in model.named_parameters() if {"lora_B", "lora_embedding_B"}.intersection(n.split("."))]
     if not bs:
         raise ValueError("no lora_B parameters found in the model")
     return sum_of_squares([b.detach() for b in bs]).sqrt()

@@ -32,7 +32,7 @@ def test_loop_refuses_to_go_on_when_no_gradient_reaches_the_adapters(tmp_path, m
     # the GPU failure, injected: an exactly zero gradient flows back from the loss, so B never leaves zero
     real = model_mod.chunked_ce_sum
     monkeypatch.setattr(model_mod, "chunked_ce_sum",
-                        lambda h, w, y, chunk_size=4096: real(h.detach() + 0.0 * h, w, y, chunk_size))
+                        lambda h, w, y, chunk_size=4096, **kw: real(h.detach() + 0.0 * h, w, y, chunk_size, **kw))
     hooks = LocalHooks(torch.device("cpu"))
     with pytest.raises(NotLearningError, match="every LoRA B matrix is still exactly zero"):
         run_loop(_cfg(tmp_path, "train.max_steps=6", "train.report_every=2", "controller.mode=none"), hooks=hooks)

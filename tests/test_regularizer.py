@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from raytrain_scu.regularizer import param_bpt, penalty_nats, sum_of_squares
+from raytrain_scu.regularizer import adapter_params, param_bpt, penalty_nats, sum_of_squares
 
 
 def tensors(seed=0):
@@ -59,3 +59,55 @@ def test_errors_are_clear():
         sum_of_squares([])
     with pytest.raises(ValueError, match="tokens_per_epoch"):
         param_bpt(tensors(), tokens_per_epoch=0)
+
+
+# ---- adapter_params: every trainable tensor reaches the optimizer and ParamBPT, or the model is refused
+
+def _tiny_lora(targets, **lora_kw):
+    """A tiny random Llama (tied embeddings, as the presets) with peft LoRA on ``targets``."""
+    import transformers
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=64, tie_word_embeddings=True)
+    config.use_cache = False
+    model = transformers.AutoModelForCausalLM.from_config(config).requires_grad_(False)
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets, **lora_kw))
+    return model
+
+
+def test_lora_on_embeddings_is_trained_and_counted():
+    from raytrain_scu.model import CausalLMLoss
+
+    model = _tiny_lora(["q_proj", "embed_tokens"])
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    assert any("lora_embedding_A" in n for n, _ in trainable)
+    params = adapter_params(model)
+    assert {id(p) for p in params} == {id(p) for _, p in trainable}  # nothing trainable is left out
+    # ParamBPT is Σw² over all of them, the embedding factors included
+    hand = sum(float((p.detach().double() ** 2).sum()) for _, p in trainable) / (2 * 0.01 ** 2 * 1000 * math.log(2))
+    assert float(param_bpt(params, sigma=0.01, tokens_per_epoch=1000)) == pytest.approx(hand, rel=1e-6)
+    # one optimizer step over adapter_params, as the loop builds it, moves every trainable tensor
+    before = {n: p.detach().clone() for n, p in trainable}
+    optimizer = torch.optim.AdamW(params, lr=1e-2)
+    x = torch.randint(0, 64, (2, 8))
+    nats, n = CausalLMLoss(model, fused=True, chunk_size=5)(x, x.roll(-1, dims=1))
+    (nats / n + penalty_nats(param_bpt(params, tokens_per_epoch=1000), 1.0)).backward()
+    optimizer.step()
+    unchanged = [n for n, p in trainable if torch.equal(p.detach(), before[n])]
+    assert not unchanged
+
+
+@pytest.mark.parametrize("lora_kw, culprit", [(dict(use_dora=True), "lora_magnitude_vector"),
+                                               (dict(modules_to_save=["lm_head"]), "modules_to_save")])
+def test_trainable_tensors_that_are_not_lora_factors_are_refused(lora_kw, culprit):
+    model = _tiny_lora(["q_proj", "v_proj"], **lora_kw)
+    assert any(culprit in n for n, p in model.named_parameters() if p.requires_grad)
+    with pytest.raises(ValueError, match=f"not LoRA factors.*{culprit}"):
+        adapter_params(model)
+
+
+def test_no_adapter_is_an_error():
+    with pytest.raises(ValueError, match="no trainable LoRA factors"):
+        adapter_params(torch.nn.Linear(3, 3).requires_grad_(False))

@@ -1,0 +1,196 @@
+"""The fused loss equals cross-entropy on the model's own logits, family by family (issue #14 item 1).
+
+Tiny random configs of the causal-LM families users fine-tune, with the logit knobs set to values that matter
+(Granite logits_scaling, Gemma-2/3 final_logit_softcapping, Cohere logit_scale). For fused and unfused
+CausalLMLoss, after LoRA: the summed nats, the per-row nats and the gradient wrt every adapter tensor match
+``F.cross_entropy(model(input_ids).logits)``.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+
+from raytrain_scu.model import FUSED_HEADS, CausalLMLoss, HeadTransform, apply_lora, chunked_ce_sum
+from raytrain_scu.regularizer import adapter_params
+
+VOCAB = 96
+BASE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=VOCAB, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+MOE = dict(num_experts_per_tok=2)
+GRANITE = dict(logits_scaling=8.0, embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.125)
+
+# transformers ForCausalLM class -> (its Config class, config keywords beyond BASE)
+FAMILIES = {
+    "LlamaForCausalLM": ("LlamaConfig", {}),
+    "MistralForCausalLM": ("MistralConfig", {}),
+    "MixtralForCausalLM": ("MixtralConfig", dict(num_local_experts=4, **MOE)),
+    "Qwen2ForCausalLM": ("Qwen2Config", {}),
+    "Qwen2MoeForCausalLM": ("Qwen2MoeConfig", dict(num_experts=4, moe_intermediate_size=32,
+                                                   shared_expert_intermediate_size=32, **MOE)),
+    "Qwen3ForCausalLM": ("Qwen3Config", dict(head_dim=8)),
+    "Qwen3MoeForCausalLM": ("Qwen3MoeConfig", dict(head_dim=8, num_experts=4, moe_intermediate_size=32, **MOE)),
+    "GemmaForCausalLM": ("GemmaConfig", dict(head_dim=8)),
+    "Gemma2ForCausalLM": ("Gemma2Config", dict(head_dim=8, final_logit_softcapping=30.0, sliding_window=8,
+                                               query_pre_attn_scalar=8)),
+    "Gemma3ForCausalLM": ("Gemma3TextConfig", dict(head_dim=8, final_logit_softcapping=30.0, sliding_window=8,
+                                                   query_pre_attn_scalar=8)),
+    "PhiForCausalLM": ("PhiConfig", {}),  # lm_head has a bias
+    "Phi3ForCausalLM": ("Phi3Config", {}),
+    "OlmoForCausalLM": ("OlmoConfig", {}),
+    "Olmo2ForCausalLM": ("Olmo2Config", {}),
+    "SmolLM3ForCausalLM": ("SmolLM3Config", {}),
+    "StableLmForCausalLM": ("StableLmConfig", {}),
+    "Starcoder2ForCausalLM": ("Starcoder2Config", {}),
+    "GraniteForCausalLM": ("GraniteConfig", GRANITE),
+    "GraniteMoeForCausalLM": ("GraniteMoeConfig", dict(num_local_experts=4, **MOE, **GRANITE)),
+    "GraniteMoeSharedForCausalLM": ("GraniteMoeSharedConfig", dict(num_local_experts=4, shared_intermediate_size=32,
+                                                                   **MOE, **GRANITE)),
+    # Granite-4.0-H: Mamba-2 and attention layers, a dense shared MLP (no routed experts), logits / logits_scaling
+    "GraniteMoeHybridForCausalLM": ("GraniteMoeHybridConfig", dict(
+        layer_types=["mamba", "attention"], num_local_experts=0, shared_intermediate_size=64, mamba_n_heads=4,
+        mamba_d_head=16, mamba_d_state=16, mamba_n_groups=1, mamba_chunk_size=8, **GRANITE)),
+    "CohereForCausalLM": ("CohereConfig", dict(logit_scale=0.5)),
+    "Cohere2ForCausalLM": ("Cohere2Config", dict(logit_scale=0.5, sliding_window=8)),
+}
+
+
+def build(name: str, seed: int = 0):
+    """A tiny random model of the family, with LoRA on all linear layers and non-zero adapters."""
+    config_cls, extra = FAMILIES[name]
+    torch.manual_seed(seed)
+    config = getattr(transformers, config_cls)(**{**BASE, **extra})
+    config.use_cache = False
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    assert type(model).__name__ == name
+    model.requires_grad_(False)
+    # logits of order 10: the scaling and the softcap change the loss by far more than the tolerance
+    model.get_output_embeddings().weight.data.normal_(0.0, 1.0)
+    model = apply_lora(model, r=4, alpha=8, targets=["all-linear"])
+    for p in adapter_params(model):  # B starts at zero: make the adapters act, so their gradients are all non-zero
+        p.data.normal_(0.0, 0.05)
+    return model
+
+
+def batch(seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(3, VOCAB, (2, 12), generator=g)
+    y = torch.randint(3, VOCAB, (2, 12), generator=g)
+    y[0, :3] = -100
+    y[1, -2:] = -100
+    return x, y
+
+
+def flat_grad(loss, params):
+    return torch.cat([g.reshape(-1) for g in torch.autograd.grad(loss, params)])
+
+
+def assert_close(got, want, what):
+    err = float((got - want).norm() / want.norm())
+    assert err < 1e-4, f"{what}: relative error {err:.2e}"
+
+
+def available(name: str) -> bool:
+    return hasattr(transformers, name) and hasattr(transformers, FAMILIES[name][0])
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_loss_and_gradient_match_the_models_own_logits(name):
+    if not available(name):
+        pytest.skip(f"{name} is not in transformers {transformers.__version__}")
+    model = build(name)
+    params = adapter_params(model)
+    x, y = batch()
+    logits = model(input_ids=x).logits.float()
+    ref = F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1), ignore_index=-100, reduction="sum")
+    ref_rows = F.cross_entropy(logits.transpose(1, 2), y, ignore_index=-100, reduction="none").sum(dim=1)
+    ref_grad = flat_grad(ref, params)
+    for fused in (True, False):
+        loss = CausalLMLoss(model, fused=fused, chunk_size=7)  # chunks that straddle rows
+        assert loss.fused is fused, loss.fused_reason  # every family here has a known head
+        nats, n = loss(x, y)
+        assert int(n) == int((y != -100).sum())
+        assert float(nats) == pytest.approx(float(ref), rel=1e-4), f"fused={fused}"
+        assert torch.allclose(loss.row_nats(x, y), ref_rows, rtol=1e-4), f"row_nats, fused={fused}"
+        assert_close(flat_grad(nats, params), ref_grad, f"gradient wrt the adapters, fused={fused}")
+
+
+@pytest.mark.parametrize("transform", [HeadTransform(), HeadTransform(scale=0.125), HeadTransform(softcap=3.0),
+                                       HeadTransform(scale=2.0, softcap=5.0)])
+def test_chunked_kernel_applies_the_transform_and_its_derivative(transform):
+    torch.manual_seed(0)
+    h = torch.randn(37, 16, requires_grad=True)
+    w, b = torch.randn(50, 16), torch.randn(50)
+    y = torch.randint(0, 50, (37,))
+    y[3] = -100
+    z = (h @ w.t() + b) * transform.scale
+    logits = transform.softcap * torch.tanh(z / transform.softcap) if transform.softcap else z
+    ref = F.cross_entropy(logits, y, ignore_index=-100, reduction="sum")
+    (gref,) = torch.autograd.grad(ref, h)
+    out = chunked_ce_sum(h, w, y, chunk_size=8, bias=b, transform=transform)
+    (g,) = torch.autograd.grad(out * 2.0, h)
+    assert float(out) == pytest.approx(float(ref), rel=1e-5)
+    assert torch.allclose(g, 2.0 * gref, atol=1e-5)
+
+
+def test_every_known_head_is_tested_here():
+    assert set(FUSED_HEADS) <= set(FAMILIES)
+
+
+def test_the_knobs_matter():
+    """The Granite scaling, Gemma softcap and Cohere scale change the loss: a fused path that skipped them fails."""
+    x, y = batch()
+    for name, knob in [("GraniteForCausalLM", "logits_scaling"), ("Gemma2ForCausalLM", "final_logit_softcapping"),
+                       ("Gemma3ForCausalLM", "final_logit_softcapping"), ("CohereForCausalLM", "logit_scale"),
+                       ("GraniteMoeHybridForCausalLM", "logits_scaling")]:
+        if not available(name):
+            continue
+        model = build(name)
+        with torch.no_grad():
+            with_knob = float(CausalLMLoss(model, fused=False)(x, y)[0])
+            setattr(model.get_base_model().config, knob, None if "softcapping" in knob else 1.0)
+            if hasattr(model.get_base_model(), knob):  # some models copy the knob at init
+                setattr(model.get_base_model(), knob, 1.0)
+            without = float(CausalLMLoss(model, fused=False)(x, y)[0])
+        assert abs(with_knob / without - 1) > 0.01, (name, with_knob, without)
+
+
+class DoubledLogitsLlama(transformers.LlamaForCausalLM):
+    """A head the table does not know (a subclass, as remote code would be): logits * 2."""
+
+    def forward(self, *args, **kwargs):
+        out = super().forward(*args, **kwargs)
+        out.logits = out.logits * 2.0
+        return out
+
+
+def test_an_unknown_head_uses_the_models_own_logits_with_a_note(capsys):
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**BASE)
+    config.use_cache = False
+    model = DoubledLogitsLlama(config)
+    model.requires_grad_(False)
+    model = apply_lora(model, r=4, alpha=8, targets=["q_proj", "v_proj"])
+    x, y = batch()
+    loss = CausalLMLoss(model, fused=True)
+    assert not loss.fused and "DoubledLogitsLlama" in loss.fused_reason
+    CausalLMLoss(model, fused=True)  # the note is printed once per process
+    out = capsys.readouterr().out
+    assert out.count("DoubledLogitsLlama") == 1 and "model.fused_loss" in out
+    logits = model(input_ids=x).logits.float()
+    ref = F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1), ignore_index=-100, reduction="sum")
+    assert float(loss(x, y)[0]) == pytest.approx(float(ref), rel=1e-5)
+
+
+def test_lora_on_the_lm_head_is_not_fused():
+    torch.manual_seed(0)
+    config = transformers.GraniteConfig(**BASE, **GRANITE, tie_word_embeddings=False)
+    config.use_cache = False
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    model.requires_grad_(False)
+    model = apply_lora(model, r=4, alpha=8, targets=["q_proj", "lm_head"])
+    loss = CausalLMLoss(model, fused=True)
+    assert not loss.fused and "lm_head" in loss.fused_reason
+    x, y = batch()
+    logits = model(input_ids=x).logits.float()
+    ref = F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1), ignore_index=-100, reduction="sum")
+    assert float(loss(x, y)[0]) == pytest.approx(float(ref), rel=1e-5)
