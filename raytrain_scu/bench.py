@@ -5,6 +5,7 @@ LoRA r=16 on all 7 projections:
 
   ref_eager / ref_compile   a 40-line HF LlamaForCausalLM + peft loop: bf16 weights, SDPA, fused AdamW,
                             ``model(input_ids, labels).loss`` (full fp32 logits), without / with torch.compile
+  ref_liger                 ref_eager with Liger kernels (liger-kernel, the ``bench`` extra), what TRL users get
   ours                      raytrain_scu's per-worker loop, bare (no Ray), SCU on, compile, fused chunked CE
   ours_best                 the same at the largest device batch that fits (``--best-batch``)
   ours_compile_model        ours with the whole model as one compiled graph (model.compile_scope=model) instead of
@@ -48,10 +49,17 @@ def device_name() -> str:
 # ---------------------------------------------------------------- the plain reference loop
 
 def reference_loop(*, preset: str, batch: int, block: int, steps: int, warmup: int, compile: bool, blocks,
-                   lora_r: int = 16) -> dict:
-    """A hand-written HF + peft LoRA loop, timed per step (synchronised) after ``warmup`` steps."""
+                   lora_r: int = 16, liger: bool = False) -> dict:
+    """A hand-written HF + peft LoRA loop, timed per step (synchronised) after ``warmup`` steps. ``liger``: Liger
+    kernels (fused linear cross-entropy, RMSNorm, SwiGLU, RoPE) patched into transformers' Llama classes first, as
+    TRL's ``use_liger_kernel=True`` does; the patch stays for the rest of the process (``ref_liger`` runs last)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
+
+    if liger:
+        from liger_kernel.transformers import apply_liger_kernel_to_llama  # the `bench` extra
+
+        apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, fused_linear_cross_entropy=True)
 
     from raytrain_scu.model import preset_config
     from raytrain_scu.regularizer import lora_b_norm
@@ -351,6 +359,8 @@ def run_parts(args) -> dict:
         return bench_config(**base)
 
     parts = args.parts.split(",")
+    if "ref_liger" in parts:  # Liger patches transformers' Llama classes for the rest of the process
+        parts = [p for p in parts if p != "ref_liger"] + ["ref_liger"]
     for part in parts:
         t0 = time.time()
         try:
@@ -360,6 +370,9 @@ def run_parts(args) -> dict:
             elif part == "ref_compile":
                 r = reference_loop(preset=preset, batch=args.batch, block=args.block, steps=args.steps,
                                    warmup=max(3, args.warmup_reports), compile=True, blocks=data.train)
+            elif part == "ref_liger":
+                r = reference_loop(preset=preset, batch=args.batch, block=args.block, steps=args.steps,
+                                   warmup=max(3, args.warmup_reports), compile=False, blocks=data.train, liger=True)
             elif part == "ours":
                 r = ours_bare(cfg("ours"), args.warmup_reports)
             elif part == "ours_best":
@@ -439,6 +452,9 @@ def table(res: dict) -> str:
             ("ours / ref_compile (same batch)", "ours", "ref_compile", "tokens_per_s", ">= 1.4"),
             ("ours_best / ref_compile", "ours_best", "ref_compile", "tokens_per_s", ">= 1.4"),
             ("ours / ref_eager", "ours", "ref_eager", "tokens_per_s", "-"),
+            ("ours / ref_liger (same batch)", "ours", "ref_liger", "tokens_per_s", ">= 1.5"),
+            ("ours_compile_model / ours (whole-model vs per-layer compile)", "ours_compile_model", "ours",
+             "tokens_per_s", "-"),
             ("ray1 / ours (Ray overhead = 1 - ratio)", "ray1", "ours", "tokens_per_s", ">= 0.97"),
             ("scu_none / ours (SCU overhead = ratio - 1)", "scu_none", "ours", "tokens_per_s", "<= 1.01"),
             ("ray2 / ray1 per GPU (x2 = total speed-up)", "ray2", "ray1", "tokens_per_s", ">= 0.95"),
