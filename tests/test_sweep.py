@@ -12,7 +12,7 @@ from raytrain_scu.config import ConfigError, global_batch_tokens, load_config, t
 
 # a 1-worker tiny run: val/data_bpt measured at every report so ASHA compares fresh values
 FAST = ["scaling.num_workers=1", "train.max_steps=6", "train.report_every=2", "train.eval_every=2",
-        "train.checkpoint_every=6", "train.eval_batches=2"]
+        "train.checkpoint_every=6", "train.eval_blocks=8"]
 
 
 def base(tmp_path, *overrides):
