@@ -434,6 +434,10 @@ def _one_of(key: str, value: str, allowed: tuple[str, ...]) -> None:
 
 
 TUNE_KINDS = ("choice", "grid", "uniform", "loguniform", "randint")
+# tune.space keys that are not config keys: the sweep maps each onto config keys (sweep.apply_params).
+# global_batch_tokens: tokens per optimizer step over all workers (the global batch, the optimisation knob); a trial's
+# data.grad_accum is set to it / (data.batch_size x scaling.num_workers x data.block_size)
+SPACE_ONLY_KEYS = {"global_batch_tokens": int}
 
 
 def validate(cfg: Config) -> None:
@@ -550,14 +554,16 @@ def validate(cfg: Config) -> None:
 
 
 def validate_space_entry(key: str, spec: Any) -> None:
-    """One `tune.space` entry: a config key -> {kind: args}."""
+    """One `tune.space` entry: a config key (or one of SPACE_ONLY_KEYS) -> {kind: args}."""
     where = f"tune.space.{key}"
     if key in REMOVED_KEYS:
         raise ConfigError(f"{where}: '{key}' was removed: use {REMOVED_KEYS[key]}")
-    try:
-        tp = _leaf_type(key)
-    except ConfigError:
-        raise ConfigError(f"{where}: '{key}' is not a config key") from None
+    tp = SPACE_ONLY_KEYS.get(key)
+    if tp is None:
+        try:
+            tp = _leaf_type(key)
+        except ConfigError:
+            raise ConfigError(f"{where}: '{key}' is not a config key") from None
     _check(isinstance(spec, dict) and len(spec) == 1, where,
            f"expected one of {{{', '.join(TUNE_KINDS)}: ...}}, got {spec!r}")
     (kind, args), = spec.items()

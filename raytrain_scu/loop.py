@@ -342,6 +342,7 @@ def run_loop(cfg, *, hooks, run_id=None) -> None:
             row.update(perf)
             tracker.log_step(perf, step=step + 1)
             metrics = {**row, "val/data_bpt": val_bpt, "val/data_bpt_start": val_bpt_start,
+                       "tokens_seen": position * d.block_size,  # the sweep's ASHA time axis (exact across resumes)
                        "tokens_per_epoch": tokens_per_epoch,
                        "max_steps": t.max_steps, "world_size": world_size()}
             local = None
