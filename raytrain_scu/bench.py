@@ -267,7 +267,7 @@ def bench_config(*, preset: str, batch: int, block: int, steps: int, report_ever
         f"lora.target_modules={','.join(PROJ)}", "data.source=shakespeare", f"data.block_size={block}",
         f"data.batch_size={batch}", "data.grad_accum=1", "data.val_fraction=0.05", f"train.max_steps={steps}",
         f"train.report_every={report_every}", f"train.checkpoint_every={steps}", f"train.eval_every={steps}",
-        "train.eval_batches=1", f"controller.mode={mode}", f"scaling.num_workers={workers}",
+        f"train.eval_blocks={batch * workers}", f"controller.mode={mode}", f"scaling.num_workers={workers}",
         f"scaling.use_gpu={str(gpu).lower()}", f"run.storage_path={storage}", f"run.name={name}",
         "tracking.enabled=false", "optim.warmup_steps=2"])
 

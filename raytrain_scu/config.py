@@ -29,6 +29,13 @@ class ConfigError(ValueError):
 
 ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
+# keys that no longer exist -> what replaces them: a config that still sets one gets an error naming the replacement
+REMOVED_KEYS = {
+    "train.eval_batches": "train.eval_blocks (validation blocks scored at each eval, 0 = the whole split): "
+                          "eval_batches scored eval_batches x data.batch_size x scaling.num_workers blocks, a "
+                          "different validation set for every batch size and worker count",
+}
+
 
 @dataclass
 class ModelConfig:
@@ -98,7 +105,9 @@ class TrainConfig:
     checkpoint_every: int = 50
     report_every: int = 10
     eval_every: int = 50
-    eval_batches: int = 0  # 0 = the whole validation split
+    # validation blocks each eval scores, spread evenly over the split (0 or more than it has = the whole split):
+    # one fixed set, the same whatever data.batch_size, data.grad_accum and scaling.num_workers are
+    eval_blocks: int = 0
     max_consecutive_skips: int = 10  # skipped steps in a row before the run stops (fp16 scaler overflows never count)
     stop_on_saturation: bool = False
 
@@ -249,6 +258,7 @@ def _build(cls, data: Any, prefix: str):
     for k in data:
         if k not in names:
             where = f"{prefix}.{k}" if prefix else str(k)
+            _check_not_removed(where)
             raise ConfigError(f"unknown config key '{where}' (known keys here: {', '.join(sorted(names))})")
     kwargs = {}
     for f in fields(cls):
@@ -263,8 +273,14 @@ def _build(cls, data: Any, prefix: str):
     return cls(**kwargs)
 
 
+def _check_not_removed(key: str) -> None:
+    if key in REMOVED_KEYS:
+        raise ConfigError(f"config key '{key}' was removed: use {REMOVED_KEYS[key]}")
+
+
 def _leaf_type(key: str):
-    """The annotation of a dotted key, or ConfigError for an unknown key."""
+    """The annotation of a dotted key, or ConfigError for an unknown (or removed) key."""
+    _check_not_removed(key)
     cls, tp = Config, Config
     for part in key.split("."):
         if not dataclasses.is_dataclass(cls):
@@ -418,6 +434,10 @@ def _one_of(key: str, value: str, allowed: tuple[str, ...]) -> None:
 
 
 TUNE_KINDS = ("choice", "grid", "uniform", "loguniform", "randint")
+# tune.space keys that are not config keys: the sweep maps each onto config keys (sweep.apply_params).
+# global_batch_tokens: tokens per optimizer step over all workers (the global batch, the optimisation knob); a trial's
+# data.grad_accum is set to it / (data.batch_size x scaling.num_workers x data.block_size)
+SPACE_ONLY_KEYS = {"global_batch_tokens": int}
 
 
 def validate(cfg: Config) -> None:
@@ -487,7 +507,8 @@ def validate(cfg: Config) -> None:
     _check(t.checkpoint_every >= 1, "train.checkpoint_every", f"must be >= 1, got {t.checkpoint_every}")
     _check(t.report_every >= 1, "train.report_every", f"must be >= 1, got {t.report_every}")
     _check(t.eval_every >= 1, "train.eval_every", f"must be >= 1, got {t.eval_every}")
-    _check(t.eval_batches >= 0, "train.eval_batches", f"must be >= 0, got {t.eval_batches}")
+    _check(t.eval_blocks >= 0, "train.eval_blocks", f"must be >= 0 (0 = the whole validation split), "
+                                                     f"got {t.eval_blocks}")
     _check(t.max_consecutive_skips >= 1, "train.max_consecutive_skips",
            f"must be >= 1, got {t.max_consecutive_skips}")
     _check(t.checkpoint_every % t.report_every == 0, "train.checkpoint_every",
@@ -533,12 +554,16 @@ def validate(cfg: Config) -> None:
 
 
 def validate_space_entry(key: str, spec: Any) -> None:
-    """One `tune.space` entry: a config key -> {kind: args}."""
+    """One `tune.space` entry: a config key (or one of SPACE_ONLY_KEYS) -> {kind: args}."""
     where = f"tune.space.{key}"
-    try:
-        tp = _leaf_type(key)
-    except ConfigError:
-        raise ConfigError(f"{where}: '{key}' is not a config key") from None
+    if key in REMOVED_KEYS:
+        raise ConfigError(f"{where}: '{key}' was removed: use {REMOVED_KEYS[key]}")
+    tp = SPACE_ONLY_KEYS.get(key)
+    if tp is None:
+        try:
+            tp = _leaf_type(key)
+        except ConfigError:
+            raise ConfigError(f"{where}: '{key}' is not a config key") from None
     _check(isinstance(spec, dict) and len(spec) == 1, where,
            f"expected one of {{{', '.join(TUNE_KINDS)}: ...}}, got {spec!r}")
     (kind, args), = spec.items()

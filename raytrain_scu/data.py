@@ -458,19 +458,29 @@ def train_batch(data: TokenData, *, position: int, micro_step: int, rank: int, w
     return _to_xy(data.train[idx], pin_memory)
 
 
-def val_batches(data: TokenData, *, rank: int, world_size: int, batch_size: int, max_batches: int = 0,
-                pin_memory: bool = False) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """This rank's validation batches: blocks rank, rank + world_size, ... in order.
+def val_block_indices(n_val: int, max_blocks: int = 0) -> np.ndarray:
+    """The validation blocks one evaluation scores: all ``n_val``, or ``max_blocks`` > 0 of them spread evenly over
+    the split (block ``i * n_val // max_blocks``, so every part of the split is represented), or all of them when the
+    split has no more than ``max_blocks``. The set depends on ``n_val`` and ``max_blocks`` only: never on the batch
+    size, the accumulation or the number of ranks, so every such setting scores the same blocks."""
+    if max_blocks <= 0 or max_blocks >= n_val:
+        return np.arange(n_val)
+    return np.arange(max_blocks) * n_val // max_blocks
 
-    Every rank yields the same number, ceil(n_val / (world_size * batch_size)) (capped by `max_batches` > 0), so
-    collectives in the eval loop match; rows past the end are padding whose y is IGNORE_INDEX (-100). Sum nats and
-    counted tokens across ranks, never average per-rank means: a batch may be all padding.
+
+def val_batches(data: TokenData, *, rank: int, world_size: int, batch_size: int, max_blocks: int = 0,
+                pin_memory: bool = False) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's validation batches: its shard (every world_size-th, from `rank`) of the fixed set of blocks
+    :func:`val_block_indices` picks, in order.
+
+    The ranks' shards are disjoint and their union is that set, whatever `world_size` and `batch_size` are. Every
+    rank yields the same number, ceil(n_blocks / (world_size * batch_size)), so collectives in the eval loop match;
+    rows past the end are padding whose y is IGNORE_INDEX (-100). Sum nats and counted tokens across ranks, never
+    average per-rank means: a batch may be all padding.
     """
-    n_val = len(data.val)
-    n_batches = math.ceil(n_val / (world_size * batch_size))
-    if max_batches > 0:
-        n_batches = min(n_batches, max_batches)
-    mine = np.arange(rank, n_val, world_size)
+    chosen = val_block_indices(len(data.val), max_blocks)
+    n_batches = math.ceil(len(chosen) / (world_size * batch_size))
+    mine = chosen[rank::world_size]
     for b in range(n_batches):
         idx = mine[b * batch_size:(b + 1) * batch_size]
         x, y = _to_xy(data.val[idx], pin_memory=False)

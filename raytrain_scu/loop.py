@@ -94,12 +94,14 @@ def lr_at(step: int, *, lr: float, warmup_steps: int, max_steps: int, min_lr_rat
 
 
 @torch.no_grad()
-def evaluate(loss_model, data, *, device, batch_size: int, max_batches: int, autocast) -> float:
-    """Held-out DataBPT, token-weighted over all ranks (every rank runs the same number of batches)."""
+def evaluate(loss_model, data, *, device, batch_size: int, max_blocks: int, autocast) -> float:
+    """Held-out DataBPT of one fixed set of validation blocks (``max_blocks``, 0 = all; see ``val_block_indices``),
+    token-weighted over all ranks: the same number for any ``batch_size`` and world size, up to float noise (every
+    rank runs the same number of batches)."""
     loss_model.eval()
     stats = torch.zeros(2, dtype=torch.float64, device=device)
     for x, y in val_batches(data, rank=rank(), world_size=world_size(), batch_size=batch_size,
-                            max_batches=max_batches):
+                            max_blocks=max_blocks):
         with autocast:
             nats, n = loss_model(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
         stats += torch.stack([nats.double(), n.double()])
@@ -226,7 +228,7 @@ def run_loop(cfg, *, hooks, run_id=None) -> None:
     nan_at_steps = {int(s) for s in os.environ.get("RAYTRAIN_SCU_NAN_AT_STEPS", "").split(",") if s.strip()}
     ddp = isinstance(ddp_model, torch.nn.parallel.DistributedDataParallel)
     if start_step == 0:  # the untrained adapter's held-out BPT: the baseline every later eval is compared with
-        val_bpt = evaluate(ddp_model, data, device=device, batch_size=d.batch_size, max_batches=t.eval_batches,
+        val_bpt = evaluate(ddp_model, data, device=device, batch_size=d.batch_size, max_blocks=t.eval_blocks,
                            autocast=autocast)
         history.append({"step": 0, "val/data_bpt": val_bpt, "ctrl/lambda": controller.lam})
         tracker.log_step(history[-1])
@@ -311,7 +313,7 @@ def run_loop(cfg, *, hooks, run_id=None) -> None:
         if (step + 1) % t.eval_every == 0 or is_ckpt:
             t_eval = time.perf_counter()
             val_bpt = evaluate(ddp_model, data, device=device, batch_size=d.batch_size,
-                               max_batches=t.eval_batches, autocast=autocast)
+                               max_blocks=t.eval_blocks, autocast=autocast)
             t_last += time.perf_counter() - t_eval  # throughput counts training time only
             row["val/data_bpt"] = val_bpt
             best_val = min(best_val, val_bpt)
@@ -340,6 +342,7 @@ def run_loop(cfg, *, hooks, run_id=None) -> None:
             row.update(perf)
             tracker.log_step(perf, step=step + 1)
             metrics = {**row, "val/data_bpt": val_bpt, "val/data_bpt_start": val_bpt_start,
+                       "tokens_seen": position * d.block_size,  # the sweep's ASHA time axis (exact across resumes)
                        "tokens_per_epoch": tokens_per_epoch,
                        "max_steps": t.max_steps, "world_size": world_size()}
             local = None

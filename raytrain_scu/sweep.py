@@ -3,12 +3,17 @@
 Each trial is a small driver function (:func:`run_trial`) that builds the trial's TorchTrainer with
 ``train.build_trainer`` and calls ``fit()``; ``TuneReportCallback`` hands every ``ray.train.report`` to Tune, so ASHA
 sees ``val/data_bpt`` while the run trains. The space is the config's ``tune.space`` (key -> {choice | grid | uniform
-| loguniform | randint: args}); left empty it is data.batch_size and, under the SCU, controller.kp, controller.ki and
-controller.target_s. ``--lr`` adds optim.lr (log-uniform over a decade either side of the config's).
+| loguniform | randint: args}); left empty it is chosen by the metric (:func:`default_space`). ``--lr`` adds optim.lr
+(log-uniform over a decade either side of the config's).
 
-- Batch size: with ``tune.keep_tokens_per_step`` (the default) a trial's data.grad_accum is set so that
-  batch_size x grad_accum equals the base config's, so every trial takes the same tokens per optimizer step; a batch
-  that does not divide it is an error before launch. Either way the global batch is in the table and in MLflow.
+- Two batch knobs, kept apart. The global batch (``global_batch_tokens`` in the space: tokens per optimizer step over
+  all workers) is the optimisation knob, scored on the loss; a trial's data.grad_accum is set from it. The micro-batch
+  (data.batch_size) is a throughput and memory knob: with ``tune.keep_tokens_per_step`` (the default) a trial's
+  data.grad_accum keeps batch_size x grad_accum at the base config's, so it cannot change the loss beyond float noise,
+  and sweeping it while scoring a loss is an error: it is scored on ``perf/tokens_per_s`` (mode max). A batch that does
+  not divide the tokens per step is an error before launch. The global batch is in the table and in MLflow.
+- ASHA's time is ``tokens_seen`` (reported by the loop), so trials whose global batches differ are compared at equal
+  tokens, not equal steps.
 - MLflow: one parent run for the sweep; each trial is a child run (tag ``mlflow.parentRunId``) that the trial's
   rank-0 worker fills with the trial's params and metrics.
 - Outputs in ``<run.storage_path>/<run.name>/``: trials.csv, best.yaml (the best trial's full config, ready for
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import csv
 import io
+import itertools
 import math
 import sys
 import threading
@@ -41,6 +47,8 @@ from raytrain_scu.config import (Config, ConfigError, build_config, flatten, get
                                  redact_uri, set_dotted, to_yaml)
 
 ASHA_REDUCTION_FACTOR = 2  # ASHA keeps the best half at each rung
+GLOBAL_BATCH = "global_batch_tokens"  # the space key of the global batch (config.SPACE_ONLY_KEYS), in tokens per step
+THROUGHPUT_PREFIX = "perf/"  # metrics that score speed, not the loss (the loop reports perf/tokens_per_s)
 DRIVER_CPU = 0.01  # what a trial's driver function holds; its Train workers ask for their own resources
 
 
@@ -51,12 +59,25 @@ class SweepError(ValueError):
 # ---------------------------------------------------------------- the space
 
 def default_space(cfg: Config) -> dict:
-    """What is swept when ``tune.space`` is empty: the batch size, and the SCU's gains and target when it is on."""
+    """What is swept when ``tune.space`` is empty, by what the sweep scores.
+
+    On a throughput metric (``perf/...``): the micro-batch (data.batch_size), half, same and double the config's. On
+    a loss: the global batch (``global_batch_tokens``: half, same and double the config's, those a whole
+    data.grad_accum reaches at the config's micro-batch), or with ``tune.keep_tokens_per_step=false`` the micro-batch,
+    which then moves the global batch; and the SCU's gains and target when it is on.
+    """
     b, per_step = cfg.data.batch_size, cfg.data.batch_size * cfg.data.grad_accum
     batches = sorted({x for x in (b // 2, b, 2 * b) if x >= 1})
     if cfg.tune.keep_tokens_per_step:  # only batches that keep the tokens per optimizer step
         batches = [x for x in batches if per_step % x == 0]
-    space = {"data.batch_size": {"choice": batches}}
+    if cfg.tune.metric.startswith(THROUGHPUT_PREFIX):
+        return {"data.batch_size": {"choice": batches}}
+    if cfg.tune.keep_tokens_per_step:
+        g = global_batch_tokens(cfg)
+        micro = g // cfg.data.grad_accum  # tokens of one micro-step over all workers
+        space = {GLOBAL_BATCH: {"choice": [x for x in (g // 2, g, 2 * g) if x >= micro and x % micro == 0]}}
+    else:
+        space = {"data.batch_size": {"choice": batches}}
     if cfg.controller.mode == "scu":
         space["controller.kp"] = {"loguniform": [0.2, 3.2]}
         space["controller.ki"] = {"loguniform": [0.02, 0.6]}
@@ -71,13 +92,31 @@ def _plain(value):
 def apply_params(base: Config, params: dict) -> Config:
     """The base config with one trial's values set (and validated).
 
-    With ``tune.keep_tokens_per_step`` a swept data.batch_size also sets data.grad_accum to
+    A swept ``global_batch_tokens`` (tokens per optimizer step over all workers) sets data.grad_accum to
+    global_batch_tokens / (data.batch_size x scaling.num_workers x data.block_size), the trial's micro-batch and block
+    size; one that is not a whole number of micro-steps is a ConfigError. Otherwise, with
+    ``tune.keep_tokens_per_step`` a swept data.batch_size sets data.grad_accum to
     base batch_size x base grad_accum / batch_size; a batch that does not divide that product is a ConfigError.
     """
     tree = asdict(base)
     for key, value in params.items():
-        set_dotted(tree, key, _plain(value))
-    if base.tune.keep_tokens_per_step and "data.batch_size" in params:
+        if key != GLOBAL_BATCH:
+            set_dotted(tree, key, _plain(value))
+    if GLOBAL_BATCH in params:
+        tokens, d = _plain(params[GLOBAL_BATCH]), tree["data"]
+        if isinstance(tokens, float) and tokens.is_integer():
+            tokens = int(tokens)
+        if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1:
+            raise ConfigError(f"{GLOBAL_BATCH}: expected a positive int (tokens per optimizer step), got {tokens!r}")
+        micro = d["batch_size"] * tree["scaling"]["num_workers"] * d["block_size"]
+        if isinstance(micro, int) and micro >= 1:  # anything else: build_config names the bad key
+            if tokens < micro or tokens % micro:
+                raise ConfigError(f"{GLOBAL_BATCH}={tokens} is not a whole number of micro-steps of "
+                                  f"data.batch_size={d['batch_size']} x scaling.num_workers="
+                                  f"{tree['scaling']['num_workers']} x data.block_size={d['block_size']} = {micro} "
+                                  f"tokens: pick global batches that are multiples of {micro}")
+            d["grad_accum"] = tokens // micro
+    elif base.tune.keep_tokens_per_step and "data.batch_size" in params:
         per_step = base.data.batch_size * base.data.grad_accum
         batch = tree["data"]["batch_size"]
         if isinstance(batch, int) and batch >= 1:  # anything else: build_config names the problem
@@ -125,11 +164,38 @@ def resolve_space(cfg: Config, *, with_lr: bool = False) -> dict:
                              "(or use tune.search=random)") from None
     if t.keep_tokens_per_step:
         if "data.grad_accum" in space:
-            raise SweepError("tune.keep_tokens_per_step=true sets data.grad_accum from data.batch_size: remove "
-                             "data.grad_accum from tune.space, or set tune.keep_tokens_per_step=false")
+            raise SweepError(f"tune.keep_tokens_per_step=true sets data.grad_accum from data.batch_size (or "
+                             f"{GLOBAL_BATCH}): remove data.grad_accum from tune.space (sweep the global batch with "
+                             f"{GLOBAL_BATCH}), or set tune.keep_tokens_per_step=false")
         if kinds.get("data.batch_size") not in (None, "choice", "grid"):
             raise SweepError("tune.keep_tokens_per_step=true needs data.batch_size as choice or grid values (each "
                              "must divide the base batch_size x grad_accum), not a range")
+        if "data.batch_size" in space and not t.metric.startswith(THROUGHPUT_PREFIX):
+            # the micro-batch only regroups the same sequences of each step: the loss moves by float noise
+            raise SweepError(f"data.batch_size is the micro-batch, a throughput and memory knob: with "
+                             f"tune.keep_tokens_per_step=true every trial takes the same tokens per optimizer step "
+                             f"whatever its micro-batch, so {t.metric} differs between them only by float noise and "
+                             f"the sweep would select noise. Tune the micro-batch on speed (tune.metric="
+                             f"perf/tokens_per_s tune.mode=max, data.batch_size alone in tune.space) or let the memory "
+                             f"estimate fit it (docs/sweep.md); tune the global batch with {GLOBAL_BATCH} in "
+                             f"tune.space")
+    if GLOBAL_BATCH in space:
+        if not t.keep_tokens_per_step:
+            raise SweepError(f"tune.space.{GLOBAL_BATCH} sets each trial's tokens per step and derives data.grad_accum "
+                             f"from it, but tune.keep_tokens_per_step=false keeps data.grad_accum: set "
+                             f"tune.keep_tokens_per_step=true")
+        linked = [k for k in (GLOBAL_BATCH, "data.batch_size", "data.block_size") if k in space]
+        if any(kinds[k] not in ("choice", "grid") for k in linked):
+            raise SweepError(f"{GLOBAL_BATCH} / (data.batch_size x scaling.num_workers x data.block_size) is a trial's "
+                             f"data.grad_accum and must be whole: give {', '.join(linked)} as choice or grid values, "
+                             f"not ranges")
+        for combo in itertools.product(*(next(iter(space[k].values())) for k in linked)):
+            try:
+                apply_params(cfg, dict(zip(linked, combo)))
+            except ConfigError as e:
+                raise SweepError(f"tune.space {', '.join(f'{k}={v}' for k, v in zip(linked, combo))}: {e}") from None
+    if t.metric == "perf/tokens_per_s" and t.mode != "max":
+        raise SweepError("tune.metric=perf/tokens_per_s is better when higher: set tune.mode=max")
     if t.scheduler == "asha" and t.grace_period * cfg.train.report_every > cfg.train.max_steps:
         raise SweepError(f"tune.grace_period={t.grace_period} reports x train.report_every={cfg.train.report_every} "
                          f"is beyond train.max_steps={cfg.train.max_steps}: ASHA could never stop a trial")
@@ -139,23 +205,51 @@ def resolve_space(cfg: Config, *, with_lr: bool = False) -> dict:
         values = []
         for v in args:
             try:
-                values.append(get_dotted(apply_params(cfg, {key: v}), key))
+                values.append(space_value(apply_params(cfg, {key: v}), key))
             except ConfigError as e:
                 raise SweepError(f"tune.space.{key} value {v!r}: {e}") from None
         typed[key] = {kind: values if kind in ("choice", "grid") else list(args)}
     return typed
 
 
+def space_value(cfg: Config, key: str):
+    """A trial config's value of a space key: a config key's value, or the global batch in tokens."""
+    return global_batch_tokens(cfg) if key == GLOBAL_BATCH else get_dotted(cfg, key)
+
+
+def _bounds(cfg: Config, space: dict, key: str) -> tuple:
+    """(lowest, highest) value a trial can take for ``key``: the listed values' or the range's ends, or the base's."""
+    spec = space.get(key)
+    if not spec:
+        value = space_value(cfg, key)
+        return value, value
+    values = next(iter(spec.values()))
+    return min(values), max(values)
+
+
+def tokens_per_step_bounds(cfg: Config, space: dict) -> tuple[int, int]:
+    """(smallest, largest) tokens per optimizer step any trial takes (scaling.* is never swept)."""
+    if GLOBAL_BATCH in space:
+        lo, hi = _bounds(cfg, space, GLOBAL_BATCH)
+        return int(lo), int(hi)
+    block = _bounds(cfg, space, "data.block_size")
+    if cfg.tune.keep_tokens_per_step:  # the base's sequences per step, whatever the micro-batch
+        seqs = (cfg.data.batch_size * cfg.data.grad_accum,) * 2
+    else:
+        batch, accum = _bounds(cfg, space, "data.batch_size"), _bounds(cfg, space, "data.grad_accum")
+        seqs = (batch[0] * accum[0], batch[1] * accum[1])
+    workers = cfg.scaling.num_workers
+    return int(seqs[0] * workers * block[0]), int(seqs[1] * workers * block[1])
+
+
 def max_sequences_per_step(cfg: Config, space: dict) -> int:
     """The largest global batch (sequences per optimizer step) any trial can take."""
-    def top(key):
-        spec = space.get(key)
-        return max(next(iter(spec.values()))) if spec else get_dotted(cfg, key)
-
+    if GLOBAL_BATCH in space:
+        return tokens_per_step_bounds(cfg, space)[1] // int(_bounds(cfg, space, "data.block_size")[0])
     if cfg.tune.keep_tokens_per_step:
         per_worker = cfg.data.batch_size * cfg.data.grad_accum
     else:
-        per_worker = top("data.batch_size") * top("data.grad_accum")
+        per_worker = _bounds(cfg, space, "data.batch_size")[1] * _bounds(cfg, space, "data.grad_accum")[1]
     return int(per_worker * cfg.scaling.num_workers)  # scaling.* is never swept
 
 
@@ -164,7 +258,7 @@ def tune_space(cfg: Config, space: dict) -> dict:
     out = {}
     for key, spec in space.items():
         (kind, args), = spec.items()
-        value = get_dotted(cfg, key)
+        value = space_value(cfg, key)
         is_int = isinstance(value, int) and not isinstance(value, bool)
         if kind == "grid" or (kind == "choice" and cfg.tune.search == "grid"):
             out[key] = tune.grid_search(list(args))
@@ -293,7 +387,9 @@ def open_child_run(cfg: Config, sweep_name: str, parent_run_id: Optional[str], p
         client.set_tag(run_id, tracking.SWEEP_TAG, sweep_name)
         client.set_tag(run_id, tracking.TRIAL_TAG, trial_id)
         flat = flatten(cfg)  # the same strings the worker logs, so the two never disagree
-        keys = [*params, "data.grad_accum"] if "data.batch_size" in params else list(params)
+        keys = [k for k in params if k != GLOBAL_BATCH]  # the global batch is derived.global_batch_tokens
+        if "data.batch_size" in params or GLOBAL_BATCH in params:
+            keys.append("data.grad_accum")
         tracking.log_params_once(client, run_id, {**{k: flat[k] for k in keys},
                                                   "derived.global_batch_tokens": global_batch_tokens(cfg)})
         return run_id
@@ -327,9 +423,26 @@ def trial_dirname(trial) -> str:
 
 # ---------------------------------------------------------------- the Tune experiment
 
+def asha_scheduler(cfg: Config, space: dict):
+    """ASHA on ``tokens_seen``: trials are compared at equal tokens trained on, not equal steps.
+
+    Trials whose global batches differ would otherwise be compared after unequal amounts of data, and the small
+    batches stopped for having seen less. A resumed trial is judged where it really is (the loop's tokens_seen is
+    exact across resumes). The grace period is ``tune.grace_period`` reports of the trial with the smallest global
+    batch, in tokens, so every trial trains on as many tokens before it can be stopped. A trial that reaches
+    train.max_steps ends by itself (stopping it there would cut its Train run's shutdown short).
+    """
+    from ray.tune.schedulers import ASHAScheduler
+
+    lo, hi = tokens_per_step_bounds(cfg, space)
+    # the metric and mode reach it from tune.TuneConfig (Tune refuses them in both places)
+    return ASHAScheduler(time_attr="tokens_seen", max_t=cfg.train.max_steps * hi,
+                         grace_period=cfg.tune.grace_period * cfg.train.report_every * lo,
+                         reduction_factor=ASHA_REDUCTION_FACTOR, stop_last_trials=False)
+
+
 def make_tuner(cfg: Config, space: dict, setup: TrialSetup, max_concurrent: int):
     """A new Tuner, or the interrupted one restored from the sweep's directory (same run.name and storage_path)."""
-    from ray.tune.schedulers import ASHAScheduler
     from ray.tune.search import BasicVariantGenerator
 
     trainable = tune.with_resources(tune.with_parameters(run_trial, setup=setup), {"CPU": DRIVER_CPU})
@@ -339,13 +452,7 @@ def make_tuner(cfg: Config, space: dict, setup: TrialSetup, max_concurrent: int)
               f"(the space and tune settings are the first run's)", flush=True)
         return tune.Tuner.restore(path, trainable, resume_unfinished=True, resume_errored=True)
     t = cfg.tune
-    scheduler = None
-    if t.scheduler == "asha":
-        # time is the optimizer step, so a resumed trial is judged where it really is; a trial that reaches
-        # max_steps ends by itself (stopping it there would cut its Train run's shutdown short)
-        scheduler = ASHAScheduler(time_attr="step", max_t=cfg.train.max_steps,
-                                  grace_period=t.grace_period * cfg.train.report_every,
-                                  reduction_factor=ASHA_REDUCTION_FACTOR, stop_last_trials=False)
+    scheduler = asha_scheduler(cfg, space) if t.scheduler == "asha" else None
     if t.search == "optuna":
         from ray.tune.search.optuna import OptunaSearch
 
@@ -386,8 +493,8 @@ def trial_rows(results, base: Config, space: dict) -> list[dict]:
             status = "DONE" if step >= base.train.max_steps else "STOPPED"
         rows.append({"trial": trial_id, "params": params, "grad_accum": cfg.data.grad_accum,
                      "global_batch_tokens": global_batch_tokens(cfg),
-                     "metric": float(m.get(base.tune.metric, math.nan)), "steps": step, "status": status,
-                     "run_name": cfg.run.name})
+                     "metric": float(m.get(base.tune.metric, math.nan)), "steps": step,
+                     "tokens_seen": m.get("tokens_seen"), "status": status, "run_name": cfg.run.name})
     sign = 1.0 if base.tune.mode == "min" else -1.0
     rows.sort(key=lambda row: (not math.isfinite(row["metric"]),
                                sign * row["metric"] if math.isfinite(row["metric"]) else 0.0))
@@ -406,10 +513,13 @@ def _fmt(v) -> str:
 
 
 def _columns(rows: list[dict], keys: list[str], metric: str) -> tuple[list[str], list[list]]:
-    extra = ["data.grad_accum"] if "data.batch_size" in keys and "data.grad_accum" not in keys else []
-    head = ["trial", *keys, *extra, "global_batch_tokens", metric, "steps", "status"]
+    derives_accum = "data.batch_size" in keys or GLOBAL_BATCH in keys
+    extra = ["data.grad_accum"] if derives_accum and "data.grad_accum" not in keys else []
+    batch = [] if GLOBAL_BATCH in keys else ["global_batch_tokens"]  # a swept global batch is a key column already
+    head = ["trial", *keys, *extra, *batch, metric, "steps", "tokens_seen", "status"]
     body = [[r["trial"], *(r["params"].get(k) for k in keys), *([r["grad_accum"]] if extra else []),
-             r["global_batch_tokens"], r["metric"], r["steps"], r["status"]] for r in rows]
+             *([r["global_batch_tokens"]] if batch else []), r["metric"], r["steps"], r.get("tokens_seen"),
+             r["status"]] for r in rows]
     return head, body
 
 
@@ -535,6 +645,15 @@ def close_parent_run(cfg: Config, parent_run_id: str, rows: list[dict], best: Op
 
 # ---------------------------------------------------------------- the sweep
 
+def _global_batch_note(cfg: Config, space: dict) -> str:
+    """How the trials' tokens per step are set, for the launch line."""
+    lo, hi = tokens_per_step_bounds(cfg, space)
+    if lo == hi:
+        return f"{lo} tokens/step in every trial"
+    how = f"tune.space.{GLOBAL_BATCH}" if GLOBAL_BATCH in space else "the swept keys"
+    return f"{lo}-{hi} tokens/step (from {how}); ASHA compares trials at equal tokens seen"
+
+
 def run_sweep(cfg: Config, *, with_lr: bool = False) -> dict:
     """Check, launch (or resume) the sweep on Ray Tune, then print the table and write best.yaml and plots."""
     from raytrain_scu.train import init_ray, preflight, scu_env
@@ -566,8 +685,8 @@ def run_sweep(cfg: Config, *, with_lr: bool = False) -> dict:
     max_concurrent = t.max_concurrent_trials or concurrent_trials(ray.cluster_resources(), need)
     print(f"[raytrain_scu] sweep {cfg.run.name}: {', '.join(space)}; search={t.search}, scheduler={t.scheduler}, "
           f"{max_concurrent} trial(s) at a time, each holding "
-          f"{', '.join(f'{r}={n:g}' for r, n in need.items())}; global batch "
-          f"{'kept at' if t.keep_tokens_per_step else 'from'} {global_batch_tokens(cfg)} tokens/step", flush=True)
+          f"{', '.join(f'{r}={n:g}' for r, n in need.items())}; global batch {_global_batch_note(cfg, space)}",
+          flush=True)
     setup = TrialSetup(base=cfg, parent_run_id=parent_run_id, use_gpu=facts["use_gpu"], env=scu_env(),
                        placement_groups=Queue(actor_options={"num_cpus": 0}))
     reaper, stop = PlacementGroupReaper(setup.placement_groups), threading.Event()

@@ -64,6 +64,7 @@ def test_overrides_are_typed_by_field():
     ("lora.r=0", "lora.r"),
     ("hardware.preset=v100", "hardware.preset"),
     ("tune.search=bayes", "tune.search"),
+    ("train.eval_blocks=-1", "train.eval_blocks"),
 ])
 def test_bad_values_name_the_key(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
@@ -74,6 +75,21 @@ def test_a_fixed_lambda_may_lie_outside_the_scu_bounds():
     assert load_config(TINY, ["controller.mode=fixed", "controller.lambda_init=1e-6"]).controller.lambda_init == 1e-6
     with pytest.raises(ConfigError, match=r"controller\.lambda_init"):
         load_config(TINY, ["controller.mode=fixed", "controller.lambda_init=0"])
+
+
+def test_removed_eval_batches_names_its_replacement(tmp_path):
+    # eval_batches scored batches x batch_size x workers blocks; its replacement is a fixed number of blocks
+    removed = r"'train\.eval_batches' was removed: use train\.eval_blocks"
+    with pytest.raises(ConfigError, match=removed):
+        load_config(TINY, ["train.eval_batches=4"])
+    p = tmp_path / "old.yaml"
+    p.write_text("train:\n  eval_batches: 4\n")
+    with pytest.raises(ConfigError, match=removed):
+        load_config(p)
+    p.write_text(yaml.safe_dump({"tune": {"space": {"train.eval_batches": {"choice": [1, 2]}}}}))
+    with pytest.raises(ConfigError, match=r"tune\.space\.train\.eval_batches: 'train\.eval_batches' was removed"):
+        load_config(p)
+    assert load_config(TINY, ["train.eval_blocks=7"]).train.eval_blocks == 7
 
 
 def test_unknown_and_mistyped_keys_in_yaml(tmp_path):

@@ -1,4 +1,5 @@
 """Data: sources, split by document, EOS packing, the token cache, and sharded resumable sampling."""
+import contextlib
 import json
 import sys
 import types
@@ -306,10 +307,70 @@ def test_val_batches_cover_every_block_once(world_size, batch_size):
     assert sorted(seen) == list(range(n_val))
 
 
-def test_val_batches_max_batches():
+def scored_blocks(data, *, world_size, batch_size, max_blocks):
+    """Per rank: the val block indices its batches score (padding rows left out), and how many batches it ran."""
+    out = []
+    for r in range(world_size):
+        batches = list(val_batches(data, rank=r, world_size=world_size, batch_size=batch_size, max_blocks=max_blocks))
+        out.append(([i for x, y in batches for i in rows_of(x[(y != -100).all(dim=1)], data.block_size)],
+                    len(batches)))
+    return out
+
+
+@pytest.mark.parametrize("max_blocks, expected", [
+    (5, [0, 2, 4, 6, 8]),   # spread evenly over the split: block i * 11 // 5
+    (3, [0, 3, 7]),
+    (11, list(range(11))),  # all of it
+    (40, list(range(11))),  # more than the split has: all of it
+    (0, list(range(11))),   # 0 = all of it
+])
+def test_val_batches_score_one_fixed_set_whatever_the_batch_and_world(max_blocks, expected):
+    # the bug this guards against: a cap in batches scored max_batches x batch_size x world_size blocks, so batch 4
+    # and batch 8 (or 1 and 2 workers) were scored on different validation sets
     data = synthetic(n_train=5, n_val=11)
-    for r in range(2):
-        assert len(list(val_batches(data, rank=r, world_size=2, batch_size=2, max_batches=2))) == 2
+    for world_size in (1, 2, 3, 4):
+        for batch_size in (1, 2, 3, 4, 8):
+            per_rank = scored_blocks(data, world_size=world_size, batch_size=batch_size, max_blocks=max_blocks)
+            union = sorted(i for blocks, _ in per_rank for i in blocks)
+            assert union == expected, (world_size, batch_size)  # the same set, each block once: disjoint shards
+            counts = {n for _, n in per_rank}
+            assert counts == {-(-len(expected) // (world_size * batch_size))}  # every rank runs as many batches
+
+
+def test_eval_is_the_same_number_for_any_batch_and_world():
+    # a real (tiny, random-init) model: the token-weighted held-out BPT of a capped eval must not depend on the
+    # batch size or the worker count (the issue: 10.98755 at batch 8 against 10.9927 at batch 4)
+    from raytrain_scu.loop import LN2, evaluate
+    from raytrain_scu.model import CausalLMLoss, build_model
+
+    rng = np.random.default_rng(0)
+    block, vocab = 16, 96
+    data = TokenData(train=rng.integers(0, vocab, (4, block + 1), dtype=np.uint32),
+                     val=rng.integers(0, vocab, (13, block + 1), dtype=np.uint32),
+                     block_size=block, cache_path="", meta={})
+    loss_model = CausalLMLoss(build_model("tiny", vocab_size=vocab, seed=0))
+    # world size 1 through the loop's evaluate (no process group: rank 0 of 1)
+    one = {b: evaluate(loss_model, data, device=torch.device("cpu"), batch_size=b, max_blocks=6,
+                       autocast=contextlib.nullcontext()) for b in (1, 4, 8)}
+    assert one[4] == pytest.approx(one[8], rel=1e-6) and one[1] == pytest.approx(one[8], rel=1e-6)
+
+    # world size 2 and 3: each rank's (nats, tokens) summed, as evaluate's all-reduce does
+    def sharded(world_size, batch_size):
+        stats = torch.zeros(2, dtype=torch.float64)
+        with torch.no_grad():
+            for r in range(world_size):
+                for x, y in val_batches(data, rank=r, world_size=world_size, batch_size=batch_size, max_blocks=6):
+                    nats, n = loss_model(x, y)
+                    stats += torch.stack([nats.double(), n.double()])
+        assert stats[1] == 6 * block  # exactly the 6 chosen blocks' targets: padding counts for nothing
+        return float(stats[0] / stats[1]) / LN2
+
+    for world_size, batch_size in ((2, 4), (2, 8), (3, 2)):
+        assert sharded(world_size, batch_size) == pytest.approx(one[8], rel=1e-6)
+    # and the cap matters: the whole split is another (here different) number
+    whole = evaluate(loss_model, data, device=torch.device("cpu"), batch_size=4, max_blocks=0,
+                     autocast=contextlib.nullcontext())
+    assert whole != pytest.approx(one[8], rel=1e-6)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA for pinned memory")

@@ -12,7 +12,10 @@ from raytrain_scu.config import ConfigError, global_batch_tokens, load_config, t
 
 # a 1-worker tiny run: val/data_bpt measured at every report so ASHA compares fresh values
 FAST = ["scaling.num_workers=1", "train.max_steps=6", "train.report_every=2", "train.eval_every=2",
-        "train.checkpoint_every=6", "train.eval_batches=2"]
+        "train.checkpoint_every=6", "train.eval_blocks=8"]
+
+
+SPEED = ["tune.metric=perf/tokens_per_s", "tune.mode=max"]  # a sweep scored on throughput
 
 
 def base(tmp_path, *overrides):
@@ -21,15 +24,20 @@ def base(tmp_path, *overrides):
 
 # ---------------------------------------------------------------- fast: space, batch rule, resources, CLI errors
 
-def test_default_space_sweeps_batch_and_controller_and_lr_when_asked(tmp_path):
-    cfg = base(tmp_path)  # batch 4 x accum 2
+def test_default_space_tunes_the_global_batch_on_a_loss_and_the_micro_batch_on_speed(tmp_path):
+    cfg = base(tmp_path)  # batch 4 x accum 2 x 1 worker x block 64 = 512 tokens per step
     space = sweep.resolve_space(cfg)
-    assert list(space) == ["data.batch_size", "controller.kp", "controller.ki", "controller.target_s"]
-    assert space["data.batch_size"] == {"choice": [2, 4, 8]}
+    assert list(space) == ["global_batch_tokens", "controller.kp", "controller.ki", "controller.target_s"]
+    assert space["global_batch_tokens"] == {"choice": [256, 512, 1024]}
     assert "optim.lr" in sweep.resolve_space(cfg, with_lr=True)
-    # a batch that cannot keep tokens per step is left out, and the controller is not swept when it is off
+    # a global batch no whole grad_accum reaches is left out, and the controller is not swept when it is off
     space = sweep.resolve_space(base(tmp_path, "data.grad_accum=1", "controller.mode=none"))
-    assert space == {"data.batch_size": {"choice": [2, 4]}}
+    assert space == {"global_batch_tokens": {"choice": [256, 512]}}
+    # scored on speed: the micro-batch alone; a batch that cannot keep the tokens per step is left out
+    assert sweep.resolve_space(base(tmp_path, *SPEED)) == {"data.batch_size": {"choice": [2, 4, 8]}}
+    assert sweep.resolve_space(base(tmp_path, *SPEED, "data.grad_accum=1")) == {"data.batch_size": {"choice": [2, 4]}}
+    # without the rule the micro-batch moves the global batch: a loss knob again
+    assert list(sweep.resolve_space(base(tmp_path, "tune.keep_tokens_per_step=false")))[0] == "data.batch_size"
 
 
 def test_batch_trials_keep_tokens_per_step(tmp_path):
@@ -40,11 +48,103 @@ def test_batch_trials_keep_tokens_per_step(tmp_path):
     with pytest.raises(ConfigError, match="does not divide"):
         sweep.apply_params(cfg, {"data.batch_size": 3})
     with pytest.raises(sweep.SweepError, match="data.batch_size value 3"):
-        sweep.resolve_space(base(tmp_path, "tune.space={data.batch_size: {choice: [2, 3]}}"))
+        sweep.resolve_space(base(tmp_path, *SPEED, "tune.space={data.batch_size: {choice: [2, 3]}}"))
     # without the rule, grad_accum stays and the global batch follows the batch size
     loose = base(tmp_path, "tune.keep_tokens_per_step=false")
     trial = sweep.apply_params(loose, {"data.batch_size": 8})
     assert trial.data.grad_accum == 2 and global_batch_tokens(trial) == 2 * global_batch_tokens(loose)
+
+
+def test_micro_batch_is_scored_on_speed_never_on_a_loss(tmp_path):
+    # with keep_tokens_per_step a trial's micro-batch only regroups the same sequences: a loss moves by float noise
+    micro = "tune.space={data.batch_size: {choice: [2, 4, 8]}}"
+    for metric in ("val/data_bpt", "train/data_bpt"):
+        with pytest.raises(sweep.SweepError, match=r"micro-batch.*float noise.*perf/tokens_per_s.*global_batch_tokens"):
+            sweep.resolve_space(base(tmp_path, micro, f"tune.metric={metric}"))
+    assert sweep.resolve_space(base(tmp_path, *SPEED, micro)) == {"data.batch_size": {"choice": [2, 4, 8]}}
+    with pytest.raises(sweep.SweepError, match="tune.mode=max"):
+        sweep.resolve_space(base(tmp_path, "tune.metric=perf/tokens_per_s", micro))
+    # when the micro-batch moves the global batch (keep_tokens_per_step=false) a loss may score it
+    assert list(sweep.resolve_space(base(tmp_path, "tune.keep_tokens_per_step=false", micro))) == ["data.batch_size"]
+
+
+def test_micro_batch_changes_the_loss_only_by_float_noise(tmp_path):
+    # the premise of the rule above, on the real loop (one process, no Ray): 4 x 2 and 8 x 1 sequences per step train
+    # on the same stream and score the same fixed validation blocks (eval at batch 4 and at batch 8)
+    from raytrain_scu.loop import LocalHooks, run_loop
+
+    runs = {}
+    for batch, accum in ((4, 2), (8, 1)):
+        hooks = LocalHooks()
+        run_loop(base(tmp_path, f"data.batch_size={batch}", f"data.grad_accum={accum}", "train.max_steps=4",
+                      "train.checkpoint_every=4", "tracking.enabled=false"), hooks=hooks)
+        runs[batch] = hooks.reports
+    ref = runs[4]
+    assert [r["tokens_seen"] for r in ref] == [2 * 512, 4 * 512]  # the sweep's ASHA time: 512 tokens per step
+    for batch in (8,):
+        assert [r["tokens_seen"] for r in runs[batch]] == [r["tokens_seen"] for r in ref]
+        for key in ("train/data_bpt", "val/data_bpt", "val/data_bpt_start"):
+            assert [r[key] for r in runs[batch]] == pytest.approx([r[key] for r in ref], rel=1e-4), (batch, key)
+
+
+def test_global_batch_is_the_optimisation_knob_mapped_to_grad_accum(tmp_path):
+    from ray.tune.search.sample import Categorical
+
+    cfg = base(tmp_path)  # one micro-step: batch 4 x 1 worker x block 64 = 256 tokens
+    trial = sweep.apply_params(cfg, {"global_batch_tokens": 1024})
+    assert (trial.data.batch_size, trial.data.grad_accum, global_batch_tokens(trial)) == (4, 4, 1024)
+    with pytest.raises(ConfigError, match="global_batch_tokens=384 is not a whole number of micro-steps"):
+        sweep.apply_params(cfg, {"global_batch_tokens": 384})
+    space = sweep.resolve_space(base(tmp_path, "tune.space={global_batch_tokens: {choice: [256, 1024.0]}}"))
+    assert space == {"global_batch_tokens": {"choice": [256, 1024]}}
+    assert isinstance(sweep.tune_space(cfg, space)["global_batch_tokens"], Categorical)
+    assert sweep.tokens_per_step_bounds(cfg, space) == (256, 1024)
+    assert sweep.max_sequences_per_step(cfg, space) == 16
+    # with a swept block size every pair must give a whole grad_accum: 256 tokens is less than one micro-step of 128
+    with pytest.raises(sweep.SweepError, match="global_batch_tokens=256, data.block_size=128: .*not a whole number"):
+        sweep.resolve_space(base(tmp_path, "tune.space={global_batch_tokens: {choice: [256, 1024]}, "
+                                           "data.block_size: {choice: [64, 128]}}"))
+    trial = sweep.apply_params(cfg, {"global_batch_tokens": 1024, "data.block_size": 128})
+    assert (trial.data.grad_accum, global_batch_tokens(trial)) == (2, 1024)
+    with pytest.raises(sweep.SweepError, match="not ranges"):
+        sweep.resolve_space(base(tmp_path, "tune.space={global_batch_tokens: {randint: [256, 1024]}}"))
+    with pytest.raises(sweep.SweepError, match="keep_tokens_per_step=false keeps data.grad_accum"):
+        sweep.resolve_space(base(tmp_path, "tune.keep_tokens_per_step=false",
+                                 "tune.space={global_batch_tokens: {choice: [256, 1024]}}"))
+    with pytest.raises(ConfigError, match="tune.space.global_batch_tokens"):
+        base(tmp_path, "tune.space={global_batch_tokens: {choice: [big]}}")
+
+
+def test_asha_compares_trials_at_equal_tokens_not_equal_steps(tmp_path):
+    # report every 2 steps; global batches of 256 and 1024 tokens: ASHA's rungs are 512, 1024, 2048, ... tokens
+    cfg = base(tmp_path, "train.max_steps=8", "train.checkpoint_every=8",
+               "tune.space={global_batch_tokens: {choice: [256, 1024]}}")
+    space = sweep.resolve_space(cfg)
+
+    def asha():
+        scheduler = sweep.asha_scheduler(cfg, space)
+        scheduler.set_search_properties(cfg.tune.metric, cfg.tune.mode)
+        for trial in ("big", "small"):
+            scheduler.on_trial_add(None, SimpleNamespace(trial_id=trial))
+        return scheduler
+
+    def report(scheduler, trial, step, bpt):
+        tokens = step * {"big": 1024, "small": 256}[trial]
+        return scheduler.on_trial_result(None, SimpleNamespace(trial_id=trial),
+                                         {"step": step, "tokens_seen": tokens, "val/data_bpt": bpt})
+
+    scheduler = asha()
+    assert report(scheduler, "big", 2, 6.0) == "CONTINUE"    # 2048 tokens by step 2, and better for it
+    # at step 2 the small batch has seen a quarter of that: on a step axis it would be stopped here
+    assert report(scheduler, "small", 2, 7.0) == "CONTINUE"
+    assert report(scheduler, "small", 4, 6.8) == "CONTINUE"
+    assert report(scheduler, "small", 8, 6.4) == "STOP"      # 2048 tokens: worse than the big one was there
+    scheduler = asha()
+    report(scheduler, "big", 2, 6.0)
+    assert report(scheduler, "small", 8, 5.9) == "CONTINUE"  # better at equal tokens: kept
+    # one global batch: the first rung is grace_period reports, as on a step axis
+    one = base(tmp_path, "tune.space={optim.lr: {choice: [0.01, 0.001]}}")
+    assert sweep.tokens_per_step_bounds(one, sweep.resolve_space(one)) == (512, 512)
 
 
 def test_space_kinds_become_tune_domains(tmp_path):
@@ -109,7 +209,10 @@ def test_cli_memory_fit_error_exits_2(tmp_path, monkeypatch, capsys):
 @pytest.mark.parametrize("overrides, message", [
     (["tune.space={no.such_key: {choice: [1]}}"], "no.such_key"),
     (["tune.space={controller.kp: {between: [0, 1]}}"], "unknown kind 'between'"),
-    (["tune.space={data.batch_size: {choice: [3]}}"], "does not divide"),
+    (["tune.space={data.batch_size: {choice: [3]}}", *SPEED], "does not divide"),
+    (["tune.space={data.batch_size: {choice: [2, 4]}}"], "float noise"),
+    (["tune.space={global_batch_tokens: {choice: [100]}}"], "not a whole number of micro-steps"),
+    (["train.eval_batches=4"], "use train.eval_blocks"),
     (["tune.search=optuna"], "needs optuna"),
     (["controller.target_s=1.5"], "controller.target_s"),
 ])
@@ -124,38 +227,66 @@ def test_cli_errors_exit_2_before_ray(tmp_path, monkeypatch, capsys, overrides, 
 
 
 def test_table_sorted_by_metric_and_best_yaml_loads(tmp_path):
-    cfg = base(tmp_path, "tune.space={data.batch_size: {grid: [2, 4, 8]}}", "tune.search=grid")
+    metric = "perf/tokens_per_s"  # a micro-batch sweep is scored on speed, the higher the better
+    cfg = base(tmp_path, "tune.space={data.batch_size: {grid: [2, 4, 8]}}", "tune.search=grid", *SPEED)
     space = sweep.resolve_space(cfg)
     cfg.tune.space = space
     fake = [SimpleNamespace(path=f"/x/t{b}", config={"data.batch_size": b}, error=None,
-                            metrics={"step": steps, "val/data_bpt": bpt})
-            for b, steps, bpt in ((2, 6, 7.5), (4, 2, 9.0), (8, 6, 7.1))]
+                            metrics={"step": steps, metric: speed, "tokens_seen": steps * 512})
+            for b, steps, speed in ((2, 6, 900.0), (4, 2, 500.0), (8, 6, 1200.0))]
     fake.append(SimpleNamespace(path="/x/t16", config={"data.batch_size": 1}, error=RuntimeError("x"), metrics={}))
     rows = sweep.trial_rows(fake, cfg, space)
     assert [r["trial"] for r in rows] == ["t8", "t2", "t4", "t16"]
     assert [r["status"] for r in rows] == ["DONE", "DONE", "STOPPED", "ERROR"]
     assert [r["grad_accum"] for r in rows] == [1, 4, 2, 8]
-    table = sweep.format_table(rows, list(space), "val/data_bpt")
+    assert [r["tokens_seen"] for r in rows] == [3072, 3072, 1024, None]
+    table = sweep.format_table(rows, list(space), metric)
     assert table.splitlines()[0].split() == ["trial", "data.batch_size", "data.grad_accum", "global_batch_tokens",
-                                             "val/data_bpt", "steps", "status"]
+                                             metric, "steps", "tokens_seen", "status"]
     best = sweep.best_row(rows)
     path = tmp_path / "best.yaml"
     path.write_text(to_yaml(sweep.best_config(cfg, best)))
     loaded = load_config(path)
     assert (loaded.data.batch_size, loaded.data.grad_accum, loaded.run.name) == (8, 1, "sw-best")
-    pngs = sweep.plot_metric_vs_params(rows, space, "val/data_bpt", tmp_path / "plots", best)
-    assert [p.name for p in pngs] == ["val_data_bpt_vs_data.batch_size.png"]
+    pngs = sweep.plot_metric_vs_params(rows, space, metric, tmp_path / "plots", best)
+    assert [p.name for p in pngs] == ["perf_tokens_per_s_vs_data.batch_size.png"]
     png = pngs[0].read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     assert (int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")) == (660, 440)  # 6 x 4 in at 110 dpi
+
+
+def test_global_batch_table_has_one_global_batch_column_and_the_accumulation(tmp_path):
+    cfg = base(tmp_path, "tune.space={global_batch_tokens: {grid: [256, 1024]}}", "tune.search=grid")
+    space = sweep.resolve_space(cfg)
+    fake = [SimpleNamespace(path=f"/x/g{g}", config={"global_batch_tokens": g}, error=None,
+                            metrics={"step": 6, "val/data_bpt": bpt, "tokens_seen": 6 * g})
+            for g, bpt in ((256, 7.5), (1024, 7.1))]
+    rows = sweep.trial_rows(fake, cfg, space)
+    head, *body = sweep.trials_csv(rows, list(space), "val/data_bpt").splitlines()
+    assert head.split(",") == ["trial", "global_batch_tokens", "data.grad_accum", "val/data_bpt", "steps",
+                               "tokens_seen", "status", "run_name"]
+    assert [line.split(",")[:3] for line in body] == [["g1024", "1024", "4"], ["g256", "256", "1"]]
+    assert load_config_text(tmp_path, to_yaml(sweep.best_config(cfg, rows[0]))).data.grad_accum == 4
+    # the trial's MLflow child run: the accumulation and the global batch as params (a real sqlite store)
+    params = {"global_batch_tokens": 1024}
+    run_id = sweep.open_child_run(sweep.trial_config(cfg, params, "g1024"), "sw", None, params, "g1024")
+    logged = tracking.client_for(tracking.tracking_uri(cfg)).get_run(run_id).data.params
+    assert (logged["data.grad_accum"], logged["derived.global_batch_tokens"]) == ("4", "1024")
+
+
+def load_config_text(tmp_path, text):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    return load_config(path)
 
 
 def test_tiny_sweep_experiment_resolves():
     cfg = load_config(ROOT / "experiments" / "tiny-sweep.yaml")
     space = sweep.resolve_space(cfg)
     assert cfg.scaling.num_workers == 1
-    assert space == {"data.batch_size": {"choice": [2, 4, 8]}, "controller.kp": {"loguniform": [0.2, 3.2]},
+    assert space == {"global_batch_tokens": {"choice": [256, 512, 1024]}, "controller.kp": {"loguniform": [0.2, 3.2]},
                      "controller.target_s": {"loguniform": [0.002, 0.05]}}
+    assert [sweep.apply_params(cfg, {"global_batch_tokens": g}).data.grad_accum for g in (256, 512, 1024)] == [1, 2, 4]
 
 
 def test_close_parent_run_ends_only_the_children_left_running(tmp_path):
