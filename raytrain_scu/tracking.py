@@ -23,6 +23,8 @@ from raytrain_scu.config import Config, flatten, redact_uri, to_yaml
 
 RUN_KEY_TAG = "raytrain_scu.run_key"
 PARENT_TAG = "mlflow.parentRunId"
+BEST_STEP_TAG = "raytrain_scu.best_checkpoint_step"  # the step of the best_checkpoint artifact
+BEST_VAL_TAG = "raytrain_scu.best_checkpoint_val_bpt"  # and its val/data_bpt
 MAX_BUFFER = 2_000_000
 
 
@@ -292,10 +294,14 @@ def mark_failed(cfg: Config, run_id: str) -> None:
         warnings.warn(f"MLflow run {run_id} not marked FAILED: {type(e).__name__}: {redact_uri(str(e))[:200]}")
 
 
-def log_best_checkpoint(cfg: Config, run_id: str, ckpt_dir: str) -> Optional[str]:
-    """Driver side, after fit(): the best checkpoint as an artifact. Returns a warning text on failure."""
+def log_best_checkpoint(cfg: Config, run_id: str, ckpt_dir: str, *, step: int, val_bpt: float) -> Optional[str]:
+    """Driver side, after fit(): the best checkpoint (lowest val/data_bpt) as an artifact, its step and val/data_bpt
+    as tags. Returns a warning text on failure."""
     try:
-        client_for(tracking_uri(cfg)).log_artifacts(run_id, ckpt_dir, artifact_path="best_checkpoint")
+        client = client_for(tracking_uri(cfg))
+        client.log_artifacts(run_id, ckpt_dir, artifact_path="best_checkpoint")
+        client.set_tag(run_id, BEST_STEP_TAG, str(step))
+        client.set_tag(run_id, BEST_VAL_TAG, repr(float(val_bpt)))
         return None
     except Exception as e:  # noqa: BLE001
         return f"best checkpoint not logged to MLflow: {type(e).__name__}: {redact_uri(str(e))[:200]}"

@@ -6,6 +6,7 @@ Re-running the same ``run.name`` with the same ``run.storage_path`` resumes from
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import sys
@@ -24,6 +25,9 @@ class PreflightError(ValueError):
 
 # bad input found before launch: the CLIs print "error: ..." and exit 2
 USER_ERRORS = (ConfigError, PreflightError, MemoryFitError)
+
+# what "best" means for a checkpoint (Ray's top-k, the MLflow best_checkpoint artifact): lowest held-out DataBPT
+BEST_METRIC = "val/data_bpt"
 
 
 def scu_env() -> dict[str, str]:
@@ -209,7 +213,7 @@ def build_trainer(cfg: Config, *, use_gpu: bool, run_id: Optional[str], callback
             name=cfg.run.name, storage_path=storage_dir(cfg.run.storage_path),
             failure_config=FailureConfig(max_failures=cfg.run.max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.run.num_to_keep,
-                                               checkpoint_score_attribute="val/data_bpt",
+                                               checkpoint_score_attribute=BEST_METRIC,
                                                checkpoint_score_order="min"),
             callbacks=list(callbacks),
             # RAYTRAIN_SCU_* variables (fault injection, cache location) reach every worker, on any node
@@ -250,6 +254,15 @@ def export_adapter(checkpoint, dest: Path) -> Path:
     return dest
 
 
+def best_checkpoint(best_checkpoints) -> Optional[tuple]:
+    """The ``(checkpoint, metrics)`` of ``Result.best_checkpoints`` with the lowest finite ``val/data_bpt`` (the
+    latest step on a tie); None when none has one. Ray keeps that list sorted by score, worst first, so its first
+    entry is the worst of the kept top-k: never pick by position."""
+    scored = [(m[BEST_METRIC], -int(m.get("step", 0)), i) for i, (_, m) in enumerate(best_checkpoints or [])
+              if isinstance(m.get(BEST_METRIC), (int, float)) and math.isfinite(m[BEST_METRIC])]
+    return best_checkpoints[min(scored)[2]] if scored else None
+
+
 def run(cfg: Config, *, quiet: bool = False) -> dict:
     """Validate, train, export. Returns a summary dict (also printed unless ``quiet``)."""
     from raytrain_scu import tracking
@@ -283,12 +296,17 @@ def run(cfg: Config, *, quiet: bool = False) -> dict:
                "notes": notes}
     if result.checkpoint is not None:
         summary["adapter"] = str(export_adapter(result.checkpoint, out / "adapter"))
-    best = result.best_checkpoints[0][0] if result.best_checkpoints else None
-    if best is not None and run_id and cfg.tracking.log_best_checkpoint:
-        with best.as_directory() as d:
-            warn = tracking.log_best_checkpoint(cfg, run_id, d)
-        if warn:
-            notes.append(warn)
+    best = best_checkpoint(result.best_checkpoints)
+    if best is None and result.best_checkpoints:
+        notes.append(f"no checkpoint has a finite {BEST_METRIC}: no best checkpoint")
+    if best is not None:
+        summary["best_step"], summary["best_val_bpt"] = best[1].get("step"), best[1][BEST_METRIC]
+        if run_id and cfg.tracking.log_best_checkpoint:
+            with best[0].as_directory() as d:
+                warn = tracking.log_best_checkpoint(cfg, run_id, d, step=summary["best_step"],
+                                                    val_bpt=summary["best_val_bpt"])
+            if warn:
+                notes.append(warn)
     (out / "config.yaml").write_text(to_yaml(cfg, redact=True))
     (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     if not quiet:

@@ -1,9 +1,12 @@
 """MLflow integration: a real sqlite store read back with MlflowClient."""
+import json
+from pathlib import Path
+
 import pytest
 
 from conftest import free_port, mlflow_runs, tiny_cfg
 from raytrain_scu.train import run
-from raytrain_scu.tracking import RUN_KEY_TAG, run_key
+from raytrain_scu.tracking import BEST_STEP_TAG, RUN_KEY_TAG, run_key
 
 pytestmark = pytest.mark.slow
 
@@ -42,6 +45,15 @@ def test_params_metrics_and_artifacts(ray_local, tmp_path):
                  "plots/val_bpt.png", "plots/tokens_per_s.png", "adapter/adapter_model.safetensors",
                  "best_checkpoint/controller.json"):
         assert want in arts, (want, arts)
+    # best_checkpoint is the checkpoint (steps 5 and 10, both kept) with the lowest val/data_bpt; Ray lists its
+    # top-k worst first. Step 0's val is the untrained baseline, not a checkpoint.
+    val = {m.step: m.value for m in client.get_metric_history(r.info.run_id, "val/data_bpt") if m.step > 0}
+    assert sorted(val) == [5, 10] and val[5] != val[10], val
+    best_step = min(val, key=val.get)
+    meta = client.download_artifacts(r.info.run_id, "best_checkpoint/meta.json", str(tmp_path))
+    assert json.loads(Path(meta).read_text())["step"] == best_step, val
+    assert r.data.tags[BEST_STEP_TAG] == str(best_step) and summary["best_step"] == best_step
+    assert summary["best_val_bpt"] == pytest.approx(val[best_step])
 
 
 def test_restart_continues_the_same_run_without_duplicate_steps(ray_local, tmp_path, monkeypatch):
