@@ -178,9 +178,11 @@ def _progress_callback():
                 self.t0, self.step0 = now, step
             rate = (step - self.step0) / (now - self.t0) if step > self.step0 else 0.0
             eta = _fmt_eta((max_steps - step) / rate) if rate > 0 else "?"
+            # λ_applied: the λ the loss used in this step, the one beside the S it produced (ctrl/lambda is
+            # already the next step's, after the controller's update)
             print(f"[raytrain_scu] step {step}/{max_steps}  DataBPT {r['train/data_bpt']:.4f}  "
-                  f"val {r.get('val/data_bpt', float('nan')):.4f}  λ {r['ctrl/lambda']:.4g}  S {r['ctrl/s']:.4g}  "
-                  f"Ŝ {r['ctrl/s_hat']:.4g}  tok/s {r.get('perf/tokens_per_s', 0):.0f}  ETA {eta}"
+                  f"val {r.get('val/data_bpt', float('nan')):.4f}  λ_applied {r['ctrl/lambda_applied']:.4g}  "
+                  f"S {r['ctrl/s']:.4g}  Ŝ {r['ctrl/s_hat']:.4g}  tok/s {r.get('perf/tokens_per_s', 0):.0f}  ETA {eta}"
                   + ("  [checkpoint]" if checkpoint is not None else ""), flush=True)
 
     return Progress()
