@@ -631,6 +631,11 @@ def to_yaml(cfg: Config, redact: bool = False) -> str:
 
 def flatten(cfg: Config, redact: bool = True) -> dict:
     """``{"section.key": value}`` of the whole tree (lists joined by commas), secrets redacted."""
+    return flatten_tree(to_dict(cfg, redact=redact))
+
+
+def flatten_tree(tree: dict) -> dict:
+    """:func:`flatten` of a nested config dict (e.g. a saved config.yaml read back), keys as they are."""
     out = {}
 
     def walk(node: dict, prefix: str) -> None:
@@ -643,7 +648,7 @@ def flatten(cfg: Config, redact: bool = True) -> dict:
             else:
                 out[key] = json.dumps(v) if isinstance(v, dict) else v
 
-    walk(to_dict(cfg, redact=redact), "")
+    walk(tree, "")
     return out
 
 

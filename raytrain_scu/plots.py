@@ -34,12 +34,20 @@ def plot_history(history: list, out_dir: str | Path, *, target_s: float, title: 
     ax.legend()
     save(fig, "s_tracking.png")
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    steps, lams = _series(history, "ctrl/lambda")
-    ax.plot(steps, lams, lw=2)
+    # λ the loss used in step t (ctrl/lambda_applied) under the S of that step; ctrl/lambda is the value after
+    # step t's update, i.e. step t+1's, and would sit one step off
+    fig, (ax_s, ax) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
+    ax_s.plot(*_series(history, "ctrl/s"), label="S", alpha=0.5, lw=1)
+    ax_s.plot(*_series(history, "ctrl/s_hat"), label="Ŝ (EMA)", lw=2)
+    ax_s.axhline(target_s, color="k", ls="--", label=f"S* = {target_s:g}")
+    ax_s.set(ylabel="S", title=f"{title}: λ the loss used at each step, beside that step's S")
+    ax_s.legend()
+    steps, lams = _series(history, "ctrl/lambda_applied")
+    ax.plot(steps, lams, lw=2, label="λ applied in step t (ctrl/lambda_applied)")
     if lams and min(lams) > 0:
         ax.set_yscale("log")
-    ax.set(xlabel="optimizer step", ylabel="λ", title=f"{title}: regularisation weight λ")
+    ax.set(xlabel="optimizer step", ylabel="λ applied")
+    ax.legend()
     save(fig, "lambda.png")
 
     fig, ax = plt.subplots(figsize=(7, 4))

@@ -8,6 +8,10 @@
 - Metrics are buffered and sent with ``log_batch`` at each report, never one call per scalar.
 - Tracking never kills training: a failed call warns, keeps the buffer and retries at the next flush; the run ends
   with what could be recorded and says what was not.
+- Params are logged once and MLflow never changes one: a re-run of the run name whose config changed (say
+  ``train.max_steps`` raised to extend it) is recorded as a config revision instead, the tag
+  ``raytrain_scu.config_revision`` = N, the artifact ``config_revisions/rev_N.yaml`` and the tag
+  ``raytrain_scu.config_changes`` (``key: old -> new``); revision 0 is the params.
 """
 from __future__ import annotations
 
@@ -19,10 +23,14 @@ import warnings
 from pathlib import Path
 from typing import Optional
 
-from raytrain_scu.config import Config, flatten, redact_uri, to_yaml
+from raytrain_scu.config import Config, flatten, flatten_tree, redact_uri, to_yaml
 
 RUN_KEY_TAG = "raytrain_scu.run_key"
 PARENT_TAG = "mlflow.parentRunId"
+REVISION_TAG = "raytrain_scu.config_revision"  # N: the config changed N times after the params were logged
+CHANGES_TAG = "raytrain_scu.config_changes"  # the last revision's changes, "key: old -> new; ..."
+BEST_STEP_TAG = "raytrain_scu.best_checkpoint_step"  # the step of the best_checkpoint artifact
+BEST_VAL_TAG = "raytrain_scu.best_checkpoint_val_bpt"  # and its val/data_bpt
 MAX_BUFFER = 2_000_000
 
 
@@ -114,12 +122,17 @@ def derived_params(cfg: Config, *, tokens_per_epoch: int, world: int, device) ->
     return out
 
 
+def param_text(value) -> str:
+    """A value as MLflow keeps it in a param (text, at most 6000 characters)."""
+    return str(value)[:6000]
+
+
 def log_params_once(client, run_id: str, params: dict) -> None:
     """Log the params ``run_id`` does not have yet: MLflow refuses to change a param, and a resumed sweep re-logs."""
     from mlflow.entities import Param
 
     existing = client.get_run(run_id).data.params
-    new = [Param(k, str(v)[:6000]) for k, v in params.items() if k not in existing]
+    new = [Param(k, param_text(v)) for k, v in params.items() if k not in existing]
     for i in range(0, len(new), 100):
         client.log_batch(run_id, params=new[i:i + 100])
 
@@ -292,13 +305,58 @@ def mark_failed(cfg: Config, run_id: str) -> None:
         warnings.warn(f"MLflow run {run_id} not marked FAILED: {type(e).__name__}: {redact_uri(str(e))[:200]}")
 
 
-def log_best_checkpoint(cfg: Config, run_id: str, ckpt_dir: str) -> Optional[str]:
-    """Driver side, after fit(): the best checkpoint as an artifact. Returns a warning text on failure."""
+def log_best_checkpoint(cfg: Config, run_id: str, ckpt_dir: str, *, step: int, val_bpt: float) -> Optional[str]:
+    """Driver side, after fit(): the best checkpoint (lowest val/data_bpt) as an artifact, its step and val/data_bpt
+    as tags. Returns a warning text on failure."""
     try:
-        client_for(tracking_uri(cfg)).log_artifacts(run_id, ckpt_dir, artifact_path="best_checkpoint")
+        client = client_for(tracking_uri(cfg))
+        client.log_artifacts(run_id, ckpt_dir, artifact_path="best_checkpoint")
+        client.set_tag(run_id, BEST_STEP_TAG, str(step))
+        client.set_tag(run_id, BEST_VAL_TAG, repr(float(val_bpt)))
         return None
     except Exception as e:  # noqa: BLE001
         return f"best checkpoint not logged to MLflow: {type(e).__name__}: {redact_uri(str(e))[:200]}"
+
+
+# ---------------------------------------------------------------- config revisions: a run re-run with a changed config
+
+def config_changes(before: dict, after: dict) -> dict[str, tuple[str, str]]:
+    """``{key: (old, new)}`` of two flat configs (:func:`~raytrain_scu.config.flatten`), compared as param text. A key
+    only one side has (one a newer package added) is no change."""
+    return {k: (param_text(before[k]), param_text(v)) for k, v in after.items()
+            if k in before and param_text(before[k]) != param_text(v)}
+
+
+def format_changes(changes: dict[str, tuple[str, str]]) -> str:
+    return "; ".join(f"{k} {old} -> {new}" for k, (old, new) in changes.items())
+
+
+def recorded_config(cfg: Config, run_id: str) -> tuple[int, Optional[dict]]:
+    """(revision, flat config) the MLflow run holds: revision 0 is its params, revision N the artifact
+    ``config_revisions/rev_N.yaml``. (0, None) when no params are logged yet (no worker started)."""
+    import yaml
+
+    client = client_for(tracking_uri(cfg))
+    run = client.get_run(run_id)
+    rev = int(run.data.tags.get(REVISION_TAG, 0))
+    if rev == 0:
+        return 0, dict(run.data.params) or None
+    with tempfile.TemporaryDirectory() as tmp:
+        path = client.download_artifacts(run_id, f"config_revisions/rev_{rev}.yaml", tmp)
+        return rev, flatten_tree(yaml.safe_load(Path(path).read_text()))
+
+
+def record_config_revision(cfg: Config, run_id: str, rev: int, changes: dict[str, tuple[str, str]],
+                           from_step: Optional[int]) -> None:
+    """Driver side, before fit(): the run's config revision ``rev``, the whole config (redacted) with the changes in
+    its header, then the tags (a revision tag always has its artifact)."""
+    client = client_for(tracking_uri(cfg))
+    head = (f"# config revision {rev} of run {cfg.run.name}"
+            + (f", resuming at step {from_step}" if from_step is not None else "") + "\n"
+            + "".join(f"# {k}: {old} -> {new}\n" for k, (old, new) in changes.items()))
+    client.log_text(run_id, head + to_yaml(cfg, redact=True), f"config_revisions/rev_{rev}.yaml")
+    client.set_tag(run_id, CHANGES_TAG, format_changes(changes)[:8000])
+    client.set_tag(run_id, REVISION_TAG, str(rev))
 
 
 # ---------------------------------------------------------------- sweeps: one parent run, one child run per trial

@@ -2,10 +2,13 @@
 
 Connects to a running cluster when ``RAY_ADDRESS`` is set (so ``ray job submit`` works), else starts a local one.
 Re-running the same ``run.name`` with the same ``run.storage_path`` resumes from its latest good checkpoint.
+A re-run whose config changed (a larger ``train.max_steps`` extends the run) prints the changed keys and records
+them in MLflow as a config revision: the run's params keep their first values.
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import sys
@@ -24,6 +27,9 @@ class PreflightError(ValueError):
 
 # bad input found before launch: the CLIs print "error: ..." and exit 2
 USER_ERRORS = (ConfigError, PreflightError, MemoryFitError)
+
+# what "best" means for a checkpoint (Ray's top-k, the MLflow best_checkpoint artifact): lowest held-out DataBPT
+BEST_METRIC = "val/data_bpt"
 
 
 def scu_env() -> dict[str, str]:
@@ -126,6 +132,7 @@ def preflight(cfg: Config) -> dict:
     if missing:
         raise PreflightError(f"lora.target_modules: {missing} not found in {m.name}")
     # re-running a run name resumes it: its newest good checkpoint must fit this config (local storage)
+    good = None
     if "://" not in cfg.run.storage_path:  # (a Path of "s3://b" would read "s3:/b")
         run_dir = Path(storage_dir(cfg.run.storage_path)) / cfg.run.name
         try:
@@ -149,7 +156,7 @@ def preflight(cfg: Config) -> dict:
         raise PreflightError(f"the training split has {len(data.train)} blocks of {d.block_size} tokens, fewer than "
                              f"one global batch ({global_batch} = batch_size x grad_accum x num_workers)")
     return {"model": where, "use_gpu": use_gpu, "tokens_per_epoch": data.tokens_per_epoch,
-            "train_blocks": len(data.train), "val_blocks": len(data.val), "gpus": gpus}
+            "train_blocks": len(data.train), "val_blocks": len(data.val), "gpus": gpus, "resume_from": good}
 
 
 def _fmt_eta(seconds: float) -> str:
@@ -174,9 +181,11 @@ def _progress_callback():
                 self.t0, self.step0 = now, step
             rate = (step - self.step0) / (now - self.t0) if step > self.step0 else 0.0
             eta = _fmt_eta((max_steps - step) / rate) if rate > 0 else "?"
+            # λ_applied: the λ the loss used in this step, the one beside the S it produced (ctrl/lambda is
+            # already the next step's, after the controller's update)
             print(f"[raytrain_scu] step {step}/{max_steps}  DataBPT {r['train/data_bpt']:.4f}  "
-                  f"val {r.get('val/data_bpt', float('nan')):.4f}  λ {r['ctrl/lambda']:.4g}  S {r['ctrl/s']:.4g}  "
-                  f"Ŝ {r['ctrl/s_hat']:.4g}  tok/s {r.get('perf/tokens_per_s', 0):.0f}  ETA {eta}"
+                  f"val {r.get('val/data_bpt', float('nan')):.4f}  λ_applied {r['ctrl/lambda_applied']:.4g}  "
+                  f"S {r['ctrl/s']:.4g}  Ŝ {r['ctrl/s_hat']:.4g}  tok/s {r.get('perf/tokens_per_s', 0):.0f}  ETA {eta}"
                   + ("  [checkpoint]" if checkpoint is not None else ""), flush=True)
 
     return Progress()
@@ -209,7 +218,7 @@ def build_trainer(cfg: Config, *, use_gpu: bool, run_id: Optional[str], callback
             name=cfg.run.name, storage_path=storage_dir(cfg.run.storage_path),
             failure_config=FailureConfig(max_failures=cfg.run.max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.run.num_to_keep,
-                                               checkpoint_score_attribute="val/data_bpt",
+                                               checkpoint_score_attribute=BEST_METRIC,
                                                checkpoint_score_order="min"),
             callbacks=list(callbacks),
             # RAYTRAIN_SCU_* variables (fault injection, cache location) reach every worker, on any node
@@ -250,6 +259,57 @@ def export_adapter(checkpoint, dest: Path) -> Path:
     return dest
 
 
+def best_checkpoint(best_checkpoints) -> Optional[tuple]:
+    """The ``(checkpoint, metrics)`` of ``Result.best_checkpoints`` with the lowest finite ``val/data_bpt`` (the
+    latest step on a tie); None when none has one. Ray keeps that list sorted by score, worst first, so its first
+    entry is the worst of the kept top-k: never pick by position."""
+    scored = [(m[BEST_METRIC], -int(m.get("step", 0)), i) for i, (_, m) in enumerate(best_checkpoints or [])
+              if isinstance(m.get(BEST_METRIC), (int, float)) and math.isfinite(m[BEST_METRIC])]
+    return best_checkpoints[min(scored)[2]] if scored else None
+
+
+def record_config_change(cfg: Config, run_id: Optional[str], resume_from: Optional[Path], notes: list) -> dict:
+    """A re-run of a run name under a changed config (``train.max_steps`` raised to extend it, ...): print the changed
+    keys and record them as the MLflow run's next config revision (its params keep their first values: MLflow never
+    changes a param). The previous config is the MLflow run's latest revision; with no MLflow run, the config.yaml of
+    ``resume_from``, the checkpoint the run resumes from. Returns ``{key: (old, new)}``."""
+    import yaml
+
+    from raytrain_scu import tracking
+    from raytrain_scu.checkpoint import read_meta
+    from raytrain_scu.config import flatten, flatten_tree, redact_uri
+
+    rev, previous = 0, None
+    if run_id:
+        try:
+            rev, previous = tracking.recorded_config(cfg, run_id)
+        except Exception as e:  # noqa: BLE001 - tracking never kills training
+            notes.append(f"config changes not checked: MLflow run {run_id} unreadable ({type(e).__name__}: "
+                         f"{redact_uri(str(e))[:200]})")
+            print(f"[raytrain_scu] warning: {notes[-1]}", file=sys.stderr, flush=True)
+            return {}
+    elif resume_from is not None:
+        previous = flatten_tree(yaml.safe_load((resume_from / "config.yaml").read_text()))
+    changes = tracking.config_changes(previous, flatten(cfg)) if previous else {}
+    if not changes:
+        return {}
+    from_step = read_meta(resume_from)["step"] if resume_from is not None else None
+    if run_id:
+        try:
+            tracking.record_config_revision(cfg, run_id, rev + 1, changes, from_step)
+            where = f"config revision {rev + 1} recorded in MLflow run {run_id}; its params keep the first values"
+        except Exception as e:  # noqa: BLE001
+            where = f"NOT recorded in MLflow: {type(e).__name__}: {redact_uri(str(e))[:200]}"
+            notes.append(f"config revision {rev + 1} {where}")
+    else:
+        where = "not recorded: " + ("tracking.enabled=false" if not cfg.tracking.enabled else "MLflow unreachable")
+    old_steps, new_steps = changes.get("train.max_steps", ("0", "0"))
+    what = "extended" if int(new_steps) > int(old_steps) else "resumed with a changed config"
+    print(f"[raytrain_scu] run {cfg.run.name} {what}: {tracking.format_changes(changes)}"
+          + (f" (from step {from_step})" if from_step is not None else "") + f"; {where}", flush=True)
+    return changes
+
+
 def run(cfg: Config, *, quiet: bool = False) -> dict:
     """Validate, train, export. Returns a summary dict (also printed unless ``quiet``)."""
     from raytrain_scu import tracking
@@ -263,6 +323,7 @@ def run(cfg: Config, *, quiet: bool = False) -> dict:
         except Exception as e:  # noqa: BLE001 - tracking never kills training; rank 0 retries
             notes.append(f"MLflow unreachable at start ({type(e).__name__}); rank 0 will retry")
             print(f"[raytrain_scu] warning: {notes[-1]}", file=sys.stderr)
+    changes = record_config_change(cfg, run_id, facts["resume_from"], notes)
     init_ray(cfg)
     print(f"[raytrain_scu] run {cfg.run.name}: {facts['model']}, {cfg.scaling.num_workers} worker(s) "
           f"({'GPU' if facts['use_gpu'] else 'CPU'}), {facts['train_blocks']} train / {facts['val_blocks']} val "
@@ -280,15 +341,20 @@ def run(cfg: Config, *, quiet: bool = False) -> dict:
                "val_bpt": last.get("val/data_bpt"),
                "lambda": last.get("ctrl/lambda"), "s": last.get("ctrl/s"), "s_hat": last.get("ctrl/s_hat"),
                "tokens_per_s": last.get("perf/tokens_per_s"), "run_dir": result.path, "mlflow_run_id": run_id,
-               "notes": notes}
+               "config_changes": changes or None, "notes": notes}
     if result.checkpoint is not None:
         summary["adapter"] = str(export_adapter(result.checkpoint, out / "adapter"))
-    best = result.best_checkpoints[0][0] if result.best_checkpoints else None
-    if best is not None and run_id and cfg.tracking.log_best_checkpoint:
-        with best.as_directory() as d:
-            warn = tracking.log_best_checkpoint(cfg, run_id, d)
-        if warn:
-            notes.append(warn)
+    best = best_checkpoint(result.best_checkpoints)
+    if best is None and result.best_checkpoints:
+        notes.append(f"no checkpoint has a finite {BEST_METRIC}: no best checkpoint")
+    if best is not None:
+        summary["best_step"], summary["best_val_bpt"] = best[1].get("step"), best[1][BEST_METRIC]
+        if run_id and cfg.tracking.log_best_checkpoint:
+            with best[0].as_directory() as d:
+                warn = tracking.log_best_checkpoint(cfg, run_id, d, step=summary["best_step"],
+                                                    val_bpt=summary["best_val_bpt"])
+            if warn:
+                notes.append(warn)
     (out / "config.yaml").write_text(to_yaml(cfg, redact=True))
     (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     if not quiet:

@@ -1,9 +1,13 @@
 """MLflow integration: a real sqlite store read back with MlflowClient."""
+import json
+from pathlib import Path
+
 import pytest
+import yaml
 
 from conftest import free_port, mlflow_runs, tiny_cfg
 from raytrain_scu.train import run
-from raytrain_scu.tracking import RUN_KEY_TAG, run_key
+from raytrain_scu.tracking import BEST_STEP_TAG, CHANGES_TAG, REVISION_TAG, RUN_KEY_TAG, run_key
 
 pytestmark = pytest.mark.slow
 
@@ -42,6 +46,15 @@ def test_params_metrics_and_artifacts(ray_local, tmp_path):
                  "plots/val_bpt.png", "plots/tokens_per_s.png", "adapter/adapter_model.safetensors",
                  "best_checkpoint/controller.json"):
         assert want in arts, (want, arts)
+    # best_checkpoint is the checkpoint (steps 5 and 10, both kept) with the lowest val/data_bpt; Ray lists its
+    # top-k worst first. Step 0's val is the untrained baseline, not a checkpoint.
+    val = {m.step: m.value for m in client.get_metric_history(r.info.run_id, "val/data_bpt") if m.step > 0}
+    assert sorted(val) == [5, 10] and val[5] != val[10], val
+    best_step = min(val, key=val.get)
+    meta = client.download_artifacts(r.info.run_id, "best_checkpoint/meta.json", str(tmp_path))
+    assert json.loads(Path(meta).read_text())["step"] == best_step, val
+    assert r.data.tags[BEST_STEP_TAG] == str(best_step) and summary["best_step"] == best_step
+    assert summary["best_val_bpt"] == pytest.approx(val[best_step])
 
 
 def test_restart_continues_the_same_run_without_duplicate_steps(ray_local, tmp_path, monkeypatch):
@@ -55,6 +68,25 @@ def test_restart_continues_the_same_run_without_duplicate_steps(ray_local, tmp_p
     assert len(runs) == 1 and runs[0].info.run_id == summary["mlflow_run_id"]
     steps = [m.step for m in client.get_metric_history(runs[0].info.run_id, "ctrl/lambda")]
     assert sorted(steps) == list(range(0, 11))
+    assert REVISION_TAG not in runs[0].data.tags  # the same config: no config revision
+
+
+def test_extending_a_run_records_the_config_change(ray_local, tmp_path, capsys):
+    common = ["scaling.num_workers=1", "train.checkpoint_every=3", "train.report_every=3"]
+    first = run(tiny_cfg(tmp_path, "extended", *common, "train.max_steps=3"), quiet=True)
+    assert first["config_changes"] is None
+    capsys.readouterr()
+    longer = run(tiny_cfg(tmp_path, "extended", *common, "train.max_steps=6"), quiet=True)
+    out = capsys.readouterr().out
+    assert "[raytrain_scu] run extended extended: train.max_steps 3 -> 6 (from step 3); config revision 1" in out
+    assert longer["steps"] == 6 and longer["mlflow_run_id"] == first["mlflow_run_id"]
+    client, runs = client_and_runs(tmp_path, tiny_cfg(tmp_path, "extended"))
+    r = client.get_run(first["mlflow_run_id"])
+    assert len(runs) == 1 and r.data.params["train.max_steps"] == "3"  # MLflow never changes a param ...
+    assert r.data.tags[REVISION_TAG] == "1" and r.data.tags[CHANGES_TAG] == "train.max_steps 3 -> 6"  # ... so this
+    rev = Path(client.download_artifacts(r.info.run_id, "config_revisions/rev_1.yaml", str(tmp_path))).read_text()
+    assert "resuming at step 3" in rev and yaml.safe_load(rev)["train"]["max_steps"] == 6
+    assert sorted(m.step for m in client.get_metric_history(r.info.run_id, "ctrl/lambda")) == list(range(0, 7))
 
 
 def test_unreachable_tracking_server_does_not_stop_training(ray_local, tmp_path):
