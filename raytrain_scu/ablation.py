@@ -202,8 +202,9 @@ def plot(result: dict, out_dir: Path) -> list[Path]:
 
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
-    for family, ylabel, key, log in [("scu", "λ", "ctrl/lambda", True), ("scu", "Ŝ", "ctrl/s_hat", False),
-                                     ("gains", "λ", "ctrl/lambda", True), ("gains", "Ŝ", "ctrl/s_hat", False)]:
+    lam = ("λ applied in step t (ctrl/lambda_applied)", "ctrl/lambda_applied", True)  # beside that step's Ŝ
+    for family, ylabel, key, log in [("scu", *lam), ("scu", "Ŝ", "ctrl/s_hat", False),
+                                     ("gains", *lam), ("gains", "Ŝ", "ctrl/s_hat", False)]:
         fig, ax = plt.subplots(figsize=(7, 4))
         for t in result["trials"]:
             if t["family"] != family:
@@ -217,7 +218,7 @@ def plot(result: dict, out_dir: Path) -> list[Path]:
         ax.set(xlabel="optimizer step", ylabel=ylabel, title=f"{family}: {ylabel}(t) (dotted: S*)")
         ax.legend(fontsize=6, ncol=2)
         fig.tight_layout()
-        name = f"{family}_{'lambda' if key == 'ctrl/lambda' else 's_hat'}.png"
+        name = f"{family}_{'s_hat' if key == 'ctrl/s_hat' else 'lambda'}.png"
         fig.savefig(out_dir / name, dpi=110)
         plt.close(fig)
         paths.append(out_dir / name)

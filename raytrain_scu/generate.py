@@ -1,0 +1,132 @@
+"""``python -m raytrain_scu.generate RUN_DIR "prompt"``: try a trained adapter on its base model.
+
+RUN_DIR is a run directory (``<run.storage_path>/<run.name>``), its ``output/``, or one checkpoint directory. A
+finished run supplies ``output/config.yaml`` and ``output/adapter``; an unfinished one its newest good checkpoint.
+The base model is rebuilt from the run's config: a real model from the same local path, GGUF file or hub id (offline
+with ``HF_HUB_OFFLINE=1`` once cached), a random-init preset from ``output/base_model.json``, which records the seed,
+dtype and device its weights were drawn with.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+import yaml
+
+from raytrain_scu.config import Config, ConfigError, build_config
+
+BASE_RECIPE = "base_model.json"
+
+
+class GenerateError(ValueError):
+    """A run directory that cannot be used; the message says why."""
+
+
+def find_run(path: str) -> tuple[Config, Path, dict]:
+    """(config, adapter directory, base recipe) of a run directory, its output/ or a checkpoint directory."""
+    from raytrain_scu.checkpoint import CheckpointError, newest_good_local
+
+    p = Path(path).expanduser()
+    if not p.is_dir():
+        raise GenerateError(f"run directory not found: {p}")
+    for out in (p / "output", p):
+        if (out / "config.yaml").is_file() and (out / "adapter" / "adapter_config.json").is_file():
+            recipe = json.loads((out / BASE_RECIPE).read_text()) if (out / BASE_RECIPE).is_file() else {}
+            return _config(out / "config.yaml"), out / "adapter", recipe
+    try:  # an unfinished run: its newest checkpoint that verifies
+        ckpt, _ = newest_good_local(p)
+    except CheckpointError as e:
+        raise GenerateError(str(e)) from None
+    if ckpt is None:
+        raise GenerateError(f"{p} holds no finished run (output/config.yaml + output/adapter) and no checkpoint_*")
+    recipe_file = p / "output" / BASE_RECIPE
+    return _config(ckpt / "config.yaml"), ckpt / "adapter", (json.loads(recipe_file.read_text())
+                                                               if recipe_file.is_file() else {})
+
+
+def _config(path: Path) -> Config:
+    try:
+        return build_config(yaml.safe_load(path.read_text()) or {})
+    except ConfigError as e:
+        raise GenerateError(f"{path}: {e}") from None
+
+
+def base_recipe(cfg: Config, *, device_type: str, dtype: torch.dtype, vocab_size: int) -> dict:
+    """What rebuilds a run's base model: for a random-init preset the seed, dtype and device type its weights were
+    drawn with (a seeded init on a GPU draws other numbers than on a CPU)."""
+    return {"model.name": cfg.model.name, "model.gguf_file": cfg.model.gguf_file, "seed": cfg.seed,
+            "vocab_size": vocab_size, "dtype": str(dtype).removeprefix("torch."), "init_device": device_type}
+
+
+def load_for_generation(cfg: Config, adapter: Path, recipe: dict, device: torch.device):
+    """(model with the adapter, tokenizer) on ``device``, in float32 on a CPU and the run's dtype on a GPU."""
+    from raytrain_scu.evaluate import attach_adapters
+    from raytrain_scu.model import build_model, is_preset, load_tokenizer, resolve_dtype
+
+    m = cfg.model
+    tok = load_tokenizer(m.name, m.gguf_file, m.tokenizer, m.cache_dir)
+    dtype = resolve_dtype(m.precision, device)
+    init_device = device
+    if is_preset(m.name):
+        if not recipe:
+            raise GenerateError(f"model.name={m.name} is a random-init preset and the run directory has no "
+                                f"output/{BASE_RECIPE} saying how its weights were drawn (seed, dtype, device)")
+        dtype = getattr(torch, recipe["dtype"])
+        init_device = torch.device(recipe["init_device"])
+        if init_device.type == "cuda" and not torch.cuda.is_available():
+            raise GenerateError(f"the {m.name} preset of this run was initialised on a GPU (seeded CUDA draws); "
+                                f"rebuild it on a machine with a CUDA GPU")
+    base = build_model(m.name, gguf_file=m.gguf_file, vocab_size=recipe.get("vocab_size") or len(tok), dtype=dtype,
+                       device=init_device, attn_implementation="sdpa", cache_dir=m.cache_dir,
+                       trust_remote_code=m.trust_remote_code, seed=recipe.get("seed", cfg.seed))
+    base = base.to(device=device, dtype=torch.float32 if device.type == "cpu" else dtype)
+    base.config.use_cache = True
+    model = attach_adapters(base, {"trained": str(adapter)})
+    model.eval()
+    return model, tok
+
+
+@torch.no_grad()
+def complete(model, tok, prompt: str, *, max_new_tokens: int = 60, temperature: float = 0.8, top_p: float = 0.95,
+             seed: int = 0) -> str:
+    """The prompt's continuation (sampled when ``temperature`` > 0, greedy at 0)."""
+    device = next(model.parameters()).device
+    ids = tok(prompt, return_tensors="pt")["input_ids"].to(device)
+    torch.manual_seed(seed)
+    sample = temperature > 0
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                         do_sample=sample, temperature=temperature if sample else None,
+                         top_p=top_p if sample else None, pad_token_id=tok.pad_token_id or tok.eos_token_id)
+    return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m raytrain_scu.generate", description=__doc__.split("\n\n")[0])
+    p.add_argument("run_dir", help="<run.storage_path>/<run.name>, its output/, or a checkpoint directory")
+    p.add_argument("prompt")
+    p.add_argument("--max-new-tokens", type=int, default=60)
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    from raytrain_scu.evaluate import EvalError
+    from raytrain_scu.model import ModelError
+
+    try:
+        cfg, adapter, recipe = find_run(args.run_dir)
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        model, tok = load_for_generation(cfg, adapter, recipe, device)
+    except (GenerateError, EvalError, ModelError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    text = complete(model, tok, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                    top_p=args.top_p, seed=args.seed)
+    print(args.prompt + text, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
