@@ -44,101 +44,104 @@ class ModelConfig:
     gguf_file: str = ""  # a GGUF file inside `name` (a directory) or an absolute path
     tokenizer: str = ""  # "" = the model's own; presets use a BPE trained on the bundled Shakespeare
     precision: str = "auto"  # auto | bf16 | fp16 | fp32 (auto: bf16 on capable GPUs, fp16 on older, fp32 on CPU)
+    # sdpa | eager | flash_attention_2 | any name transformers knows (sdpa gets a causal no-mask shortcut)
     attn_implementation: str = "sdpa"
-    gradient_checkpointing: bool = False
-    compile: bool = False
+    gradient_checkpointing: bool = False  # recompute activations in the backward pass: less memory, ~30 % slower
+    compile: bool = False  # torch.compile the model (what hardware presets pick on A100/H100/H200/4090)
+    # torch.compile mode: default | reduce-overhead | max-autotune | max-autotune-no-cudagraphs
     compile_mode: str = "default"
     # layers: each decoder layer compiled on its own, one compiled code shared by all layers (warm-up in seconds);
     # model: the whole forward as one graph (inductor compiles every layer: minutes for a 30-layer model)
     compile_scope: str = "layers"
     fused_loss: bool = True  # chunked linear + cross-entropy: logits are never materialised in fp32
     loss_chunk_size: int = 4096  # tokens per chunk of the fused loss
-    trust_remote_code: bool = False
+    trust_remote_code: bool = False  # allow a hub model's own Python code (transformers' trust_remote_code)
     cache_dir: str = ""  # where converted GGUF models and tokenizers are cached ("" = ~/.cache/raytrain_scu)
 
 
 @dataclass
 class LoraConfig:
-    r: int = 16
-    alpha: int = 32
-    dropout: float = 0.0
+    r: int = 16  # LoRA rank
+    alpha: int = 32  # LoRA alpha: the update is scaled by alpha / r
+    dropout: float = 0.0  # dropout on the LoRA input (each rank draws its own masks)
+    # module names that get adapters (all-linear = every linear layer but the head)
     target_modules: list[str] = field(default_factory=lambda: list(ALL_LINEAR))
 
 
 @dataclass
 class QuantConfig:
-    load_in_4bit: bool = False
-    quant_type: str = "nf4"
-    double_quant: bool = True
+    load_in_4bit: bool = False  # QLoRA: the frozen base in 4 bits (bitsandbytes; CUDA)
+    quant_type: str = "nf4"  # nf4 | fp4
+    double_quant: bool = True  # also quantise the 4-bit quantisation constants
 
 
 @dataclass
 class DataConfig:
     # source: shakespeare | text (file, directory or glob) | jsonl | hf_disk | hf_hub | auto (from path)
     source: str = "shakespeare"
-    path: str = ""
-    text_field: str = "text"
+    path: str = ""  # file, directory or glob of the text/jsonl source; dataset name or directory for hf_*
+    text_field: str = "text"  # the field holding the text (jsonl and hf_* sources)
     max_documents: int = 0  # 0 = all documents of the source
-    block_size: int = 256
+    block_size: int = 256  # tokens per training sequence
     batch_size: int = 8  # sequences per worker per micro-step
-    grad_accum: int = 1
-    val_fraction: float = 0.1
+    grad_accum: int = 1  # micro-steps per optimizer step
+    val_fraction: float = 0.1  # share of documents held out for validation (split by document, seeded)
     cache_dir: str = ""  # token cache ("" = ~/.cache/raytrain_scu/tokens)
-    loader_workers: int = 0
+    loader_workers: int = 0  # background processes that read batches (0 = in the training process)
 
 
 @dataclass
 class OptimConfig:
-    lr: float = 2e-4
-    weight_decay: float = 0.0
-    beta1: float = 0.9
-    beta2: float = 0.999
-    eps: float = 1e-8
-    warmup_steps: int = 10
-    min_lr_ratio: float = 0.1
-    grad_clip: float = 1.0
+    lr: float = 2e-4  # peak learning rate (AdamW)
+    weight_decay: float = 0.0  # AdamW decoupled weight decay (the SCU penalty is separate)
+    beta1: float = 0.9  # AdamW beta1
+    beta2: float = 0.999  # AdamW beta2
+    eps: float = 1e-8  # AdamW epsilon
+    warmup_steps: int = 10  # linear warm-up steps, then cosine decay
+    min_lr_ratio: float = 0.1  # the cosine decay ends at lr x min_lr_ratio at train.max_steps
+    grad_clip: float = 1.0  # clip the global gradient norm to this (0 = off)
 
 
 @dataclass
 class TrainConfig:
-    max_steps: int = 100
-    checkpoint_every: int = 50
-    report_every: int = 10
-    eval_every: int = 50
+    max_steps: int = 100  # optimizer steps; a larger value on a finished run's name extends it
+    checkpoint_every: int = 50  # steps between checkpoints (and always at the end)
+    report_every: int = 10  # steps between reports to Ray (progress, tokens/s, MFU)
+    eval_every: int = 50  # steps between held-out evaluations
     # validation blocks each eval scores, spread evenly over the split (0 or more than it has = the whole split):
     # one fixed set, the same whatever data.batch_size, data.grad_accum and scaling.num_workers are
     eval_blocks: int = 0
     max_consecutive_skips: int = 10  # skipped steps in a row before the run stops (fp16 scaler overflows never count)
-    stop_on_saturation: bool = False
+    stop_on_saturation: bool = False  # end the run once λ has settled (ctrl/saturated_step)
 
 
 @dataclass
 class ControllerConfig:
     mode: str = "scu"  # scu | fixed | none
-    target_s: float = 0.01
-    kp: float = 0.8
-    ki: float = 0.15
-    ema_alpha: float = 0.1
-    deadband: float = 0.002
-    leak: float = 0.995
-    integral_limit: float = 0.2
-    lambda_init: float = 1.0
-    lambda_min: float = 1e-4
-    lambda_max: float = 10.0
-    prior_sigma: float = 0.01
-    control_every: int = 1
-    saturation_window: int = 100
-    saturation_rel_tol: float = 0.01
+    target_s: float = 0.01  # S*: the information ratio ParamBPT / (DataBPT + ParamBPT) to hold
+    kp: float = 0.8  # proportional gain
+    ki: float = 0.15  # integral gain
+    ema_alpha: float = 0.1  # smoothing of S into Ŝ (Ŝ ← α·S + (1−α)·Ŝ)
+    deadband: float = 0.002  # |Ŝ − S*| at or below this leaves λ unchanged
+    leak: float = 0.995  # the integral decays by this factor each update
+    integral_limit: float = 0.2  # the integral is clipped to ± this
+    lambda_init: float = 1.0  # λ at the start (scu), or the fixed λ (fixed)
+    lambda_min: float = 1e-4  # λ's lower bound under the SCU law
+    lambda_max: float = 10.0  # λ's upper bound under the SCU law
+    prior_sigma: float = 0.01  # σ of the Gaussian prior on the LoRA weights in ParamBPT
+    control_every: int = 1  # optimizer steps between controller updates
+    saturation_window: int = 100  # updates over which λ must stay flat to count as settled
+    saturation_rel_tol: float = 0.01  # max(λ)/min(λ) − 1 below this over the window = settled
     tokens_per_epoch: int = 0  # 0 = measured from the training split
 
 
 @dataclass
 class ScalingConfig:
-    num_workers: int = 1
+    num_workers: int = 1  # Ray Train workers (one per GPU on a GPU cluster)
     use_gpu: Optional[bool] = None  # None = auto-detect
-    cpus_per_worker: float = 1.0
-    gpus_per_worker: float = 1.0
-    placement_strategy: str = "PACK"
+    cpus_per_worker: float = 1.0  # CPUs Ray reserves for each worker
+    gpus_per_worker: float = 1.0  # GPUs Ray reserves for each worker
+    placement_strategy: str = "PACK"  # PACK | SPREAD | STRICT_PACK | STRICT_SPREAD (Ray placement group)
     # how often Ray Train's controller polls the workers (RAY_TRAIN_HEALTH_CHECK_INTERVAL_S, Ray's default 2 s).
     # A worker holds one unconsumed report, so a report every < poll_interval_s stalls training until the next poll;
     # a checkpoint is registered at a poll too
@@ -148,18 +151,19 @@ class ScalingConfig:
 @dataclass
 class RunConfig:
     name: str = ""  # "" = the config file's stem
+    # where run directories and the default MLflow store live (a path or s3:// / gs://)
     storage_path: str = "~/raytrain_scu_runs"
-    max_failures: int = 3
-    num_to_keep: int = 2
+    max_failures: int = 3  # worker-group restarts Ray Train makes before the run fails
+    num_to_keep: int = 2  # checkpoints kept: the best by val/data_bpt, plus the latest
     output_dir: str = ""  # "" = <storage_path>/<name>/output
 
 
 @dataclass
 class TrackingConfig:
-    enabled: bool = True
+    enabled: bool = True  # record the run in MLflow
     uri: str = ""  # "" = sqlite:///<storage_path>/mlflow.db
     experiment: str = ""  # "" = the run name
-    log_best_checkpoint: bool = True
+    log_best_checkpoint: bool = True  # log the best checkpoint (lowest val/data_bpt) as an MLflow artifact
     system_metrics: Optional[bool] = None  # None = on for GPU runs
 
 
@@ -167,15 +171,15 @@ class TrackingConfig:
 class TuneConfig:
     # key path -> {kind: args}, e.g. {"controller.kp": {"loguniform": [0.1, 2.0]}}
     space: dict[str, dict] = field(default_factory=dict)
-    metric: str = "val/data_bpt"
-    mode: str = "min"
+    metric: str = "val/data_bpt"  # the metric trials are scored on (perf/tokens_per_s for micro-batch sweeps)
+    mode: str = "min"  # min | max
     search: str = "random"  # random | grid | optuna
     scheduler: str = "asha"  # asha | none
-    num_samples: int = 4
-    time_budget_s: float = 0.0
+    num_samples: int = 4  # trials (for grid: repeats of the grid)
+    time_budget_s: float = 0.0  # stop launching trials after this many seconds (0 = no limit)
     grace_period: int = 1  # reports before ASHA may stop a trial
     max_concurrent_trials: int = 0  # 0 = from cluster resources
-    keep_tokens_per_step: bool = True
+    keep_tokens_per_step: bool = True  # batch-size trials keep tokens per optimizer step by adjusting grad_accum
 
 
 @dataclass
@@ -185,7 +189,7 @@ class HardwareConfig:
 
 @dataclass
 class Config:
-    seed: int = 0
+    seed: int = 0  # seeds the data split and order, LoRA init and dropout
     model: ModelConfig = field(default_factory=ModelConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     quant: QuantConfig = field(default_factory=QuantConfig)
@@ -373,8 +377,9 @@ def load_raw(path: Optional[str | Path], overrides: list[str] | tuple[str, ...] 
             loaded = yaml.safe_load(p.read_text())
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {p} is not valid YAML: {e}") from None
-        if loaded is None:
-            loaded = {}
+        if loaded is None:  # an empty file (or only comments) would silently train every default
+            raise ConfigError(f"config file {p} is empty: it must be a YAML mapping of sections (model:, data:, ...); "
+                              f"see python -m raytrain_scu.train --help for every key")
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {p}: expected a mapping at the top level")
         tree = loaded
@@ -652,10 +657,61 @@ def flatten_tree(tree: dict) -> dict:
     return out
 
 
+# ---------------------------------------------------------------- help, generated from the tree
+
+def _field_notes(cls) -> dict[str, str]:
+    """Each field's comment in the class source: the one on its line, else the comment lines just above it."""
+    import inspect
+    import re
+
+    notes, above = {}, []
+    for line in inspect.getsource(cls).splitlines()[1:]:
+        text = line.strip()
+        if text.startswith("#"):
+            above.append(text.lstrip("# ").strip())
+            continue
+        m = re.match(r"(\w+)\s*:[^#]*?(?:#\s*(.*))?$", text)
+        if m and not text.startswith(("def ", "@", '"')):
+            notes[m.group(1)] = m.group(2) or " ".join(above)
+        above = []
+    return notes
+
+
+def describe() -> list[tuple[str, list[tuple[str, str, str]]]]:
+    """Every config key with its default and description, section by section: ``[(section, [(key, default, note)])]``.
+    Generated from the dataclass tree (defaults) and the comments beside its fields (descriptions)."""
+    out, top = [], []
+    default = Config()
+    for f in fields(Config):
+        value = getattr(default, f.name)
+        if not dataclasses.is_dataclass(value):
+            top.append((f.name, json.dumps(value), _field_notes(Config).get(f.name, "")))
+            continue
+        notes = _field_notes(type(value))
+        out.append((f.name, [(f"{f.name}.{g.name}", json.dumps(getattr(value, g.name)), notes.get(g.name, ""))
+                             for g in fields(value)]))
+    return [("", top)] + out
+
+
+def help_text() -> str:
+    """The ``--help`` of the CLIs that take a config: every section and key, its default and what it means."""
+    import re
+
+    lines = ["Config keys, set in the YAML file or as key=value overrides (lists as a,b,c); default, then meaning:"]
+    for section, rows in describe():
+        lines.append(f"\n{section or 'top level'}:")
+        for key, default, note in rows:
+            first = re.split(r"\.\s+(?=[A-Z(])", note)[0].rstrip(".")  # its first sentence
+            lines.append(f"  {key} = {default}".ljust(44) + f"  {first}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: python -m raytrain_scu.config CONFIG.yaml [key=value ...]")
+        print("usage: python -m raytrain_scu.config CONFIG.yaml [key=value ...]   (prints the resolved config)")
+        if argv:
+            print("\n" + help_text())
         return 0 if argv else 2
     try:
         cfg = load_config(argv[0], argv[1:])
@@ -668,3 +724,4 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+

@@ -745,6 +745,10 @@ def main(argv: list[str] | None = None) -> int:
     args = [a for a in argv if a != "--lr"]
     if not args or args[0] in ("-h", "--help"):
         print(USAGE)
+        if args:  # --help: every key, its default and meaning, generated from config.py's tree
+            from raytrain_scu.config import help_text
+
+            print("\n" + help_text())
         return 0 if args else 2
     try:
         cfg = resolve(args[0], args[1:])

@@ -383,6 +383,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
+        if argv:  # --help: every key, its default and meaning, generated from config.py's tree
+            from raytrain_scu.config import help_text
+
+            print("\n" + help_text())
         return 0 if argv else 2
     try:
         cfg = resolve(argv[0], argv[1:])

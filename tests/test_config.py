@@ -146,3 +146,44 @@ def test_search_space_numbers_written_without_a_dot(tmp_path):
     cfg = load_config(p)
     assert cfg.tune.space["optim.lr"] == {"loguniform": [1e-5, 1e-3]}
     assert cfg.tune.space["controller.kp"] == {"choice": [0.1, 0.8]}
+
+
+def test_help_lists_every_key_with_its_default_and_a_description():
+    from dataclasses import asdict
+
+    from raytrain_scu.config import Config, describe, flatten, help_text
+
+    rows = {key: (default, note) for _, section in describe() for key, default, note in section}
+    assert set(rows) == set(flatten(Config(), redact=False))  # every key, generated from the tree
+    assert all(note for _, note in rows.values()), [k for k, (_, n) in rows.items() if not n]
+    assert rows["train.max_steps"][0] == str(asdict(Config())["train"]["max_steps"])
+    text = help_text()
+    assert "  controller.kp = 0.8" in text and "proportional gain" in text and "\nmodel:\n" in text
+
+
+def test_cli_help_prints_every_section(tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    r = subprocess.run([sys.executable, "-m", "raytrain_scu.train", "--help"], capture_output=True, text=True,
+                       cwd=ROOT, timeout=120)
+    assert r.returncode == 0 and r.stdout.startswith("usage: python -m raytrain_scu.train")
+    for section in ("model", "lora", "quant", "data", "optim", "train", "controller", "scaling", "run", "tracking",
+                    "tune", "hardware"):
+        assert f"\n{section}:\n" in r.stdout
+    assert "data.block_size = 256" in r.stdout
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("# nothing here yet\n")
+    r = subprocess.run([sys.executable, "-m", "raytrain_scu.train", str(empty)], capture_output=True, text=True,
+                       cwd=ROOT, timeout=120)
+    assert r.returncode == 2 and "is empty" in r.stderr and "Ray" not in r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("text", ["", "# only a comment\n", "\n\n"])
+def test_empty_config_file_is_refused(tmp_path, text):
+    p = tmp_path / "empty.yaml"
+    p.write_text(text)
+    with pytest.raises(ConfigError, match="is empty"):
+        load_config(p)
