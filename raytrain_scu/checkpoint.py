@@ -12,7 +12,7 @@ Layout of one checkpoint directory::
 A directory is written under ``<dir>.partial`` and renamed when complete. Ray then copies it into the run directory
 file by file (not atomic there), so a checkpoint counts as complete only when every file matches ``manifest.json``.
 Loading verifies the manifest; a corrupt or truncated latest checkpoint falls back to the newest older good one with a
-warning; none good is a :class:`CheckpointError`.
+warning; none good is a :class:`CheckpointError`. Rank 0 picks and every rank loads that same one.
 """
 from __future__ import annotations
 
@@ -28,6 +28,8 @@ from typing import Optional
 
 import numpy as np
 import torch
+
+from raytrain_scu.dist import all_gather_object, broadcast_object, rank
 
 MANIFEST = "manifest.json"
 REQUIRED = ("adapter/adapter_model.safetensors", "state.pt", "controller.json", "meta.json")
@@ -178,17 +180,58 @@ def _newest_good(dirs, where: str) -> tuple[Optional[tuple[str, Path]], list[str
     return None, []
 
 
-def open_good_checkpoint(ray_checkpoint, stack) -> tuple[Optional[Path], list[str]]:
-    """Materialise the newest checkpoint that verifies; returns (local dir, warnings). Raises if none is good."""
-    def materialised():
-        for c in candidates(ray_checkpoint):
-            local = Path(stack.enter_context(c.as_directory()))
-            yield c.path, (local / "ckpt" if (local / "ckpt").is_dir() else local)
+def _materialise(checkpoint, stack) -> Path:
+    local = Path(stack.enter_context(checkpoint.as_directory()))
+    return local / "ckpt" if (local / "ckpt").is_dir() else local
 
-    (path, inner), problems = _newest_good(materialised(), "")  # never empty: the given checkpoint comes first
-    if problems:
-        warnings.warn("skipped bad checkpoint(s): " + "; ".join(problems) + f"; resuming from {path}")
-    return inner, problems
+
+def _name(path: str) -> str:
+    """``checkpoint_00000020`` of a Ray checkpoint's path: the same for every rank, wherever it downloads."""
+    return path.rstrip("/").rsplit("/", 1)[-1]
+
+
+def open_good_checkpoint(ray_checkpoint, stack) -> tuple[Path, list[str]]:
+    """Materialise the newest checkpoint that verifies, the same one on every rank; returns (local dir, warnings).
+
+    Rank 0 picks (a bad latest falls back to an older one, with a warning) and broadcasts the name and step; every
+    other rank materialises that one, verifies it and checks its step. A rank never picks for itself: its own download
+    of the latest could be the one that failed. Raises CheckpointError on every rank when none is good or any rank
+    cannot use rank 0's pick; each rank's outcome is all-gathered first, so no rank waits on one that gave up."""
+    pick, error = None, None
+    if rank() == 0:
+        try:
+            dirs = ((c.path, _materialise(c, stack)) for c in candidates(ray_checkpoint))
+            (path, inner), problems = _newest_good(dirs, "")  # never empty: the given checkpoint comes first
+            pick = {"name": _name(path), "step": read_meta(inner)["step"], "problems": problems}
+        except Exception as e:  # noqa: BLE001 - every rank must reach the broadcast; raised below on all of them
+            error = e
+    pick, why_not = broadcast_object((pick, None if error is None else f"{type(error).__name__}: {error}"))
+    if error is not None:
+        raise error
+    if why_not is not None:
+        raise CheckpointError(f"rank 0 found no checkpoint to resume from ({why_not})")
+    mine = None  # None: this rank holds rank 0's pick, verified, at rank 0's step
+    if rank() != 0:
+        try:
+            same = [c for c in candidates(ray_checkpoint) if _name(c.path) == pick["name"]]
+            if not same:
+                mine = "it does not see that checkpoint"
+            else:
+                inner = _materialise(same[0], stack)
+                mine = verify(inner)
+                if mine is None and read_meta(inner)["step"] != pick["step"]:
+                    mine = f"its meta.json says step {read_meta(inner)['step']}"
+        except Exception as e:  # noqa: BLE001 - a failed download here must not leave the other ranks waiting
+            mine = f"{type(e).__name__}: {e}"
+    failures = [f"rank {r}: {why}" for r, why in enumerate(all_gather_object(mine)) if why is not None]
+    if failures:
+        raise CheckpointError(f"cannot resume: rank 0 picked {pick['name']} (step {pick['step']}) but not every rank "
+                              f"can use it ({'; '.join(failures)}); ranks must resume from the same step. A failed "
+                              f"download is retried with the run (run.max_failures); if it persists, check the "
+                              f"storage.")
+    if pick["problems"] and rank() == 0:
+        warnings.warn("skipped bad checkpoint(s): " + "; ".join(pick["problems"]) + f"; resuming from {pick['name']}")
+    return inner, pick["problems"]
 
 
 def newest_good_local(run_dir: str | Path) -> tuple[Optional[Path], list[str]]:

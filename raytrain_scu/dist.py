@@ -34,6 +34,25 @@ def all_reduce_max(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def broadcast_object(obj, src: int = 0):
+    """Rank ``src``'s ``obj`` on every rank (any picklable value; ``obj`` of the other ranks is ignored).
+    Returns ``obj`` itself in a single process."""
+    if not is_dist():
+        return obj
+    box = [obj]
+    tdist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def all_gather_object(obj) -> list:
+    """Every rank's ``obj``, in rank order, on every rank (``[obj]`` in a single process)."""
+    if not is_dist():
+        return [obj]
+    out = [None] * world_size()
+    tdist.all_gather_object(out, obj)
+    return out
+
+
 def barrier() -> None:
     if is_dist():
         tdist.barrier()

@@ -200,7 +200,7 @@ def run_loop(cfg, *, hooks, run_id=None) -> None:
     history: list[dict] = []
     start_step, position, val_bpt, best_val = 0, 0, float("nan"), float("inf")
 
-    # ---- resume (all ranks read the same checkpoint)
+    # ---- resume (all ranks: rank 0 picks the checkpoint, every rank loads that one)
     resume = hooks.get_checkpoint()
     resumed_at, skipped_total, skipped_in_a_row, overflows_total, ckpt_suffix = [], 0, 0, 0, ""
     if resume is not None:

@@ -164,6 +164,52 @@ def test_fallback_to_previous_good_checkpoint_and_clear_error_when_none(tmp_path
     assert ckpt.newest_good_local(tmp_path / "nothing-here") == (None, [])
 
 
+def resume_pick_worker(r: int, port: int, roots: list, out: str) -> None:
+    """Rank ``r`` of a two-process gloo group: each rank sees its own copy of the run directory (as after each
+    rank's own download), opens the given latest checkpoint and records the step it would resume from."""
+    from datetime import timedelta
+
+    import torch.distributed as tdist
+    from ray.train import Checkpoint
+
+    tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=r, world_size=2,
+                             timeout=timedelta(seconds=60))
+    results = {}
+    for case in sorted(os.listdir(roots[r])):
+        latest = Checkpoint.from_directory(str(Path(roots[r]) / case / "checkpoint_00000020"))
+        try:
+            with contextlib.ExitStack() as stack:
+                local, _ = ckpt.open_good_checkpoint(latest, stack)
+                results[case] = ckpt.read_meta(local)["step"]
+        except ckpt.CheckpointError as e:
+            results[case] = str(e)
+    Path(out, f"rank{r}.json").write_text(json.dumps(results))
+    tdist.destroy_process_group()
+
+
+def test_ranks_resume_from_the_checkpoint_rank0_picks_or_all_fail_loudly(tmp_path):
+    import torch.multiprocessing as mp
+
+    model = tiny_peft()
+    roots = [tmp_path / "rank0", tmp_path / "rank1"]
+    for case in ("rank0-latest-bad", "rank1-latest-bad"):
+        for step in (10, 20):
+            write(roots[0] / case / f"checkpoint_{step:08d}", model, step)
+        shutil.copytree(roots[0] / case, roots[1] / case)
+    truncate(roots[0] / "rank0-latest-bad" / "checkpoint_00000020" / "state.pt")  # rank 0's download failed
+    truncate(roots[1] / "rank1-latest-bad" / "checkpoint_00000020" / "state.pt")  # rank 1's download failed
+    mp.start_processes(resume_pick_worker, args=(free_port(), [str(r) for r in roots], str(tmp_path)), nprocs=2,
+                       start_method="spawn")
+    got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    # rank 1 alone would take its good step 20: it follows rank 0's fallback to 10
+    assert [g["rank0-latest-bad"] for g in got] == [10, 10]
+    # rank 1 cannot read rank 0's pick: both ranks stop, naming it, instead of resuming from 20 and 10
+    for g in got:
+        assert isinstance(g["rank1-latest-bad"], str), got
+        assert "rank 0 picked checkpoint_00000020 (step 20)" in g["rank1-latest-bad"]
+        assert "rank 1: state.pt has" in g["rank1-latest-bad"] and "truncated" in g["rank1-latest-bad"]
+
+
 def assert_close_tree(a, b, tol=1e-6, where="controller"):
     if isinstance(a, dict):
         assert a.keys() == b.keys(), where
