@@ -3,7 +3,7 @@
 Layout of one checkpoint directory::
 
     adapter/            peft save_pretrained (safetensors) -- loadable by PeftModel.from_pretrained
-    state.pt            optimizer, grad scaler, RNG states (python, numpy, torch, CUDA), history
+    state.pt            optimizer, grad scaler, history, every rank's RNG states (python, numpy, torch, CUDA)
     controller.json     SCU controller state (JSON, readable without torch)
     meta.json           step, data position, structure signature, tokens_per_epoch
     config.yaml         the resolved config (secrets redacted)
@@ -48,8 +48,9 @@ def _sha256(path: Path) -> str:
 
 
 def rng_state() -> dict:
+    """This process's RNG state: python, numpy, torch CPU and (when CUDA is available) its current CUDA device."""
     return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.random.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
 
 
 def set_rng_state(state: dict) -> None:
@@ -57,20 +58,38 @@ def set_rng_state(state: dict) -> None:
     np.random.set_state(state["numpy"])
     torch.random.set_rng_state(state["torch"])
     if state.get("cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def rank_seed(seed: int, rank: int, step: int = 0) -> int:
+    """The seed of rank ``rank``'s random draws (LoRA dropout) from ``step`` on.
+
+    Distinct per (seed, rank, step) and independent of ``seed`` itself, which initialises LoRA identically on every
+    rank: numpy's SeedSequence mixes the three, so no two ranks (or restarts) share a stream."""
+    return int(np.random.SeedSequence([seed % 2**64, rank, step]).generate_state(1)[0])
+
+
+def seed_all(seed: int) -> None:
+    """Seed python, numpy and torch (CPU and every CUDA device) with ``seed`` (< 2**32, e.g. :func:`rank_seed`)."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
 
 
 def write_checkpoint(out_dir: str | Path, *, model, optimizer, scaler, controller_state: dict, step: int,
                      position: int, structure: dict, tokens_per_epoch: int, config_yaml: str,
-                     history: list, extra: Optional[dict] = None) -> Path:
-    """Write a complete checkpoint to ``out_dir`` atomically (``out_dir.partial`` then rename)."""
+                     history: list, extra: Optional[dict] = None, rng_states: Optional[list] = None) -> Path:
+    """Write a complete checkpoint to ``out_dir`` atomically (``out_dir.partial`` then rename).
+
+    ``rng_states``: every rank's :func:`rng_state`, in rank order (the writer gathers them); default: this process's
+    alone (a one-process run)."""
     out = Path(out_dir)
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     model.save_pretrained(str(tmp / "adapter"), safe_serialization=True)
-    torch.save({"optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(), "rng": rng_state(),
-                "history": history}, tmp / "state.pt")
+    torch.save({"optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(), "history": history,
+                "rng": rng_states if rng_states is not None else [rng_state()]}, tmp / "state.pt")
     (tmp / "controller.json").write_text(json.dumps(controller_state, indent=1))
     meta = {"step": step, "position": position, "structure": structure, "tokens_per_epoch": tokens_per_epoch,
             **(extra or {})}
@@ -123,8 +142,12 @@ def check_structure(meta: dict, structure: dict) -> None:
                               + "; ".join(diffs) + "). Use a new run.name to start fresh.")
 
 
-def load_training_state(ckpt_dir: str | Path, *, model, optimizer, scaler, map_location="cpu") -> dict:
-    """Restore adapter weights, optimizer, scaler and RNG from a verified directory; returns meta + controller."""
+def load_training_state(ckpt_dir: str | Path, *, model, optimizer, scaler, rank: int = 0, world_size: int = 1,
+                        map_location="cpu") -> dict:
+    """Restore adapter weights, optimizer, scaler and this rank's RNG from a verified directory; returns meta +
+    controller + history, and ``rng_ranks``: how many ranks' RNG states the checkpoint holds. The RNG is restored only
+    when that equals ``world_size``; otherwise (a changed world size, or a checkpoint from before per-rank states,
+    counted as 0) the caller must seed the ranks itself."""
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
 
@@ -137,10 +160,14 @@ def load_training_state(ckpt_dir: str | Path, *, model, optimizer, scaler, map_l
     state = torch.load(d / "state.pt", map_location=map_location, weights_only=False)
     optimizer.load_state_dict(state["optimizer"])
     scaler.load_state_dict(state["scaler"])
-    set_rng_state(state["rng"])
+    # one state per rank, in rank order; an older checkpoint holds one dict, rank 0's alone: counted as none
+    rngs = state["rng"] if isinstance(state["rng"], list) else []
+    if len(rngs) == world_size:
+        set_rng_state(rngs[rank])
     meta = read_meta(d)
     meta["controller"] = json.loads((d / "controller.json").read_text())
     meta["history"] = state.get("history", [])
+    meta["rng_ranks"] = len(rngs)
     return meta
 
 

@@ -19,7 +19,7 @@ from raytrain_scu import tracking
 from raytrain_scu.config import build_config, to_yaml
 from raytrain_scu.controller import from_config as build_controller
 from raytrain_scu.data import prepare_data, train_batch, val_batches
-from raytrain_scu.dist import all_reduce_sum, barrier, print0, rank, world_size
+from raytrain_scu.dist import all_gather_object, all_reduce_sum, barrier, print0, rank, world_size
 from raytrain_scu.hardware import mfu, peak_flops
 from raytrain_scu.model import (CausalLMLoss, apply_lora, build_model, compile_for_training, flops_per_token,
                                 load_tokenizer, resolve_dtype, structure_of)
@@ -184,6 +184,7 @@ def run_loop(cfg, *, hooks, run_id=None) -> None:
     model = apply_lora(base, r=cfg.lora.r, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout,
                        targets=cfg.lora.target_modules, quantized=cfg.quant.load_in_4bit,
                        gradient_checkpointing=m.gradient_checkpointing)
+    ckpt.seed_all(ckpt.rank_seed(cfg.seed, rank()))  # then each rank its own stream: distinct dropout masks
     params = adapter_params(model)
     loss_model = CausalLMLoss(model, fused=m.fused_loss, chunk_size=m.loss_chunk_size)
     if m.compile:
@@ -207,7 +208,8 @@ def run_loop(cfg, *, hooks, run_id=None) -> None:
         with contextlib.ExitStack() as stack:
             local, problems = ckpt.open_good_checkpoint(resume, stack)  # a bad latest falls back to an older one
             ckpt.check_structure(ckpt.read_meta(local), structure)
-            meta = ckpt.load_training_state(local, model=model, optimizer=optimizer, scaler=scaler)
+            meta = ckpt.load_training_state(local, model=model, optimizer=optimizer, scaler=scaler, rank=rank(),
+                                            world_size=world_size())
         controller.load_state_dict(meta["controller"])
         start_step, position, history = meta["step"], meta["position"], meta["history"]
         val_bpt, best_val = meta.get("val_bpt", float("nan")), meta.get("best_val", float("inf"))
@@ -218,7 +220,11 @@ def run_loop(cfg, *, hooks, run_id=None) -> None:
         ckpt_suffix = f"_from{start_step:08d}" if problems else ""
         print0(f"[raytrain_scu] resumed at step {start_step}"
                + (f" after skipping {len(problems)} bad checkpoint(s)" if problems else ""))
-        torch.manual_seed(cfg.seed + rank() + start_step)
+        if meta["rng_ranks"] != world_size():  # else each rank's RNG goes on where it stopped
+            print0(f"[raytrain_scu] warning: the checkpoint holds the RNG state of {meta['rng_ranks']} rank(s), this "
+                   f"run has {world_size()}: dropout draws restart from a seed of (seed, rank, step {start_step}), so "
+                   f"the run no longer matches an uninterrupted one")
+            ckpt.seed_all(ckpt.rank_seed(cfg.seed, rank(), start_step))
     tracker.start(params=tracking.derived_params(cfg, tokens_per_epoch=tokens_per_epoch, world=world_size(),
                                                  device=device), resumed_at=start_step)
 
@@ -346,12 +352,14 @@ def run_loop(cfg, *, hooks, run_id=None) -> None:
                        "tokens_per_epoch": tokens_per_epoch,
                        "max_steps": t.max_steps, "world_size": world_size()}
             local = None
+            rng_states = all_gather_object(ckpt.rng_state()) if is_ckpt else None  # all ranks: each rank's RNG
             if is_ckpt and rank() == 0:
                 local = ckpt.new_local_dir()
                 ckpt.write_checkpoint(local / "ckpt", model=model, optimizer=optimizer, scaler=scaler,
                                       controller_state=controller.state_dict(), step=step + 1, position=position,
                                       structure=structure, tokens_per_epoch=tokens_per_epoch,
                                       config_yaml=to_yaml(cfg, redact=True), history=history,
+                                      rng_states=rng_states,
                                       extra={"val_bpt": val_bpt, "best_val": best_val, "resumed_at": resumed_at,
                                              "skipped_steps": skipped_total, "skipped_in_a_row": skipped_in_a_row,
                                              "scaler_overflows": overflows_total})

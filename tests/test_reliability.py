@@ -164,6 +164,51 @@ def test_fallback_to_previous_good_checkpoint_and_clear_error_when_none(tmp_path
     assert ckpt.newest_good_local(tmp_path / "nothing-here") == (None, [])
 
 
+def dropout_mask(model) -> torch.Tensor:
+    """The mask the first LoRA dropout draws now (from the global torch RNG, as in training)."""
+    drop = next(m for n, m in model.named_modules() if n.endswith("lora_dropout.default"))
+    return drop.train()(torch.ones(4096)) != 0
+
+
+def test_ranks_share_the_lora_init_but_draw_distinct_dropout_masks():
+    from raytrain_scu.model import apply_lora, build_model
+
+    def rank_model(r):  # the loop's seeding: one init seed for every rank, then a stream of the rank's own
+        torch.manual_seed(0)
+        model = apply_lora(build_model("tiny", vocab_size=256), r=2, alpha=4, dropout=0.1, targets=["q_proj"])
+        ckpt.seed_all(ckpt.rank_seed(0, r))
+        return model, dropout_mask(model)
+
+    (m0, mask0), (m1, mask1), (_, mask0_again) = rank_model(0), rank_model(1), rank_model(0)
+    lora0, lora1 = ({n: p for n, p in m.named_parameters() if "lora_" in n} for m in (m0, m1))
+    assert lora0 and all(torch.equal(lora0[n], lora1[n]) for n in lora0)
+    assert not torch.equal(mask0, mask1) and torch.equal(mask0, mask0_again)
+    assert 0.05 < 1 - mask0.float().mean() < 0.15  # the dropout rate
+    # distinct per rank and per restart step, and not the init seed's own stream
+    assert len({ckpt.rank_seed(0, r, s) for r in range(4) for s in (0, 10)} | {0}) == 9
+
+
+def test_each_rank_restores_its_own_rng_and_a_changed_world_size_restores_none(tmp_path):
+    model = tiny_peft()
+    states = []
+    for r in range(2):  # two ranks' RNG, as the loop gathers them before rank 0 writes
+        ckpt.seed_all(ckpt.rank_seed(0, r))
+        states.append(ckpt.rng_state())
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    out = ckpt.write_checkpoint(tmp_path / "c", model=model, optimizer=opt, scaler=scaler, controller_state={},
+                                step=10, position=0, structure={}, tokens_per_epoch=1000, config_yaml="",
+                                history=[], rng_states=states)
+    for r in range(2):
+        ckpt.seed_all(123)
+        meta = ckpt.load_training_state(out, model=model, optimizer=opt, scaler=scaler, rank=r, world_size=2)
+        assert meta["rng_ranks"] == 2 and torch.equal(torch.random.get_rng_state(), states[r]["torch"])
+    ckpt.seed_all(123)
+    before = torch.random.get_rng_state()
+    meta = ckpt.load_training_state(out, model=model, optimizer=opt, scaler=scaler, rank=0, world_size=3)
+    assert meta["rng_ranks"] == 2 and torch.equal(torch.random.get_rng_state(), before)  # the loop reseeds
+
+
 def resume_pick_worker(r: int, port: int, roots: list, out: str) -> None:
     """Rank ``r`` of a two-process gloo group: each rank sees its own copy of the run directory (as after each
     rank's own download), opens the given latest checkpoint and records the step it would resume from."""
