@@ -171,6 +171,26 @@ def load_training_state(ckpt_dir: str | Path, *, model, optimizer, scaler, rank:
     return meta
 
 
+def check_tokens_per_epoch(meta: dict, *, measured: int, override: int) -> Optional[str]:
+    """Refuse to resume when the data's tokens per epoch (N of ParamBPT, so S) is not the checkpoint's.
+
+    ``measured``: the training split's count now; ``override``: controller.tokens_per_epoch (0 = none). A set override
+    wins: returns a warning when it differs from the checkpoint's value, else None."""
+    saved = meta["tokens_per_epoch"]
+    if override:
+        if override == saved:
+            return None
+        return (f"controller.tokens_per_epoch={override} overrides the checkpoint's tokens_per_epoch={saved}: "
+                f"ParamBPT and S change by x{saved / override:.4g} from step {meta['step']} on")
+    if measured != saved:
+        raise CheckpointError(
+            f"cannot resume: the checkpoint was written with tokens_per_epoch={saved} but the data now gives "
+            f"tokens_per_epoch={measured} (did data.* change?); ParamBPT and S scale with it, so they would change "
+            f"silently. Restore the data settings, set controller.tokens_per_epoch={saved} to keep the checkpoint's "
+            f"scale on the new data, or use a new run.name to start fresh.")
+    return None
+
+
 def candidates(ray_checkpoint) -> list:
     """The given (latest) Ray checkpoint first, then its older ``checkpoint_*`` siblings, newest first."""
     import pyarrow.fs as pafs

@@ -132,7 +132,9 @@ class ControllerConfig:
     control_every: int = 1  # optimizer steps between controller updates
     saturation_window: int = 100  # updates over which λ must stay flat to count as settled
     saturation_rel_tol: float = 0.01  # max(λ)/min(λ) − 1 below this over the window = settled
-    tokens_per_epoch: int = 0  # 0 = measured from the training split
+    # 0 = measured from the training split. A resume refuses a checkpoint whose tokens_per_epoch differs from the
+    # measured one (changed data would rescale ParamBPT and S silently); set here, it wins over both.
+    tokens_per_epoch: int = 0
 
 
 @dataclass

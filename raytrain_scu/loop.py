@@ -207,7 +207,9 @@ def run_loop(cfg, *, hooks, run_id=None) -> None:
     if resume is not None:
         with contextlib.ExitStack() as stack:
             local, problems = ckpt.open_good_checkpoint(resume, stack)  # a bad latest falls back to an older one
-            ckpt.check_structure(ckpt.read_meta(local), structure)
+            saved = ckpt.read_meta(local)
+            ckpt.check_structure(saved, structure)
+            note = ckpt.check_tokens_per_epoch(saved, measured=data.tokens_per_epoch, override=c.tokens_per_epoch)
             meta = ckpt.load_training_state(local, model=model, optimizer=optimizer, scaler=scaler, rank=rank(),
                                             world_size=world_size())
         controller.load_state_dict(meta["controller"])
@@ -220,6 +222,8 @@ def run_loop(cfg, *, hooks, run_id=None) -> None:
         ckpt_suffix = f"_from{start_step:08d}" if problems else ""
         print0(f"[raytrain_scu] resumed at step {start_step}"
                + (f" after skipping {len(problems)} bad checkpoint(s)" if problems else ""))
+        if note:
+            print0(f"[raytrain_scu] warning: {note}")
         if meta["rng_ranks"] != world_size():  # else each rank's RNG goes on where it stopped
             print0(f"[raytrain_scu] warning: the checkpoint holds the RNG state of {meta['rng_ranks']} rank(s), this "
                    f"run has {world_size()}: dropout draws restart from a seed of (seed, rank, step {start_step}), so "

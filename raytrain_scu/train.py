@@ -73,7 +73,8 @@ def preflight(cfg: Config) -> dict:
 
     Every problem found here is a PreflightError naming the key at fault; no Ray worker has started.
     """
-    from raytrain_scu.checkpoint import CheckpointError, check_structure, newest_good_local, read_meta
+    from raytrain_scu.checkpoint import CheckpointError, check_structure, check_tokens_per_epoch, newest_good_local, \
+        read_meta
     from raytrain_scu.data import DataError, check_source, prepare_data
     from raytrain_scu.model import ModelError, check_model_source, load_tokenizer, max_positions, model_config, \
         structure_of
@@ -132,13 +133,14 @@ def preflight(cfg: Config) -> dict:
     if missing:
         raise PreflightError(f"lora.target_modules: {missing} not found in {m.name}")
     # re-running a run name resumes it: its newest good checkpoint must fit this config (local storage)
-    good = None
+    good, resume_meta = None, None
     if "://" not in cfg.run.storage_path:  # (a Path of "s3://b" would read "s3:/b")
         run_dir = Path(storage_dir(cfg.run.storage_path)) / cfg.run.name
         try:
             good, problems = newest_good_local(run_dir)
             if good is not None:
-                check_structure(read_meta(good), structure_of(cfg))
+                resume_meta = read_meta(good)
+                check_structure(resume_meta, structure_of(cfg))
         except CheckpointError as e:
             raise PreflightError(str(e)) from None
         if problems:
@@ -151,6 +153,12 @@ def preflight(cfg: Config) -> dict:
                             seed=cfg.seed, cache_dir=d.cache_dir)
     except DataError as e:
         raise PreflightError(str(e)) from None
+    if resume_meta is not None:  # and the data must give the checkpoint's tokens_per_epoch (the loop checks it too)
+        try:
+            check_tokens_per_epoch(resume_meta, measured=data.tokens_per_epoch,
+                                   override=cfg.controller.tokens_per_epoch)
+        except CheckpointError as e:
+            raise PreflightError(str(e)) from None
     global_batch = d.batch_size * d.grad_accum * s.num_workers
     if len(data.train) < global_batch:
         raise PreflightError(f"the training split has {len(data.train)} blocks of {d.block_size} tokens, fewer than "

@@ -209,6 +209,19 @@ def test_each_rank_restores_its_own_rng_and_a_changed_world_size_restores_none(t
     assert meta["rng_ranks"] == 2 and torch.equal(torch.random.get_rng_state(), before)  # the loop reseeds
 
 
+def test_changed_tokens_per_epoch_is_refused_unless_overridden():
+    meta = {"step": 10, "tokens_per_epoch": 204544}
+    assert ckpt.check_tokens_per_epoch(meta, measured=204544, override=0) is None
+    with pytest.raises(ckpt.CheckpointError, match=r"tokens_per_epoch=204544 but the data now gives "
+                       r"tokens_per_epoch=140416.*set controller.tokens_per_epoch=204544"):
+        ckpt.check_tokens_per_epoch(meta, measured=140416, override=0)
+    # an explicit controller.tokens_per_epoch wins: as the checkpoint's, silently; else with a warning
+    assert ckpt.check_tokens_per_epoch(meta, measured=140416, override=204544) is None
+    note = ckpt.check_tokens_per_epoch(meta, measured=204544, override=102272)
+    assert "controller.tokens_per_epoch=102272 overrides the checkpoint's tokens_per_epoch=204544" in note
+    assert "x2 from step 10" in note
+
+
 def resume_pick_worker(r: int, port: int, roots: list, out: str) -> None:
     """Rank ``r`` of a two-process gloo group: each rank sees its own copy of the run directory (as after each
     rank's own download), opens the given latest checkpoint and records the step it would resume from."""
@@ -550,6 +563,19 @@ def test_resuming_a_structurally_different_checkpoint_is_refused_before_ray(secr
     assert "lora.r: checkpoint has 4, config has 8" in r.stderr and "use a new run.name" in r.stderr.lower()
     assert "Started a local Ray instance" not in r.stdout + r.stderr
     print(f"BAD_INPUT {json.dumps({'case': 'resume with a different lora.r', 'message': r.stderr.strip()})}")
+
+
+@pytest.mark.slow
+def test_resuming_with_changed_data_is_refused_before_ray(secret_run):
+    # fewer documents: another tokens_per_epoch, which would rescale ParamBPT and S from the resumed step on
+    storage, _, _ = secret_run
+    r = cli(f"run.storage_path={storage}", "run.name=sec", "train.max_steps=20", "data.max_documents=5",
+            env={"RAY_ADDRESS": ""})
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert ("the checkpoint was written with tokens_per_epoch=204544 but the data now gives tokens_per_epoch=140416"
+            in r.stderr and "set controller.tokens_per_epoch=204544" in r.stderr)
+    assert "Started a local Ray instance" not in r.stdout + r.stderr
+    print(f"BAD_INPUT {json.dumps({'case': 'resume with changed data', 'message': r.stderr.strip()})}")
 
 
 # ---------------------------------------------------------------- a node lost from a two-node cluster

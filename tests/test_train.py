@@ -69,6 +69,11 @@ def test_resume_by_rerunning_same_name_matches_uninterrupted(ray_local, tmp_path
     # the checkpoint holds both ranks' RNG, and they differ: the ranks drew distinct dropout masks
     rngs = torch.load(tmp_path / "cut" / "checkpoint_00000010" / "state.pt", weights_only=False)["rng"]
     assert len(rngs) == 2 and not torch.equal(rngs[0]["torch"], rngs[1]["torch"])
+    # changed data (a different tokens_per_epoch) is refused by the workers too, past the driver's preflight
+    changed = tiny_cfg(tmp_path, "cut", *common, "data.max_documents=5", "run.max_failures=0")
+    with pytest.raises(Exception, match="the checkpoint was written with tokens_per_epoch=204544 but the data now "
+                       "gives tokens_per_epoch=140416"):
+        build_trainer(changed, use_gpu=False, run_id=None).fit()
     resumed = run(tiny_cfg(tmp_path, "cut", *common), quiet=True)
     a, b = history_of(full), history_of(resumed)
     assert [r["step"] for r in b] == list(range(0, 21))
