@@ -276,10 +276,14 @@ def mfu(tokens_per_s_per_gpu: float, flops_per_token: float, peak: float) -> Opt
 # loss, and 1.03x with torch.compile (batch 8 and 16, block 512) -- those runs had no autocast, so peft's fp32
 # input copies were saved. The training loop runs under autocast: with it, at block 2048 (bench runs, compile on,
 # batch 8 and 16; eager with checkpointing, batch 2) the saved input copies are bf16 or fused away by compile,
-# which is what the adapter-input term below now says (docs/benchmarks.md). The 4-bit constants are not measured.
+# which is what the adapter-input term below now says (docs/benchmarks.md). Compiled runs were re-measured on
+# 2026-11-26 after the compile fix (issue #14: the chunked loss left out of the graph, one compiled decoder layer
+# shared by all): 28.16 GiB at batch 8 and 47.94 GiB at batch 16 (block 2048). Inductor keeps neither the
+# RMSNorms' fp32 copies nor the SwiGLU product (it recomputes SiLU(gate)*up in the backward), so a compiled layer
+# keeps 3 ffn-wide tensors, not 4, and no 8H term. The 4-bit constants are not measured.
 NF4_BYTES_PER_PARAM = 0.52  # 4 bits + blockwise absmax (64-blocks, double-quantised)
 ADAPTER_BYTES_PER_PARAM = 16  # fp32 weight + fp32 grad + AdamW exp_avg + exp_avg_sq
-COMPILE_EXTRA_GIB = 2.0  # torch.compile (inductor) kept as many activation bytes per token as eager, plus this
+COMPILE_EXTRA_GIB = 2.0  # torch.compile (inductor): its own buffers and workspaces
 CUDA_OVERHEAD_GIB = 1.0  # CUDA context, cuBLAS/cuDNN workspaces, NCCL buffers, allocator slack
 USABLE_FRACTION = 0.9  # plan for 90% of the card: fragmentation and the estimate's own error
 
@@ -319,7 +323,8 @@ def estimate_peak_memory_gib(*, n_params: int, hidden: int, layers: int, heads: 
                        under torch.compile, which fuses it away). SDPA keeps no T x T matrix.
         activations  = L * per layer                      without checkpointing
                      = tokens * L * H * a + per layer     with it (layer inputs + one layer recomputed)
-                       (torch.compile: the same activations, measured, and 2 GiB more overhead)
+                       torch.compile: a * (7H + 3F + n_targets*r) per token and layer (measured: no fp32 norm
+                       copies, the SwiGLU product recomputed), and 2 GiB more overhead
         logits       = min(chunk, tokens) * V * (4 + a) + tokens * H * a
                                                           fused chunked loss (model.CausalLMLoss): one
                                                           chunk's fp32 logits, their softmax-grad in the
@@ -346,7 +351,10 @@ def estimate_peak_memory_gib(*, n_params: int, hidden: int, layers: int, heads: 
     # the copy of each adapted layer's input that the LoRA matmuls save: bf16 under the loop's autocast (peft's
     # fp32 cast is cast back); torch.compile fuses it away (measured at block 2048, see the constants above)
     adapter_inputs = 0 if (a == 4 or compile) else a * sum(dims[t][0] for t in targets)
-    per_layer = tokens * (a * (7 * hidden + 4 * ffn + len(targets) * lora_r) + 8 * hidden + adapter_inputs)
+    if compile:  # measured: inductor fuses the norms' fp32 copies and recomputes the SwiGLU product
+        per_layer = tokens * a * (7 * hidden + 3 * ffn + len(targets) * lora_r)
+    else:
+        per_layer = tokens * (a * (7 * hidden + 4 * ffn + len(targets) * lora_r) + 8 * hidden + adapter_inputs)
     if gradient_checkpointing:
         activations = tokens * layers * hidden * a + per_layer
     else:

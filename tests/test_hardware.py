@@ -246,16 +246,16 @@ def test_fused_loss_and_fp32_and_compile():
 
 
 def test_estimate_matches_h200_measurements_at_block_2048():
-    """Peak torch.cuda.max_memory_allocated() of the bench runs on an H200 (docs/benchmarks.md); the estimate
-    without its CUDA-context term, which that counter does not see, within 15%."""
+    """Peak torch.cuda.max_memory_allocated() of the bench runs on an H200 (docs/benchmarks.md, 2026-11-26: ours,
+    ours_best, mem_bf16); the estimate without its CUDA-context term, which that counter does not see, within 10%."""
     proj = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    for batch, ckpt, comp, chunk, measured in [(8, False, True, 4096, 35.94), (16, False, True, 4096, 64.54),
-                                                (2, True, False, 1024, 4.33)]:
+    for batch, ckpt, comp, chunk, measured in [(8, False, True, 4096, 28.16), (16, False, True, 4096, 47.94),
+                                                (2, True, False, 256, 3.50)]:
         e = hardware.estimate_peak_memory_gib(**LLAMA_1B, lora_r=16, lora_targets=proj, load_in_4bit=False,
                                               precision="bf16", batch_size=batch, block_size=2048,
                                               gradient_checkpointing=ckpt, compile=comp, loss_chunk_tokens=chunk)
         ratio = (e["total_gib"] - hardware.CUDA_OVERHEAD_GIB) / measured
-        assert 0.85 <= ratio <= 1.15, (batch, ckpt, comp, ratio)
+        assert 0.9 <= ratio <= 1.1, (batch, ckpt, comp, ratio)
 
 
 def test_fit_batch_size_returns_the_largest_batch_that_fits():
