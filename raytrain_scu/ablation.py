@@ -25,10 +25,11 @@ import numpy as np
 import torch
 
 from raytrain_scu.checkpoint import CheckpointError, newest_good_local, read_meta
-from raytrain_scu.config import Config, ConfigError, load_config
+from raytrain_scu.config import Config, run_dir
 from raytrain_scu.evaluate import DEFAULT_BOOTSTRAP, paired_bootstrap, score_shard
+from raytrain_scu.hardware import resolve
 from raytrain_scu.model import bits_per_token
-from raytrain_scu.tracking import storage_dir
+from raytrain_scu.train import USER_ERRORS
 
 T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
 FAMILIES = ("none", "fixed", "scu", "gains")  # the order of the tables' rows; gains is a table of its own
@@ -72,7 +73,7 @@ def run_arms(config_path: str, overrides: list[str], sweeps: dict[str, list[str]
     out = {}
     for family, extra in sweeps.items():
         # a grid search runs each combination once (sweep.make_tuner ignores tune.num_samples for it)
-        cfg = load_config(config_path, [*overrides, *extra, "tune.search=grid", "tune.scheduler=none"])
+        cfg = resolve(config_path, [*overrides, *extra, "tune.search=grid", "tune.scheduler=none"])
         cfg.run.name = f"{cfg.run.name}-{family}"
         rows = run_sweep(cfg)["rows"]
         check_finished(cfg.run.name, rows)
@@ -85,7 +86,7 @@ def trial_run(family_cfg: Config, row: dict) -> tuple[Config, Path]:
     from raytrain_scu.sweep import trial_config
 
     cfg = trial_config(family_cfg, row["params"], row["trial"])
-    return cfg, Path(storage_dir(cfg.run.storage_path)) / cfg.run.name
+    return cfg, Path(run_dir(cfg))
 
 
 def final_checkpoint(run_dir: Path, max_steps: int) -> Path:
@@ -284,8 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     floats = lambda s: [float(x) for x in s.split(",")]  # noqa: E731
     try:
-        load_config(a.config, a.overrides)  # a bad config fails here, before any sweep starts
-    except ConfigError as e:
+        resolve(a.config, a.overrides)  # a bad config fails here, before any sweep starts
+    except USER_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     sweeps = arm_sweeps(seeds=[int(x) for x in a.seeds.split(",")], lambdas=floats(a.lambdas),

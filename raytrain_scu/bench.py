@@ -256,10 +256,10 @@ def _proof_from_reports(reports: list[dict]) -> dict:
 def bench_config(*, preset: str, batch: int, block: int, steps: int, report_every: int, storage: str, name: str,
                  compile: bool, mode: str = "scu", load_in_4bit: bool = False, checkpointing: bool = False,
                  chunk: int = 4096, workers: int = 1, compile_scope: str = "layers"):
-    from raytrain_scu.config import load_config
+    from raytrain_scu.hardware import resolve
 
     gpu = torch.cuda.is_available()
-    return load_config(None, [
+    return resolve(None, [
         f"model.name={preset}", f"model.precision={'bf16' if gpu else 'fp32'}", f"model.compile={str(compile).lower()}",
         f"model.compile_scope={compile_scope}",
         f"model.gradient_checkpointing={str(checkpointing).lower()}", f"model.loss_chunk_size={chunk}",

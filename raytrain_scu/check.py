@@ -289,8 +289,10 @@ def main(argv: list[str] | None = None) -> int:
         path = None if "=" in rest[0] else rest[0]
         overrides = rest[1:] if path is not None else rest
         try:
-            cfg = C.load_config(path, overrides)
-        except C.ConfigError as e:
+            from raytrain_scu.hardware import MemoryFitError, resolve
+
+            cfg = resolve(path, overrides)
+        except (C.ConfigError, MemoryFitError) as e:
             print(f"config error: {e}", file=sys.stderr)
             return 2
     rows = run_checks(cfg, require_gpu=require_gpu)

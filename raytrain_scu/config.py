@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import sys
 import types
 import typing
@@ -413,6 +414,22 @@ def _numeric_space(space: dict) -> dict:
     return out
 
 
+def default_run_name(path: Optional[str | Path]) -> str:
+    """``run.name`` when the config leaves it empty: the config file's stem (``run`` without a file)."""
+    return Path(path).stem if path is not None else "run"
+
+
+def storage_dir(storage_path: str) -> str:
+    """``run.storage_path`` made absolute (``~`` expanded); a remote URI (``s3://``, ``gs://``) unchanged."""
+    return os.path.abspath(os.path.expanduser(storage_path)) if "://" not in storage_path else storage_path
+
+
+def run_dir(cfg: Config) -> str:
+    """A run's directory, ``<storage_path>/<run.name>``: Ray's run directory (checkpoints), the MLflow run key, and
+    the parent of ``output/``. A string, since it may be a remote URI."""
+    return f"{storage_dir(cfg.run.storage_path)}/{cfg.run.name}"
+
+
 def build_config(tree: dict, default_name: str = "run") -> Config:
     """Strictly build and validate a Config from a nested dict."""
     cfg = _build(Config, tree, "")
@@ -425,8 +442,7 @@ def build_config(tree: dict, default_name: str = "run") -> Config:
 
 def load_config(path: Optional[str | Path] = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Load a YAML config, apply dotted overrides, build strictly and validate."""
-    tree = load_raw(path, overrides)
-    return build_config(tree, default_name=Path(path).stem if path is not None else "run")
+    return build_config(load_raw(path, overrides), default_name=default_run_name(path))
 
 
 # ---------------------------------------------------------------- cross-field checks
@@ -447,9 +463,9 @@ TUNE_KINDS = ("choice", "grid", "uniform", "loguniform", "randint")
 SPACE_ONLY_KEYS = {"global_batch_tokens": int}
 
 
-def validate(cfg: Config) -> None:
-    """Cross-field checks. Pure: no I/O, no imports of heavy libraries."""
-    c = cfg.controller
+def check_controller(c: "ControllerConfig") -> None:
+    """The controller's checks, the only copy: ``validate`` runs them on a config and ``SCUController`` on its keyword
+    arguments (both raise ConfigError naming the key)."""
     _one_of("controller.mode", c.mode, ("scu", "fixed", "none"))
     _check(0.0 < c.target_s < 1.0, "controller.target_s", f"must be in (0, 1), got {c.target_s}")
     _check(c.kp >= 0, "controller.kp", f"must be >= 0, got {c.kp}")
@@ -459,17 +475,25 @@ def validate(cfg: Config) -> None:
     _check(0.0 < c.leak <= 1.0, "controller.leak", f"must be in (0, 1], got {c.leak}")
     _check(c.integral_limit >= 0, "controller.integral_limit", f"must be >= 0, got {c.integral_limit}")
     _check(c.lambda_min > 0, "controller.lambda_min", f"must be > 0, got {c.lambda_min}")
+    # in every mode: the bounds are part of the controller's state even when a fixed λ never meets them
+    _check(c.lambda_min < c.lambda_max, "controller.lambda_max",
+           f"must be > lambda_min, got lambda_min={c.lambda_min}, lambda_max={c.lambda_max}")
     if c.mode == "scu":  # the bounds clamp the law's updates; a fixed λ is never updated
-        _check(c.lambda_min < c.lambda_init <= c.lambda_max, "controller.lambda_init",
-               f"need lambda_min < lambda_init <= lambda_max, got {c.lambda_min} < {c.lambda_init} <= "
+        _check(c.lambda_min <= c.lambda_init <= c.lambda_max, "controller.lambda_init",
+               f"need lambda_min <= lambda_init <= lambda_max, got {c.lambda_min} <= {c.lambda_init} <= "
                f"{c.lambda_max}")
     elif c.mode == "fixed":
-        _check(c.lambda_init > 0, "controller.lambda_init", f"a fixed λ must be > 0, got {c.lambda_init}")
+        _check(c.lambda_init > 0, "controller.lambda_init", f"a fixed lambda_init must be > 0, got {c.lambda_init}")
     _check(c.prior_sigma > 0, "controller.prior_sigma", f"must be > 0, got {c.prior_sigma}")
     _check(c.control_every >= 1, "controller.control_every", f"must be >= 1, got {c.control_every}")
-    _check(c.saturation_window >= 2, "controller.saturation_window", f"must be >= 2, got {c.saturation_window}")
+    _check(c.saturation_window >= 1, "controller.saturation_window", f"must be >= 1, got {c.saturation_window}")
     _check(c.saturation_rel_tol > 0, "controller.saturation_rel_tol", f"must be > 0, got {c.saturation_rel_tol}")
     _check(c.tokens_per_epoch >= 0, "controller.tokens_per_epoch", f"must be >= 0, got {c.tokens_per_epoch}")
+
+
+def validate(cfg: Config) -> None:
+    """Cross-field checks. Pure: no I/O, no imports of heavy libraries."""
+    check_controller(cfg.controller)
 
     m = cfg.model
     _check(bool(m.name.strip()), "model.name", "must not be empty")
@@ -716,8 +740,12 @@ def main(argv: list[str] | None = None) -> int:
             print("\n" + help_text())
         return 0 if argv else 2
     try:
-        cfg = load_config(argv[0], argv[1:])
-    except ConfigError as e:
+        # presets and the memory fit, as every CLI (imported by name: run as __main__, this module is a second copy)
+        from raytrain_scu.hardware import resolve
+        from raytrain_scu.train import USER_ERRORS
+
+        cfg = resolve(argv[0], argv[1:])
+    except USER_ERRORS as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     sys.stdout.write(to_yaml(cfg, redact=True))

@@ -20,7 +20,8 @@ Modes share this one code path: ``scu`` runs the law; ``fixed`` keeps λ = lambd
 Saturation: after each update, saturated when over the last ``saturation_window`` updates
 max(λ)/min(λ) - 1 < ``saturation_rel_tol`` and |Ŝ - S*| <= max(deadband, 0.05·S*); the first such step is kept.
 
-This module imports no torch, ray or mlflow: tools outside the package use it on plain floats.
+This module imports no torch, ray or mlflow (only config.py, for its defaults and checks): tools outside the
+package use it on plain floats.
 """
 from __future__ import annotations
 
@@ -28,7 +29,10 @@ import math
 from collections import deque
 from typing import Optional
 
+from raytrain_scu.config import ControllerConfig, check_controller
+
 MODES = ("scu", "fixed", "none")
+_D = ControllerConfig()  # the keyword defaults of SCUController (SCU_SPEC's public API) are the config's
 
 
 def info_ratio(data_bpt: float, param_bpt: float) -> float:
@@ -40,23 +44,17 @@ def info_ratio(data_bpt: float, param_bpt: float) -> float:
 class SCUController:
     """PI control of λ so that the information ratio S tracks ``target_s`` (see the module docstring)."""
 
-    def __init__(self, target_s: float = 0.01, kp: float = 0.8, ki: float = 0.15, ema_alpha: float = 0.1,
-                 deadband: float = 0.002, leak: float = 0.995, integral_limit: float = 0.2,
-                 lambda_init: float = 1.0, lambda_min: float = 1e-4, lambda_max: float = 10.0,
-                 saturation_window: int = 100, saturation_rel_tol: float = 0.01, mode: str = "scu"):
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        if not 0.0 < target_s < 1.0:
-            raise ValueError(f"target_s must be in (0, 1), got {target_s}")
-        if not 0.0 < lambda_min < lambda_max:
-            raise ValueError(f"need 0 < lambda_min < lambda_max, got {lambda_min}, {lambda_max}")
-        # the bounds clamp the law's updates; a fixed λ is never updated, so it need not lie between them
-        if mode == "scu" and not lambda_min <= lambda_init <= lambda_max:
-            raise ValueError(f"lambda_init {lambda_init} outside [{lambda_min}, {lambda_max}]")
-        if mode == "fixed" and not lambda_init > 0:
-            raise ValueError(f"a fixed lambda_init must be > 0, got {lambda_init}")
-        if saturation_window < 1:
-            raise ValueError(f"saturation_window must be >= 1, got {saturation_window}")
+    def __init__(self, target_s: float = _D.target_s, kp: float = _D.kp, ki: float = _D.ki,
+                 ema_alpha: float = _D.ema_alpha, deadband: float = _D.deadband, leak: float = _D.leak,
+                 integral_limit: float = _D.integral_limit, lambda_init: float = _D.lambda_init,
+                 lambda_min: float = _D.lambda_min, lambda_max: float = _D.lambda_max,
+                 saturation_window: int = _D.saturation_window, saturation_rel_tol: float = _D.saturation_rel_tol,
+                 mode: str = _D.mode):
+        # defaults and checks live in config.py alone (ControllerConfig, check_controller): one truth for both
+        check_controller(ControllerConfig(
+            mode=mode, target_s=target_s, kp=kp, ki=ki, ema_alpha=ema_alpha, deadband=deadband, leak=leak,
+            integral_limit=integral_limit, lambda_init=lambda_init, lambda_min=lambda_min, lambda_max=lambda_max,
+            saturation_window=saturation_window, saturation_rel_tol=saturation_rel_tol))
         self.target_s = float(target_s)
         self.kp, self.ki = float(kp), float(ki)
         self.ema_alpha, self.deadband, self.leak = float(ema_alpha), float(deadband), float(leak)

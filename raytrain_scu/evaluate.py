@@ -390,7 +390,9 @@ def config_from_args(args: argparse.Namespace) -> Config:
     if not args.config and not args.model:
         raise EvalError("give --model (and a data source) or --config")
     overrides = [f"{key}={getattr(args, flag)}" for flag, key in FLAG_KEYS.items() if getattr(args, flag) is not None]
-    return load_config(args.config, overrides + list(args.set))
+    from raytrain_scu.hardware import resolve
+
+    return resolve(args.config, overrides + list(args.set))
 
 
 def main(argv: list[str] | None = None) -> int:

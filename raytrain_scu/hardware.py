@@ -41,6 +41,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -219,7 +220,7 @@ def resolve_config(path: Optional[str | Path], overrides: list[str] | tuple[str,
     YAML file and overrides did not set. Returns ``(cfg, {key: (old, new)})``."""
     tree = C.load_raw(path, overrides)
     explicit = C.explicit_keys(tree)
-    cfg = C.build_config(tree, default_name=Path(path).stem if path is not None else "run")
+    cfg = C.build_config(tree, default_name=C.default_run_name(path))
     changes: dict[str, tuple[Any, Any]] = {}
     found = [] if cfg.scaling.use_gpu is False else (detect_gpus() if gpus is None else gpus)
     if cfg.hardware.preset != "none":  # (no preset sets scaling.use_gpu: `found` stays right)
@@ -230,6 +231,19 @@ def resolve_config(path: Optional[str | Path], overrides: list[str] | tuple[str,
         changes.update(fit_to_gpu(cfg, shape, min(g.memory_gib for g in found), explicit))
         C.validate(cfg)
     return cfg, changes
+
+
+def resolve(path: Optional[str | Path], overrides: list[str] | tuple[str, ...] = (), *,
+            gpus: Optional[list[GpuInfo]] = None, announce: bool = True) -> C.Config:
+    """THE way a CLI turns a YAML file and ``key=value`` overrides into the final config: strict build and checks,
+    the hardware preset, the memory fit, each once (:func:`resolve_config`). With ``announce`` every value a preset
+    or the fit changed is printed (stderr), so a run never silently differs from its file."""
+    cfg, changes = resolve_config(path, overrides, gpus=gpus)
+    if announce:
+        for key, (old, new) in changes.items():
+            print(f"[raytrain_scu] preset {cfg.hardware.preset}: {key} {old!r} -> {new!r}", file=sys.stderr,
+                  flush=True)
+    return cfg
 
 
 def model_shape(cfg: C.Config) -> Optional[dict[str, int]]:

@@ -738,7 +738,8 @@ USAGE = "usage: python -m raytrain_scu.sweep CONFIG.yaml [key=value ...] [--lr]"
 
 def main(argv: list[str] | None = None) -> int:
     """CLI: 0 when every trial ran, 1 when some failed (re-run to resume), 2 for errors found before launch."""
-    from raytrain_scu.train import USER_ERRORS, resolve
+    from raytrain_scu.hardware import resolve
+    from raytrain_scu.train import USER_ERRORS
 
     argv = list(sys.argv[1:] if argv is None else argv)
     with_lr = "--lr" in argv

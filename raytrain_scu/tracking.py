@@ -23,7 +23,7 @@ import warnings
 from pathlib import Path
 from typing import Optional
 
-from raytrain_scu.config import Config, flatten, flatten_tree, redact_uri, to_yaml
+from raytrain_scu.config import Config, flatten, flatten_tree, redact_uri, run_dir, storage_dir, to_yaml
 
 RUN_KEY_TAG = "raytrain_scu.run_key"
 PARENT_TAG = "mlflow.parentRunId"
@@ -32,10 +32,6 @@ CHANGES_TAG = "raytrain_scu.config_changes"  # the last revision's changes, "key
 BEST_STEP_TAG = "raytrain_scu.best_checkpoint_step"  # the step of the best_checkpoint artifact
 BEST_VAL_TAG = "raytrain_scu.best_checkpoint_val_bpt"  # and its val/data_bpt
 MAX_BUFFER = 2_000_000
-
-
-def storage_dir(storage_path: str) -> str:
-    return os.path.abspath(os.path.expanduser(storage_path)) if "://" not in storage_path else storage_path
 
 
 def default_uri(storage_path: str) -> str:
@@ -47,7 +43,7 @@ def tracking_uri(cfg: Config) -> str:
 
 
 def run_key(cfg: Config) -> str:
-    return f"{storage_dir(cfg.run.storage_path)}/{cfg.run.name}"
+    return run_dir(cfg)
 
 
 def _quiet_http() -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Optional
 
 from raytrain_scu.config import Config, ConfigError, to_yaml
-from raytrain_scu.hardware import MemoryFitError
+from raytrain_scu.hardware import MemoryFitError, resolve
 
 
 class PreflightError(ValueError):
@@ -397,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
             print("\n" + help_text())
         return 0 if argv else 2
     try:
-        cfg = resolve(argv[0], argv[1:])
+        cfg = resolve(argv[0], argv[1:])  # presets, memory fit and checks, once
         run(cfg)
     except USER_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
@@ -409,16 +409,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {cause}", file=sys.stderr)
         return 1
     return 0
-
-
-def resolve(path: str, overrides: list[str]) -> Config:
-    """Load the config and apply a hardware preset when asked (explicit values win)."""
-    from raytrain_scu.hardware import resolve_config
-
-    cfg, changes = resolve_config(path, overrides)
-    for key, (old, new) in (changes or {}).items():
-        print(f"[raytrain_scu] preset {cfg.hardware.preset}: {key} {old!r} -> {new!r}", flush=True)
-    return cfg
 
 
 if __name__ == "__main__":

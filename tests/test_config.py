@@ -187,3 +187,21 @@ def test_empty_config_file_is_refused(tmp_path, text):
     p.write_text(text)
     with pytest.raises(ConfigError, match="is empty"):
         load_config(p)
+
+
+def test_controller_checks_are_one_copy_shared_by_config_and_controller():
+    """Fixed mode with lambda_min=2 > lambda_max=1 once passed the config check and then raised on the worker."""
+    from raytrain_scu.config import ControllerConfig
+    from raytrain_scu.controller import SCUController
+
+    bad = ["controller.mode=fixed", "controller.lambda_min=2", "controller.lambda_max=1"]
+    with pytest.raises(ConfigError, match=r"controller\.lambda_max: must be > lambda_min"):
+        load_config(TINY, bad)
+    with pytest.raises(ConfigError, match=r"controller\.lambda_max: must be > lambda_min"):
+        SCUController(mode="fixed", lambda_min=2.0, lambda_max=1.0)
+    # the public API's keyword defaults are the config's defaults
+    import inspect
+
+    d = ControllerConfig()
+    params = inspect.signature(SCUController).parameters
+    assert {k: getattr(d, k) for k in params} == {k: p.default for k, p in params.items()}
