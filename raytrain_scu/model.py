@@ -20,6 +20,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -90,17 +91,58 @@ def check_model_source(name: str, gguf_file: str = "") -> str:
             raise ModelError(f"model.name={name}: directory {p} has no config.json (not a saved HF model; "
                              f"for a GGUF file set model.gguf_file)")
         return f"local {p}"
-    if name.startswith(("/", "./", "../", "~")):
+    if _looks_like_path(name):
         raise ModelError(f"model.name={name}: local path does not exist")
-    try:
-        from transformers import AutoConfig
+    if not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", name):
+        raise ModelError(f"model.name={name}: not a preset ({', '.join(PRESETS)}), an existing local directory or a "
+                         f"hub id (org/name)")
+    return _check_hub_id(name)
 
+
+HUB_TIMEOUT_S = 4.0  # a typo or an unreachable hub is known within ~5 s, not after transformers' retries
+
+
+def _looks_like_path(name: str) -> bool:
+    """A name meant as a local path: absolute, relative with ./ ../ ~, or deeper than a hub id's org/name."""
+    return name.startswith(("/", "./", "../", "~")) or name.count("/") > 1 or "\\" in name
+
+
+def _hub_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _check_hub_id(name: str) -> str:
+    """A hub id: found in the local HF cache, or (online) asked of the hub once with a short timeout."""
+    from transformers import AutoConfig
+
+    try:
+        AutoConfig.from_pretrained(name, local_files_only=True)
+        return f"hub {name} (cached)"
+    except Exception:  # noqa: BLE001 - not cached; the hub decides below
+        pass
+    if _hub_offline():
+        raise ModelError(f"model.name={name}: not in the local HF cache, and HF_HUB_OFFLINE=1 forbids downloading it "
+                         f"(download it once online, or give a local directory)")
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+
+    try:
+        HfApi().model_info(name, timeout=HUB_TIMEOUT_S)
+    except GatedRepoError:
+        raise ModelError(f"model.name={name}: a gated hub model; accept its licence on the hub and log in "
+                         f"(HF_TOKEN) first") from None
+    except RepositoryNotFoundError:
+        raise ModelError(f"model.name={name}: no such model on the hub (a typo?), not a preset "
+                         f"({', '.join(PRESETS)}) and not a local directory") from None
+    except Exception as e:  # noqa: BLE001 - connection refused, DNS, timeout, proxy: the hub is not reachable
+        raise ModelError(f"model.name={name}: not in the local HF cache and the hub cannot be reached within "
+                         f"{HUB_TIMEOUT_S:g} s ({type(e).__name__}); on an offline machine download it elsewhere "
+                         f"and set HF_HUB_OFFLINE=1, or give a local directory") from None
+    try:
         AutoConfig.from_pretrained(name)
     except Exception as e:  # noqa: BLE001 - re-raised with the reason
-        offline = os.environ.get("HF_HUB_OFFLINE", "") in ("1", "true", "True", "YES", "yes")
-        hint = " (HF_HUB_OFFLINE=1: only models already in the local HF cache can load)" if offline else ""
-        raise ModelError(f"model.name={name}: not a preset ({', '.join(PRESETS)}), not a local directory, and "
-                         f"the hub id could not be loaded{hint}: {type(e).__name__}: {str(e)[:300]}") from None
+        raise ModelError(f"model.name={name}: the hub has it but its config could not be loaded: "
+                         f"{type(e).__name__}: {str(e)[:300]}") from None
     return f"hub {name}"
 
 

@@ -44,7 +44,7 @@ CASES = {
     "target_s = 0": (lambda t: [TINY, "controller.target_s=0"], ["controller.target_s", "(0, 1)"]),
     "kp < 0": (lambda t: [TINY, "controller.kp=-0.5"], ["controller.kp", "must be >= 0", "-0.5"]),
     "lambda bounds inverted": (lambda t: [TINY, "controller.lambda_min=5", "controller.lambda_max=1"],
-                               ["lambda_min < lambda_init <= lambda_max", "5.0"]),
+                               ["controller.lambda_max", "must be > lambda_min", "5.0"]),
     "batch size 0": (lambda t: [TINY, "data.batch_size=0"], ["data.batch_size", "must be >= 1", "got 0"]),
     "val_fraction 1": (lambda t: [TINY, "data.val_fraction=1.0"], ["data.val_fraction", "(0, 1)"]),
     "checkpoint_every not a multiple of report_every": (lambda t: [TINY, "train.checkpoint_every=7"],
