@@ -29,6 +29,7 @@ from raytrain_scu.config import Config, run_dir
 from raytrain_scu.evaluate import DEFAULT_BOOTSTRAP, paired_bootstrap, score_shard
 from raytrain_scu.hardware import resolve
 from raytrain_scu.model import bits_per_token
+from raytrain_scu.sweep_space import trial_config
 from raytrain_scu.train import USER_ERRORS
 
 T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
@@ -67,8 +68,9 @@ def check_finished(sweep_name: str, rows: list[dict]) -> None:
 
 
 def run_arms(config_path: str, overrides: list[str], sweeps: dict[str, list[str]]) -> dict[str, dict]:
-    """Run (or resume) each family's grid sweep; ``{family: {"cfg": sweep config, "rows": sweep.trial_rows}}``."""
-    from raytrain_scu.sweep import run_sweep
+    """Run (or resume) each family's grid sweep; ``{family: {"cfg": sweep config, "rows": trial rows}}`` (rows as
+    ``sweep_results.trial_rows`` gives them)."""
+    from raytrain_scu.sweep import run_sweep  # the Tune wiring: Ray is imported only when the arms run
 
     out = {}
     for family, extra in sweeps.items():
@@ -83,8 +85,6 @@ def run_arms(config_path: str, overrides: list[str], sweeps: dict[str, list[str]
 
 def trial_run(family_cfg: Config, row: dict) -> tuple[Config, Path]:
     """A trial's full config, built by the sweep's own ``trial_config``, and its Train run directory."""
-    from raytrain_scu.sweep import trial_config
-
     cfg = trial_config(family_cfg, row["params"], row["trial"])
     return cfg, Path(run_dir(cfg))
 

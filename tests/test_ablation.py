@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from conftest import ROOT
-from raytrain_scu import ablation, sweep
+from raytrain_scu import ablation, sweep_space
 from raytrain_scu.checkpoint import write_checkpoint
-from raytrain_scu.config import load_config
+from raytrain_scu.config import load_config, run_dir
 
 ABLATION_YAML = str(ROOT / "experiments" / "ablation-smollm2.yaml")
 LN2 = math.log(2.0)
@@ -102,7 +102,7 @@ def test_arm_overrides_are_valid_grid_sweeps():
     spaces = {}
     for family, extra in sweeps.items():
         cfg = load_config(ABLATION_YAML, [*extra, "tune.search=grid", "tune.scheduler=none"])
-        spaces[family] = sweep.resolve_space(cfg)
+        spaces[family] = sweep_space.resolve_space(cfg)
         assert cfg.controller.mode == ("none" if family == "none" else "fixed" if family == "fixed" else "scu")
     assert spaces["none"] == {"seed": {"grid": [0, 1]}}
     assert spaces["fixed"]["controller.lambda_init"] == {"grid": [0.1, 1.0]}
@@ -121,9 +121,9 @@ def test_unfinished_trials_are_refused():
 def test_trial_run_is_the_sweeps_trial(tmp_path):
     family = load_config(ABLATION_YAML, ["controller.mode=scu", f"run.storage_path={tmp_path}", "run.name=ab-scu",
                                          "tune.space={controller.target_s: {grid: [0.02]}, seed: {grid: [2]}}"])
-    cfg, run_dir = ablation.trial_run(family, {"trial": "t123", "params": {"controller.target_s": 0.02, "seed": 2}})
+    cfg, trial_dir = ablation.trial_run(family, {"trial": "t123", "params": {"controller.target_s": 0.02, "seed": 2}})
     assert cfg.seed == 2 and cfg.controller.target_s == 0.02
-    assert run_dir.is_relative_to(Path(sweep.sweep_dir(family))) and run_dir.name.endswith("t123")
+    assert trial_dir.is_relative_to(Path(run_dir(family))) and trial_dir.name.endswith("t123")
 
 
 # ---------------------------------------------------------------- checkpoints

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from conftest import ROOT, TINY, tiny_cfg
-from raytrain_scu import sweep, tracking
+from raytrain_scu import sweep, sweep_results, sweep_space, tracking
 from raytrain_scu.config import ConfigError, global_batch_tokens, load_config, to_yaml
 
 # a 1-worker tiny run: val/data_bpt measured at every report so ASHA compares fresh values
@@ -26,32 +26,32 @@ def base(tmp_path, *overrides):
 
 def test_default_space_tunes_the_global_batch_on_a_loss_and_the_micro_batch_on_speed(tmp_path):
     cfg = base(tmp_path)  # batch 4 x accum 2 x 1 worker x block 64 = 512 tokens per step
-    space = sweep.resolve_space(cfg)
+    space = sweep_space.resolve_space(cfg)
     assert list(space) == ["global_batch_tokens", "controller.kp", "controller.ki", "controller.target_s"]
     assert space["global_batch_tokens"] == {"choice": [256, 512, 1024]}
-    assert "optim.lr" in sweep.resolve_space(cfg, with_lr=True)
+    assert "optim.lr" in sweep_space.resolve_space(cfg, with_lr=True)
     # a global batch no whole grad_accum reaches is left out, and the controller is not swept when it is off
-    space = sweep.resolve_space(base(tmp_path, "data.grad_accum=1", "controller.mode=none"))
+    space = sweep_space.resolve_space(base(tmp_path, "data.grad_accum=1", "controller.mode=none"))
     assert space == {"global_batch_tokens": {"choice": [256, 512]}}
     # scored on speed: the micro-batch alone; a batch that cannot keep the tokens per step is left out
-    assert sweep.resolve_space(base(tmp_path, *SPEED)) == {"data.batch_size": {"choice": [2, 4, 8]}}
-    assert sweep.resolve_space(base(tmp_path, *SPEED, "data.grad_accum=1")) == {"data.batch_size": {"choice": [2, 4]}}
+    assert sweep_space.resolve_space(base(tmp_path, *SPEED)) == {"data.batch_size": {"choice": [2, 4, 8]}}
+    assert sweep_space.resolve_space(base(tmp_path, *SPEED, "data.grad_accum=1")) == {"data.batch_size": {"choice": [2, 4]}}
     # without the rule the micro-batch moves the global batch: a loss knob again
-    assert list(sweep.resolve_space(base(tmp_path, "tune.keep_tokens_per_step=false")))[0] == "data.batch_size"
+    assert list(sweep_space.resolve_space(base(tmp_path, "tune.keep_tokens_per_step=false")))[0] == "data.batch_size"
 
 
 def test_batch_trials_keep_tokens_per_step(tmp_path):
     cfg = base(tmp_path)
-    tokens = {global_batch_tokens(sweep.apply_params(cfg, {"data.batch_size": b})) for b in (1, 2, 4, 8)}
+    tokens = {global_batch_tokens(sweep_space.apply_params(cfg, {"data.batch_size": b})) for b in (1, 2, 4, 8)}
     assert tokens == {global_batch_tokens(cfg)} == {4 * 2 * 64}
-    assert sweep.apply_params(cfg, {"data.batch_size": 2}).data.grad_accum == 4
+    assert sweep_space.apply_params(cfg, {"data.batch_size": 2}).data.grad_accum == 4
     with pytest.raises(ConfigError, match="does not divide"):
-        sweep.apply_params(cfg, {"data.batch_size": 3})
-    with pytest.raises(sweep.SweepError, match="data.batch_size value 3"):
-        sweep.resolve_space(base(tmp_path, *SPEED, "tune.space={data.batch_size: {choice: [2, 3]}}"))
+        sweep_space.apply_params(cfg, {"data.batch_size": 3})
+    with pytest.raises(sweep_space.SweepError, match="data.batch_size value 3"):
+        sweep_space.resolve_space(base(tmp_path, *SPEED, "tune.space={data.batch_size: {choice: [2, 3]}}"))
     # without the rule, grad_accum stays and the global batch follows the batch size
     loose = base(tmp_path, "tune.keep_tokens_per_step=false")
-    trial = sweep.apply_params(loose, {"data.batch_size": 8})
+    trial = sweep_space.apply_params(loose, {"data.batch_size": 8})
     assert trial.data.grad_accum == 2 and global_batch_tokens(trial) == 2 * global_batch_tokens(loose)
 
 
@@ -59,13 +59,13 @@ def test_micro_batch_is_scored_on_speed_never_on_a_loss(tmp_path):
     # with keep_tokens_per_step a trial's micro-batch only regroups the same sequences: a loss moves by float noise
     micro = "tune.space={data.batch_size: {choice: [2, 4, 8]}}"
     for metric in ("val/data_bpt", "train/data_bpt"):
-        with pytest.raises(sweep.SweepError, match=r"micro-batch.*float noise.*perf/tokens_per_s.*global_batch_tokens"):
-            sweep.resolve_space(base(tmp_path, micro, f"tune.metric={metric}"))
-    assert sweep.resolve_space(base(tmp_path, *SPEED, micro)) == {"data.batch_size": {"choice": [2, 4, 8]}}
-    with pytest.raises(sweep.SweepError, match="tune.mode=max"):
-        sweep.resolve_space(base(tmp_path, "tune.metric=perf/tokens_per_s", micro))
+        with pytest.raises(sweep_space.SweepError, match=r"micro-batch.*float noise.*perf/tokens_per_s.*global_batch_tokens"):
+            sweep_space.resolve_space(base(tmp_path, micro, f"tune.metric={metric}"))
+    assert sweep_space.resolve_space(base(tmp_path, *SPEED, micro)) == {"data.batch_size": {"choice": [2, 4, 8]}}
+    with pytest.raises(sweep_space.SweepError, match="tune.mode=max"):
+        sweep_space.resolve_space(base(tmp_path, "tune.metric=perf/tokens_per_s", micro))
     # when the micro-batch moves the global batch (keep_tokens_per_step=false) a loss may score it
-    assert list(sweep.resolve_space(base(tmp_path, "tune.keep_tokens_per_step=false", micro))) == ["data.batch_size"]
+    assert list(sweep_space.resolve_space(base(tmp_path, "tune.keep_tokens_per_step=false", micro))) == ["data.batch_size"]
 
 
 def test_micro_batch_changes_the_loss_only_by_float_noise(tmp_path):
@@ -91,25 +91,25 @@ def test_global_batch_is_the_optimisation_knob_mapped_to_grad_accum(tmp_path):
     from ray.tune.search.sample import Categorical
 
     cfg = base(tmp_path)  # one micro-step: batch 4 x 1 worker x block 64 = 256 tokens
-    trial = sweep.apply_params(cfg, {"global_batch_tokens": 1024})
+    trial = sweep_space.apply_params(cfg, {"global_batch_tokens": 1024})
     assert (trial.data.batch_size, trial.data.grad_accum, global_batch_tokens(trial)) == (4, 4, 1024)
     with pytest.raises(ConfigError, match="global_batch_tokens=384 is not a whole number of micro-steps"):
-        sweep.apply_params(cfg, {"global_batch_tokens": 384})
-    space = sweep.resolve_space(base(tmp_path, "tune.space={global_batch_tokens: {choice: [256, 1024.0]}}"))
+        sweep_space.apply_params(cfg, {"global_batch_tokens": 384})
+    space = sweep_space.resolve_space(base(tmp_path, "tune.space={global_batch_tokens: {choice: [256, 1024.0]}}"))
     assert space == {"global_batch_tokens": {"choice": [256, 1024]}}
     assert isinstance(sweep.tune_space(cfg, space)["global_batch_tokens"], Categorical)
-    assert sweep.tokens_per_step_bounds(cfg, space) == (256, 1024)
-    assert sweep.max_sequences_per_step(cfg, space) == 16
+    assert sweep_space.tokens_per_step_bounds(cfg, space) == (256, 1024)
+    assert sweep_space.max_sequences_per_step(cfg, space) == 16
     # with a swept block size every pair must give a whole grad_accum: 256 tokens is less than one micro-step of 128
-    with pytest.raises(sweep.SweepError, match="global_batch_tokens=256, data.block_size=128: .*not a whole number"):
-        sweep.resolve_space(base(tmp_path, "tune.space={global_batch_tokens: {choice: [256, 1024]}, "
+    with pytest.raises(sweep_space.SweepError, match="global_batch_tokens=256, data.block_size=128: .*not a whole number"):
+        sweep_space.resolve_space(base(tmp_path, "tune.space={global_batch_tokens: {choice: [256, 1024]}, "
                                            "data.block_size: {choice: [64, 128]}}"))
-    trial = sweep.apply_params(cfg, {"global_batch_tokens": 1024, "data.block_size": 128})
+    trial = sweep_space.apply_params(cfg, {"global_batch_tokens": 1024, "data.block_size": 128})
     assert (trial.data.grad_accum, global_batch_tokens(trial)) == (2, 1024)
-    with pytest.raises(sweep.SweepError, match="not ranges"):
-        sweep.resolve_space(base(tmp_path, "tune.space={global_batch_tokens: {randint: [256, 1024]}}"))
-    with pytest.raises(sweep.SweepError, match="keep_tokens_per_step=false keeps data.grad_accum"):
-        sweep.resolve_space(base(tmp_path, "tune.keep_tokens_per_step=false",
+    with pytest.raises(sweep_space.SweepError, match="not ranges"):
+        sweep_space.resolve_space(base(tmp_path, "tune.space={global_batch_tokens: {randint: [256, 1024]}}"))
+    with pytest.raises(sweep_space.SweepError, match="keep_tokens_per_step=false keeps data.grad_accum"):
+        sweep_space.resolve_space(base(tmp_path, "tune.keep_tokens_per_step=false",
                                  "tune.space={global_batch_tokens: {choice: [256, 1024]}}"))
     with pytest.raises(ConfigError, match="tune.space.global_batch_tokens"):
         base(tmp_path, "tune.space={global_batch_tokens: {choice: [big]}}")
@@ -119,7 +119,7 @@ def test_asha_compares_trials_at_equal_tokens_not_equal_steps(tmp_path):
     # report every 2 steps; global batches of 256 and 1024 tokens: ASHA's rungs are 512, 1024, 2048, ... tokens
     cfg = base(tmp_path, "train.max_steps=8", "train.checkpoint_every=8",
                "tune.space={global_batch_tokens: {choice: [256, 1024]}}")
-    space = sweep.resolve_space(cfg)
+    space = sweep_space.resolve_space(cfg)
 
     def asha():
         scheduler = sweep.asha_scheduler(cfg, space)
@@ -144,7 +144,7 @@ def test_asha_compares_trials_at_equal_tokens_not_equal_steps(tmp_path):
     assert report(scheduler, "small", 8, 5.9) == "CONTINUE"  # better at equal tokens: kept
     # one global batch: the first rung is grace_period reports, as on a step axis
     one = base(tmp_path, "tune.space={optim.lr: {choice: [0.01, 0.001]}}")
-    assert sweep.tokens_per_step_bounds(one, sweep.resolve_space(one)) == (512, 512)
+    assert sweep_space.tokens_per_step_bounds(one, sweep_space.resolve_space(one)) == (512, 512)
 
 
 def test_space_kinds_become_tune_domains(tmp_path):
@@ -153,7 +153,7 @@ def test_space_kinds_become_tune_domains(tmp_path):
     cfg = base(tmp_path, "tune.space={optim.lr: {loguniform: [1.0e-4, 1.0e-2]}, lora.r: {randint: [2, 8]}, "
                          "data.block_size: {uniform: [32, 64]}, controller.mode: {choice: [scu, none]}, "
                          "seed: {grid: [0, 1]}}")
-    dom = sweep.tune_space(cfg, sweep.resolve_space(cfg))
+    dom = sweep.tune_space(cfg, sweep_space.resolve_space(cfg))
     assert isinstance(dom["optim.lr"], Float) and isinstance(dom["controller.mode"], Categorical)
     assert isinstance(dom["lora.r"], Integer) and (dom["lora.r"].lower, dom["lora.r"].upper) == (2, 9)  # high inclusive
     assert isinstance(dom["data.block_size"], Integer)  # a range over an int key samples ints
@@ -161,23 +161,23 @@ def test_space_kinds_become_tune_domains(tmp_path):
 
 
 def test_search_and_space_checks(tmp_path, monkeypatch):
-    with pytest.raises(sweep.SweepError, match="tune.search=grid .* controller.kp"):
-        sweep.resolve_space(base(tmp_path, "tune.search=grid"))
-    with pytest.raises(sweep.SweepError, match="use choice instead of grid"):
-        sweep.resolve_space(base(tmp_path, "tune.search=optuna", "tune.space={seed: {grid: [0, 1]}}"))
-    with pytest.raises(sweep.SweepError, match="remove data.grad_accum"):
-        sweep.resolve_space(base(tmp_path, "tune.space={data.grad_accum: {choice: [1, 2]}}"))
-    with pytest.raises(sweep.SweepError, match="controller.target_s value 2"):
-        sweep.resolve_space(base(tmp_path, "tune.space={controller.target_s: {uniform: [0.01, 2]}}"))
-    with pytest.raises(sweep.SweepError, match="grace_period"):
-        sweep.resolve_space(base(tmp_path, "tune.grace_period=4"))
+    with pytest.raises(sweep_space.SweepError, match="tune.search=grid .* controller.kp"):
+        sweep_space.resolve_space(base(tmp_path, "tune.search=grid"))
+    with pytest.raises(sweep_space.SweepError, match="use choice instead of grid"):
+        sweep_space.resolve_space(base(tmp_path, "tune.search=optuna", "tune.space={seed: {grid: [0, 1]}}"))
+    with pytest.raises(sweep_space.SweepError, match="remove data.grad_accum"):
+        sweep_space.resolve_space(base(tmp_path, "tune.space={data.grad_accum: {choice: [1, 2]}}"))
+    with pytest.raises(sweep_space.SweepError, match="controller.target_s value 2"):
+        sweep_space.resolve_space(base(tmp_path, "tune.space={controller.target_s: {uniform: [0.01, 2]}}"))
+    with pytest.raises(sweep_space.SweepError, match="grace_period"):
+        sweep_space.resolve_space(base(tmp_path, "tune.grace_period=4"))
     # a trial's resources are the base config's: they size the concurrency and are checked once
-    with pytest.raises(sweep.SweepError, match="cannot sweep scaling.num_workers, scaling.cpus_per_worker:"):
-        sweep.resolve_space(base(tmp_path, "tune.space={scaling.num_workers: {choice: [1, 2]}, "
+    with pytest.raises(sweep_space.SweepError, match="cannot sweep scaling.num_workers, scaling.cpus_per_worker:"):
+        sweep_space.resolve_space(base(tmp_path, "tune.space={scaling.num_workers: {choice: [1, 2]}, "
                                            "scaling.cpus_per_worker: {choice: [1, 2]}, seed: {choice: [0, 1]}}"))
     monkeypatch.setitem(sys.modules, "optuna", None)  # as if the extra were not installed
-    with pytest.raises(sweep.SweepError, match=r"needs optuna.*pip install"):
-        sweep.resolve_space(base(tmp_path, "tune.search=optuna"))
+    with pytest.raises(sweep_space.SweepError, match=r"needs optuna.*pip install"):
+        sweep_space.resolve_space(base(tmp_path, "tune.search=optuna"))
 
 
 def test_concurrent_trials_from_cluster_resources(tmp_path):
@@ -185,8 +185,18 @@ def test_concurrent_trials_from_cluster_resources(tmp_path):
     assert sweep.concurrent_trials({"CPU": 4.0}, sweep.trial_need(cfg, use_gpu=False)) == 3  # 3 x (1 + 0.01) <= 4
     gpu = base(tmp_path, "scaling.num_workers=2", "scaling.cpus_per_worker=4")
     assert sweep.concurrent_trials({"CPU": 64.0, "GPU": 8.0}, sweep.trial_need(gpu, use_gpu=True)) == 4
-    with pytest.raises(sweep.SweepError, match="one trial needs CPU=8.01, GPU=2 but the cluster has CPU=64, GPU=1"):
+    with pytest.raises(sweep_space.SweepError, match="one trial needs CPU=8.01, GPU=2 but the cluster has CPU=64, GPU=1"):
         sweep.concurrent_trials({"CPU": 64.0, "GPU": 1.0}, sweep.trial_need(gpu, use_gpu=True))
+
+
+def test_space_results_and_ablation_modules_import_no_ray():
+    # Ray lives at the edge: only sweep.py (the Tune wiring) imports it; a fresh interpreter shows what each pulls in
+    import subprocess
+
+    code = ("import sys; import raytrain_scu.sweep_space, raytrain_scu.sweep_results, raytrain_scu.ablation; "
+            "print(sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
 
 
 def test_cli_without_a_config_prints_usage_and_exits_2(capsys):
@@ -229,26 +239,26 @@ def test_cli_errors_exit_2_before_ray(tmp_path, monkeypatch, capsys, overrides, 
 def test_table_sorted_by_metric_and_best_yaml_loads(tmp_path):
     metric = "perf/tokens_per_s"  # a micro-batch sweep is scored on speed, the higher the better
     cfg = base(tmp_path, "tune.space={data.batch_size: {grid: [2, 4, 8]}}", "tune.search=grid", *SPEED)
-    space = sweep.resolve_space(cfg)
+    space = sweep_space.resolve_space(cfg)
     cfg.tune.space = space
     fake = [SimpleNamespace(path=f"/x/t{b}", config={"data.batch_size": b}, error=None,
                             metrics={"step": steps, metric: speed, "tokens_seen": steps * 512})
             for b, steps, speed in ((2, 6, 900.0), (4, 2, 500.0), (8, 6, 1200.0))]
     fake.append(SimpleNamespace(path="/x/t16", config={"data.batch_size": 1}, error=RuntimeError("x"), metrics={}))
-    rows = sweep.trial_rows(fake, cfg, space)
+    rows = sweep_results.trial_rows(fake, cfg, space)
     assert [r["trial"] for r in rows] == ["t8", "t2", "t4", "t16"]
     assert [r["status"] for r in rows] == ["DONE", "DONE", "STOPPED", "ERROR"]
     assert [r["grad_accum"] for r in rows] == [1, 4, 2, 8]
     assert [r["tokens_seen"] for r in rows] == [3072, 3072, 1024, None]
-    table = sweep.format_table(rows, list(space), metric)
+    table = sweep_results.format_table(rows, list(space), metric)
     assert table.splitlines()[0].split() == ["trial", "data.batch_size", "data.grad_accum", "global_batch_tokens",
                                              metric, "steps", "tokens_seen", "status"]
-    best = sweep.best_row(rows)
+    best = sweep_results.best_row(rows)
     path = tmp_path / "best.yaml"
-    path.write_text(to_yaml(sweep.best_config(cfg, best)))
+    path.write_text(to_yaml(sweep_results.best_config(cfg, best)))
     loaded = load_config(path)
     assert (loaded.data.batch_size, loaded.data.grad_accum, loaded.run.name) == (8, 1, "sw-best")
-    pngs = sweep.plot_metric_vs_params(rows, space, metric, tmp_path / "plots", best)
+    pngs = sweep_results.plot_metric_vs_params(rows, space, metric, tmp_path / "plots", best)
     assert [p.name for p in pngs] == ["perf_tokens_per_s_vs_data.batch_size.png"]
     png = pngs[0].read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
@@ -257,19 +267,19 @@ def test_table_sorted_by_metric_and_best_yaml_loads(tmp_path):
 
 def test_global_batch_table_has_one_global_batch_column_and_the_accumulation(tmp_path):
     cfg = base(tmp_path, "tune.space={global_batch_tokens: {grid: [256, 1024]}}", "tune.search=grid")
-    space = sweep.resolve_space(cfg)
+    space = sweep_space.resolve_space(cfg)
     fake = [SimpleNamespace(path=f"/x/g{g}", config={"global_batch_tokens": g}, error=None,
                             metrics={"step": 6, "val/data_bpt": bpt, "tokens_seen": 6 * g})
             for g, bpt in ((256, 7.5), (1024, 7.1))]
-    rows = sweep.trial_rows(fake, cfg, space)
-    head, *body = sweep.trials_csv(rows, list(space), "val/data_bpt").splitlines()
+    rows = sweep_results.trial_rows(fake, cfg, space)
+    head, *body = sweep_results.trials_csv(rows, list(space), "val/data_bpt").splitlines()
     assert head.split(",") == ["trial", "global_batch_tokens", "data.grad_accum", "val/data_bpt", "steps",
                                "tokens_seen", "status", "run_name"]
     assert [line.split(",")[:3] for line in body] == [["g1024", "1024", "4"], ["g256", "256", "1"]]
-    assert load_config_text(tmp_path, to_yaml(sweep.best_config(cfg, rows[0]))).data.grad_accum == 4
+    assert load_config_text(tmp_path, to_yaml(sweep_results.best_config(cfg, rows[0]))).data.grad_accum == 4
     # the trial's MLflow child run: the accumulation and the global batch as params (a real sqlite store)
     params = {"global_batch_tokens": 1024}
-    run_id = sweep.open_child_run(sweep.trial_config(cfg, params, "g1024"), "sw", None, params, "g1024")
+    run_id = sweep_results.open_child_run(sweep_space.trial_config(cfg, params, "g1024"), "sw", None, params, "g1024")
     logged = tracking.client_for(tracking.tracking_uri(cfg)).get_run(run_id).data.params
     assert (logged["data.grad_accum"], logged["derived.global_batch_tokens"]) == ("4", "1024")
 
@@ -282,18 +292,18 @@ def load_config_text(tmp_path, text):
 
 def test_tiny_sweep_experiment_resolves():
     cfg = load_config(ROOT / "experiments" / "tiny-sweep.yaml")
-    space = sweep.resolve_space(cfg)
+    space = sweep_space.resolve_space(cfg)
     assert cfg.scaling.num_workers == 1
     assert space == {"global_batch_tokens": {"choice": [256, 512, 1024]}, "controller.kp": {"loguniform": [0.2, 3.2]},
                      "controller.target_s": {"loguniform": [0.002, 0.05]}}
-    assert [sweep.apply_params(cfg, {"global_batch_tokens": g}).data.grad_accum for g in (256, 512, 1024)] == [1, 2, 4]
+    assert [sweep_space.apply_params(cfg, {"global_batch_tokens": g}).data.grad_accum for g in (256, 512, 1024)] == [1, 2, 4]
 
 
 def test_close_parent_run_ends_only_the_children_left_running(tmp_path):
     # a real sqlite store; the four ways a trial's child run ends
     cfg = base(tmp_path, "tune.space={optim.lr: {choice: [0.01, 0.001]}}")
-    cfg.tune.space = sweep.resolve_space(cfg)
-    parent_run_id = sweep.open_parent_run(cfg)
+    cfg.tune.space = sweep_space.resolve_space(cfg)
+    parent_run_id = sweep_results.open_parent_run(cfg)
     client = tracking.client_for(tracking.tracking_uri(cfg))
     ends = {"done": ("DONE", "FINISHED"),           # reached train.max_steps: its worker ended the run
             "saturated": ("STOPPED", "FINISHED"),   # train.stop_on_saturation: its worker ended the run too
@@ -302,12 +312,12 @@ def test_close_parent_run_ends_only_the_children_left_running(tmp_path):
     rows, run_ids = [], {}
     for i, (trial, (status, worker_end)) in enumerate(ends.items()):
         params = {"optim.lr": 0.01}
-        run_ids[trial] = sweep.open_child_run(sweep.trial_config(cfg, params, trial), cfg.run.name, parent_run_id,
+        run_ids[trial] = sweep_results.open_child_run(sweep_space.trial_config(cfg, params, trial), cfg.run.name, parent_run_id,
                                               params, trial)
         if worker_end:
             client.set_terminated(run_ids[trial], status=worker_end)
         rows.append({"trial": trial, "status": status, "metric": 7.0 + i})
-    sweep.close_parent_run(cfg, parent_run_id, rows, rows[0], "best: yes\n", [])
+    sweep_results.close_parent_run(cfg, parent_run_id, rows, rows[0], "best: yes\n", [])
 
     runs = {t: client.get_run(r) for t, r in run_ids.items()}
     assert {t: r.info.status for t, r in runs.items()} == {"done": "FINISHED", "saturated": "FINISHED",
