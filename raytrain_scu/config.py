@@ -457,7 +457,7 @@ def _one_of(key: str, value: str, allowed: tuple[str, ...]) -> None:
 
 
 TUNE_KINDS = ("choice", "grid", "uniform", "loguniform", "randint")
-# tune.space keys that are not config keys: the sweep maps each onto config keys (sweep.apply_params).
+# tune.space keys that are not config keys: the sweep maps each onto config keys (sweep_space.apply_params).
 # global_batch_tokens: tokens per optimizer step over all workers (the global batch, the optimisation knob); a trial's
 # data.grad_accum is set to it / (data.batch_size x scaling.num_workers x data.block_size)
 SPACE_ONLY_KEYS = {"global_batch_tokens": int}
