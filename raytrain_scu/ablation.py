@@ -59,7 +59,7 @@ def check_finished(sweep_name: str, rows: list[dict]) -> None:
 
     An ERROR or PENDING trial has no final adapter yet; a STOPPED one trained fewer steps than the other arms.
     """
-    unfinished = [f"{r['trial']} ({r['status']})" for r in rows if r["status"] != "DONE"]
+    unfinished = [f"{r['trial']} ({r['status']})" for r in rows if r["status"] != "FINISHED"]
     if unfinished:
         raise AblationError(f"sweep {sweep_name}: {len(unfinished)} trial(s) did not reach train.max_steps: "
                             f"{', '.join(unfinished)}. ERROR/PENDING trials resume when the same command is run "

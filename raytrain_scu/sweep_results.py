@@ -21,8 +21,11 @@ from raytrain_scu.sweep_space import GLOBAL_BATCH, apply_params, plain_value, tr
 def trial_rows(results, base: Config, space: dict) -> list[dict]:
     """One row per trial, best first: id, swept values, grad_accum, global batch, metric, steps, status.
 
-    The metric is the trial's last reported value. Status: DONE (reached train.max_steps), STOPPED (ended early:
-    ASHA, the time budget, or saturation), ERROR, PENDING (never reported).
+    The metric is the trial's last value reported to Tune, at step ``scored_step``; ``steps`` is how far it trained
+    (a stopped trial's workers may log a few steps more before they end: :func:`sync_with_mlflow`). Status, in
+    MLflow's words so the table, trials.csv and the MLflow run agree: FINISHED (reached train.max_steps, or ended by
+    train.stop_on_saturation), KILLED (stopped early by Tune: ASHA or the time budget), FAILED, PENDING (never
+    reported).
     """
     rows = []
     for r in results:
@@ -31,15 +34,16 @@ def trial_rows(results, base: Config, space: dict) -> list[dict]:
         cfg = trial_config(base, params, trial_id)
         m = r.metrics or {}
         step = m.get("step")
+        saturated = base.train.stop_on_saturation and m.get("ctrl/saturated_step") is not None
         if r.error is not None:
-            status = "ERROR"
+            status = "FAILED"
         elif step is None:
             status = "PENDING"
         else:
-            status = "DONE" if step >= base.train.max_steps else "STOPPED"
+            status = "FINISHED" if step >= base.train.max_steps or saturated else "KILLED"
         rows.append({"trial": trial_id, "params": params, "grad_accum": cfg.data.grad_accum,
                      "global_batch_tokens": global_batch_tokens(cfg),
-                     "metric": float(m.get(base.tune.metric, math.nan)), "steps": step,
+                     "metric": float(m.get(base.tune.metric, math.nan)), "scored_step": step, "steps": step,
                      "tokens_seen": m.get("tokens_seen"), "status": status, "run_name": cfg.run.name})
     sign = 1.0 if base.tune.mode == "min" else -1.0
     rows.sort(key=lambda row: (not math.isfinite(row["metric"]),
@@ -49,12 +53,19 @@ def trial_rows(results, base: Config, space: dict) -> list[dict]:
 
 def best_row(rows: list[dict]) -> Optional[dict]:
     """The best trial that did not fail and has a finite metric (rows are sorted best first)."""
-    return next((r for r in rows if r["status"] != "ERROR" and math.isfinite(r["metric"])), None)
+    return next((r for r in rows if r["status"] != "FAILED" and math.isfinite(r["metric"])), None)
 
 
-def _fmt(v) -> str:
+def metric_digits(values) -> int:
+    """The fewest significant digits (4 to 12) at which the distinct metric values still print distinctly, so trials
+    that differ never look tied."""
+    finite = {v for v in values if isinstance(v, float) and math.isfinite(v)}
+    return next((d for d in range(4, 13) if len({f"{v:.{d}g}" for v in finite}) == len(finite)), 12)
+
+
+def _fmt(v, digits: int = 4) -> str:
     if isinstance(v, float):
-        return f"{v:.4g}"
+        return f"{v:.{digits}g}"
     return "-" if v is None else str(v)
 
 
@@ -62,17 +73,19 @@ def _columns(rows: list[dict], keys: list[str], metric: str) -> tuple[list[str],
     derives_accum = "data.batch_size" in keys or GLOBAL_BATCH in keys
     extra = ["data.grad_accum"] if derives_accum and "data.grad_accum" not in keys else []
     batch = [] if GLOBAL_BATCH in keys else ["global_batch_tokens"]  # a swept global batch is a key column already
-    head = ["trial", *keys, *extra, *batch, metric, "steps", "tokens_seen", "status"]
+    head = ["trial", *keys, *extra, *batch, metric, "scored_at", "steps", "tokens_seen", "status"]
     body = [[r["trial"], *(r["params"].get(k) for k in keys), *([r["grad_accum"]] if extra else []),
-             *([r["global_batch_tokens"]] if batch else []), r["metric"], r["steps"], r.get("tokens_seen"),
-             r["status"]] for r in rows]
+             *([r["global_batch_tokens"]] if batch else []), r["metric"], r.get("scored_step", r["steps"]),
+             r["steps"], r.get("tokens_seen"), r["status"]] for r in rows]
     return head, body
 
 
 def format_table(rows: list[dict], keys: list[str], metric: str) -> str:
     """The trials table as aligned text, best first."""
     head, body = _columns(rows, keys, metric)
-    lines = [head, *([_fmt(v) for v in line] for line in body)]
+    col = head.index(metric)
+    digits = metric_digits([line[col] for line in body])
+    lines = [head, *([_fmt(v, digits if i == col else 4) for i, v in enumerate(line)] for line in body)]
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines)
 
@@ -113,7 +126,7 @@ def plot_metric_vs_params(rows: list[dict], space: dict, metric: str, out_dir: P
         labels = sorted({str(v) for v in values})
         xs = values if numeric else [labels.index(str(v)) for v in values]
         fig, ax = plt.subplots(figsize=(6, 4))
-        for status, marker in (("DONE", "o"), ("STOPPED", "x"), ("ERROR", "^")):
+        for status, marker in (("FINISHED", "o"), ("KILLED", "x"), ("FAILED", "^")):
             pts = [(x, r["metric"]) for x, r in zip(xs, shown) if r["status"] == status]
             if pts:
                 ax.scatter(*zip(*pts), marker=marker, s=40, label=status.lower())
@@ -139,6 +152,8 @@ def write_results(cfg: Config, space: dict, results, parent_run_id: Optional[str
     t = cfg.tune
     out = Path(run_dir(cfg))
     rows = trial_rows(results, cfg, space)
+    if parent_run_id:
+        sync_with_mlflow(cfg, parent_run_id, rows)
     best = best_row(rows)
     keys = list(space)
     print(format_table(rows, keys, t.metric), flush=True)
@@ -160,7 +175,7 @@ def write_results(cfg: Config, space: dict, results, parent_run_id: Optional[str
             print(f"[raytrain_scu] warning: MLflow parent run not completed: {type(e).__name__}: "
                   f"{redact_uri(str(e))[:200]}",
                   file=sys.stderr)
-    errors = [r["trial"] for r in rows if r["status"] == "ERROR"]
+    errors = [r["trial"] for r in rows if r["status"] == "FAILED"]
     if best is not None:
         print(f"[raytrain_scu] best trial {best['trial']}: {t.metric}={best['metric']:.6g}; config {best_path}",
               flush=True)
@@ -197,9 +212,9 @@ def close_parent_run(cfg: Config, parent_run_id: str, rows: list[dict], best: Op
                      files: list[Path]) -> None:
     """Mark each child with its outcome, and give the parent the best result, the table, best.yaml and plots.
 
-    A child still RUNNING was cut off before its worker could end it: KILLED if Tune stopped the trial (ASHA, the time
-    budget), FAILED if it failed. A worker that ends its run itself (train.max_steps, train.stop_on_saturation) has
-    marked it FINISHED, and that stays.
+    A child still RUNNING was cut off before its worker could end it: it gets the row's status (KILLED if Tune stopped
+    the trial, FAILED if it failed). A worker that ends its run itself (train.max_steps, train.stop_on_saturation) has
+    marked it FINISHED, and that stays. Tags repeat the row: status, steps trained and the step it was scored at.
     """
     client = tracking.client_for(tracking.tracking_uri(cfg))
     children = {r.data.tags.get(tracking.TRIAL_TAG): r for r in tracking.child_runs(cfg, parent_run_id)}
@@ -208,12 +223,11 @@ def close_parent_run(cfg: Config, parent_run_id: str, rows: list[dict], best: Op
         if child is None:
             continue
         client.set_tag(child.info.run_id, "raytrain_scu.trial_status", row["status"])
-        if child.info.status != "RUNNING":
-            continue
-        if row["status"] == "STOPPED":
-            client.set_terminated(child.info.run_id, status="KILLED")
-        elif row["status"] == "ERROR":
-            tracking.mark_failed(cfg, child.info.run_id)
+        for tag, key in (("raytrain_scu.trial_steps", "steps"), ("raytrain_scu.trial_scored_step", "scored_step")):
+            if row.get(key) is not None:
+                client.set_tag(child.info.run_id, tag, str(row[key]))
+        if child.info.status == "RUNNING" and row["status"] in ("KILLED", "FAILED"):
+            client.set_terminated(child.info.run_id, status=row["status"])
     if best is not None:
         client.log_metric(parent_run_id, f"best/{cfg.tune.metric}", best["metric"])
         client.set_tag(parent_run_id, "raytrain_scu.best_trial", best["trial"])
@@ -221,10 +235,25 @@ def close_parent_run(cfg: Config, parent_run_id: str, rows: list[dict], best: Op
             client.set_tag(parent_run_id, "raytrain_scu.best_run_id", children[best["trial"]].info.run_id)
         client.log_text(parent_run_id, best_yaml, "best.yaml")
     client.log_metric(parent_run_id, "sweep/trials", len(rows))
-    client.log_metric(parent_run_id, "sweep/errors", sum(r["status"] == "ERROR" for r in rows))
+    client.log_metric(parent_run_id, "sweep/errors", sum(r["status"] == "FAILED" for r in rows))
     for f in files:
         client.log_artifact(parent_run_id, str(f), artifact_path="plots" if f.suffix == ".png" else None)
     client.set_terminated(parent_run_id, status="FINISHED" if best is not None else "FAILED")
+
+def sync_with_mlflow(cfg: Config, parent_run_id: str, rows: list[dict]) -> None:
+    """Each row's ``steps`` becomes the last step its child run logged when that is later than the step Tune scored
+    (a trial Tune stops keeps training until its workers end), so the table, trials.csv and MLflow agree."""
+    try:
+        client = tracking.client_for(tracking.tracking_uri(cfg))
+        children = {r.data.tags.get(tracking.TRIAL_TAG): r.info.run_id for r in tracking.child_runs(cfg, parent_run_id)}
+        for row in rows:
+            if row["trial"] in children:
+                logged = [m.step for m in client.get_metric_history(children[row["trial"]], "ctrl/lambda")]
+                row["steps"] = max([s for s in (row["steps"], *logged) if s is not None], default=None)
+    except Exception as e:  # noqa: BLE001 - the table still shows what Tune saw
+        print(f"[raytrain_scu] warning: MLflow not read for the trials' last steps ({type(e).__name__})",
+              file=sys.stderr)
+
 
 def open_child_run(cfg: Config, sweep_name: str, parent_run_id: Optional[str], params: dict,
                    trial_id: str) -> Optional[str]:

@@ -111,11 +111,11 @@ def test_arm_overrides_are_valid_grid_sweeps():
 
 
 def test_unfinished_trials_are_refused():
-    done = {"trial": "a", "status": "DONE"}
+    done = {"trial": "a", "status": "FINISHED"}
     ablation.check_finished("s-none", [done])
-    with pytest.raises(ablation.AblationError, match=r"2 trial\(s\).*b \(ERROR\), c \(STOPPED\)"):
-        ablation.check_finished("s-none", [done, {"trial": "b", "status": "ERROR"},
-                                           {"trial": "c", "status": "STOPPED"}])
+    with pytest.raises(ablation.AblationError, match=r"2 trial\(s\).*b \(FAILED\), c \(KILLED\)"):
+        ablation.check_finished("s-none", [done, {"trial": "b", "status": "FAILED"},
+                                           {"trial": "c", "status": "KILLED"}])
 
 
 def test_trial_run_is_the_sweeps_trial(tmp_path):

@@ -1,7 +1,10 @@
 """The sweep: space checks and the batch/tokens rule in seconds; then real Tune sweeps of Ray Train runs on CPU."""
+import csv
+import io
 import math
 import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -247,12 +250,15 @@ def test_table_sorted_by_metric_and_best_yaml_loads(tmp_path):
     fake.append(SimpleNamespace(path="/x/t16", config={"data.batch_size": 1}, error=RuntimeError("x"), metrics={}))
     rows = sweep_results.trial_rows(fake, cfg, space)
     assert [r["trial"] for r in rows] == ["t8", "t2", "t4", "t16"]
-    assert [r["status"] for r in rows] == ["DONE", "DONE", "STOPPED", "ERROR"]
+    assert [r["status"] for r in rows] == ["FINISHED", "FINISHED", "KILLED", "FAILED"]
     assert [r["grad_accum"] for r in rows] == [1, 4, 2, 8]
     assert [r["tokens_seen"] for r in rows] == [3072, 3072, 1024, None]
     table = sweep_results.format_table(rows, list(space), metric)
+    close = [{**rows[0], "metric": 10.98755}, {**rows[1], "metric": 10.98757}]  # 4 digits would print two 10.99
+    assert {line.split()[4] for line in sweep_results.format_table(close, list(space), metric).splitlines()[1:]} \
+        == {"10.98755", "10.98757"}
     assert table.splitlines()[0].split() == ["trial", "data.batch_size", "data.grad_accum", "global_batch_tokens",
-                                             metric, "steps", "tokens_seen", "status"]
+                                             metric, "scored_at", "steps", "tokens_seen", "status"]
     best = sweep_results.best_row(rows)
     path = tmp_path / "best.yaml"
     path.write_text(to_yaml(sweep_results.best_config(cfg, best)))
@@ -273,7 +279,7 @@ def test_global_batch_table_has_one_global_batch_column_and_the_accumulation(tmp
             for g, bpt in ((256, 7.5), (1024, 7.1))]
     rows = sweep_results.trial_rows(fake, cfg, space)
     head, *body = sweep_results.trials_csv(rows, list(space), "val/data_bpt").splitlines()
-    assert head.split(",") == ["trial", "global_batch_tokens", "data.grad_accum", "val/data_bpt", "steps",
+    assert head.split(",") == ["trial", "global_batch_tokens", "data.grad_accum", "val/data_bpt", "scored_at", "steps",
                                "tokens_seen", "status", "run_name"]
     assert [line.split(",")[:3] for line in body] == [["g1024", "1024", "4"], ["g256", "256", "1"]]
     assert load_config_text(tmp_path, to_yaml(sweep_results.best_config(cfg, rows[0]))).data.grad_accum == 4
@@ -305,10 +311,10 @@ def test_close_parent_run_ends_only_the_children_left_running(tmp_path):
     cfg.tune.space = sweep_space.resolve_space(cfg)
     parent_run_id = sweep_results.open_parent_run(cfg)
     client = tracking.client_for(tracking.tracking_uri(cfg))
-    ends = {"done": ("DONE", "FINISHED"),           # reached train.max_steps: its worker ended the run
-            "saturated": ("STOPPED", "FINISHED"),   # train.stop_on_saturation: its worker ended the run too
-            "asha": ("STOPPED", None),              # stopped by Tune: left RUNNING
-            "crashed": ("ERROR", None)}             # failed: left RUNNING
+    ends = {"done": ("FINISHED", "FINISHED"),       # reached train.max_steps: its worker ended the run
+            "saturated": ("FINISHED", "FINISHED"),  # train.stop_on_saturation: its worker ended the run too
+            "asha": ("KILLED", None),               # stopped by Tune: left RUNNING
+            "crashed": ("FAILED", None)}            # failed: left RUNNING
     rows, run_ids = [], {}
     for i, (trial, (status, worker_end)) in enumerate(ends.items()):
         params = {"optim.lr": 0.01}
@@ -353,10 +359,10 @@ def test_three_trial_sweep_asha_stops_the_bad_one_children_linked_best_yaml_trai
     by_lr = {r["params"]["optim.lr"]: r for r in rows}
     assert len(rows) == 3 and not summary["errors"]
     assert [r["params"]["optim.lr"] for r in rows] == [0.01, 0.005, 1e-7]  # best first, ASHA's stopped one last
-    assert rows[0]["status"] == "DONE" and rows[0]["steps"] == 8
+    assert rows[0]["status"] == "FINISHED" and rows[0]["steps"] == 8
     assert rows[0]["params"]["optim.lr"] == 0.01
     bad = by_lr[1e-7]
-    assert bad["status"] == "STOPPED" and bad["steps"] < 8 and bad["metric"] > rows[0]["metric"]  # ASHA stopped it
+    assert bad["status"] == "KILLED" and bad["scored_step"] < 8 and bad["metric"] > rows[0]["metric"]  # ASHA stopped it
     assert {r["global_batch_tokens"] for r in rows} == {512}
     # the stopped trial's Train workers gave their CPU back (its controller died with the trial)
     for _ in range(20):
@@ -376,6 +382,14 @@ def test_three_trial_sweep_asha_stops_the_bad_one_children_linked_best_yaml_trai
         assert p["derived.global_batch_tokens"] == "512" and "val/data_bpt" in m and "optim.lr" in p
         status[float(p["optim.lr"])] = child.info.status
     assert status[1e-7] == "KILLED" and status[rows[0]["params"]["optim.lr"]] == "FINISHED"
+    # the table, trials.csv and MLflow agree on each trial's status and steps
+    csv_rows = {r["trial"]: r for r in csv.DictReader(io.StringIO(Path(summary["sweep_dir"], "trials.csv").read_text()))}
+    for child in children:
+        row = next(r for r in rows if r["run_name"] == child.data.tags["mlflow.runName"])
+        last = max(m.step for m in client.get_metric_history(child.info.run_id, "ctrl/lambda"))
+        assert child.info.status == row["status"] == csv_rows[row["trial"]]["status"]
+        assert last == row["steps"] == int(child.data.tags["raytrain_scu.trial_steps"]) \
+            == int(csv_rows[row["trial"]]["steps"])
     artifacts = {a.path for a in client.list_artifacts(parent.info.run_id)}
     assert {"best.yaml", "trials.csv", "plots"} <= artifacts
     assert [a.path for a in client.list_artifacts(parent.info.run_id, "plots")] == \
@@ -395,11 +409,11 @@ def test_interrupted_sweep_resumes_when_rerun(ray_local, tmp_path, monkeypatch):
     cfg = base(tmp_path, "train.max_steps=8", "train.checkpoint_every=4", "run.max_failures=0",
                "tune.space={optim.lr: {grid: [0.003]}}", "tune.search=grid")
     first = sweep.run_sweep(cfg)
-    assert first["rows"][0]["status"] == "ERROR" and first["errors"]
+    assert first["rows"][0]["status"] == "FAILED" and first["errors"]
     second = sweep.run_sweep(base(tmp_path, "train.max_steps=8", "train.checkpoint_every=4", "run.max_failures=0",
                                   "tune.space={optim.lr: {grid: [0.003]}}", "tune.search=grid"))
     row = second["rows"][0]
-    assert (row["trial"], row["status"], row["steps"]) == (first["rows"][0]["trial"], "DONE", 8)
+    assert (row["trial"], row["status"], row["steps"]) == (first["rows"][0]["trial"], "FINISHED", 8)
     assert second["parent_run_id"] == first["parent_run_id"]
     _, children = sweep_runs(cfg, second)
     assert len(children) == 1
