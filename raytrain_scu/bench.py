@@ -313,22 +313,10 @@ def ours_bare(cfg, warmup_reports: int, profile_to: str = "") -> dict:
 
 
 def ours_ray(cfg, warmup_reports: int) -> dict:
-    from ray.train import UserCallback
+    """The loop on Ray Train (``launch.fit_and_collect``); tokens/s per worker from rank 0's reports."""
+    from raytrain_scu.launch import fit_and_collect
 
-    from raytrain_scu.train import build_trainer, init_ray
-
-    sink = Path(tempfile.mkdtemp()) / "reports.jsonl"
-
-    class Collect(UserCallback):
-        def after_report(self, run_context, metrics, checkpoint):
-            with open(sink, "a") as f:
-                f.write(json.dumps(metrics[0]) + "\n")
-
-    init_ray(cfg)
-    result = build_trainer(cfg, use_gpu=torch.cuda.is_available(), run_id=None, callbacks=[Collect()]).fit()
-    if result.error:
-        raise result.error
-    reports = [json.loads(line) for line in sink.read_text().splitlines()]
+    reports = fit_and_collect(cfg, use_gpu=torch.cuda.is_available())
     world = cfg.scaling.num_workers
     return {"tokens_per_s": _median_rate(reports, warmup_reports) / world,
             "peak_mem_gib": max(r.get("perf/max_mem_gib", 0.0) for r in reports), "batch": cfg.data.batch_size,
@@ -409,14 +397,14 @@ def run_parts(args) -> dict:
 
 
 def _versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
     import peft
     import transformers
 
     try:
-        import ray
-
-        ray_v = ray.__version__
-    except ImportError:
+        ray_v = version("ray")
+    except PackageNotFoundError:
         ray_v = "-"
     return {"torch": torch.__version__, "transformers": transformers.__version__, "peft": peft.__version__,
             "ray": ray_v, "cuda": torch.version.cuda or "-"}
