@@ -163,25 +163,8 @@ def attention_bench(*, preset: str, batch: int, block: int, reps: int = 20) -> d
                     ref = (o.detach().float(), gq)
                 err = max(((o.detach().float() - ref[0]).norm() / ref[0].norm()).item(),
                           ((gq - ref[1]).norm() / ref[1].norm()).item())
-                times = []
-                for i in range(3 + reps):
-                    qs.grad = ks.grad = vs.grad = None
-                    _sync()
-                    t0 = time.perf_counter()
-                    step()
-                    _sync()
-                    if i >= 3:
-                        times.append(time.perf_counter() - t0)
-                kernels = ""
-                if dev.type == "cuda":
-                    from torch.profiler import ProfilerActivity, profile
-
-                    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                        step()
-                        _sync()
-                    top = sorted((e for e in prof.key_averages() if e.device_time_total > 0),
-                                 key=lambda e: -e.device_time_total)[:4]
-                    kernels = "; ".join(f"{e.key[:60]} {e.device_time_total / 1e3:.2f}ms" for e in top)
+                times = _time_steps(step, (qs, ks, vs), reps)
+                kernels = _top_kernels(step) if dev.type == "cuda" else ""
             qs.grad = ks.grad = vs.grad = None
             ms = 1e3 * statistics.median(times)
             out[name] = {"ms": round(ms, 3), "tflops": round(flops / ms / 1e9, 1), "rel_err": float(f"{err:.2g}"),
@@ -193,6 +176,32 @@ def attention_bench(*, preset: str, batch: int, block: int, reps: int = 20) -> d
     out["tokens_per_s"] = batch * block / (timed[out["fastest"]] / 1e3) if timed else 0.0
     out["peak_mem_gib"] = _peak_mem()
     return out
+
+
+def _time_steps(step, leaves, reps: int) -> list[float]:
+    """Seconds of each of ``reps`` calls of ``step`` after 3 warm-up calls, gradients cleared before each."""
+    times = []
+    for i in range(3 + reps):
+        for t in leaves:
+            t.grad = None
+        _sync()
+        t0 = time.perf_counter()
+        step()
+        _sync()
+        if i >= 3:
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def _top_kernels(step) -> str:
+    """The 4 CUDA kernels that took the most device time in one call of ``step``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        _sync()
+    top = sorted((e for e in prof.key_averages() if e.device_time_total > 0), key=lambda e: -e.device_time_total)[:4]
+    return "; ".join(f"{e.key[:60]} {e.device_time_total / 1e3:.2f}ms" for e in top)
 
 
 def _sdpa_first(backend: str):

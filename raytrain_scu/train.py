@@ -57,17 +57,10 @@ def _missing_lora_targets(hf_config, targets: list[str], trust_remote_code: bool
     return missing_targets(skeleton, targets)[0]
 
 
-def preflight(cfg: Config) -> dict:
-    """Checks that need I/O, run on the driver before Ray starts. Returns derived facts (tokens_per_epoch, ...).
-
-    Every problem found here is a PreflightError naming the key at fault; no Ray worker has started.
-    """
-    from raytrain_scu.checkpoint import CheckpointError, check_structure, check_tokens_per_epoch, newest_good_local, \
-        read_meta
-    from raytrain_scu.data import DataError, check_source, prepare_data
-    from raytrain_scu.model import ModelError, check_model_source, load_tokenizer, max_positions, model_config, \
-        structure_of
-    m, d, s = cfg.model, cfg.data, cfg.scaling
+def _check_machine(cfg: Config) -> tuple[bool, int]:
+    """Storage writable, GPUs and CPUs enough for a local Ray, precision and 4-bit supported; returns (use_gpu,
+    visible GPUs)."""
+    m, s = cfg.model, cfg.scaling
     local_ray = not os.environ.get("RAY_ADDRESS") and not ("ray" in sys.modules and sys.modules["ray"].is_initialized())
     # storage must be writable (local paths; remote URIs are checked by Ray)
     if "://" not in cfg.run.storage_path:
@@ -105,6 +98,42 @@ def preflight(cfg: Config) -> dict:
         if m.compile:
             raise PreflightError("quant.load_in_4bit=true with model.compile=true is not supported "
                                  "(bitsandbytes 4-bit layers do not compile); turn one off")
+    return use_gpu, gpus
+
+
+def _resume_point(cfg: Config) -> tuple[Optional[Path], Optional[dict]]:
+    """Re-running a run name resumes it: its newest good checkpoint (local storage) and that one's meta, checked
+    against this config's structure; (None, None) with none."""
+    from raytrain_scu.checkpoint import CheckpointError, check_structure, newest_good_local, read_meta
+    from raytrain_scu.model import structure_of
+
+    good, resume_meta = None, None
+    if "://" not in cfg.run.storage_path:  # (a Path of "s3://b" would read "s3:/b")
+        run_path = Path(run_dir(cfg))
+        try:
+            good, problems = newest_good_local(run_path)
+            if good is not None:
+                resume_meta = read_meta(good)
+                check_structure(resume_meta, structure_of(cfg))
+        except CheckpointError as e:
+            raise PreflightError(str(e)) from None
+        if problems:
+            print(f"[raytrain_scu] warning: bad checkpoint(s) in {run_path}: {'; '.join(problems)}; "
+                  f"resuming from {good.name}", file=sys.stderr, flush=True)
+    return good, resume_meta
+
+
+def preflight(cfg: Config) -> dict:
+    """Checks that need I/O, run on the driver before Ray starts. Returns derived facts (tokens_per_epoch, ...).
+
+    Every problem found here is a PreflightError naming the key at fault; no Ray worker has started.
+    """
+    from raytrain_scu.checkpoint import CheckpointError, check_tokens_per_epoch
+    from raytrain_scu.data import DataError, check_source, prepare_data
+    from raytrain_scu.model import ModelError, check_model_source, load_tokenizer, max_positions, model_config
+
+    m, d, s = cfg.model, cfg.data, cfg.scaling
+    use_gpu, gpus = _check_machine(cfg)
     try:
         where = check_model_source(m.name, m.gguf_file)
         tok = load_tokenizer(m.name, m.gguf_file, m.tokenizer, m.cache_dir)
@@ -120,19 +149,7 @@ def preflight(cfg: Config) -> dict:
     if missing:
         raise PreflightError(f"lora.target_modules: {missing} not found in {m.name}")
     # re-running a run name resumes it: its newest good checkpoint must fit this config (local storage)
-    good, resume_meta = None, None
-    if "://" not in cfg.run.storage_path:  # (a Path of "s3://b" would read "s3:/b")
-        run_path = Path(run_dir(cfg))
-        try:
-            good, problems = newest_good_local(run_path)
-            if good is not None:
-                resume_meta = read_meta(good)
-                check_structure(resume_meta, structure_of(cfg))
-        except CheckpointError as e:
-            raise PreflightError(str(e)) from None
-        if problems:
-            print(f"[raytrain_scu] warning: bad checkpoint(s) in {run_path}: {'; '.join(problems)}; "
-                  f"resuming from {good.name}", file=sys.stderr, flush=True)
+    good, resume_meta = _resume_point(cfg)
     try:
         check_source(d.source, d.path, d.text_field)
         data = prepare_data(tok, source=d.source, path=d.path, text_field=d.text_field,
