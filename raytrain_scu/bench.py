@@ -163,25 +163,8 @@ def attention_bench(*, preset: str, batch: int, block: int, reps: int = 20) -> d
                     ref = (o.detach().float(), gq)
                 err = max(((o.detach().float() - ref[0]).norm() / ref[0].norm()).item(),
                           ((gq - ref[1]).norm() / ref[1].norm()).item())
-                times = []
-                for i in range(3 + reps):
-                    qs.grad = ks.grad = vs.grad = None
-                    _sync()
-                    t0 = time.perf_counter()
-                    step()
-                    _sync()
-                    if i >= 3:
-                        times.append(time.perf_counter() - t0)
-                kernels = ""
-                if dev.type == "cuda":
-                    from torch.profiler import ProfilerActivity, profile
-
-                    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                        step()
-                        _sync()
-                    top = sorted((e for e in prof.key_averages() if e.device_time_total > 0),
-                                 key=lambda e: -e.device_time_total)[:4]
-                    kernels = "; ".join(f"{e.key[:60]} {e.device_time_total / 1e3:.2f}ms" for e in top)
+                times = _time_steps(step, (qs, ks, vs), reps)
+                kernels = _top_kernels(step) if dev.type == "cuda" else ""
             qs.grad = ks.grad = vs.grad = None
             ms = 1e3 * statistics.median(times)
             out[name] = {"ms": round(ms, 3), "tflops": round(flops / ms / 1e9, 1), "rel_err": float(f"{err:.2g}"),
@@ -193,6 +176,32 @@ def attention_bench(*, preset: str, batch: int, block: int, reps: int = 20) -> d
     out["tokens_per_s"] = batch * block / (timed[out["fastest"]] / 1e3) if timed else 0.0
     out["peak_mem_gib"] = _peak_mem()
     return out
+
+
+def _time_steps(step, leaves, reps: int) -> list[float]:
+    """Seconds of each of ``reps`` calls of ``step`` after 3 warm-up calls, gradients cleared before each."""
+    times = []
+    for i in range(3 + reps):
+        for t in leaves:
+            t.grad = None
+        _sync()
+        t0 = time.perf_counter()
+        step()
+        _sync()
+        if i >= 3:
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def _top_kernels(step) -> str:
+    """The 4 CUDA kernels that took the most device time in one call of ``step``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        _sync()
+    top = sorted((e for e in prof.key_averages() if e.device_time_total > 0), key=lambda e: -e.device_time_total)[:4]
+    return "; ".join(f"{e.key[:60]} {e.device_time_total / 1e3:.2f}ms" for e in top)
 
 
 def _sdpa_first(backend: str):
@@ -313,22 +322,10 @@ def ours_bare(cfg, warmup_reports: int, profile_to: str = "") -> dict:
 
 
 def ours_ray(cfg, warmup_reports: int) -> dict:
-    from ray.train import UserCallback
+    """The loop on Ray Train (``launch.fit_and_collect``); tokens/s per worker from rank 0's reports."""
+    from raytrain_scu.launch import fit_and_collect
 
-    from raytrain_scu.train import build_trainer, init_ray
-
-    sink = Path(tempfile.mkdtemp()) / "reports.jsonl"
-
-    class Collect(UserCallback):
-        def after_report(self, run_context, metrics, checkpoint):
-            with open(sink, "a") as f:
-                f.write(json.dumps(metrics[0]) + "\n")
-
-    init_ray(cfg)
-    result = build_trainer(cfg, use_gpu=torch.cuda.is_available(), run_id=None, callbacks=[Collect()]).fit()
-    if result.error:
-        raise result.error
-    reports = [json.loads(line) for line in sink.read_text().splitlines()]
+    reports = fit_and_collect(cfg, use_gpu=torch.cuda.is_available())
     world = cfg.scaling.num_workers
     return {"tokens_per_s": _median_rate(reports, warmup_reports) / world,
             "peak_mem_gib": max(r.get("perf/max_mem_gib", 0.0) for r in reports), "batch": cfg.data.batch_size,
@@ -409,14 +406,14 @@ def run_parts(args) -> dict:
 
 
 def _versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
     import peft
     import transformers
 
     try:
-        import ray
-
-        ray_v = ray.__version__
-    except ImportError:
+        ray_v = version("ray")
+    except PackageNotFoundError:
         ray_v = "-"
     return {"torch": torch.__version__, "transformers": transformers.__version__, "peft": peft.__version__,
             "ray": ray_v, "cuda": torch.version.cuda or "-"}

@@ -24,7 +24,7 @@ import shutil
 import tempfile
 import warnings
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -32,6 +32,8 @@ import torch
 from raytrain_scu.dist import all_gather_object, broadcast_object, rank
 
 MANIFEST = "manifest.json"
+# what "best" means for a checkpoint (Ray's top-k, the MLflow best_checkpoint artifact): lowest held-out DataBPT
+BEST_METRIC = "val/data_bpt"
 REQUIRED = ("adapter/adapter_model.safetensors", "state.pt", "controller.json", "meta.json")
 
 
@@ -191,25 +193,6 @@ def check_tokens_per_epoch(meta: dict, *, measured: int, override: int) -> Optio
     return None
 
 
-def candidates(ray_checkpoint) -> list:
-    """The given (latest) Ray checkpoint first, then its older ``checkpoint_*`` siblings, newest first."""
-    import pyarrow.fs as pafs
-    from ray.train import Checkpoint
-
-    out = [ray_checkpoint]
-    fs, path = ray_checkpoint.filesystem, ray_checkpoint.path.rstrip("/")
-    parent, name = path.rsplit("/", 1)
-    try:
-        infos = fs.get_file_info(pafs.FileSelector(parent, recursive=False))
-    except OSError:
-        return out
-    # names carry the zero-padded step, so name order is step order
-    siblings = sorted((i.path for i in infos if i.type == pafs.FileType.Directory
-                       and i.base_name.startswith("checkpoint_") and i.base_name < name), reverse=True)
-    out.extend(Checkpoint(path=p, filesystem=fs) for p in siblings)
-    return out
-
-
 def _newest_good(dirs, where: str) -> tuple[Optional[tuple[str, Path]], list[str]]:
     """The first ``(label, local dir)`` of ``dirs`` (newest first) that verifies, and the problems of those before it.
 
@@ -227,29 +210,23 @@ def _newest_good(dirs, where: str) -> tuple[Optional[tuple[str, Path]], list[str
     return None, []
 
 
-def _materialise(checkpoint, stack) -> Path:
-    local = Path(stack.enter_context(checkpoint.as_directory()))
-    return local / "ckpt" if (local / "ckpt").is_dir() else local
+def open_good_checkpoint(candidates: list[tuple[str, Callable[[], Path]]]) -> tuple[Path, list[str]]:
+    """The local directory of the newest checkpoint that verifies, the same one on every rank; returns (local dir,
+    warnings).
 
-
-def _name(path: str) -> str:
-    """``checkpoint_00000020`` of a Ray checkpoint's path: the same for every rank, wherever it downloads."""
-    return path.rstrip("/").rsplit("/", 1)[-1]
-
-
-def open_good_checkpoint(ray_checkpoint, stack) -> tuple[Path, list[str]]:
-    """Materialise the newest checkpoint that verifies, the same one on every rank; returns (local dir, warnings).
-
-    Rank 0 picks (a bad latest falls back to an older one, with a warning) and broadcasts the name and step; every
-    other rank materialises that one, verifies it and checks its step. A rank never picks for itself: its own download
-    of the latest could be the one that failed. Raises CheckpointError on every rank when none is good or any rank
-    cannot use rank 0's pick; each rank's outcome is all-gathered first, so no rank waits on one that gave up."""
+    ``candidates``: ``(name, open)`` pairs, newest first, the given (latest) checkpoint first: ``name`` is the same on
+    every rank (``checkpoint_00000020``), ``open()`` makes the checkpoint local and returns its directory (called only
+    for those looked at). Rank 0 picks (a bad latest falls back to an older one, with a warning) and broadcasts the
+    name and step; every other rank opens that one, verifies it and checks its step. A rank never picks for itself: its
+    own download of the latest could be the one that failed. Raises CheckpointError on every rank when none is good or
+    any rank cannot use rank 0's pick; each rank's outcome is all-gathered first, so no rank waits on one that gave
+    up."""
     pick, error = None, None
     if rank() == 0:
         try:
-            dirs = ((c.path, _materialise(c, stack)) for c in candidates(ray_checkpoint))
-            (path, inner), problems = _newest_good(dirs, "")  # never empty: the given checkpoint comes first
-            pick = {"name": _name(path), "step": read_meta(inner)["step"], "problems": problems}
+            dirs = ((name, open_()) for name, open_ in candidates)
+            (name, inner), problems = _newest_good(dirs, "")  # never empty: the given checkpoint comes first
+            pick = {"name": name, "step": read_meta(inner)["step"], "problems": problems}
         except Exception as e:  # noqa: BLE001 - every rank must reach the broadcast; raised below on all of them
             error = e
     pick, why_not = broadcast_object((pick, None if error is None else f"{type(error).__name__}: {error}"))
@@ -260,11 +237,11 @@ def open_good_checkpoint(ray_checkpoint, stack) -> tuple[Path, list[str]]:
     mine = None  # None: this rank holds rank 0's pick, verified, at rank 0's step
     if rank() != 0:
         try:
-            same = [c for c in candidates(ray_checkpoint) if _name(c.path) == pick["name"]]
+            same = [open_ for name, open_ in candidates if name == pick["name"]]
             if not same:
                 mine = "it does not see that checkpoint"
             else:
-                inner = _materialise(same[0], stack)
+                inner = same[0]()
                 mine = verify(inner)
                 if mine is None and read_meta(inner)["step"] != pick["step"]:
                     mine = f"its meta.json says step {read_meta(inner)['step']}"

@@ -17,7 +17,8 @@ Comparison. Model A is the base with ``--adapter`` (or the bare base); model B i
 ``--compare-adapter``, or the bare base with ``--compare-base``. Both are scored on the same documents, and the
 documents are resampled with replacement, pairs kept together (:func:`paired_bootstrap`).
 
-``--workers N`` scores round-robin shards of the documents in N Ray tasks; Ray is imported only on that path.
+``--workers N`` scores round-robin shards of the documents in N Ray tasks (``launch.run_tasks``); Ray is imported only
+on that path.
 Errors (missing adapter, an adapter made for another base model, an empty source, a bad setting) exit with 2.
 """
 from __future__ import annotations
@@ -192,28 +193,13 @@ def score_distributed(cfg: Config, adapters: dict[str, str], docs: list[str], *,
     ``gpus_per_worker`` None: ``scaling.gpus_per_worker`` when ``scaling.use_gpu`` is true, or is auto and the
     cluster has GPUs; else CPU tasks of ``scaling.cpus_per_worker``.
     """
-    import ray
-    from ray.exceptions import RayTaskError
+    from raytrain_scu.launch import run_tasks
 
-    from raytrain_scu.train import init_ray, scu_env
-
-    init_ray(cfg)
-    s = cfg.scaling
-    if gpus_per_worker is None:
-        use_gpu = s.use_gpu if s.use_gpu is not None else ray.cluster_resources().get("GPU", 0) > 0
-        gpus_per_worker = s.gpus_per_worker if use_gpu else 0.0
-    env = scu_env()
-    task = ray.remote(score_shard).options(num_cpus=s.cpus_per_worker, num_gpus=gpus_per_worker,
-                                           runtime_env={"env_vars": env} if env else None)
     shards = [idx for idx in (list(range(w, len(docs), workers)) for w in range(workers)) if idx]
     config = asdict(cfg)
-    refs = [task.remote(config, adapters, [docs[i] for i in idx]) for idx in shards]
-    try:
-        results = ray.get(refs)
-    except RayTaskError as e:  # our own errors keep their plain message, without the remote traceback
-        if isinstance(e.cause, (EvalError, ModelError, DataError)):
-            raise e.cause from None
-        raise
+    # our own errors keep their plain message, without the remote traceback
+    results = run_tasks(cfg, score_shard, [(config, adapters, [docs[i] for i in idx]) for idx in shards],
+                        gpus_per_worker=gpus_per_worker, plain_errors=(EvalError, ModelError, DataError))
     out = {"tokens": np.zeros(len(docs), dtype=np.int64),
            "nats": {label: np.zeros(len(docs), dtype=np.float64) for label in adapters}}
     for idx, result in zip(shards, results):

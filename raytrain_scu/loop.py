@@ -1,45 +1,29 @@
-"""The per-worker training function that Ray Train runs on every rank (nanoGPT-style: setup, then one flat loop)."""
+"""The per-worker training function (nanoGPT-style): :func:`setup`, then one flat loop of :func:`train_step` and
+:func:`after_step`. Ray is not imported here: the few calls into Ray Train are the ``hooks`` (``launch.RayHooks``, or
+:class:`LocalHooks` in one bare process), and so is fault injection (``hooks.faults``)."""
 from __future__ import annotations
 
 import contextlib
 import math
-import os
 import shutil
-import tempfile
 import time
-from pathlib import Path
+from dataclasses import dataclass, field
 
 import torch
 
-import ray.train
-import ray.train.torch
-
 from raytrain_scu import checkpoint as ckpt
 from raytrain_scu import tracking
-from raytrain_scu.config import build_config, to_yaml
+from raytrain_scu.config import Config, to_yaml
 from raytrain_scu.controller import from_config as build_controller
 from raytrain_scu.data import prepare_data, train_batch, val_batches
 from raytrain_scu.dist import all_gather_object, all_reduce_sum, barrier, print0, rank, world_size
+from raytrain_scu.faults import Faults
 from raytrain_scu.hardware import mfu, peak_flops
 from raytrain_scu.model import (CausalLMLoss, apply_lora, build_model, compile_for_training, flops_per_token,
                                 load_tokenizer, resolve_dtype, structure_of)
 from raytrain_scu.regularizer import adapter_params, lora_b_norm, param_bpt
 
 LN2 = math.log(2.0)
-
-
-class InjectedFault(RuntimeError):
-    """Raised by RAYTRAIN_SCU_FAULT_AT_STEP=N (fault-tolerance tests): a crash after step N of a fresh start."""
-
-
-def hold_for_kill(step: int, seconds: float = 120.0) -> None:
-    """RAYTRAIN_SCU_HOLD_AT_STEP=N: after step N of a fresh start, write ``rank<R>.pid`` under RAYTRAIN_SCU_HOLD_DIR
-    and wait to be killed from outside (SIGKILL, node removal), so a test kills at a known step."""
-    hold_dir = Path(os.environ.get("RAYTRAIN_SCU_HOLD_DIR") or tempfile.gettempdir())
-    hold_dir.mkdir(parents=True, exist_ok=True)
-    (hold_dir / f"rank{rank()}.pid").write_text(f"{os.getpid()} {step}")
-    time.sleep(seconds)
-    raise InjectedFault(f"held after step {step} for {seconds:.0f} s and nobody killed this worker")
 
 
 class NonFiniteError(RuntimeError):
@@ -110,38 +94,19 @@ def evaluate(loss_model, data, *, device, batch_size: int, max_blocks: int, auto
     return nats / n / LN2 if n > 0 else float("nan")
 
 
-class RayHooks:
-    """The handful of calls that touch Ray Train; ``LocalHooks`` stands in for them in one bare process."""
-
-    get_device = staticmethod(lambda: ray.train.torch.get_device())
-    get_checkpoint = staticmethod(lambda: ray.train.get_checkpoint())
-
-    @staticmethod
-    def prepare_model(model, move_to_device: bool):
-        return ray.train.torch.prepare_model(model, move_to_device=move_to_device,
-                                             parallel_strategy_kwargs={"gradient_as_bucket_view": True})
-
-    @staticmethod
-    def report(metrics: dict, checkpoint_dir, checkpoint_dir_name):
-        checkpoint = ray.train.Checkpoint.from_directory(str(checkpoint_dir)) if checkpoint_dir else None
-        ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=checkpoint_dir_name)
-        if checkpoint is not None:
-            # wait until the controller has registered it: a worker lost from here on restarts from this checkpoint
-            # (Ray registers reports asynchronously, one health-check poll at a time)
-            ray.train.get_all_reported_checkpoints(consistency_mode=ray.train.CheckpointConsistencyMode.COMMITTED)
-
-
 class LocalHooks:
-    """One process, no Ray: the same loop, for benchmarks (Ray overhead) and debugging. Reports are kept."""
+    """One process, no Ray: the same loop, for benchmarks (Ray overhead) and debugging. Reports are kept; there is
+    no checkpoint to resume from."""
 
     def __init__(self, device=None):
         self.device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.reports: list[dict] = []
+        self.faults = Faults.from_env()
 
     def get_device(self):
         return self.device
 
-    def get_checkpoint(self):
+    def open_checkpoint(self, stack):
         return None
 
     def prepare_model(self, model, move_to_device: bool):
@@ -151,29 +116,96 @@ class LocalHooks:
         self.reports.append(dict(metrics))
 
 
-def train_func(config: dict) -> None:
-    """Ray Train per-worker entry point. ``config`` is ``asdict(Config)`` plus ``_mlflow_run_id``."""
-    config = dict(config)
-    run_id = config.pop("_mlflow_run_id", None)
-    run_loop(build_config(config), hooks=RayHooks(), run_id=run_id)
+class Meter:
+    """Training throughput between reports (evals excluded) and how long each report blocked the loop."""
+
+    def __init__(self, device, tokens_per_step: int, poll_interval_s: float):
+        self.device, self.tokens_per_step, self.poll_interval_s = device, tokens_per_step, poll_interval_s
+        self.t_last, self.steps, self.interval, self.report_wait, self.warned = time.perf_counter(), 0, 0.0, 0.0, False
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+
+    @contextlib.contextmanager
+    def excluded(self):
+        """Time spent inside (an eval) does not count as training time."""
+        t0 = time.perf_counter()
+        yield
+        self.t_last += time.perf_counter() - t0
+
+    def lap(self) -> float:
+        """Tokens/s over all ranks since the last lap; starts the next one."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        self.interval, self.t_last = now - self.t_last, now
+        tokens_per_s, self.steps = self.tokens_per_step * self.steps / self.interval, 0
+        return tokens_per_s
+
+    def max_mem_gib(self) -> float:
+        return torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else 0.0
+
+    @contextlib.contextmanager
+    def reporting(self, warn: bool):
+        """Time a report; with ``warn``, say once when it blocked training for long (Ray's poll is too slow)."""
+        t0 = time.perf_counter()
+        yield
+        self.report_wait = time.perf_counter() - t0
+        if warn and not self.warned and self.report_wait > max(0.05, 0.1 * self.interval):
+            self.warned = True
+            print0(f"[raytrain_scu] warning: reporting to Ray blocked training for {self.report_wait:.2f} s after a "
+                   f"{self.interval:.2f} s interval: reports come faster than Ray's controller takes them (every "
+                   f"scaling.poll_interval_s={self.poll_interval_s} s). Raise train.report_every or lower "
+                   f"scaling.poll_interval_s.")
 
 
-def run_loop(cfg, *, hooks, run_id=None) -> None:
-    """Setup, resume, then the training loop; ``hooks`` are Ray Train's calls (or their local stand-ins)."""
-    d, m, c, t = cfg.data, cfg.model, cfg.controller, cfg.train
+@dataclass
+class State:
+    """What one worker's loop carries from step to step."""
 
-    # ---- setup (all ranks)
+    cfg: Config
+    hooks: object
+    device: torch.device
+    autocast: object
+    data: object
+    model: object  # the peft model: adapters, save_pretrained
+    params: list  # its trainable (adapter) parameters
+    ddp_model: object  # the loss module as the hooks prepared it (DDP under Ray)
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    controller: object
+    tracker: object
+    structure: dict
+    tokens_per_epoch: int
+    seqs_per_step: int  # sequences per optimizer step, over all ranks
+    flops_per_token: float  # of the frozen base, for perf/mfu
+    peak_flops: float = 0.0  # the card's dense bf16 peak; 0: unknown, no perf/mfu
+    meter: Meter = None
+    history: list = field(default_factory=list)
+    start_step: int = 0
+    fresh: bool = True  # no checkpoint to resume from (fault injection acts on fresh starts only)
+    position: int = 0
+    val_bpt: float = float("nan")
+    best_val: float = float("inf")
+    val_bpt_start: float = float("nan")
+    resumed_at: list = field(default_factory=list)
+    skipped_total: int = 0
+    skipped_in_a_row: int = 0
+    overflows_total: int = 0
+    ckpt_suffix: str = ""
+
+
+def build(cfg: Config, hooks, run_id=None) -> State:
+    """All ranks: device, data, model with adapters, optimizer, controller, tracker (rank 0's is real)."""
+    m, d = cfg.model, cfg.data
     device = hooks.get_device()
     torch.manual_seed(cfg.seed + rank())
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
     dtype = resolve_dtype(m.precision, device)
     use_amp = device.type == "cuda" and dtype != torch.float32
-    autocast = torch.autocast(device_type=device.type, dtype=dtype, enabled=use_amp)
     tok = load_tokenizer(m.name, m.gguf_file, m.tokenizer, m.cache_dir)
     data = prepare_data(tok, source=d.source, path=d.path, text_field=d.text_field, max_documents=d.max_documents,
                         block_size=d.block_size, val_fraction=d.val_fraction, seed=cfg.seed, cache_dir=d.cache_dir)
-    tokens_per_epoch = c.tokens_per_epoch or data.tokens_per_epoch
     # frozen base weights are stored in the compute dtype; LoRA adapters stay float32 (peft's default)
     base = build_model(m.name, gguf_file=m.gguf_file, vocab_size=len(tok), dtype=dtype, device=device,
                        attn_implementation=m.attn_implementation, gradient_checkpointing=m.gradient_checkpointing,
@@ -195,192 +227,222 @@ def run_loop(cfg, *, hooks, run_id=None) -> None:
                                   eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay,
                                   fused=device.type == "cuda")
     scaler = torch.amp.GradScaler(device.type, enabled=use_amp and dtype == torch.float16)
-    controller = build_controller(c)
-    structure = structure_of(cfg)
-    tracker = tracking.for_rank(cfg, rank(), run_id=run_id)
-    history: list[dict] = []
-    start_step, position, val_bpt, best_val = 0, 0, float("nan"), float("inf")
+    return State(cfg=cfg, hooks=hooks, device=device, data=data, model=model, params=params, ddp_model=ddp_model,
+                 autocast=torch.autocast(device_type=device.type, dtype=dtype, enabled=use_amp),
+                 optimizer=optimizer, scaler=scaler, controller=build_controller(cfg.controller),
+                 tracker=tracking.for_rank(cfg, rank(), run_id=run_id), structure=structure_of(cfg),
+                 tokens_per_epoch=cfg.controller.tokens_per_epoch or data.tokens_per_epoch,
+                 seqs_per_step=d.batch_size * d.grad_accum * world_size(),
+                 # get_text_config: a nested text config too
+                 flops_per_token=flops_per_token(base.config.get_text_config(), d.block_size))
 
-    # ---- resume (all ranks: rank 0 picks the checkpoint, every rank loads that one)
-    resume = hooks.get_checkpoint()
-    resumed_at, skipped_total, skipped_in_a_row, overflows_total, ckpt_suffix = [], 0, 0, 0, ""
-    if resume is not None:
-        with contextlib.ExitStack() as stack:
-            local, problems = ckpt.open_good_checkpoint(resume, stack)  # a bad latest falls back to an older one
-            saved = ckpt.read_meta(local)
-            ckpt.check_structure(saved, structure)
-            note = ckpt.check_tokens_per_epoch(saved, measured=data.tokens_per_epoch, override=c.tokens_per_epoch)
-            meta = ckpt.load_training_state(local, model=model, optimizer=optimizer, scaler=scaler, rank=rank(),
-                                            world_size=world_size())
-        controller.load_state_dict(meta["controller"])
-        start_step, position, history = meta["step"], meta["position"], meta["history"]
-        val_bpt, best_val = meta.get("val_bpt", float("nan")), meta.get("best_val", float("inf"))
-        resumed_at = meta.get("resumed_at", []) + [start_step]
-        skipped_total, skipped_in_a_row = meta.get("skipped_steps", 0), meta.get("skipped_in_a_row", 0)
-        overflows_total = meta.get("scaler_overflows", 0)
-        # after a fallback, never reuse the name of a skipped bad checkpoint: Ray still lists it
-        ckpt_suffix = f"_from{start_step:08d}" if problems else ""
-        print0(f"[raytrain_scu] resumed at step {start_step}"
-               + (f" after skipping {len(problems)} bad checkpoint(s)" if problems else ""))
-        if note:
-            print0(f"[raytrain_scu] warning: {note}")
-        if meta["rng_ranks"] != world_size():  # else each rank's RNG goes on where it stopped
-            print0(f"[raytrain_scu] warning: the checkpoint holds the RNG state of {meta['rng_ranks']} rank(s), this "
-                   f"run has {world_size()}: dropout draws restart from a seed of (seed, rank, step {start_step}), so "
-                   f"the run no longer matches an uninterrupted one")
-            ckpt.seed_all(ckpt.rank_seed(cfg.seed, rank(), start_step))
-    tracker.start(params=tracking.derived_params(cfg, tokens_per_epoch=tokens_per_epoch, world=world_size(),
-                                                 device=device), resumed_at=start_step)
 
-    # fault injection for the reliability tests (docs/reliability.md); RAYTRAIN_SCU_* reach every worker
-    fault_at_step = int(os.environ.get("RAYTRAIN_SCU_FAULT_AT_STEP", "0") or 0)
-    hold_at_step = int(os.environ.get("RAYTRAIN_SCU_HOLD_AT_STEP", "0") or 0)
-    nan_at_steps = {int(s) for s in os.environ.get("RAYTRAIN_SCU_NAN_AT_STEPS", "").split(",") if s.strip()}
-    ddp = isinstance(ddp_model, torch.nn.parallel.DistributedDataParallel)
-    if start_step == 0:  # the untrained adapter's held-out BPT: the baseline every later eval is compared with
-        val_bpt = evaluate(ddp_model, data, device=device, batch_size=d.batch_size, max_blocks=t.eval_blocks,
-                           autocast=autocast)
-        history.append({"step": 0, "val/data_bpt": val_bpt, "ctrl/lambda": controller.lam})
-        tracker.log_step(history[-1])
-    val_bpt_start = history[0]["val/data_bpt"] if history and history[0]["step"] == 0 else float("nan")
-    tokens_per_step = d.batch_size * d.grad_accum * world_size() * d.block_size
-    t_last, steps_since, report_wait, warned_wait = time.perf_counter(), 0, 0.0, False
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    # perf/mfu as docs/benchmarks.md defines it: tokens/s per GPU x FLOPs/token of the frozen base / the card's peak
-    model_flops_per_token = flops_per_token(base.config.get_text_config(), d.block_size)  # a nested text config too
-    peak = device_peak_flops(device)
-    if peak == 0:
+def resume(s: State) -> None:
+    """All ranks: rank 0 picks the checkpoint the hooks hand over, every rank loads that one; nothing on a fresh
+    start."""
+    c = s.cfg.controller
+    with contextlib.ExitStack() as stack:
+        opened = s.hooks.open_checkpoint(stack)  # a bad latest falls back to an older one
+        if opened is None:
+            return
+        local, problems = opened
+        saved = ckpt.read_meta(local)
+        ckpt.check_structure(saved, s.structure)
+        note = ckpt.check_tokens_per_epoch(saved, measured=s.data.tokens_per_epoch, override=c.tokens_per_epoch)
+        meta = ckpt.load_training_state(local, model=s.model, optimizer=s.optimizer, scaler=s.scaler, rank=rank(),
+                                        world_size=world_size())
+    s.fresh = False
+    s.controller.load_state_dict(meta["controller"])
+    s.start_step, s.position, s.history = meta["step"], meta["position"], meta["history"]
+    s.val_bpt, s.best_val = meta.get("val_bpt", float("nan")), meta.get("best_val", float("inf"))
+    s.resumed_at = meta.get("resumed_at", []) + [s.start_step]
+    s.skipped_total, s.skipped_in_a_row = meta.get("skipped_steps", 0), meta.get("skipped_in_a_row", 0)
+    s.overflows_total = meta.get("scaler_overflows", 0)
+    # after a fallback, never reuse the name of a skipped bad checkpoint: Ray still lists it
+    s.ckpt_suffix = f"_from{s.start_step:08d}" if problems else ""
+    print0(f"[raytrain_scu] resumed at step {s.start_step}"
+           + (f" after skipping {len(problems)} bad checkpoint(s)" if problems else ""))
+    if note:
+        print0(f"[raytrain_scu] warning: {note}")
+    if meta["rng_ranks"] != world_size():  # else each rank's RNG goes on where it stopped
+        print0(f"[raytrain_scu] warning: the checkpoint holds the RNG state of {meta['rng_ranks']} rank(s), this "
+               f"run has {world_size()}: dropout draws restart from a seed of (seed, rank, step {s.start_step}), so "
+               f"the run no longer matches an uninterrupted one")
+        ckpt.seed_all(ckpt.rank_seed(s.cfg.seed, rank(), s.start_step))
+
+
+def evaluate_now(s: State) -> float:
+    """All ranks: the held-out DataBPT of the fixed validation blocks."""
+    return evaluate(s.ddp_model, s.data, device=s.device, batch_size=s.cfg.data.batch_size,
+                    max_blocks=s.cfg.train.eval_blocks, autocast=s.autocast)
+
+
+def setup(cfg: Config, hooks, run_id=None) -> State:
+    """All ranks: build, resume, start tracking, and (on a fresh start) the untrained adapter's held-out BPT."""
+    s = build(cfg, hooks, run_id)
+    resume(s)
+    s.tracker.start(params=tracking.derived_params(cfg, tokens_per_epoch=s.tokens_per_epoch, world=world_size(),
+                                                   device=s.device), resumed_at=s.start_step)
+    if s.start_step == 0:  # the baseline every later eval is compared with
+        s.val_bpt = evaluate_now(s)
+        s.history.append({"step": 0, "val/data_bpt": s.val_bpt, "ctrl/lambda": s.controller.lam})
+        s.tracker.log_step(s.history[-1])
+    s.val_bpt_start = s.history[0]["val/data_bpt"] if s.history and s.history[0]["step"] == 0 else float("nan")
+    s.meter = Meter(s.device, s.seqs_per_step * cfg.data.block_size, cfg.scaling.poll_interval_s)
+    s.peak_flops = device_peak_flops(s.device)
+    if s.peak_flops == 0:
         print0(f"[raytrain_scu] perf/mfu is not logged: no dense bf16 peak FLOP/s is known for "
-               f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else device.type} "
+               f"{torch.cuda.get_device_name(s.device) if s.device.type == 'cuda' else s.device.type} "
                f"(hardware.PEAK_BF16_FLOPS)")
+    return s
 
-    # ---- training loop
-    for step in range(start_step, t.max_steps):
-        lr = lr_at(step, lr=cfg.optim.lr, warmup_steps=cfg.optim.warmup_steps, max_steps=t.max_steps,
-                   min_lr_ratio=cfg.optim.min_lr_ratio)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        lam = controller.lam  # constant within the step: the last controller update's value
-        nats_sum = torch.zeros((), dtype=torch.float32, device=device)
-        tokens = torch.zeros((), dtype=torch.float32, device=device)
-        for micro in range(d.grad_accum):
-            x, y = train_batch(data, position=position, micro_step=micro, rank=rank(), world_size=world_size(),
-                               batch_size=d.batch_size, seed=cfg.seed, pin_memory=device.type == "cuda")
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            last = micro == d.grad_accum - 1
-            # DDP all-reduces gradients only on the last micro-step
-            with (ddp_model.no_sync() if ddp and not last else contextlib.nullcontext()), autocast:
-                nats, n = ddp_model(x, y)
-                if step + 1 in nan_at_steps:
-                    nats = nats * float("nan")  # injected: a non-finite loss (and gradient) on the real path
-                loss = nats / n / d.grad_accum
-                if last:  # the penalty's gradient enters once per optimizer step, with full weight
-                    pbpt = param_bpt(params, sigma=c.prior_sigma, tokens_per_epoch=tokens_per_epoch)
-                    loss = loss + lam * LN2 * pbpt
-            scaler.scale(loss).backward()
-            nats_sum += nats.detach().float()
-            tokens += n.float()
-        position += d.batch_size * d.grad_accum * world_size()
 
-        # one all-reduce of (nats, tokens): DataBPT is global and identical on every rank
-        scaler.unscale_(optimizer)
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else 1e30)
-        stats = all_reduce_sum(torch.stack([nats_sum, tokens]))
-        # the one host sync per optimizer step: the controller needs these as floats
-        nats_f, tokens_f, pbpt_f, norm_f = torch.stack([stats[0], stats[1], pbpt.detach().float(),
-                                                        grad_norm.float()]).tolist()
-        data_bpt = nats_f / tokens_f / LN2
-        outcome = optimizer_step(optimizer, scaler, data_bpt=data_bpt, param_bpt=pbpt_f, grad_norm=norm_f)
-        skipped_in_a_row = skipped_in_a_row + 1 if outcome == "skipped" else 0
-        skipped_total += outcome == "skipped"
-        overflows_total += outcome == "overflow"  # fp16 only: GradScaler's own skip, not a failure
-        if skipped_in_a_row >= t.max_consecutive_skips:
-            tracker.finish(history=history, status="FAILED")
-            barrier()  # all ranks: rank 0's final MLflow flush lands before any rank raises and Ray stops the group
-            raise NonFiniteError(f"{skipped_in_a_row} optimizer steps in a row had a non-finite loss or gradient "
-                                 f"(last at step {step + 1}); the last good checkpoint is kept. Lower optim.lr, "
-                                 f"use bf16 instead of fp16, or check the data.")
-        if (step + 1) % c.control_every == 0:  # a non-finite loss: the controller counts ctrl/skipped, changes nothing
-            controller.update(data_bpt, pbpt_f, step=step + 1)
-        steps_since += 1
+def micro_steps(s: State, step: int, lam: float):
+    """All ranks: forward and backward over ``data.grad_accum`` micro-batches; returns this rank's summed nats and
+    tokens, and ParamBPT (its gradient enters once, on the last micro-step)."""
+    d, c = s.cfg.data, s.cfg.controller
+    ddp = isinstance(s.ddp_model, torch.nn.parallel.DistributedDataParallel)
+    nats_sum = torch.zeros((), dtype=torch.float32, device=s.device)
+    tokens = torch.zeros((), dtype=torch.float32, device=s.device)
+    for micro in range(d.grad_accum):
+        x, y = train_batch(s.data, position=s.position, micro_step=micro, rank=rank(), world_size=world_size(),
+                           batch_size=d.batch_size, seed=s.cfg.seed, pin_memory=s.device.type == "cuda")
+        x, y = x.to(s.device, non_blocking=True), y.to(s.device, non_blocking=True)
+        last = micro == d.grad_accum - 1
+        # DDP all-reduces gradients only on the last micro-step
+        with (s.ddp_model.no_sync() if ddp and not last else contextlib.nullcontext()), s.autocast:
+            nats, n = s.ddp_model(x, y)
+            nats = s.hooks.faults.poison(step + 1, nats)
+            loss = nats / n / d.grad_accum
+            if last:  # the penalty's gradient enters once per optimizer step, with full weight
+                pbpt = param_bpt(s.params, sigma=c.prior_sigma, tokens_per_epoch=s.tokens_per_epoch)
+                loss = loss + lam * LN2 * pbpt
+        s.scaler.scale(loss).backward()
+        nats_sum += nats.detach().float()
+        tokens += n.float()
+    return nats_sum, tokens, pbpt
 
-        row = {"step": step + 1, "train/data_bpt": data_bpt, "train/param_bpt": pbpt_f, "ctrl/s": controller.s,
-               "ctrl/s_hat": controller.s_hat, "ctrl/error": controller.error, "ctrl/lambda": controller.lam,
-               "ctrl/integral": controller.integral, "ctrl/skipped": controller.n_skipped,
-               "train/skipped_steps": skipped_total, "train/scaler_overflows": overflows_total, "train/lr": lr,
-               "train/grad_norm": norm_f, "ctrl/lambda_applied": lam}
-        if fault_at_step and resume is None and step + 1 == fault_at_step:
-            raise InjectedFault(f"fault injected after step {step + 1} (RAYTRAIN_SCU_FAULT_AT_STEP)")
-        if hold_at_step and resume is None and step + 1 == hold_at_step:
-            hold_for_kill(step + 1)
-        if controller.saturated_step is not None:
-            row["ctrl/saturated_step"] = controller.saturated_step
-        done = step + 1 == t.max_steps or (t.stop_on_saturation and controller.saturated)
 
-        # ---- once in a while: eval (all ranks), report (all ranks), checkpoint (rank 0 writes)
-        is_ckpt = (step + 1) % t.checkpoint_every == 0 or done
-        if (step + 1) % t.eval_every == 0 or is_ckpt:
-            t_eval = time.perf_counter()
-            val_bpt = evaluate(ddp_model, data, device=device, batch_size=d.batch_size,
-                               max_blocks=t.eval_blocks, autocast=autocast)
-            t_last += time.perf_counter() - t_eval  # throughput counts training time only
-            row["val/data_bpt"] = val_bpt
-            best_val = min(best_val, val_bpt)
-        history.append(row)
-        tracker.log_step(row)
-        if (step + 1) % t.report_every == 0 or done:
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            now = time.perf_counter()
-            interval, t_last = now - t_last, now
-            b_norm = lora_b_norm(model).item()
-            if b_norm == 0.0 and step + 1 - start_step > skipped_total:
-                # B starts at zero and any data gradient moves it at the first step (a silent no-op loop once did
-                # exactly this under torch.compile on CUDA): refuse to report a run that trains nothing
-                raise NotLearningError(f"after {step + 1 - start_step} optimizer step(s) every LoRA B matrix is still "
-                                       f"exactly zero: no gradient reached the adapters (model.compile="
-                                       f"{m.compile}, model.fused_loss={m.fused_loss}, model.precision={m.precision})")
-            perf = {"perf/tokens_per_s": tokens_per_step * steps_since / interval, "train/lora_b_norm": b_norm,
-                    "perf/max_mem_gib": (torch.cuda.max_memory_allocated(device) / 2**30
-                                         if device.type == "cuda" else 0.0),
-                    "perf/report_wait_s": report_wait}  # time the previous report (and checkpoint) took
-            util = mfu(perf["perf/tokens_per_s"] / world_size(), model_flops_per_token, peak)
-            if util is not None:  # no peak for this device: perf/mfu is left out (said once before the loop)
-                perf["perf/mfu"] = util
-            steps_since = 0
-            row.update(perf)
-            tracker.log_step(perf, step=step + 1)
-            metrics = {**row, "val/data_bpt": val_bpt, "val/data_bpt_start": val_bpt_start,
-                       "tokens_seen": position * d.block_size,  # the sweep's ASHA time axis (exact across resumes)
-                       "tokens_per_epoch": tokens_per_epoch,
-                       "max_steps": t.max_steps, "world_size": world_size()}
-            local = None
-            rng_states = all_gather_object(ckpt.rng_state()) if is_ckpt else None  # all ranks: each rank's RNG
-            if is_ckpt and rank() == 0:
-                local = ckpt.new_local_dir()
-                ckpt.write_checkpoint(local / "ckpt", model=model, optimizer=optimizer, scaler=scaler,
-                                      controller_state=controller.state_dict(), step=step + 1, position=position,
-                                      structure=structure, tokens_per_epoch=tokens_per_epoch,
-                                      config_yaml=to_yaml(cfg, redact=True), history=history,
-                                      rng_states=rng_states,
-                                      extra={"val_bpt": val_bpt, "best_val": best_val, "resumed_at": resumed_at,
-                                             "skipped_steps": skipped_total, "skipped_in_a_row": skipped_in_a_row,
-                                             "scaler_overflows": overflows_total})
-            tracker.flush()
-            t_report = time.perf_counter()
-            hooks.report(metrics, local / "ckpt" if local else None,
-                         f"checkpoint_{step + 1:08d}{ckpt_suffix}" if is_ckpt else None)
-            report_wait = time.perf_counter() - t_report
-            if not is_ckpt and not warned_wait and report_wait > max(0.05, 0.1 * interval):
-                warned_wait = True
-                print0(f"[raytrain_scu] warning: reporting to Ray blocked training for {report_wait:.2f} s after a "
-                       f"{interval:.2f} s interval: reports come faster than Ray's controller takes them (every "
-                       f"scaling.poll_interval_s={cfg.scaling.poll_interval_s} s). Raise train.report_every or lower "
-                       f"scaling.poll_interval_s.")
-            if local is not None:
-                shutil.rmtree(local, ignore_errors=True)
-        if done:
+def train_step(s: State, step: int) -> dict:
+    """All ranks: lr, the micro-steps, one all-reduce, one host sync, the optimizer step (or a counted skip), the
+    controller update. Returns the step's row."""
+    cfg, t = s.cfg, s.cfg.train
+    lr = lr_at(step, lr=cfg.optim.lr, warmup_steps=cfg.optim.warmup_steps, max_steps=t.max_steps,
+               min_lr_ratio=cfg.optim.min_lr_ratio)
+    for group in s.optimizer.param_groups:
+        group["lr"] = lr
+    lam = s.controller.lam  # constant within the step: the last controller update's value
+    nats_sum, tokens, pbpt = micro_steps(s, step, lam)
+    s.position += s.seqs_per_step
+
+    # one all-reduce of (nats, tokens): DataBPT is global and identical on every rank
+    s.scaler.unscale_(s.optimizer)
+    grad_norm = torch.nn.utils.clip_grad_norm_(s.params, cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else 1e30)
+    stats = all_reduce_sum(torch.stack([nats_sum, tokens]))
+    # the one host sync per optimizer step: the controller needs these as floats
+    nats_f, tokens_f, pbpt_f, norm_f = torch.stack([stats[0], stats[1], pbpt.detach().float(),
+                                                    grad_norm.float()]).tolist()
+    data_bpt = nats_f / tokens_f / LN2
+    outcome = optimizer_step(s.optimizer, s.scaler, data_bpt=data_bpt, param_bpt=pbpt_f, grad_norm=norm_f)
+    s.skipped_in_a_row = s.skipped_in_a_row + 1 if outcome == "skipped" else 0
+    s.skipped_total += outcome == "skipped"
+    s.overflows_total += outcome == "overflow"  # fp16 only: GradScaler's own skip, not a failure
+    if s.skipped_in_a_row >= t.max_consecutive_skips:
+        s.tracker.finish(history=s.history, status="FAILED")
+        barrier()  # all ranks: rank 0's final MLflow flush lands before any rank raises and Ray stops the group
+        raise NonFiniteError(f"{s.skipped_in_a_row} optimizer steps in a row had a non-finite loss or gradient "
+                             f"(last at step {step + 1}); the last good checkpoint is kept. Lower optim.lr, "
+                             f"use bf16 instead of fp16, or check the data.")
+    ctrl = s.controller
+    if (step + 1) % cfg.controller.control_every == 0:  # a non-finite loss: counted in ctrl/skipped, nothing else
+        ctrl.update(data_bpt, pbpt_f, step=step + 1)
+    s.meter.steps += 1
+    row = {"step": step + 1, "train/data_bpt": data_bpt, "train/param_bpt": pbpt_f, "ctrl/s": ctrl.s,
+           "ctrl/s_hat": ctrl.s_hat, "ctrl/error": ctrl.error, "ctrl/lambda": ctrl.lam,
+           "ctrl/integral": ctrl.integral, "ctrl/skipped": ctrl.n_skipped,
+           "train/skipped_steps": s.skipped_total, "train/scaler_overflows": s.overflows_total, "train/lr": lr,
+           "train/grad_norm": norm_f, "ctrl/lambda_applied": lam}
+    s.hooks.faults.after_step(step + 1, fresh=s.fresh)
+    if ctrl.saturated_step is not None:
+        row["ctrl/saturated_step"] = ctrl.saturated_step
+    return row
+
+
+def perf_metrics(s: State, step: int) -> dict:
+    """At a report (all ranks): throughput, memory, the adapters' norm, MFU where the card's peak is known. Refuses
+    to report a loop whose LoRA B matrices never left zero."""
+    tokens_per_s = s.meter.lap()
+    b_norm = lora_b_norm(s.model).item()
+    if b_norm == 0.0 and step + 1 - s.start_step > s.skipped_total:
+        # B starts at zero and any data gradient moves it at the first step (a silent no-op loop once did exactly
+        # this under torch.compile on CUDA): refuse to report a run that trains nothing
+        m = s.cfg.model
+        raise NotLearningError(f"after {step + 1 - s.start_step} optimizer step(s) every LoRA B matrix is still "
+                               f"exactly zero: no gradient reached the adapters (model.compile={m.compile}, "
+                               f"model.fused_loss={m.fused_loss}, model.precision={m.precision})")
+    perf = {"perf/tokens_per_s": tokens_per_s, "train/lora_b_norm": b_norm, "perf/max_mem_gib": s.meter.max_mem_gib(),
+            "perf/report_wait_s": s.meter.report_wait}  # time the previous report (and checkpoint) took
+    # perf/mfu as docs/benchmarks.md defines it: tokens/s per GPU x FLOPs/token of the frozen base / the card's peak
+    util = mfu(tokens_per_s / world_size(), s.flops_per_token, s.peak_flops)
+    if util is not None:  # no peak for this device: perf/mfu is left out (said once in setup)
+        perf["perf/mfu"] = util
+    return perf
+
+
+def save_checkpoint(s: State, step: int, rng_states: list):
+    """Rank 0: write the checkpoint of step ``step + 1`` to a fresh local directory; returns that directory."""
+    local = ckpt.new_local_dir()
+    ckpt.write_checkpoint(local / "ckpt", model=s.model, optimizer=s.optimizer, scaler=s.scaler,
+                          controller_state=s.controller.state_dict(), step=step + 1, position=s.position,
+                          structure=s.structure, tokens_per_epoch=s.tokens_per_epoch,
+                          config_yaml=to_yaml(s.cfg, redact=True), history=s.history, rng_states=rng_states,
+                          extra={"val_bpt": s.val_bpt, "best_val": s.best_val, "resumed_at": s.resumed_at,
+                                 "skipped_steps": s.skipped_total, "skipped_in_a_row": s.skipped_in_a_row,
+                                 "scaler_overflows": s.overflows_total})
+    return local
+
+
+def report(s: State, step: int, row: dict, is_ckpt: bool) -> None:
+    """All ranks report the same number of times; rank 0 writes the checkpoint and passes it, the others None."""
+    t = s.cfg.train
+    perf = perf_metrics(s, step)
+    row.update(perf)
+    s.tracker.log_step(perf, step=step + 1)
+    metrics = {**row, "val/data_bpt": s.val_bpt, "val/data_bpt_start": s.val_bpt_start,
+               "tokens_seen": s.position * s.cfg.data.block_size,  # the sweep's ASHA time axis (exact across resumes)
+               "tokens_per_epoch": s.tokens_per_epoch, "max_steps": t.max_steps, "world_size": world_size()}
+    rng_states = all_gather_object(ckpt.rng_state()) if is_ckpt else None  # all ranks: each rank's RNG
+    local = save_checkpoint(s, step, rng_states) if is_ckpt and rank() == 0 else None
+    s.tracker.flush()
+    with s.meter.reporting(warn=not is_ckpt):
+        s.hooks.report(metrics, local / "ckpt" if local else None,
+                       f"checkpoint_{step + 1:08d}{s.ckpt_suffix}" if is_ckpt else None)
+    if local is not None:
+        shutil.rmtree(local, ignore_errors=True)
+
+
+def after_step(s: State, step: int, row: dict) -> bool:
+    """Once in a while: eval (all ranks), report (all ranks), checkpoint (rank 0 writes). True when the run is done."""
+    t = s.cfg.train
+    done = step + 1 == t.max_steps or (t.stop_on_saturation and s.controller.saturated)
+    is_ckpt = (step + 1) % t.checkpoint_every == 0 or done
+    if (step + 1) % t.eval_every == 0 or is_ckpt:
+        with s.meter.excluded():  # throughput counts training time only
+            s.val_bpt = evaluate_now(s)
+        row["val/data_bpt"] = s.val_bpt
+        s.best_val = min(s.best_val, s.val_bpt)
+    s.history.append(row)
+    s.tracker.log_step(row)
+    if (step + 1) % t.report_every == 0 or done:
+        report(s, step, row, is_ckpt)
+    return done
+
+
+def run_loop(cfg: Config, *, hooks, run_id=None) -> None:
+    """Setup, then the training loop; ``hooks`` are Ray Train's calls (or their local stand-ins)."""
+    s = setup(cfg, hooks, run_id)
+    for step in range(s.start_step, cfg.train.max_steps):
+        row = train_step(s, step)
+        if after_step(s, step, row):
             break
-
-    tracker.finish(history=history, model=model, status="FINISHED")
+    s.tracker.finish(history=s.history, model=s.model, status="FINISHED")

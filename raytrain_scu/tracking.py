@@ -74,7 +74,7 @@ def experiment_id(client, name: str, uri: str) -> str:
         return client.get_experiment_by_name(name).experiment_id
 
 
-def get_or_create_run(cfg: Config, parent_run_id: Optional[str] = None) -> str:
+def _find_or_create_run(cfg: Config, parent_run_id: Optional[str] = None) -> str:
     """The MLflow run id for this training run: found by its run-key tag, else created."""
     uri = tracking_uri(cfg)
     client = client_for(uri)
@@ -89,6 +89,27 @@ def get_or_create_run(cfg: Config, parent_run_id: Optional[str] = None) -> str:
     return client.create_run(exp_id, tags=tags, run_name=cfg.run.name).info.run_id
 
 
+# ---------------------------------------------------------------- the run's lifecycle: one owner opens and ends it
+
+def open_run(cfg: Config, parent_run_id: Optional[str] = None) -> str:
+    """Open this training run's MLflow run: found again by its run key (a restart, a re-run of the run name, a resumed
+    sweep) or created, a child of ``parent_run_id`` when given; its status RUNNING. Whoever opens a run ends it with
+    :func:`end_run` (the driver, the sweep; rank 0's tracker only when nobody else could open it); the workers only
+    log into it. Raises on an unreachable store."""
+    run_id = _find_or_create_run(cfg, parent_run_id)
+    client_for(tracking_uri(cfg)).set_terminated(run_id, status="RUNNING")
+    return run_id
+
+
+def end_run(cfg: Config, run_id: str, status: str) -> None:
+    """End the run :func:`open_run` opened: FINISHED, FAILED or KILLED. Warns instead of raising (tracking never
+    kills training)."""
+    try:
+        client_for(tracking_uri(cfg)).set_terminated(run_id, status=status)
+    except Exception as e:  # noqa: BLE001
+        warnings.warn(f"MLflow run {run_id} not marked {status}: {type(e).__name__}: {redact_uri(str(e))[:200]}")
+
+
 def remember_run_id(cfg: Config, run_id: str) -> None:
     """Keep the run id with the Ray run directory (local storage) so people and tools can find it."""
     d = storage_dir(cfg.run.storage_path)
@@ -101,8 +122,9 @@ def remember_run_id(cfg: Config, run_id: str) -> None:
 
 def derived_params(cfg: Config, *, tokens_per_epoch: int, world: int, device) -> dict:
     """Flattened resolved config plus the values derived at run time."""
+    from importlib.metadata import version
+
     import peft
-    import ray
     import torch
     import transformers
 
@@ -114,7 +136,7 @@ def derived_params(cfg: Config, *, tokens_per_epoch: int, world: int, device) ->
                 "derived.global_batch_tokens": cfg.data.batch_size * cfg.data.grad_accum * world * cfg.data.block_size,
                 "derived.gpu_name": gpu_name, "derived.gpu_count": gpu_count,
                 "version.torch": torch.__version__, "version.transformers": transformers.__version__,
-                "version.peft": peft.__version__, "version.ray": ray.__version__})
+                "version.peft": peft.__version__, "version.ray": version("ray")})
     return out
 
 
@@ -152,10 +174,13 @@ class NullTracker:
 
 
 class MlflowTracker(NullTracker):
-    """Rank 0's MLflow client with a retrying metric buffer."""
+    """Rank 0's MLflow client with a retrying metric buffer. It logs into the run its driver opened (``run_id``); only
+    with none (no driver, or MLflow was unreachable when the driver tried) does it open the run itself, and then it
+    also ends it in :meth:`finish`."""
 
     def __init__(self, cfg: Config, run_id: Optional[str] = None, parent_run_id: Optional[str] = None):
         self.cfg, self.run_id, self.parent_run_id = cfg, run_id, parent_run_id
+        self.owns_run = False  # True once this tracker opened the run: then it ends it too
         self.uri = tracking_uri(cfg)
         self.client = None
         self.buffer: list = []
@@ -172,7 +197,7 @@ class MlflowTracker(NullTracker):
         try:
             self.client = client_for(self.uri)
             if self.run_id is None:
-                self.run_id = get_or_create_run(self.cfg, self.parent_run_id)
+                self.run_id, self.owns_run = open_run(self.cfg, self.parent_run_id), True
             hist = self.client.get_metric_history(self.run_id, "ctrl/lambda")
             self.logged_through = max((m.step for m in hist), default=-1)
             return True
@@ -199,7 +224,6 @@ class MlflowTracker(NullTracker):
             return
         try:
             log_params_once(self.client, self.run_id, self.params)
-            self.client.set_terminated(self.run_id, status="RUNNING")
             self.params_logged = True
         except Exception as e:  # noqa: BLE001
             self._warn("log params", e)
@@ -246,6 +270,7 @@ class MlflowTracker(NullTracker):
             self._warn("log metrics", e)
 
     def finish(self, history: list, model=None, status: str = "FINISHED") -> None:
+        """The last metrics and the artifacts; ``status`` ends the run only if this tracker opened it."""
         self.flush()
         if self.sysmon is not None:
             try:
@@ -258,7 +283,8 @@ class MlflowTracker(NullTracker):
         else:
             try:
                 self._log_artifacts(history, model)
-                self.client.set_terminated(self.run_id, status=status)
+                if self.owns_run:
+                    self.client.set_terminated(self.run_id, status=status)
             except Exception as e:  # noqa: BLE001
                 self._warn("log artifacts", e)
                 unrecorded.append("artifacts (config, history, plots, adapter)")
@@ -291,14 +317,6 @@ def for_rank(cfg: Config, rank: int, run_id: Optional[str] = None, parent_run_id
     if rank != 0 or not cfg.tracking.enabled:
         return NullTracker()
     return MlflowTracker(cfg, run_id=run_id, parent_run_id=parent_run_id)
-
-
-def mark_failed(cfg: Config, run_id: str) -> None:
-    """Driver side: a run that Ray gave up on is FAILED in MLflow, not left RUNNING."""
-    try:
-        client_for(tracking_uri(cfg)).set_terminated(run_id, status="FAILED")
-    except Exception as e:  # noqa: BLE001
-        warnings.warn(f"MLflow run {run_id} not marked FAILED: {type(e).__name__}: {redact_uri(str(e))[:200]}")
 
 
 def log_best_checkpoint(cfg: Config, run_id: str, ckpt_dir: str, *, step: int, val_bpt: float) -> Optional[str]:

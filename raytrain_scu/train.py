@@ -12,12 +12,10 @@ import math
 import os
 import shutil
 import sys
-import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Optional
 
-from raytrain_scu.config import Config, ConfigError, to_yaml
+from raytrain_scu.config import Config, ConfigError, run_dir, to_yaml
 from raytrain_scu.hardware import MemoryFitError, resolve
 
 
@@ -27,15 +25,6 @@ class PreflightError(ValueError):
 
 # bad input found before launch: the CLIs print "error: ..." and exit 2
 USER_ERRORS = (ConfigError, PreflightError, MemoryFitError)
-
-# what "best" means for a checkpoint (Ray's top-k, the MLflow best_checkpoint artifact): lowest held-out DataBPT
-BEST_METRIC = "val/data_bpt"
-
-
-def scu_env() -> dict[str, str]:
-    """This process's RAYTRAIN_SCU_* variables (fault injection, cache location): what every worker gets."""
-    return {k: v for k, v in os.environ.items() if k.startswith("RAYTRAIN_SCU_")}
-
 
 def _gpu_count() -> int:
     try:
@@ -68,19 +57,10 @@ def _missing_lora_targets(hf_config, targets: list[str], trust_remote_code: bool
     return missing_targets(skeleton, targets)[0]
 
 
-def preflight(cfg: Config) -> dict:
-    """Checks that need I/O, run on the driver before Ray starts. Returns derived facts (tokens_per_epoch, ...).
-
-    Every problem found here is a PreflightError naming the key at fault; no Ray worker has started.
-    """
-    from raytrain_scu.checkpoint import CheckpointError, check_structure, check_tokens_per_epoch, newest_good_local, \
-        read_meta
-    from raytrain_scu.data import DataError, check_source, prepare_data
-    from raytrain_scu.model import ModelError, check_model_source, load_tokenizer, max_positions, model_config, \
-        structure_of
-    from raytrain_scu.tracking import storage_dir
-
-    m, d, s = cfg.model, cfg.data, cfg.scaling
+def _check_machine(cfg: Config) -> tuple[bool, int]:
+    """Storage writable, GPUs and CPUs enough for a local Ray, precision and 4-bit supported; returns (use_gpu,
+    visible GPUs)."""
+    m, s = cfg.model, cfg.scaling
     local_ray = not os.environ.get("RAY_ADDRESS") and not ("ray" in sys.modules and sys.modules["ray"].is_initialized())
     # storage must be writable (local paths; remote URIs are checked by Ray)
     if "://" not in cfg.run.storage_path:
@@ -118,6 +98,42 @@ def preflight(cfg: Config) -> dict:
         if m.compile:
             raise PreflightError("quant.load_in_4bit=true with model.compile=true is not supported "
                                  "(bitsandbytes 4-bit layers do not compile); turn one off")
+    return use_gpu, gpus
+
+
+def _resume_point(cfg: Config) -> tuple[Optional[Path], Optional[dict]]:
+    """Re-running a run name resumes it: its newest good checkpoint (local storage) and that one's meta, checked
+    against this config's structure; (None, None) with none."""
+    from raytrain_scu.checkpoint import CheckpointError, check_structure, newest_good_local, read_meta
+    from raytrain_scu.model import structure_of
+
+    good, resume_meta = None, None
+    if "://" not in cfg.run.storage_path:  # (a Path of "s3://b" would read "s3:/b")
+        run_path = Path(run_dir(cfg))
+        try:
+            good, problems = newest_good_local(run_path)
+            if good is not None:
+                resume_meta = read_meta(good)
+                check_structure(resume_meta, structure_of(cfg))
+        except CheckpointError as e:
+            raise PreflightError(str(e)) from None
+        if problems:
+            print(f"[raytrain_scu] warning: bad checkpoint(s) in {run_path}: {'; '.join(problems)}; "
+                  f"resuming from {good.name}", file=sys.stderr, flush=True)
+    return good, resume_meta
+
+
+def preflight(cfg: Config) -> dict:
+    """Checks that need I/O, run on the driver before Ray starts. Returns derived facts (tokens_per_epoch, ...).
+
+    Every problem found here is a PreflightError naming the key at fault; no Ray worker has started.
+    """
+    from raytrain_scu.checkpoint import CheckpointError, check_tokens_per_epoch
+    from raytrain_scu.data import DataError, check_source, prepare_data
+    from raytrain_scu.model import ModelError, check_model_source, load_tokenizer, max_positions, model_config
+
+    m, d, s = cfg.model, cfg.data, cfg.scaling
+    use_gpu, gpus = _check_machine(cfg)
     try:
         where = check_model_source(m.name, m.gguf_file)
         tok = load_tokenizer(m.name, m.gguf_file, m.tokenizer, m.cache_dir)
@@ -133,19 +149,7 @@ def preflight(cfg: Config) -> dict:
     if missing:
         raise PreflightError(f"lora.target_modules: {missing} not found in {m.name}")
     # re-running a run name resumes it: its newest good checkpoint must fit this config (local storage)
-    good, resume_meta = None, None
-    if "://" not in cfg.run.storage_path:  # (a Path of "s3://b" would read "s3:/b")
-        run_dir = Path(storage_dir(cfg.run.storage_path)) / cfg.run.name
-        try:
-            good, problems = newest_good_local(run_dir)
-            if good is not None:
-                resume_meta = read_meta(good)
-                check_structure(resume_meta, structure_of(cfg))
-        except CheckpointError as e:
-            raise PreflightError(str(e)) from None
-        if problems:
-            print(f"[raytrain_scu] warning: bad checkpoint(s) in {run_dir}: {'; '.join(problems)}; "
-                  f"resuming from {good.name}", file=sys.stderr, flush=True)
+    good, resume_meta = _resume_point(cfg)
     try:
         check_source(d.source, d.path, d.text_field)
         data = prepare_data(tok, source=d.source, path=d.path, text_field=d.text_field,
@@ -167,90 +171,11 @@ def preflight(cfg: Config) -> dict:
             "train_blocks": len(data.train), "val_blocks": len(data.val), "gpus": gpus, "resume_from": good}
 
 
-def _fmt_eta(seconds: float) -> str:
-    seconds = int(max(0, seconds))
-    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
-
-
-def _progress_callback():
-    from ray.train import UserCallback
-
-    class Progress(UserCallback):
-        """One line per report, printed by the Ray Train controller and forwarded to the driver's console."""
-
-        def __init__(self):
-            self.t0, self.step0 = None, None
-
-        def after_report(self, run_context, metrics, checkpoint):
-            r = metrics[0]
-            step, max_steps = int(r["step"]), int(r["max_steps"])
-            now = time.time()
-            if self.t0 is None:
-                self.t0, self.step0 = now, step
-            rate = (step - self.step0) / (now - self.t0) if step > self.step0 else 0.0
-            eta = _fmt_eta((max_steps - step) / rate) if rate > 0 else "?"
-            # λ_applied: the λ the loss used in this step, the one beside the S it produced (ctrl/lambda is
-            # already the next step's, after the controller's update)
-            print(f"[raytrain_scu] step {step}/{max_steps}  DataBPT {r['train/data_bpt']:.4f}  "
-                  f"val {r.get('val/data_bpt', float('nan')):.4f}  λ_applied {r['ctrl/lambda_applied']:.4g}  "
-                  f"S {r['ctrl/s']:.4g}  Ŝ {r['ctrl/s_hat']:.4g}  tok/s {r.get('perf/tokens_per_s', 0):.0f}  ETA {eta}"
-                  + ("  [checkpoint]" if checkpoint is not None else ""), flush=True)
-
-    return Progress()
-
-
-def build_trainer(cfg: Config, *, use_gpu: bool, run_id: Optional[str], callbacks=(), extra_config=None,
-                  env: Optional[dict[str, str]] = None):
-    """The TorchTrainer for one run (the sweep builds one per trial with this too). ``env``: the workers'
-    RAYTRAIN_SCU_* variables (default: this process's, :func:`scu_env`)."""
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
-
-    from raytrain_scu.loop import train_func
-    from raytrain_scu.tracking import storage_dir
-
-    s = cfg.scaling
-    resources = {"CPU": s.cpus_per_worker}
-    if use_gpu:
-        resources["GPU"] = s.gpus_per_worker
-    loop_config = {**asdict(cfg), "_mlflow_run_id": run_id, **(extra_config or {})}
-    # read from this process's environment when fit() starts the controller (Ray propagates it): a worker holds one
-    # unconsumed report and blocks on the next until the controller polls, so Ray's 2 s default caps a fast loop
-    os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = str(s.poll_interval_s)
-    return TorchTrainer(
-        train_func,
-        train_loop_config=loop_config,
-        scaling_config=ScalingConfig(num_workers=s.num_workers, use_gpu=use_gpu, resources_per_worker=resources,
-                                     placement_strategy=s.placement_strategy),
-        run_config=RunConfig(
-            name=cfg.run.name, storage_path=storage_dir(cfg.run.storage_path),
-            failure_config=FailureConfig(max_failures=cfg.run.max_failures),
-            checkpoint_config=CheckpointConfig(num_to_keep=cfg.run.num_to_keep,
-                                               checkpoint_score_attribute=BEST_METRIC,
-                                               checkpoint_score_order="min"),
-            callbacks=list(callbacks),
-            # RAYTRAIN_SCU_* variables (fault injection, cache location) reach every worker, on any node
-            worker_runtime_env={"env_vars": scu_env() if env is None else env}),
-    )
-
-
-def init_ray(cfg: Config) -> None:
-    import ray
-
-    if ray.is_initialized():
-        return
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
-    else:
-        ray.init(log_to_driver=True)
-
-
 def output_dir(cfg: Config) -> Path:
-    from raytrain_scu.tracking import storage_dir
-
+    """Where the adapter, config.yaml and summary.json go: ``run.output_dir``, else ``<run dir>/output``."""
     if cfg.run.output_dir:
         return Path(os.path.expanduser(cfg.run.output_dir))
-    return Path(storage_dir(cfg.run.storage_path)) / cfg.run.name / "output"
+    return Path(run_dir(cfg)) / "output"
 
 
 def export_adapter(checkpoint, dest: Path) -> Path:
@@ -271,6 +196,8 @@ def best_checkpoint(best_checkpoints) -> Optional[tuple]:
     """The ``(checkpoint, metrics)`` of ``Result.best_checkpoints`` with the lowest finite ``val/data_bpt`` (the
     latest step on a tie); None when none has one. Ray keeps that list sorted by score, worst first, so its first
     entry is the worst of the kept top-k: never pick by position."""
+    from raytrain_scu.checkpoint import BEST_METRIC
+
     scored = [(m[BEST_METRIC], -int(m.get("step", 0)), i) for i, (_, m) in enumerate(best_checkpoints or [])
               if isinstance(m.get(BEST_METRIC), (int, float)) and math.isfinite(m[BEST_METRIC])]
     return best_checkpoints[min(scored)[2]] if scored else None
@@ -319,29 +246,50 @@ def record_config_change(cfg: Config, run_id: Optional[str], resume_from: Option
 
 
 def run(cfg: Config, *, quiet: bool = False) -> dict:
-    """Validate, train, export. Returns a summary dict (also printed unless ``quiet``)."""
-    from raytrain_scu import tracking
+    """Validate, train, export. Returns a summary dict (also printed unless ``quiet``).
+
+    The one owner of the run's MLflow run: opens it before launch (or finds it again on a re-run) and ends it,
+    FINISHED after the summary, FAILED when training or the summary fails; the workers only log into it."""
+    from raytrain_scu import launch, tracking
 
     facts = preflight(cfg)
     run_id, notes = None, []
     if cfg.tracking.enabled:
         try:
-            run_id = tracking.get_or_create_run(cfg)
+            run_id = tracking.open_run(cfg)
             tracking.remember_run_id(cfg, run_id)
         except Exception as e:  # noqa: BLE001 - tracking never kills training; rank 0 retries
             notes.append(f"MLflow unreachable at start ({type(e).__name__}); rank 0 will retry")
             print(f"[raytrain_scu] warning: {notes[-1]}", file=sys.stderr)
-    changes = record_config_change(cfg, run_id, facts["resume_from"], notes)
-    init_ray(cfg)
-    print(f"[raytrain_scu] run {cfg.run.name}: {facts['model']}, {cfg.scaling.num_workers} worker(s) "
-          f"({'GPU' if facts['use_gpu'] else 'CPU'}), {facts['train_blocks']} train / {facts['val_blocks']} val "
-          f"blocks, tokens_per_epoch={facts['tokens_per_epoch']}", flush=True)
-    trainer = build_trainer(cfg, use_gpu=facts["use_gpu"], run_id=run_id, callbacks=[_progress_callback()])
-    result = trainer.fit()
-    if result.error:
+    status = "FAILED"
+    try:
+        changes = record_config_change(cfg, run_id, facts["resume_from"], notes)
+        launch.init_ray(cfg)
+        print(f"[raytrain_scu] run {cfg.run.name}: {facts['model']}, {cfg.scaling.num_workers} worker(s) "
+              f"({'GPU' if facts['use_gpu'] else 'CPU'}), {facts['train_blocks']} train / {facts['val_blocks']} val "
+              f"blocks, tokens_per_epoch={facts['tokens_per_epoch']}", flush=True)
+        trainer = launch.build_trainer(cfg, use_gpu=facts["use_gpu"], run_id=run_id,
+                                       callbacks=[launch.progress_callback()])
+        result = trainer.fit()  # raises when Ray gives up on the run
+        summary = summarize(cfg, result, run_id, changes, notes)
+        status = "FINISHED"
+    finally:
         if run_id:
-            tracking.mark_failed(cfg, run_id)
-        raise result.error
+            tracking.end_run(cfg, run_id, status)
+    if not quiet:
+        print("[raytrain_scu] done: " + ", ".join(f"{k}={v}" for k, v in summary.items() if k != "notes"
+                                                    and v is not None), flush=True)
+        for n in notes:
+            print(f"[raytrain_scu] note: {n}", flush=True)
+    return summary
+
+
+def summarize(cfg: Config, result, run_id: Optional[str], changes: dict, notes: list) -> dict:
+    """After fit(): export the adapter, log the best checkpoint, write config.yaml and summary.json to the output
+    directory; returns the summary."""
+    from raytrain_scu import tracking
+    from raytrain_scu.checkpoint import BEST_METRIC
+
     out = output_dir(cfg)
     out.mkdir(parents=True, exist_ok=True)
     last = result.metrics or {}
@@ -365,26 +313,10 @@ def run(cfg: Config, *, quiet: bool = False) -> dict:
                 notes.append(warn)
     (out / "config.yaml").write_text(to_yaml(cfg, redact=True))
     (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
-    if not quiet:
-        print("[raytrain_scu] done: " + ", ".join(f"{k}={v}" for k, v in summary.items() if k != "notes"
-                                                    and v is not None), flush=True)
-        for n in notes:
-            print(f"[raytrain_scu] note: {n}", flush=True)
     return summary
 
 
 USAGE = "usage: python -m raytrain_scu.train CONFIG.yaml [key=value ...]"
-
-
-def root_cause(error: BaseException) -> Optional[str]:
-    """``Type: message`` of the worker (or controller) exception inside Ray Train's wrapping; None if not Ray's."""
-    from ray.train import TrainingFailedError
-
-    if not isinstance(error, TrainingFailedError):
-        return None
-    failures = getattr(error, "worker_failures", None) or {}
-    cause = failures[min(failures)] if failures else getattr(error, "controller_failure", error)
-    return f"{type(cause).__name__}: {cause}".strip()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -403,6 +335,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except Exception as e:  # noqa: BLE001 - a failed run: its root cause in one line, not Ray's wrapping
+        from raytrain_scu.launch import root_cause
+
         cause = root_cause(e)
         if cause is None:
             raise

@@ -89,12 +89,13 @@ CASES = {
 @pytest.fixture
 def no_ray(monkeypatch):
     """train.main in this process, where starting Ray fails the test."""
+    import raytrain_scu.launch as launch
     import raytrain_scu.train as train
 
     def refuse(cfg):
         raise AssertionError("Ray was about to start: the bad input was not caught early")
 
-    monkeypatch.setattr(train, "init_ray", refuse)
+    monkeypatch.setattr(launch, "init_ray", refuse)
     return train.main
 
 

@@ -26,9 +26,9 @@ def report(**over):
 
 
 def test_progress_line_shows_the_lambda_the_loss_used_beside_s(capsys):
-    from raytrain_scu.train import _progress_callback
+    from raytrain_scu.launch import progress_callback
 
-    _progress_callback().after_report(None, [report()], None)
+    progress_callback().after_report(None, [report()], None)
     line = capsys.readouterr().out
     lam = re.search(r"λ\S* (\S+)", line)
     assert lam and float(lam.group(1)) == 0.125, line  # ctrl/lambda_applied, not ctrl/lambda (next step's)
@@ -83,7 +83,7 @@ def test_each_config_change_is_the_next_revision_of_the_mlflow_run(tmp_path, cap
     def cfg(*over):
         return tiny_cfg(tmp_path, "ext", "train.max_steps=30", *over)
 
-    run_id = tracking.get_or_create_run(cfg())
+    run_id = tracking.open_run(cfg())
     client = tracking.client_for(tracking.tracking_uri(cfg()))
     tracking.log_params_once(client, run_id, {**flatten(cfg()), "derived.world_size": 2})  # what rank 0 logs
     notes = []

@@ -90,7 +90,7 @@ def wait_for(predicate, timeout_s: float, what: str):
 
 
 def held_pids(hold_dir: Path, world: int) -> dict[int, int]:
-    """rank -> pid of the workers that reached the hold step (files written by loop.hold_for_kill)."""
+    """rank -> pid of the workers that reached the hold step (files written by faults.hold_for_kill)."""
     files = sorted(hold_dir.glob("rank*.pid"))
     if len(files) < world:
         return {}
@@ -146,22 +146,44 @@ def test_verify_names_what_is_wrong(tmp_path, damage, reason):
 def test_fallback_to_previous_good_checkpoint_and_clear_error_when_none(tmp_path):
     from ray.train import Checkpoint
 
+    from raytrain_scu import launch
+
     model = tiny_peft()
     old, new = write(tmp_path / "checkpoint_00000010", model, 10), write(tmp_path / "checkpoint_00000020", model, 20)
     write(tmp_path / "checkpoint_00000030", model, 30)  # newer than the given latest: never used
     truncate(new / "state.pt")
     with contextlib.ExitStack() as stack, pytest.warns(UserWarning, match="skipped bad checkpoint.*truncated"):
-        local, problems = ckpt.open_good_checkpoint(Checkpoint.from_directory(str(new)), stack)
+        local, problems = launch.open_checkpoint(Checkpoint.from_directory(str(new)), stack)
     assert local == old and len(problems) == 1 and "checkpoint_00000020" in problems[0]
     good, problems = ckpt.newest_good_local(tmp_path)
     assert good.name == "checkpoint_00000030" and problems == []
     for d in checkpoint_dirs(tmp_path):
         flip_byte(d / "meta.json")
     with contextlib.ExitStack() as stack, pytest.raises(ckpt.CheckpointError, match="no usable checkpoint"):
-        ckpt.open_good_checkpoint(Checkpoint.from_directory(str(new)), stack)
+        launch.open_checkpoint(Checkpoint.from_directory(str(new)), stack)
     with pytest.raises(ckpt.CheckpointError, match="no usable checkpoint.*checkpoint_00000030.*use a new run.name"):
         ckpt.newest_good_local(tmp_path)
     assert ckpt.newest_good_local(tmp_path / "nothing-here") == (None, [])
+
+
+def test_open_good_checkpoint_takes_plain_directories_and_opens_only_what_it_looks_at(tmp_path):
+    """checkpoint.py without Ray: (name, open) pairs, newest first; an older one is opened only after a bad newer."""
+    model = tiny_peft()
+    dirs = {step: write(tmp_path / f"checkpoint_{step:08d}", model, step) for step in (10, 20, 30)}
+    opened = []
+
+    def candidates():
+        def opener(d):
+            return lambda: opened.append(d.name) or d
+        return [(d.name, opener(d)) for _, d in sorted(dirs.items(), reverse=True)]
+
+    assert ckpt.open_good_checkpoint(candidates()) == (dirs[30], []) and opened == ["checkpoint_00000030"]
+    truncate(dirs[30] / "state.pt")
+    opened.clear()
+    with pytest.warns(UserWarning, match="skipped bad checkpoint"):
+        local, problems = ckpt.open_good_checkpoint(candidates())
+    assert local == dirs[20] and opened == ["checkpoint_00000030", "checkpoint_00000020"]
+    assert len(problems) == 1 and problems[0].startswith("checkpoint_00000030: ")
 
 
 def dropout_mask(model) -> torch.Tensor:
@@ -230,6 +252,8 @@ def resume_pick_worker(r: int, port: int, roots: list, out: str) -> None:
     import torch.distributed as tdist
     from ray.train import Checkpoint
 
+    from raytrain_scu import launch
+
     tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=r, world_size=2,
                              timeout=timedelta(seconds=60))
     results = {}
@@ -237,7 +261,7 @@ def resume_pick_worker(r: int, port: int, roots: list, out: str) -> None:
         latest = Checkpoint.from_directory(str(Path(roots[r]) / case / "checkpoint_00000020"))
         try:
             with contextlib.ExitStack() as stack:
-                local, _ = ckpt.open_good_checkpoint(latest, stack)
+                local, _ = launch.open_checkpoint(latest, stack)
                 results[case] = ckpt.read_meta(local)["step"]
         except ckpt.CheckpointError as e:
             results[case] = str(e)

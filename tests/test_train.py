@@ -6,7 +6,8 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import cli, tiny_cfg
-from raytrain_scu.train import build_trainer, run
+from raytrain_scu.launch import build_trainer
+from raytrain_scu.train import run
 
 pytestmark = pytest.mark.slow
 
