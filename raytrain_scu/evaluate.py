@@ -38,7 +38,8 @@ import torch
 
 from raytrain_scu.config import Config, ConfigError, build_config, load_config
 from raytrain_scu.data import IGNORE_INDEX, DataError, document_ids, load_documents, split_documents
-from raytrain_scu.model import CausalLMLoss, ModelError, bits_per_token, build_model, load_tokenizer, resolve_dtype
+from raytrain_scu.loss import CausalLMLoss
+from raytrain_scu.model import ModelError, bits_per_token, build_model, load_tokenizer, resolve_dtype
 
 LN2 = math.log(2.0)
 # settings that only exist here: the training config has no bootstrap

@@ -285,7 +285,7 @@ def mfu(tokens_per_s_per_gpu: float, flops_per_token: float, peak: float) -> Opt
 
 # Constants of the estimate. The structure follows what PyTorch keeps alive. Checked once against
 # torch.cuda.max_memory_allocated() on an H200 (torch 2.11, transformers 5.17, peft 0.21; Llama-3.2-1B shape,
-# bf16, LoRA r=16 on all seven projections, model.CausalLMLoss): without the CUDA overhead term the estimate
+# bf16, LoRA r=16 on all seven projections, loss.CausalLMLoss): without the CUDA overhead term the estimate
 # was 0.96-1.07x the measured peak over batch 4-32, block 256-1024, with/without checkpointing and the fused
 # loss, and 1.03x with torch.compile (batch 8 and 16, block 512) -- those runs had no autocast, so peft's fp32
 # input copies were saved. The training loop runs under autocast: with it, at block 2048 (bench runs, compile on,
@@ -340,7 +340,7 @@ def estimate_peak_memory_gib(*, n_params: int, hidden: int, layers: int, heads: 
                        torch.compile: a * (7H + 3F + n_targets*r) per token and layer (measured: no fp32 norm
                        copies, the SwiGLU product recomputed), and 2 GiB more overhead
         logits       = min(chunk, tokens) * V * (4 + a) + tokens * H * a
-                                                          fused chunked loss (model.CausalLMLoss): one
+                                                          fused chunked loss (loss.CausalLMLoss): one
                                                           chunk's fp32 logits, their softmax-grad in the
                                                           compute dtype, and the saved grad wrt the hidden
                      = tokens * V * (a + 8)               otherwise (logits, fp32 copy, fp32 log-softmax)

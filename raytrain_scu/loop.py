@@ -19,8 +19,8 @@ from raytrain_scu.data import prepare_data, train_batch, val_batches
 from raytrain_scu.dist import all_gather_object, all_reduce_sum, barrier, print0, rank, world_size
 from raytrain_scu.faults import Faults
 from raytrain_scu.hardware import mfu, peak_flops
-from raytrain_scu.model import (CausalLMLoss, apply_lora, build_model, compile_for_training, flops_per_token,
-                                load_tokenizer, resolve_dtype, structure_of)
+from raytrain_scu.loss import CausalLMLoss, compile_for_training
+from raytrain_scu.model import apply_lora, build_model, flops_per_token, load_tokenizer, resolve_dtype, structure_of
 from raytrain_scu.regularizer import adapter_params, lora_b_norm, param_bpt
 
 LN2 = math.log(2.0)

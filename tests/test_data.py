@@ -341,7 +341,8 @@ def test_eval_is_the_same_number_for_any_batch_and_world():
     # a real (tiny, random-init) model: the token-weighted held-out BPT of a capped eval must not depend on the
     # batch size or the worker count (the issue: 10.98755 at batch 8 against 10.9927 at batch 4)
     from raytrain_scu.loop import LN2, evaluate
-    from raytrain_scu.model import CausalLMLoss, build_model
+    from raytrain_scu.loss import CausalLMLoss
+    from raytrain_scu.model import build_model
 
     rng = np.random.default_rng(0)
     block, vocab = 16, 96

@@ -13,7 +13,8 @@ from conftest import ROOT, TINY
 from raytrain_scu.config import load_config
 from raytrain_scu.data import document_ids, prepare_data
 from raytrain_scu.evaluate import EvalError, evaluate, main, paired_bootstrap, score_documents
-from raytrain_scu.model import CausalLMLoss, apply_lora, build_model, load_tokenizer
+from raytrain_scu.loss import CausalLMLoss
+from raytrain_scu.model import apply_lora, build_model, load_tokenizer
 
 LN2 = math.log(2.0)
 WORDS = "the king queen sword crown night day love death war peace and of my lord thou art".split()

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import TINY
-from raytrain_scu import model as model_mod
+from raytrain_scu import loss as loss_mod
 from raytrain_scu.config import load_config
 from raytrain_scu.loop import LocalHooks, NotLearningError, run_loop
 
@@ -30,8 +30,8 @@ def test_loop_reports_the_adapter_norm_and_it_grows(tmp_path):
 
 def test_loop_refuses_to_go_on_when_no_gradient_reaches_the_adapters(tmp_path, monkeypatch):
     # the GPU failure, injected: an exactly zero gradient flows back from the loss, so B never leaves zero
-    real = model_mod.chunked_ce_sum
-    monkeypatch.setattr(model_mod, "chunked_ce_sum",
+    real = loss_mod.chunked_ce_sum
+    monkeypatch.setattr(loss_mod, "chunked_ce_sum",
                         lambda h, w, y, chunk_size=4096, **kw: real(h.detach() + 0.0 * h, w, y, chunk_size, **kw))
     hooks = LocalHooks(torch.device("cpu"))
     with pytest.raises(NotLearningError, match="every LoRA B matrix is still exactly zero"):
@@ -86,7 +86,8 @@ def test_compiled_gpu_loop_learns_like_eager_on_the_real_model(tmp_path):
 @pytest.mark.parametrize("scope", ["layers", "model"])
 def test_compiled_training_matches_eager_on_cpu(scope):
     """Both compile scopes give eager's losses and adapters (fp32 on the CPU; the GPU test above covers bf16)."""
-    from raytrain_scu.model import CausalLMLoss, apply_lora, build_model, compile_for_training, load_tokenizer
+    from raytrain_scu.loss import CausalLMLoss, compile_for_training
+    from raytrain_scu.model import apply_lora, build_model, load_tokenizer
     from raytrain_scu.regularizer import adapter_params, lora_b_norm
 
     tok = load_tokenizer("tiny")

@@ -10,7 +10,9 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-from raytrain_scu.model import FUSED_HEADS, CausalLMLoss, HeadTransform, apply_lora, chunked_ce_sum
+from raytrain_scu.loss import FUSED_HEADS, CausalLMLoss, HeadTransform, chunked_ce_sum
+
+from raytrain_scu.model import apply_lora
 from raytrain_scu.regularizer import adapter_params
 
 VOCAB = 96

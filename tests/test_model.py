@@ -4,8 +4,8 @@ import math
 import pytest
 import torch
 
-from raytrain_scu.model import (CausalLMLoss, ModelError, apply_lora, build_model, check_model_source,
-                                chunked_ce_sum, load_tokenizer)
+from raytrain_scu.loss import CausalLMLoss, chunked_ce_sum
+from raytrain_scu.model import ModelError, apply_lora, build_model, check_model_source, load_tokenizer
 from raytrain_scu.regularizer import adapter_params
 
 

@@ -78,7 +78,7 @@ def _tiny_lora(targets, **lora_kw):
 
 
 def test_lora_on_embeddings_is_trained_and_counted():
-    from raytrain_scu.model import CausalLMLoss
+    from raytrain_scu.loss import CausalLMLoss
 
     model = _tiny_lora(["q_proj", "embed_tokens"])
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]

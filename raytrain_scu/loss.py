@@ -1,0 +1,209 @@
+"""The training loss: Σ cross-entropy nats of a causal LM, with the LM head and the cross-entropy fused chunk by chunk
+(logits never materialised in fp32) where the model's head is known, and the model's own logits elsewhere; and
+compiling it for training. No ray, mlflow or torch.distributed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class HeadTransform:
+    """What a causal LM does to its LM head's output ``z = h @ W.T (+ b)``: ``logits = scale·z``, then, with a
+    ``softcap``, ``logits = softcap·tanh(logits / softcap)``. The identity (1.0, 0.0) is a plain head."""
+    scale: float = 1.0
+    softcap: float = 0.0
+
+    def __str__(self) -> str:
+        z = "z" if self.scale == 1.0 else f"{self.scale:g}*z"
+        return f"{self.softcap:g}*tanh({z}/{self.softcap:g})" if self.softcap else z
+
+
+def _plain(c) -> HeadTransform:
+    return HeadTransform()
+
+
+def _granite(c) -> HeadTransform:  # logits / logits_scaling
+    return HeadTransform(scale=1.0 / float(c.logits_scaling))
+
+
+def _gemma(c) -> HeadTransform:  # cap * tanh(logits / cap), or a plain head when final_logit_softcapping is None
+    return HeadTransform(softcap=float(c.final_logit_softcapping or 0.0))
+
+
+def _cohere(c) -> HeadTransform:  # logits * logit_scale
+    return HeadTransform(scale=float(c.logit_scale))
+
+
+# The LM heads the fused loss reproduces: transformers class name -> its transform, read from the model's config.
+# A model qualifies only if its class IS that transformers class (not a subclass, not remote code); anything else
+# uses the model's own logits. tests/test_loss_arch.py checks every entry against model(input_ids).logits.
+FUSED_HEADS = {
+    **dict.fromkeys(["LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM",
+                     "Qwen2MoeForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "GemmaForCausalLM",
+                     "PhiForCausalLM", "Phi3ForCausalLM", "OlmoForCausalLM", "Olmo2ForCausalLM",
+                     "SmolLM3ForCausalLM", "StableLmForCausalLM", "Starcoder2ForCausalLM"], _plain),
+    **dict.fromkeys(["GraniteForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM",
+                     "GraniteMoeHybridForCausalLM"], _granite),
+    **dict.fromkeys(["Gemma2ForCausalLM", "Gemma3ForCausalLM"], _gemma),
+    **dict.fromkeys(["CohereForCausalLM", "Cohere2ForCausalLM"], _cohere),
+}
+
+
+def fused_head(model) -> tuple[Optional[HeadTransform], str]:
+    """Whether the fused loss can stand in for ``model``'s LM head: (its transform, why) or (None, why not)."""
+    import transformers
+
+    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    cls = type(lm)
+    make = FUSED_HEADS.get(cls.__name__)
+    if make is None or getattr(transformers, cls.__name__, None) is not cls:
+        return None, f"{cls.__module__}.{cls.__name__} is not in the fused loss's table of known LM heads"
+    head = lm.get_output_embeddings()
+    if not isinstance(head, nn.Linear):
+        return None, f"{cls.__name__}'s lm_head is a {type(head).__name__}, not a plain Linear (LoRA on lm_head?)"
+    if any(p.requires_grad for p in head.parameters()):
+        return None, f"{cls.__name__}'s lm_head is trainable (the fused loss computes no weight gradient)"
+    transform = make(lm.config)
+    return transform, f"{cls.__name__}: logits = {transform} with z = lm_head(h), in the fused loss"
+
+
+class _ChunkedLinearCE(torch.autograd.Function):
+    """Σ cross-entropy (nats) of ``head(h)`` against ``y`` without keeping the (tokens × vocab) logits.
+
+    ``head(h) = softcap·tanh(scale·(h @ W.T + b) / softcap)`` (:class:`HeadTransform`; no tanh when softcap is 0).
+    The forward pass walks chunks of tokens, computing each chunk's logits, its CE in float32 and at once the
+    gradient with respect to ``h``, (softmax - onehot) · dlogits/dz · scale @ W; only that gradient (tokens ×
+    hidden) is saved. The lm_head weight ``W`` (and bias ``b``) is frozen under LoRA, so it needs no gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, h, weight, bias, y, chunk_size: int, scale: float, softcap: float):
+        n = h.shape[0]
+        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        grad_h = torch.empty_like(h) if h.requires_grad else None
+        for s in range(0, n, chunk_size):
+            hc, yc = h[s:s + chunk_size], y[s:s + chunk_size]
+            logits = (hc @ weight.t()).float()
+            if bias is not None:
+                logits += bias.float()
+            if scale != 1.0:
+                logits.mul_(scale)
+            if softcap:
+                logits.div_(softcap).tanh_().mul_(softcap)
+            valid = yc != -100
+            yc_safe = torch.where(valid, yc, torch.zeros_like(yc))
+            lse = torch.logsumexp(logits, dim=-1)
+            picked = logits.gather(1, yc_safe[:, None]).squeeze(1)
+            total += ((lse - picked) * valid).sum()
+            if grad_h is not None:
+                # the softcap's derivative 1 - tanh² = 1 - (logits/cap)², taken before the buffer becomes the
+                # softmax: one more chunk-sized float32 buffer, no more than logsumexp's own temporary above
+                dcap = logits.div(softcap).square_().neg_().add_(1.0) if softcap else None
+                probs = logits.sub_(lse[:, None]).exp_()
+                probs[torch.arange(probs.shape[0], device=probs.device), yc_safe] -= 1.0
+                probs.mul_(valid[:, None])
+                if dcap is not None:
+                    probs.mul_(dcap)
+                    del dcap
+                if scale != 1.0:
+                    probs.mul_(scale)
+                grad_h[s:s + chunk_size] = (probs.to(weight.dtype) @ weight).to(h.dtype)
+        ctx.save_for_backward(grad_h if grad_h is not None else torch.empty(0))
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (grad_h,) = ctx.saved_tensors
+        return grad_h * grad_out.to(grad_h.dtype), None, None, None, None, None, None
+
+
+@torch.compiler.disable
+def chunked_ce_sum(h: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, chunk_size: int = 4096, *,
+                   bias: Optional[torch.Tensor] = None, transform: HeadTransform = HeadTransform()) -> torch.Tensor:
+    """Σ CE nats of the logits ``transform(h @ weight.T + bias)`` against ``y`` (-100 ignored), chunk by chunk.
+
+    Always run eagerly, on purpose: traced by dynamo/inductor on CUDA (torch 2.11, H200) this autograd.Function
+    returned an exactly zero gradient for ``h``, so under ``model.compile=true`` the LoRA B matrices never left zero
+    and nothing trained (issue #14, item 0; the CPU build compiled it correctly). Eager, it is a few large GEMMs per
+    chunk, which compile could not speed up; the decoder before it stays compiled (one graph break).
+    """
+    return _ChunkedLinearCE.apply(h, weight, bias, y, chunk_size, float(transform.scale), float(transform.softcap))
+
+
+_notes: set = set()
+
+
+def _note_once(text: str) -> None:
+    if text not in _notes:
+        _notes.add(text)
+        print(f"[raytrain_scu] note: {text}", flush=True)
+
+
+class CausalLMLoss(nn.Module):
+    """forward(x, y) -> (Σ CE nats, number of target tokens). What DDP and torch.compile wrap.
+
+    With ``fused`` the LM head and the cross-entropy are computed chunk by chunk (``_ChunkedLinearCE``), with the
+    model's own logit transform (:data:`FUSED_HEADS`); a model whose head is not known there, or whose lm_head
+    is not a frozen Linear, uses its own logits in float32 instead, with a one-line note. ``self.fused`` says
+    which path runs and ``self.fused_reason`` why.
+    """
+
+    def __init__(self, model, fused: bool = True, chunk_size: int = 4096):
+        super().__init__()
+        self.model = model
+        self.transform, self.fused_reason = fused_head(model) if fused else (None, "model.fused_loss=false")
+        self.fused = self.transform is not None
+        if fused and not self.fused:
+            _note_once(f"model.fused_loss: {self.fused_reason}; using the model's own logits "
+                       f"(the full tokens x vocab logits are materialised)")
+        self.chunk_size = chunk_size
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor):
+        n_tokens = (y != -100).sum()
+        if self.fused:
+            hidden = self.decoder()(input_ids=x).last_hidden_state
+            head = self.model.get_output_embeddings()
+            nats = chunked_ce_sum(hidden.reshape(-1, hidden.shape[-1]), head.weight, y.reshape(-1), self.chunk_size,
+                                  bias=head.bias, transform=self.transform)
+        else:
+            logits = self.model(input_ids=x, return_dict=True).logits
+            nats = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1),
+                                   ignore_index=-100, reduction="sum")
+        return nats, n_tokens
+
+    def row_nats(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Σ cross-entropy nats of each row of (x, y), shape (rows,): forward's math, kept apart per row."""
+        if self.fused:
+            hidden = self.decoder()(input_ids=x).last_hidden_state
+            head = self.model.get_output_embeddings()
+            return torch.stack([chunked_ce_sum(h, head.weight, t, self.chunk_size, bias=head.bias,
+                                               transform=self.transform) for h, t in zip(hidden, y)])
+        logits = self.model(input_ids=x, return_dict=True).logits.float()
+        return F.cross_entropy(logits.transpose(1, 2), y, ignore_index=-100, reduction="none").sum(dim=1)
+
+    def decoder(self):
+        """The transformer body under the LM head (peft injects LoRA into it in place)."""
+        lm = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        return getattr(lm, lm.base_model_prefix)
+
+
+def compile_for_training(loss_model: CausalLMLoss, *, scope: str = "layers", mode: str = "default") -> nn.Module:
+    """torch.compile for the training loop. ``layers``: every decoder layer is compiled in place and, being the same
+    code on parameters that dynamo treats as inputs, all of them share one compiled graph, so warm-up costs one layer's
+    compile (forward+backward, and again for eval under no_grad) instead of the whole unrolled model's. ``model``: one
+    graph for the whole forward. Both leave the chunked loss eager (see :func:`chunked_ce_sum`)."""
+    layers = getattr(loss_model.decoder(), "layers", None)
+    if scope == "model" or not isinstance(layers, nn.ModuleList):
+        if scope == "layers":
+            print(f"[raytrain_scu] note: {type(loss_model.decoder()).__name__} has no decoder `layers` list; "
+                  f"compiling the whole model (model.compile_scope=model)", flush=True)
+        return torch.compile(loss_model, mode=mode)
+    for layer in layers:
+        layer.compile(mode=mode)
+    return loss_model
