@@ -167,7 +167,7 @@ class RunConfig:
 class TrackingConfig:
     enabled: bool = True  # record the run in MLflow
     uri: str = ""  # "" = sqlite:///<storage_path>/mlflow.db
-    experiment: str = ""  # "" = the run name
+    experiment: str = ""  # "" = the config file's stem: one experiment per config, its runs side by side
     log_best_checkpoint: bool = True  # log the best checkpoint (lowest val/data_bpt) as an MLflow artifact
     system_metrics: Optional[bool] = None  # None = on for GPU runs
 
@@ -324,6 +324,8 @@ def build_config(tree: dict, default_name: str = "run") -> Config:
     cfg.tune.space = _numeric_space(cfg.tune.space)
     if not cfg.run.name:
         cfg.run.name = default_name
+    if not cfg.tracking.experiment:  # one MLflow experiment per config file (its runs side by side), not per run
+        cfg.tracking.experiment = default_name
     validate(cfg)
     return cfg
 

@@ -178,20 +178,23 @@ def _materialise(checkpoint: Checkpoint, stack) -> Path:
 
 
 def checkpoint_candidates(ray_checkpoint: Checkpoint, stack) -> list[tuple[str, object]]:
-    """``(name, open)`` of the given (latest) Ray checkpoint, then of its older ``checkpoint_*`` siblings, newest
-    first; ``open()`` downloads one (if remote) into ``stack`` and returns its local directory."""
-    found = [ray_checkpoint]
+    """``(name, open)`` of every ``checkpoint_*`` in the run directory of the given Ray checkpoint, newest first;
+    ``open()`` downloads one (if remote) into ``stack`` and returns its local directory.
+
+    Newest on disk, not Ray's latest: a checkpoint written and copied just before the driver or the controller died
+    (Ctrl-C, a lost head) is on disk but was never registered, and Ray would resume from the one before it."""
     fs, path = ray_checkpoint.filesystem, ray_checkpoint.path.rstrip("/")
-    parent, name = path.rsplit("/", 1)
+    parent = path.rsplit("/", 1)[0]
     try:
         infos = fs.get_file_info(pafs.FileSelector(parent, recursive=False))
     except OSError:
         infos = []
-    # names carry the zero-padded step, so name order is step order
-    siblings = sorted((i.path for i in infos if i.type == pafs.FileType.Directory
-                       and i.base_name.startswith("checkpoint_") and i.base_name < name), reverse=True)
-    found.extend(Checkpoint(path=p, filesystem=fs) for p in siblings)
-    return [(_name(c.path), partial(_materialise, c, stack)) for c in found]
+    # names carry the zero-padded step, so name order is step order (a `_fromNNN` suffix sorts after its step)
+    found = sorted((i.path.rstrip("/") for i in infos if i.type == pafs.FileType.Directory
+                    and i.base_name.startswith("checkpoint_") and not i.base_name.endswith(".partial")), reverse=True)
+    if path not in found:  # Ray's own is always a candidate
+        found = sorted([*found, path], reverse=True)
+    return [(_name(p), partial(_materialise, Checkpoint(path=p, filesystem=fs), stack)) for p in found]
 
 
 def open_checkpoint(ray_checkpoint: Checkpoint, stack) -> tuple[Path, list[str]]:

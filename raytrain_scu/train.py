@@ -15,7 +15,8 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from raytrain_scu.config import Config, ConfigError, run_dir, to_yaml
+from raytrain_scu.config import Config, ConfigError, redact_uri, run_dir, to_yaml
+from raytrain_scu.console import format_summary
 from raytrain_scu.hardware import MemoryFitError, resolve
 
 
@@ -168,7 +169,8 @@ def preflight(cfg: Config) -> dict:
         raise PreflightError(f"the training split has {len(data.train)} blocks of {d.block_size} tokens, fewer than "
                              f"one global batch ({global_batch} = batch_size x grad_accum x num_workers)")
     return {"model": where, "use_gpu": use_gpu, "tokens_per_epoch": data.tokens_per_epoch,
-            "train_blocks": len(data.train), "val_blocks": len(data.val), "gpus": gpus, "resume_from": good}
+            "train_blocks": len(data.train), "val_blocks": len(data.val), "gpus": gpus, "resume_from": good,
+            "vocab_size": len(tok)}
 
 
 def output_dir(cfg: Config) -> Path:
@@ -252,6 +254,13 @@ def run(cfg: Config, *, quiet: bool = False) -> dict:
     FINISHED after the summary, FAILED when training or the summary fails; the workers only log into it."""
     from raytrain_scu import launch, tracking
 
+    finished = finished_summary(cfg)
+    if finished is not None:  # before any check that loads the model or data, and before Ray
+        if not quiet:
+            print(f"[raytrain_scu] run {cfg.run.name} already finished at step {finished['steps']} "
+                  f"(raise train.max_steps to extend it)", flush=True)
+            print(format_summary(finished, title="finished earlier"), flush=True)
+        return finished
     facts = preflight(cfg)
     run_id, notes = None, []
     if cfg.tracking.enabled:
@@ -271,24 +280,41 @@ def run(cfg: Config, *, quiet: bool = False) -> dict:
         trainer = launch.build_trainer(cfg, use_gpu=facts["use_gpu"], run_id=run_id,
                                        callbacks=[launch.progress_callback()])
         result = trainer.fit()  # raises when Ray gives up on the run
-        summary = summarize(cfg, result, run_id, changes, notes)
+        summary = summarize(cfg, result, run_id, changes, notes, facts)
         status = "FINISHED"
     finally:
         if run_id:
             tracking.end_run(cfg, run_id, status)
     if not quiet:
-        print("[raytrain_scu] done: " + ", ".join(f"{k}={v}" for k, v in summary.items() if k != "notes"
-                                                    and v is not None), flush=True)
-        for n in notes:
-            print(f"[raytrain_scu] note: {n}", flush=True)
+        print(format_summary(summary), flush=True)
     return summary
 
 
-def summarize(cfg: Config, result, run_id: Optional[str], changes: dict, notes: list) -> dict:
-    """After fit(): export the adapter, log the best checkpoint, write config.yaml and summary.json to the output
-    directory; returns the summary."""
+def finished_summary(cfg: Config) -> Optional[dict]:
+    """The summary of this run name when it already reached train.max_steps (local storage): its output/summary.json,
+    if the newest checkpoint on disk is that step. None otherwise (a new run, an unfinished one, or an extension)."""
+    from raytrain_scu.checkpoint import CheckpointError, newest_good_local, read_meta
+
+    path = output_dir(cfg) / "summary.json"
+    if "://" in cfg.run.storage_path or not path.is_file():
+        return None
+    try:
+        summary = json.loads(path.read_text())
+        newest, _ = newest_good_local(Path(run_dir(cfg)))
+    except (ValueError, CheckpointError):
+        return None  # unreadable: preflight says what is wrong
+    steps = summary.get("steps")
+    if newest is None or steps is None or read_meta(newest)["step"] != steps or steps < cfg.train.max_steps:
+        return None
+    return summary
+
+
+def summarize(cfg: Config, result, run_id: Optional[str], changes: dict, notes: list, facts: dict) -> dict:
+    """After fit(): export the adapter, log the best checkpoint, write config.yaml, summary.json and base_model.json
+    (what rebuilds the base model: generate) to the output directory; returns the summary."""
     from raytrain_scu import tracking
     from raytrain_scu.checkpoint import BEST_METRIC
+    from raytrain_scu.generate import BASE_RECIPE, base_recipe
 
     out = output_dir(cfg)
     out.mkdir(parents=True, exist_ok=True)
@@ -298,6 +324,10 @@ def summarize(cfg: Config, result, run_id: Optional[str], changes: dict, notes: 
                "lambda": last.get("ctrl/lambda"), "s": last.get("ctrl/s"), "s_hat": last.get("ctrl/s_hat"),
                "tokens_per_s": last.get("perf/tokens_per_s"), "run_dir": result.path, "mlflow_run_id": run_id,
                "config_changes": changes or None, "notes": notes}
+    if cfg.tracking.enabled:
+        uri = redact_uri(tracking.tracking_uri(cfg))
+        summary.update(tracking_uri=f"{uri} (experiment {cfg.tracking.experiment})",
+                       ui_command=f"mlflow ui --backend-store-uri {uri}   (or: make ui CONFIG=<this config>)")
     if result.checkpoint is not None:
         summary["adapter"] = str(export_adapter(result.checkpoint, out / "adapter"))
     best = best_checkpoint(result.best_checkpoints)
@@ -312,6 +342,8 @@ def summarize(cfg: Config, result, run_id: Optional[str], changes: dict, notes: 
             if warn:
                 notes.append(warn)
     (out / "config.yaml").write_text(to_yaml(cfg, redact=True))
+    (out / BASE_RECIPE).write_text(json.dumps(base_recipe(cfg, use_gpu=facts["use_gpu"],
+                                                          vocab_size=facts["vocab_size"]), indent=1))
     (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     return summary
 

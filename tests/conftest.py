@@ -46,10 +46,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def mlflow_runs(storage, experiment: str, filter_string: str = ""):
-    """(client, runs) of ``experiment`` in the MLflow store a run with ``run.storage_path=storage`` uses by default."""
+def mlflow_runs(storage, run_name: str, filter_string: str = ""):
+    """(client, runs named ``run_name``) in the MLflow store a run with ``run.storage_path=storage`` uses by default,
+    whatever experiment they are in (by default the config file's stem)."""
     from raytrain_scu.tracking import client_for, default_uri
 
     client = client_for(default_uri(str(storage)))
-    exp = client.get_experiment_by_name(experiment)
-    return client, client.search_runs([exp.experiment_id], filter_string=filter_string)
+    exps = [e.experiment_id for e in client.search_experiments()]
+    named = f"tags.`mlflow.runName` = '{run_name}'"
+    return client, client.search_runs(exps, filter_string=f"{named} and {filter_string}" if filter_string else named)

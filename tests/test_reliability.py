@@ -698,3 +698,20 @@ def test_two_node_cluster_survives_losing_a_node(tmp_path):
 if __name__ == "__main__":
     if sys.argv[1:2] == ["two-node"]:
         two_node_scenario(sys.argv[2])
+
+
+def test_resume_considers_every_checkpoint_on_disk_newest_first(tmp_path):
+    """Ctrl-C once left checkpoint_00000050 on disk, unregistered by Ray, and the next run resumed from 40."""
+    import contextlib
+
+    from ray.train import Checkpoint
+
+    from raytrain_scu.launch import checkpoint_candidates
+
+    for name in ("checkpoint_00000010", "checkpoint_00000020", "checkpoint_00000030_from00000010",
+                 "checkpoint_00000050", "checkpoint_00000060.partial"):
+        (tmp_path / name).mkdir()
+    with contextlib.ExitStack() as stack:
+        names = [n for n, _ in checkpoint_candidates(Checkpoint(str(tmp_path / "checkpoint_00000020")), stack)]
+    assert names == ["checkpoint_00000050", "checkpoint_00000030_from00000010", "checkpoint_00000020",
+                     "checkpoint_00000010"]

@@ -372,7 +372,7 @@ def test_three_trial_sweep_asha_stops_the_bad_one_children_linked_best_yaml_trai
     assert ray_local.available_resources().get("CPU") == ray_local.cluster_resources()["CPU"]
 
     client = tracking.client_for(tracking.tracking_uri(cfg))
-    runs = client.search_runs([client.get_experiment_by_name("sw").experiment_id])
+    runs = client.search_runs([client.get_experiment_by_name(cfg.tracking.experiment).experiment_id])
     parent, children = sweep_runs(cfg, summary)
     assert len(runs) == 4 and len(children) == 3                     # one parent, three linked children
     assert tracking.PARENT_TAG not in parent.data.tags and parent.info.status == "FINISHED"

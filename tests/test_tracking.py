@@ -31,6 +31,10 @@ def test_params_metrics_and_artifacts(ray_local, tmp_path):
     assert len(runs) == 1 and runs[0].info.run_id == summary["mlflow_run_id"]
     r = client.get_run(summary["mlflow_run_id"])
     assert r.info.status == "FINISHED"
+    # one experiment per config file (its stem), the run named run.name; the summary says where and how to look
+    assert client.get_experiment(r.info.experiment_id).name == "tiny-cpu" and r.info.run_name == "tracked"
+    assert summary["tracking_uri"].startswith(f"sqlite:///{tmp_path}/mlflow.db")
+    assert summary["ui_command"].startswith(f"mlflow ui --backend-store-uri sqlite:///{tmp_path}/mlflow.db")
     p = r.data.params
     assert p["controller.target_s"] == "0.01" and p["train.max_steps"] == "10"
     assert int(p["derived.tokens_per_epoch"]) > 0 and p["derived.world_size"] == "1"

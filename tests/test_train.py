@@ -109,6 +109,36 @@ def test_exported_adapter_loads_with_peft(ray_local, tmp_path):
     assert json.loads(open(f"{s['adapter']}/adapter_config.json").read())["r"] == 4
 
 
+def test_finished_run_is_reported_before_ray_and_its_adapter_generates(ray_local, tmp_path, capsys):
+    """Re-running a finished run prints its summary within seconds, without Ray; generate rebuilds the base model from
+    the run directory (a preset: base_model.json's seed, dtype and device) and completes a prompt with the adapter."""
+    import subprocess
+    import sys
+    import time
+
+    from conftest import ROOT
+
+    cfg = tiny_cfg(tmp_path, "fin", "tracking.enabled=false", "scaling.num_workers=1", "train.max_steps=4",
+                   "train.checkpoint_every=4", "train.report_every=2")
+    first = run(cfg)
+    capsys.readouterr()
+    t0 = time.perf_counter()
+    again = run(cfg)
+    assert time.perf_counter() - t0 < 5.0 and again == json.loads(json.dumps(first, default=str))
+    out = capsys.readouterr().out
+    assert "run fin already finished at step 4" in out and "held-out BPT" in out
+    recipe = json.loads(open(f"{tmp_path}/fin/output/base_model.json").read())
+    assert recipe["init_device"] == "cpu" and recipe["dtype"] == "float32" and recipe["seed"] == cfg.seed
+    r = subprocess.run([sys.executable, "-m", "raytrain_scu.generate", f"{tmp_path}/fin", "To be, or not",
+                        "--max-new-tokens", "8", "--temperature", "0"], capture_output=True, text=True, cwd=ROOT,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.startswith("To be, or not") and len(r.stdout.strip()) > len("To be, or not")
+    r = subprocess.run([sys.executable, "-m", "raytrain_scu.generate", f"{tmp_path}/nothing", "x"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert r.returncode == 2 and "run directory not found" in r.stderr
+
+
 def test_qlora_4bit_runs_on_cpu(ray_local, tmp_path):
     s = run(tiny_cfg(tmp_path, "qlora", "tracking.enabled=false", "scaling.num_workers=1", "quant.load_in_4bit=true",
                      "train.max_steps=4", "train.report_every=2", "train.checkpoint_every=4"), quiet=True)
