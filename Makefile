@@ -39,10 +39,12 @@ bench: setup
 check: setup
 	$(BIN)/python -m raytrain_scu.check $(ARGS)
 
-# MLflow UI on the default local store (the full mlflow package carries the UI server)
+# MLflow UI on the store CONFIG's runs use (tracking.uri, else sqlite:///<run.storage_path>/mlflow.db): the same URI
+# a run prints. The full mlflow package (the `ui` extra) carries the UI server and its web stack (flask).
 ui: setup
 	$(BIN)/python -m pip install -q -e '.[ui]'  # editable, as in setup: no second copy of this package
-	$(BIN)/mlflow ui --backend-store-uri sqlite:///$$HOME/raytrain_scu_runs/mlflow.db --host 127.0.0.1 --port 5000
+	$(BIN)/mlflow ui --backend-store-uri "$$($(BIN)/python -m raytrain_scu.tracking uri $(CONFIG) $(ARGS))" \
+		--host 127.0.0.1 --port 5000
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

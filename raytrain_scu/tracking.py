@@ -385,3 +385,27 @@ def child_runs(cfg: Config, parent_run_id: str) -> list:
     client = client_for(uri)
     exp_id = experiment_id(client, cfg.tracking.experiment or cfg.run.name, uri)
     return client.search_runs([exp_id], filter_string=f"tags.`{PARENT_TAG}` = '{parent_run_id}'", max_results=5000)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m raytrain_scu.tracking uri CONFIG.yaml [key=value ...]``: the tracking URI that config's runs use
+    (what `make ui` opens)."""
+    import sys
+
+    from raytrain_scu.hardware import resolve
+    from raytrain_scu.train import USER_ERRORS
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if len(argv) < 2 or argv[0] != "uri":
+        print("usage: python -m raytrain_scu.tracking uri CONFIG.yaml [key=value ...]", file=sys.stderr)
+        return 2
+    try:
+        print(tracking_uri(resolve(argv[1], argv[2:], announce=False)))
+    except USER_ERRORS as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -205,3 +205,21 @@ def test_controller_checks_are_one_copy_shared_by_config_and_controller():
     d = ControllerConfig()
     params = inspect.signature(SCUController).parameters
     assert {k: getattr(d, k) for k in params} == {k: p.default for k, p in params.items()}
+
+
+def test_make_ui_opens_the_store_the_config_uses(tmp_path):
+    """`make ui` asks `python -m raytrain_scu.tracking uri CONFIG` for the URI the config's runs write to."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    r = subprocess.run([sys.executable, "-m", "raytrain_scu.tracking", "uri", TINY, f"run.storage_path={tmp_path}"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == f"sqlite:///{tmp_path}/mlflow.db"
+    r = subprocess.run([sys.executable, "-m", "raytrain_scu.tracking", "uri", TINY, "tracking.uri=http://mlflow:5000"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert r.stdout.strip() == "http://mlflow:5000"
+    make = subprocess.run(["make", "-n", "ui", f"CONFIG={TINY}"], capture_output=True, text=True, cwd=ROOT,
+                          env={k: v for k, v in __import__("os").environ.items() if not k.startswith("MAKE")})
+    assert f"raytrain_scu.tracking uri {TINY}" in make.stdout
