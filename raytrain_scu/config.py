@@ -324,8 +324,7 @@ def build_config(tree: dict, default_name: str = "run") -> Config:
     cfg.tune.space = _numeric_space(cfg.tune.space)
     if not cfg.run.name:
         cfg.run.name = default_name
-    if not cfg.tracking.experiment:  # one MLflow experiment per config file (its runs side by side), not per run
-        cfg.tracking.experiment = default_name
+    cfg.tracking.experiment = cfg.tracking.experiment or default_name  # one MLflow experiment per config file
     validate(cfg)
     return cfg
 
