@@ -29,6 +29,7 @@ from ray.train.torch import TorchTrainer
 
 from raytrain_scu import checkpoint as ckpt
 from raytrain_scu.config import Config, build_config, storage_dir
+from raytrain_scu.console import fmt_eta
 from raytrain_scu.faults import Faults
 from raytrain_scu.loop import run_loop
 
@@ -59,11 +60,6 @@ def root_cause(error: BaseException) -> Optional[str]:
     return f"{type(cause).__name__}: {cause}".strip()
 
 
-def _fmt_eta(seconds: float) -> str:
-    seconds = int(max(0, seconds))
-    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
-
-
 class Progress(UserCallback):
     """One line per report, printed by the Ray Train controller and forwarded to the driver's console."""
 
@@ -77,7 +73,7 @@ class Progress(UserCallback):
         if self.t0 is None:
             self.t0, self.step0 = now, step
         rate = (step - self.step0) / (now - self.t0) if step > self.step0 else 0.0
-        eta = _fmt_eta((max_steps - step) / rate) if rate > 0 else "?"
+        eta = fmt_eta((max_steps - step) / rate) if rate > 0 else "?"
         # λ_applied: the λ the loss used in this step, the one beside the S it produced (ctrl/lambda is already the
         # next step's, after the controller's update)
         print(f"[raytrain_scu] step {step}/{max_steps}  DataBPT {r['train/data_bpt']:.4f}  "
