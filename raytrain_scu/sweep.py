@@ -1,7 +1,7 @@
 """``python -m raytrain_scu.sweep CONFIG.yaml key=value... [--lr]``: a Ray Tune sweep whose trials are Ray Train runs.
 
 Each trial is a small driver function (:func:`run_trial`) that builds the trial's TorchTrainer with
-``train.build_trainer`` and calls ``fit()``; ``TuneReportCallback`` hands every ``ray.train.report`` to Tune, so ASHA
+``launch.build_trainer`` and calls ``fit()``; ``TuneReportCallback`` hands every ``ray.train.report`` to Tune, so ASHA
 sees ``val/data_bpt`` while the run trains. The space is the config's ``tune.space`` (key -> {choice | grid | uniform
 | loguniform | randint: args}); left empty it is chosen by the metric (``sweep_space.default_space``). ``--lr`` adds
 optim.lr (log-uniform over a decade either side of the config's).
@@ -41,6 +41,7 @@ from ray import tune
 from ray.train.v2._internal.execution.callback import WorkerGroupCallback
 from ray.util.placement_group import placement_group_table, remove_placement_group
 
+from raytrain_scu import tracking
 from raytrain_scu.config import Config, run_dir, storage_dir
 from raytrain_scu.sweep_results import open_child_run, open_parent_run, write_results
 from raytrain_scu.sweep_space import (GLOBAL_BATCH, SweepError, max_sequences_per_step, resolve_space, space_value,
@@ -166,7 +167,7 @@ def run_trial(params: dict, setup: TrialSetup) -> None:
     """Tune's trainable: one trial is one Ray Train run, whose reports reach Tune through TuneReportCallback."""
     from ray.tune.integration.ray_train import TuneReportCallback
 
-    from raytrain_scu.train import build_trainer
+    from raytrain_scu.launch import build_trainer
 
     trial_id = tune.get_context().get_trial_id()
     cfg = trial_config(setup.base, params, trial_id)
@@ -177,6 +178,8 @@ def run_trial(params: dict, setup: TrialSetup) -> None:
     callbacks = [TuneReportCallback(), NotePlacementGroup(setup.placement_groups)]
     # this actor inherited the cluster's environment: the workers get the sweep command's RAYTRAIN_SCU_* variables
     build_trainer(cfg, use_gpu=setup.use_gpu, run_id=run_id, callbacks=callbacks, env=setup.env).fit()
+    if run_id:  # the sweep opened the trial's run, so it ends it; a stopped or failed trial is closed by the parent
+        tracking.end_run(cfg, run_id, "FINISHED")
 
 
 def trial_dirname(trial) -> str:
@@ -246,7 +249,7 @@ def _global_batch_note(cfg: Config, space: dict) -> str:
 
 def run_sweep(cfg: Config, *, with_lr: bool = False) -> dict:
     """Check, launch (or resume) the sweep on Ray Tune, then print the table and write best.yaml and plots."""
-    from raytrain_scu.train import init_ray, scu_env
+    from raytrain_scu.launch import init_ray, scu_env
 
     space, use_gpu = check_before_launch(cfg, with_lr=with_lr)
     cfg.tune.space = space

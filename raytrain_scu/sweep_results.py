@@ -195,12 +195,11 @@ def open_parent_run(cfg: Config) -> Optional[str]:
     if not cfg.tracking.enabled:
         return None
     try:
-        run_id = tracking.get_or_create_run(cfg)
+        run_id = tracking.open_run(cfg)
         client = tracking.client_for(tracking.tracking_uri(cfg))
         client.set_tag(run_id, tracking.SWEEP_TAG, cfg.run.name)
         tracking.log_params_once(client, run_id, {**flatten(cfg),
                                                   "derived.global_batch_tokens": global_batch_tokens(cfg)})
-        client.set_terminated(run_id, status="RUNNING")
         return run_id
     except Exception as e:  # noqa: BLE001 - the sweep runs without its parent run
         print(f"[raytrain_scu] warning: MLflow parent run not opened ({type(e).__name__}: {redact_uri(str(e))[:200]}); "
@@ -212,9 +211,10 @@ def close_parent_run(cfg: Config, parent_run_id: str, rows: list[dict], best: Op
                      files: list[Path]) -> None:
     """Mark each child with its outcome, and give the parent the best result, the table, best.yaml and plots.
 
-    A child still RUNNING was cut off before its worker could end it: it gets the row's status (KILLED if Tune stopped
-    the trial, FAILED if it failed). A worker that ends its run itself (train.max_steps, train.stop_on_saturation) has
-    marked it FINISHED, and that stays. Tags repeat the row: status, steps trained and the step it was scored at.
+    A child still RUNNING was cut off before its trial could end it: it gets the row's status (KILLED if Tune stopped
+    the trial, FAILED if it failed). A trial whose training ended by itself (train.max_steps, train.stop_on_saturation)
+    was ended FINISHED by ``sweep.run_trial``, and that stays. Tags repeat the row: status, steps trained and the step
+    it was scored at.
     """
     client = tracking.client_for(tracking.tracking_uri(cfg))
     children = {r.data.tags.get(tracking.TRIAL_TAG): r for r in tracking.child_runs(cfg, parent_run_id)}
@@ -227,7 +227,7 @@ def close_parent_run(cfg: Config, parent_run_id: str, rows: list[dict], best: Op
             if row.get(key) is not None:
                 client.set_tag(child.info.run_id, tag, str(row[key]))
         if child.info.status == "RUNNING" and row["status"] in ("KILLED", "FAILED"):
-            client.set_terminated(child.info.run_id, status=row["status"])
+            tracking.end_run(cfg, child.info.run_id, row["status"])
     if best is not None:
         client.log_metric(parent_run_id, f"best/{cfg.tune.metric}", best["metric"])
         client.set_tag(parent_run_id, "raytrain_scu.best_trial", best["trial"])
@@ -238,7 +238,7 @@ def close_parent_run(cfg: Config, parent_run_id: str, rows: list[dict], best: Op
     client.log_metric(parent_run_id, "sweep/errors", sum(r["status"] == "FAILED" for r in rows))
     for f in files:
         client.log_artifact(parent_run_id, str(f), artifact_path="plots" if f.suffix == ".png" else None)
-    client.set_terminated(parent_run_id, status="FINISHED" if best is not None else "FAILED")
+    tracking.end_run(cfg, parent_run_id, "FINISHED" if best is not None else "FAILED")
 
 def sync_with_mlflow(cfg: Config, parent_run_id: str, rows: list[dict]) -> None:
     """Each row's ``steps`` becomes the last step its child run logged when that is later than the step Tune scored
@@ -259,7 +259,7 @@ def open_child_run(cfg: Config, sweep_name: str, parent_run_id: Optional[str], p
                    trial_id: str) -> Optional[str]:
     """The trial's MLflow run, a child of the sweep's, with the swept values and the global batch as params."""
     try:
-        run_id = tracking.get_or_create_run(cfg, parent_run_id=parent_run_id)
+        run_id = tracking.open_run(cfg, parent_run_id=parent_run_id)
         client = tracking.client_for(tracking.tracking_uri(cfg))
         client.set_tag(run_id, tracking.SWEEP_TAG, sweep_name)
         client.set_tag(run_id, tracking.TRIAL_TAG, trial_id)

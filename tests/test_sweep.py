@@ -230,10 +230,10 @@ def test_cli_memory_fit_error_exits_2(tmp_path, monkeypatch, capsys):
     (["controller.target_s=1.5"], "controller.target_s"),
 ])
 def test_cli_errors_exit_2_before_ray(tmp_path, monkeypatch, capsys, overrides, message):
-    import raytrain_scu.train
+    import raytrain_scu.launch
 
     monkeypatch.setitem(sys.modules, "optuna", None)
-    monkeypatch.setattr(raytrain_scu.train, "init_ray", lambda cfg: pytest.fail("Ray started"))
+    monkeypatch.setattr(raytrain_scu.launch, "init_ray", lambda cfg: pytest.fail("Ray started"))
     assert sweep.main([TINY, f"run.storage_path={tmp_path}", *overrides]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err
@@ -311,8 +311,8 @@ def test_close_parent_run_ends_only_the_children_left_running(tmp_path):
     cfg.tune.space = sweep_space.resolve_space(cfg)
     parent_run_id = sweep_results.open_parent_run(cfg)
     client = tracking.client_for(tracking.tracking_uri(cfg))
-    ends = {"done": ("FINISHED", "FINISHED"),       # reached train.max_steps: its worker ended the run
-            "saturated": ("FINISHED", "FINISHED"),  # train.stop_on_saturation: its worker ended the run too
+    ends = {"done": ("FINISHED", "FINISHED"),       # reached train.max_steps: run_trial ended the run
+            "saturated": ("FINISHED", "FINISHED"),  # train.stop_on_saturation: run_trial ended the run too
             "asha": ("KILLED", None),               # stopped by Tune: left RUNNING
             "crashed": ("FAILED", None)}            # failed: left RUNNING
     rows, run_ids = [], {}
