@@ -80,3 +80,31 @@ def test_ctrl_c_stops_at_a_checkpoint_marks_the_run_killed_and_the_same_command_
     last = run_dir / f"checkpoint_{step + 2:08d}"
     assert verify(last) is None and read_meta(last)["resumed_at"] == [step]  # it went on from the Ctrl-C checkpoint
     assert client.get_run(run_id).info.status == "FINISHED"
+
+
+def test_a_second_ctrl_c_aborts_at_once_and_still_marks_the_run_killed(tmp_path):
+    from raytrain_scu.tracking import client_for, default_uri
+
+    proc = _train(tmp_path, "train.max_steps=300", "train.report_every=5", "train.checkpoint_every=100")
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("[raytrain_scu] step "):
+                break
+        os.killpg(proc.pid, signal.SIGINT)
+        time.sleep(0.05)  # the second press, before any worker could finish its step
+        os.killpg(proc.pid, signal.SIGINT)
+        t0 = time.time()
+        rest, _ = proc.communicate(timeout=120)
+        took = time.time() - t0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = "".join(lines) + rest
+    assert proc.returncode == 130, text[-3000:]
+    assert re.search(r"interrupted at step \d+, no checkpoint of it; resume: python -m raytrain_scu\.train ", text)
+    assert took < 60 and "Traceback" not in text, text[-3000:]
+    run_id = json.loads((tmp_path / "ctrlc" / "mlflow_run.json").read_text())["run_id"]
+    assert client_for(default_uri(str(tmp_path))).get_run(run_id).info.status == "KILLED"
+    assert not (tmp_path / "ctrlc" / "STOP").exists()
