@@ -1,7 +1,8 @@
 """The Ray edge: the only place a training run touches Ray (the Tune sweep and the environment check aside).
 
 - the driver side: :func:`init_ray`, :func:`build_trainer` (one ``TorchTrainer`` per run or sweep trial), the
-  workers' environment (:func:`scu_env`), the progress line (:func:`progress_callback`), a failure's root cause
+  workers' environment (:func:`scu_env`), the reports relayed to the driver's console and Ctrl-C (:func:`fit`),
+  Ray's log files (:func:`logs_dir`, :func:`keep_logs`), a failure's root cause
   (:func:`root_cause`), and the Ray runs of evaluate (:func:`run_tasks`) and bench (:func:`fit_and_collect`);
 - the worker side: :func:`train_func` runs ``loop.run_loop`` with :class:`RayHooks`, the handful of calls the loop
   makes into Ray Train (device, checkpoint to resume from, DDP, report), and :func:`checkpoint_candidates` turns a
@@ -10,8 +11,12 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
+import shutil
+import signal
 import tempfile
+import threading
 import time
 from dataclasses import asdict
 from functools import partial
@@ -28,10 +33,9 @@ from ray.train import (Checkpoint, CheckpointConfig, FailureConfig, RunConfig, S
 from ray.train.torch import TorchTrainer
 
 from raytrain_scu import checkpoint as ckpt
-from raytrain_scu.config import Config, build_config, storage_dir
-from raytrain_scu.console import fmt_eta
+from raytrain_scu.config import Config, build_config, run_dir, storage_dir
 from raytrain_scu.faults import Faults
-from raytrain_scu.loop import run_loop
+from raytrain_scu.loop import run_loop, stop_flag
 
 
 # ---------------------------------------------------------------- driver side
@@ -41,14 +45,41 @@ def scu_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k.startswith("RAYTRAIN_SCU_")}
 
 
-def init_ray(cfg: Config) -> None:
-    """Join the cluster at ``RAY_ADDRESS`` (``ray job submit``), else start a local Ray; nothing if Ray is up."""
+def init_ray(cfg: Config, *, verbose: bool = True) -> None:
+    """Join the cluster at ``RAY_ADDRESS`` (``ray job submit``), else start a local Ray; nothing if Ray is up.
+
+    ``verbose`` false: the workers' and the controller's output stays in Ray's log files (:func:`logs_dir`) and the
+    driver logs Ray's warnings and errors only, so the console holds the package's own lines."""
     if ray.is_initialized():
         return
+    quiet = {} if verbose else {"log_to_driver": False, "logging_level": logging.WARNING}
     if os.environ.get("RAY_ADDRESS"):
-        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
+        ray.init(address=os.environ["RAY_ADDRESS"], **{"log_to_driver": True, **quiet})
     else:
-        ray.init(log_to_driver=True)
+        ray.init(**{"log_to_driver": True, **quiet})
+
+
+def logs_dir() -> Optional[Path]:
+    """This Ray session's log directory on the driver's node (where the controller and, locally, the workers
+    write); None when Ray is not up."""
+    node = getattr(ray._private.worker, "_global_node", None)
+    return Path(node.get_logs_dir_path()) if ray.is_initialized() and node is not None else None
+
+
+def keep_logs(cfg: Config, source: Optional[Path]) -> Optional[Path]:
+    """Copy this job's worker logs (the train workers', the controller's: ``worker-*-<job id>-*.out/err``) from
+    ``source`` into ``<run dir>/logs/`` (local storage); returns that folder, None with nothing copied."""
+    if source is None or "://" in cfg.run.storage_path or not ray.is_initialized():
+        return None
+    job = ray.get_runtime_context().get_job_id()
+    files = [f for f in source.glob(f"worker-*-{job}-*") if f.suffix in (".out", ".err")]
+    if not files:
+        return None
+    dest = Path(run_dir(cfg)) / "logs"
+    dest.mkdir(parents=True, exist_ok=True)
+    for f in files:
+        shutil.copyfile(f, dest / f.name)
+    return dest
 
 
 def root_cause(error: BaseException) -> Optional[str]:
@@ -60,31 +91,88 @@ def root_cause(error: BaseException) -> Optional[str]:
     return f"{type(cause).__name__}: {cause}".strip()
 
 
-class Progress(UserCallback):
-    """One line per report, printed by the Ray Train controller and forwarded to the driver's console."""
+class Sink(UserCallback):
+    """Runs in the Ray Train controller (always on the driver's node): appends each report's rank-0 metrics and
+    whether it carried a checkpoint to a JSON-lines file the driver reads (:meth:`read`)."""
 
     def __init__(self):
-        self.t0, self.step0 = None, None
+        self.path = Path(tempfile.mkdtemp(prefix="raytrain_scu-")) / "reports.jsonl"
+        self.path.touch()
+        self.offset = 0
 
     def after_report(self, run_context, metrics, checkpoint):
-        r = metrics[0]
-        step, max_steps = int(r["step"]), int(r["max_steps"])
-        now = time.time()
-        if self.t0 is None:
-            self.t0, self.step0 = now, step
-        rate = (step - self.step0) / (now - self.t0) if step > self.step0 else 0.0
-        eta = fmt_eta((max_steps - step) / rate) if rate > 0 else "?"
-        # λ_applied: the λ the loss used in this step, the one beside the S it produced (ctrl/lambda is already the
-        # next step's, after the controller's update)
-        print(f"[raytrain_scu] step {step}/{max_steps}  DataBPT {r['train/data_bpt']:.4f}  "
-              f"val {r.get('val/data_bpt', float('nan')):.4f}  λ_applied {r['ctrl/lambda_applied']:.4g}  "
-              f"S {r['ctrl/s']:.4g}  Ŝ {r['ctrl/s_hat']:.4g}  tok/s {r.get('perf/tokens_per_s', 0):.0f}  ETA {eta}"
-              + ("  [checkpoint]" if checkpoint is not None else ""), flush=True)
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"metrics": metrics[0], "checkpoint": checkpoint is not None}) + "\n")
+
+    def read(self) -> list[dict]:
+        """The driver side: the reports written since the last call, whole lines only."""
+        with open(self.path) as f:
+            f.seek(self.offset)
+            text = f.read()
+        done = text[:text.rfind("\n") + 1]
+        self.offset += len(done.encode())
+        return [json.loads(line) for line in done.splitlines()]
 
 
-def progress_callback() -> Progress:
-    """The console's progress line, one per report (``train`` passes it to :func:`build_trainer`)."""
-    return Progress()
+class Interrupted(Exception):
+    """Ctrl-C stopped the run at ``step`` (the last report), with a checkpoint of that step or without one."""
+
+    def __init__(self, step: Optional[int], checkpointed: bool):
+        super().__init__(f"interrupted at step {step}")
+        self.step, self.checkpointed = step, checkpointed
+
+
+def fit(trainer: TorchTrainer, cfg: Config, sink: Sink, progress):
+    """``trainer.fit()`` with each report shown by ``progress`` (``console.Progress``) on the driver, and Ctrl-C.
+
+    fit() runs in a thread, so Ray Train installs no SIGINT handler of its own. The first SIGINT writes the stop
+    flag (local storage): every rank stops after its next step, rank 0 checkpoints it, and this raises
+    :class:`Interrupted` once fit() returns. A second SIGINT (or the first with remote storage, which has no flag)
+    raises it at once."""
+    flag = stop_flag(cfg)
+    if flag is not None:
+        flag.unlink(missing_ok=True)  # a leftover from a run killed hard would stop this one at its first step
+    box, last, sigints = {}, {"step": None, "checkpoint": False}, []
+
+    def target():
+        try:
+            box["result"] = trainer.fit()
+        except BaseException as e:  # noqa: BLE001 - re-raised in the driver's main thread
+            box["error"] = e
+
+    def on_sigint(signum, frame):
+        sigints.append(time.time())
+        if len(sigints) > 1 or flag is None:
+            raise Interrupted(last["step"], checkpointed=False)
+        flag.parent.mkdir(parents=True, exist_ok=True)
+        flag.write_text("stop\n")
+        progress.close()
+        print("[raytrain_scu] Ctrl-C: stopping after this step and writing its checkpoint (Ctrl-C again aborts "
+              "without one)", flush=True)
+
+    def show():
+        for r in sink.read():
+            last.update(step=int(r["metrics"]["step"]), checkpoint=r["checkpoint"])
+            progress.update(r["metrics"], checkpoint=r["checkpoint"])
+
+    thread = threading.Thread(target=target, name="raytrain_scu-fit", daemon=True)
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        thread.start()
+        while thread.is_alive():
+            thread.join(timeout=0.2)
+            show()
+        show()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        progress.close()
+        if flag is not None:
+            flag.unlink(missing_ok=True)
+    if "error" in box:
+        raise box["error"]
+    if sigints and last["step"] != cfg.train.max_steps:
+        raise Interrupted(last["step"], checkpointed=last["checkpoint"])
+    return box["result"]
 
 
 def build_trainer(cfg: Config, *, use_gpu: bool, run_id: Optional[str], callbacks=(), extra_config=None,
@@ -118,16 +206,10 @@ def build_trainer(cfg: Config, *, use_gpu: bool, run_id: Optional[str], callback
 
 def fit_and_collect(cfg: Config, *, use_gpu: bool) -> list[dict]:
     """Run ``cfg`` on Ray Train with no MLflow run and return rank 0's reports, in order (bench's Ray parts)."""
-    sink = Path(tempfile.mkdtemp()) / "reports.jsonl"
-
-    class Collect(UserCallback):
-        def after_report(self, run_context, metrics, checkpoint):
-            with open(sink, "a") as f:
-                f.write(json.dumps(metrics[0]) + "\n")
-
+    sink = Sink()
     init_ray(cfg)
-    build_trainer(cfg, use_gpu=use_gpu, run_id=None, callbacks=[Collect()]).fit()  # raises on a failed run
-    return [json.loads(line) for line in sink.read_text().splitlines()]
+    build_trainer(cfg, use_gpu=use_gpu, run_id=None, callbacks=[sink]).fit()  # raises on a failed run
+    return [r["metrics"] for r in sink.read()]
 
 
 def run_tasks(cfg: Config, fn, calls: list[tuple], *, gpus_per_worker: Optional[float],

@@ -8,12 +8,14 @@ import math
 import shutil
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
 
 import torch
 
 from raytrain_scu import checkpoint as ckpt
 from raytrain_scu import tracking
-from raytrain_scu.config import Config, to_yaml
+from raytrain_scu.config import Config, run_dir, to_yaml
 from raytrain_scu.controller import from_config as build_controller
 from raytrain_scu.data import prepare_data, train_batch, val_batches
 from raytrain_scu.dist import all_gather_object, all_reduce_sum, barrier, print0, rank, world_size
@@ -192,6 +194,14 @@ class State:
     skipped_in_a_row: int = 0
     overflows_total: int = 0
     ckpt_suffix: str = ""
+    stop_path: Optional[Path] = None  # rank 0 stops the run (all ranks, after a checkpoint) when this file exists
+    stopping: bool = False
+
+
+def stop_flag(cfg: Config) -> Optional[Path]:
+    """``<run dir>/STOP``: the driver writes it on Ctrl-C, rank 0 sees it after a step and the run stops there with a
+    checkpoint; None for remote storage (no file the driver and rank 0 both see)."""
+    return None if "://" in cfg.run.storage_path else Path(run_dir(cfg)) / "STOP"
 
 
 def build(cfg: Config, hooks, run_id=None) -> State:
@@ -290,6 +300,7 @@ def setup(cfg: Config, hooks, run_id=None) -> State:
     s.val_bpt_start = s.history[0]["val/data_bpt"] if s.history and s.history[0]["step"] == 0 else float("nan")
     s.meter = Meter(s.device, s.seqs_per_step * cfg.data.block_size, cfg.scaling.poll_interval_s)
     s.peak_flops = device_peak_flops(s.device)
+    s.stop_path = stop_flag(cfg)
     if s.peak_flops == 0:
         print0(f"[raytrain_scu] perf/mfu is not logged: no dense bf16 peak FLOP/s is known for "
                f"{torch.cuda.get_device_name(s.device) if s.device.type == 'cuda' else s.device.type} "
@@ -338,10 +349,13 @@ def train_step(s: State, step: int) -> dict:
     # one all-reduce of (nats, tokens): DataBPT is global and identical on every rank
     s.scaler.unscale_(s.optimizer)
     grad_norm = torch.nn.utils.clip_grad_norm_(s.params, cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else 1e30)
-    stats = all_reduce_sum(torch.stack([nats_sum, tokens]))
+    # rank 0's third element: a stop was asked for (Ctrl-C), so every rank agrees without another collective
+    stop = torch.tensor(float(rank() == 0 and s.stop_path is not None and s.stop_path.exists()), device=s.device)
+    stats = all_reduce_sum(torch.stack([nats_sum, tokens, stop]))
     # the one host sync per optimizer step: the controller needs these as floats
-    nats_f, tokens_f, pbpt_f, norm_f = torch.stack([stats[0], stats[1], pbpt.detach().float(),
-                                                    grad_norm.float()]).tolist()
+    nats_f, tokens_f, stop_f, pbpt_f, norm_f = torch.stack([stats[0], stats[1], stats[2], pbpt.detach().float(),
+                                                            grad_norm.float()]).tolist()
+    s.stopping = stop_f > 0
     data_bpt = nats_f / tokens_f / LN2
     outcome = optimizer_step(s.optimizer, s.scaler, data_bpt=data_bpt, param_bpt=pbpt_f, grad_norm=norm_f)
     s.skipped_in_a_row = s.skipped_in_a_row + 1 if outcome == "skipped" else 0
@@ -424,7 +438,7 @@ def report(s: State, step: int, row: dict, is_ckpt: bool) -> None:
 def after_step(s: State, step: int, row: dict) -> bool:
     """Once in a while: eval (all ranks), report (all ranks), checkpoint (rank 0 writes). True when the run is done."""
     t = s.cfg.train
-    done = step + 1 == t.max_steps or (t.stop_on_saturation and s.controller.saturated)
+    done = step + 1 == t.max_steps or (t.stop_on_saturation and s.controller.saturated) or s.stopping
     is_ckpt = (step + 1) % t.checkpoint_every == 0 or done
     if (step + 1) % t.eval_every == 0 or is_ckpt:
         with s.meter.excluded():  # throughput counts training time only
@@ -445,4 +459,4 @@ def run_loop(cfg: Config, *, hooks, run_id=None) -> None:
         row = train_step(s, step)
         if after_step(s, step, row):
             break
-    s.tracker.finish(history=s.history, model=s.model, status="FINISHED")
+    s.tracker.finish(history=s.history, model=s.model, status="KILLED" if s.stopping else "FINISHED")

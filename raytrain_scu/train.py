@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shlex
 import shutil
 import sys
 from pathlib import Path
@@ -247,12 +248,14 @@ def record_config_change(cfg: Config, run_id: Optional[str], resume_from: Option
     return changes
 
 
-def run(cfg: Config, *, quiet: bool = False) -> dict:
+def run(cfg: Config, *, quiet: bool = False, verbose: bool = False) -> dict:
     """Validate, train, export. Returns a summary dict (also printed unless ``quiet``).
 
     The one owner of the run's MLflow run: opens it before launch (or finds it again on a re-run) and ends it,
-    FINISHED after the summary, FAILED when training or the summary fails; the workers only log into it."""
+    FINISHED after the summary, FAILED when training or the summary fails, KILLED on Ctrl-C (``launch.fit``); the
+    workers only log into it. ``verbose``: Ray's and the workers' output on the console too."""
     from raytrain_scu import launch, tracking
+    from raytrain_scu.console import Progress
 
     finished = finished_summary(cfg)
     if finished is not None:  # before any check that loads the model or data, and before Ray
@@ -270,19 +273,28 @@ def run(cfg: Config, *, quiet: bool = False) -> dict:
         except Exception as e:  # noqa: BLE001 - tracking never kills training; rank 0 retries
             notes.append(f"MLflow unreachable at start ({type(e).__name__}); rank 0 will retry")
             print(f"[raytrain_scu] warning: {notes[-1]}", file=sys.stderr)
-    status = "FAILED"
+    status, ray_logs = "FAILED", None
     try:
         changes = record_config_change(cfg, run_id, facts["resume_from"], notes)
-        launch.init_ray(cfg)
+        launch.init_ray(cfg, verbose=verbose)
         print(f"[raytrain_scu] run {cfg.run.name}: {facts['model']}, {cfg.scaling.num_workers} worker(s) "
               f"({'GPU' if facts['use_gpu'] else 'CPU'}), {facts['train_blocks']} train / {facts['val_blocks']} val "
               f"blocks, tokens_per_epoch={facts['tokens_per_epoch']}", flush=True)
-        trainer = launch.build_trainer(cfg, use_gpu=facts["use_gpu"], run_id=run_id,
-                                       callbacks=[launch.progress_callback()])
-        result = trainer.fit()  # raises when Ray gives up on the run
+        ray_logs = launch.logs_dir()
+        if not verbose:
+            print(f"[raytrain_scu] Ray's and the workers' logs: {ray_logs} (--verbose shows them here)", flush=True)
+        sink = launch.Sink()
+        trainer = launch.build_trainer(cfg, use_gpu=facts["use_gpu"], run_id=run_id, callbacks=[sink])
+        result = launch.fit(trainer, cfg, sink, Progress(target_s=cfg.controller.target_s))  # raises on failure
         summary = summarize(cfg, result, run_id, changes, notes, facts)
         status = "FINISHED"
+    except (KeyboardInterrupt, launch.Interrupted):
+        status = "KILLED"
+        raise
     finally:
+        kept = launch.keep_logs(cfg, ray_logs)
+        if kept is not None:
+            print(f"[raytrain_scu] worker logs: {kept}", flush=True)
         if run_id:
             tracking.end_run(cfg, run_id, status)
     if not quiet:
@@ -348,11 +360,14 @@ def summarize(cfg: Config, result, run_id: Optional[str], changes: dict, notes: 
     return summary
 
 
-USAGE = "usage: python -m raytrain_scu.train CONFIG.yaml [key=value ...]"
+USAGE = "usage: python -m raytrain_scu.train [--verbose] CONFIG.yaml [key=value ...]"
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    resume_cmd = shlex.join(["python", "-m", "raytrain_scu.train", *argv])
+    verbose = "--verbose" in argv  # Ray's and the workers' logs on the console, as well as in their files
+    argv = [a for a in argv if a != "--verbose"]
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         if argv:  # --help: every key, its default and meaning, generated from config.py's tree
@@ -362,13 +377,19 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     try:
         cfg = resolve(argv[0], argv[1:])  # presets, memory fit and checks, once
-        run(cfg)
+        run(cfg, verbose=verbose)
     except USER_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except Exception as e:  # noqa: BLE001 - a failed run: its root cause in one line, not Ray's wrapping
-        from raytrain_scu.launch import root_cause
+    except BaseException as e:  # noqa: BLE001 - a failed run: its root cause in one line, not Ray's wrapping
+        from raytrain_scu.launch import Interrupted, root_cause
 
+        if isinstance(e, (Interrupted, KeyboardInterrupt)):  # Ctrl-C: the MLflow run is KILLED, exit 130
+            step = getattr(e, "step", None)
+            done = ", checkpoint written" if getattr(e, "checkpointed", False) else ", no checkpoint of it"
+            print("[raytrain_scu] interrupted" + (f" at step {step}{done}" if step is not None else "")
+                  + f"; resume: {resume_cmd}", flush=True)
+            return 130
         cause = root_cause(e)
         if cause is None:
             raise

@@ -26,13 +26,13 @@ def report(**over):
 
 
 def test_progress_line_shows_the_lambda_the_loss_used_beside_s(capsys):
-    from raytrain_scu.launch import progress_callback
+    from raytrain_scu.console import Progress
 
-    progress_callback().after_report(None, [report()], None)
+    Progress(tty=False).update(report())  # what the driver prints for each report
     line = capsys.readouterr().out
     lam = re.search(r"λ\S* (\S+)", line)
     assert lam and float(lam.group(1)) == 0.125, line  # ctrl/lambda_applied, not ctrl/lambda (next step's)
-    assert "S 0.25" in line
+    assert "Ŝ 0.3" in line
 
 
 def test_lambda_plot_pairs_each_step_with_the_lambda_its_loss_used(tmp_path, monkeypatch):

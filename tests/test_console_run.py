@@ -1,0 +1,110 @@
+"""The console of a real CLI run (Ray on CPU workers, a real MLflow sqlite store): only the package's own lines off a
+terminal, Ray's logs kept in files; Ctrl-C to the process group stops at a checkpoint, KILLED, exit 130, resumable."""
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, TINY, cli
+
+pytestmark = pytest.mark.slow
+
+
+def test_piped_run_prints_only_the_package_lines_and_keeps_ray_logs_in_files(tmp_path):
+    out = cli(f"run.storage_path={tmp_path}", "run.name=quiet", "train.max_steps=10", env={"RAY_DEDUP_LOGS": "1"})
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text[-3000:]
+    print(f"console bytes: {len(text.encode())}\n{text}")  # for the record (-s)
+    assert "TrainingReport(" not in text and "\x1b[" not in text and "pid=" not in text, text
+    steps = re.findall(r"^\[raytrain_scu\] step (\d+)/10 .*$", out.stdout, re.M)
+    assert steps == ["5", "10"], out.stdout  # one plain line per report (report_every 5)
+    ray_logs = re.search(r"Ray's and the workers' logs: (\S+)", out.stdout)
+    assert ray_logs and Path(ray_logs.group(1)).is_dir(), out.stdout
+    kept = re.search(r"worker logs: (\S+)", out.stdout)
+    assert kept and Path(kept.group(1)) == tmp_path / "quiet" / "logs", out.stdout
+    logs = list(Path(kept.group(1)).glob("worker-*"))
+    assert logs and any("TrainingReport(" in f.read_text() for f in logs)  # what the console no longer shows
+
+
+def _train(tmp_path, *overrides):
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    # its own process group, as a shell gives a foreground job: os.killpg is the terminal's Ctrl-C
+    return subprocess.Popen([sys.executable, "-m", "raytrain_scu.train", TINY, f"run.storage_path={tmp_path}",
+                             "run.name=ctrlc", *overrides], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, cwd=ROOT, env={**env, "RAY_AUTH_MODE": "disabled"}, start_new_session=True)
+
+
+def test_ctrl_c_stops_at_a_checkpoint_marks_the_run_killed_and_the_same_command_resumes(tmp_path):
+    from raytrain_scu.checkpoint import read_meta, verify
+    from raytrain_scu.tracking import client_for, default_uri
+
+    proc = _train(tmp_path, "train.max_steps=300", "train.report_every=5", "train.checkpoint_every=100",
+                  "train.eval_every=100")
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("[raytrain_scu] step "):
+                break
+        os.killpg(proc.pid, signal.SIGINT)  # the whole foreground group, as a terminal sends it
+        rest, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = "".join(lines) + rest
+    assert proc.returncode == 130, text[-3000:]
+    m = re.search(r"interrupted at step (\d+), checkpoint written; resume: (python -m raytrain_scu\.train .*)$",
+                  text, re.M)
+    assert m, text[-3000:]
+    step = int(m.group(1))
+    assert 5 <= step < 100 and m.group(2).endswith(f"run.storage_path={tmp_path} run.name=ctrlc "
+                                                   "train.max_steps=300 train.report_every=5 "
+                                                   "train.checkpoint_every=100 train.eval_every=100")
+    run_dir = tmp_path / "ctrlc"
+    saved = run_dir / f"checkpoint_{step:08d}"
+    assert verify(saved) is None and read_meta(saved)["step"] == step  # a checkpoint of the interrupted step
+    assert not (run_dir / "STOP").exists()
+    run_id = json.loads((run_dir / "mlflow_run.json").read_text())["run_id"]
+    client = client_for(default_uri(str(tmp_path)))
+    assert client.get_run(run_id).info.status == "KILLED"
+
+    again = cli(f"run.storage_path={tmp_path}", "run.name=ctrlc", f"train.max_steps={step + 2}",
+                "train.report_every=5", "train.checkpoint_every=100", "train.eval_every=100")
+    assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
+    last = run_dir / f"checkpoint_{step + 2:08d}"
+    assert verify(last) is None and read_meta(last)["resumed_at"] == [step]  # it went on from the Ctrl-C checkpoint
+    assert client.get_run(run_id).info.status == "FINISHED"
+
+
+def test_a_second_ctrl_c_aborts_at_once_and_still_marks_the_run_killed(tmp_path):
+    from raytrain_scu.tracking import client_for, default_uri
+
+    proc = _train(tmp_path, "train.max_steps=300", "train.report_every=5", "train.checkpoint_every=100")
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("[raytrain_scu] step "):
+                break
+        os.killpg(proc.pid, signal.SIGINT)
+        time.sleep(0.05)  # the second press, before any worker could finish its step
+        os.killpg(proc.pid, signal.SIGINT)
+        t0 = time.time()
+        rest, _ = proc.communicate(timeout=120)
+        took = time.time() - t0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = "".join(lines) + rest
+    assert proc.returncode == 130, text[-3000:]
+    assert re.search(r"interrupted at step \d+, no checkpoint of it; resume: python -m raytrain_scu\.train ", text)
+    assert took < 60 and "Traceback" not in text, text[-3000:]
+    run_id = json.loads((tmp_path / "ctrlc" / "mlflow_run.json").read_text())["run_id"]
+    assert client_for(default_uri(str(tmp_path))).get_run(run_id).info.status == "KILLED"
+    assert not (tmp_path / "ctrlc" / "STOP").exists()
