@@ -11,6 +11,7 @@ resolved config as YAML.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import sys
@@ -21,9 +22,8 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 
-from raytrain_scu.config_io import (describe, explicit_keys, flatten, flatten_tree, help_text,  # noqa: F401
-                                    load_raw, parse_override, redact_uri, set_dotted, to_dict, to_yaml)
-from raytrain_scu.config_io import _numeric_space
+from raytrain_scu.config_io import (_numeric_space, describe, explicit_keys, flatten, flatten_tree,  # noqa: F401
+                                    help_text, load_raw, parse_override, redact_uri, set_dotted, to_dict, to_yaml)
 
 
 class ConfigError(ValueError):
@@ -346,9 +346,8 @@ def _one_of(key: str, value: str, allowed: tuple[str, ...]) -> None:
 
 
 TUNE_KINDS = ("choice", "grid", "uniform", "loguniform", "randint")
-# tune.space keys that are not config keys: the sweep maps each onto config keys (sweep_space.apply_params).
-# global_batch_tokens: tokens per optimizer step over all workers (the global batch, the optimisation knob); a trial's
-# data.grad_accum is set to it / (data.batch_size x scaling.num_workers x data.block_size)
+# tune.space keys that are not config keys (sweep_space.apply_params maps them): global_batch_tokens, tokens per
+# optimizer step (the optimisation knob); a trial's data.grad_accum = it / (batch_size x num_workers x block_size)
 SPACE_ONLY_KEYS = {"global_batch_tokens": int}
 
 
@@ -426,7 +425,6 @@ def _check_model_and_data(cfg: Config) -> None:
     _check(o.warmup_steps >= 0, "optim.warmup_steps", f"must be >= 0, got {o.warmup_steps}")
     _check(0.0 <= o.min_lr_ratio <= 1.0, "optim.min_lr_ratio", f"must be in [0, 1], got {o.min_lr_ratio}")
     _check(o.grad_clip >= 0, "optim.grad_clip", f"must be >= 0 (0 = off), got {o.grad_clip}")
-
 
 
 def _check_run(cfg: Config) -> None:
@@ -512,17 +510,18 @@ def validate_space_entry(key: str, spec: Any) -> None:
         _check(tp in (int, float), where, f"{kind} needs a numeric key, {key} is {_type_name(tp)}")
 
 
-def global_batch_tokens(cfg: Config) -> int:
-    """Tokens per optimizer step over all workers."""
-    d = cfg.data
-    return d.batch_size * d.grad_accum * cfg.scaling.num_workers * d.block_size
+def sequences_per_step(cfg: Config, world: Optional[int] = None) -> int:
+    """Sequences per optimizer step over all workers (``world``: the live world size; default scaling.num_workers)."""
+    return cfg.data.batch_size * cfg.data.grad_accum * (cfg.scaling.num_workers if world is None else world)
+
+
+def global_batch_tokens(cfg: Config, world: Optional[int] = None) -> int:
+    """Tokens per optimizer step over all workers: the global batch."""
+    return sequences_per_step(cfg, world) * cfg.data.block_size
 
 
 def get_dotted(cfg: Config, key: str) -> Any:
-    node: Any = cfg
-    for part in key.split("."):
-        node = getattr(node, part)
-    return node
+    return functools.reduce(getattr, key.split("."), cfg)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -156,7 +156,10 @@ def fit(trainer: TorchTrainer, cfg: Config, sink: Sink, progress):
             progress.update(r["metrics"], checkpoint=r["checkpoint"])
 
     thread = threading.Thread(target=target, name="raytrain_scu-fit", daemon=True)
-    previous = signal.signal(signal.SIGINT, on_sigint)
+    # only the main thread may handle signals: run() called from another thread (a test, a notebook's worker) shows
+    # progress but leaves Ctrl-C to whoever owns the main thread
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, on_sigint) if main else None
     try:
         thread.start()
         while thread.is_alive():
@@ -164,7 +167,8 @@ def fit(trainer: TorchTrainer, cfg: Config, sink: Sink, progress):
             show()
         show()
     finally:
-        signal.signal(signal.SIGINT, previous)
+        if main:
+            signal.signal(signal.SIGINT, previous)
         progress.close()
         if flag is not None:
             flag.unlink(missing_ok=True)

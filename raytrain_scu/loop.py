@@ -15,7 +15,7 @@ import torch
 
 from raytrain_scu import checkpoint as ckpt
 from raytrain_scu import tracking
-from raytrain_scu.config import Config, run_dir, to_yaml
+from raytrain_scu.config import Config, run_dir, sequences_per_step, to_yaml
 from raytrain_scu.controller import from_config as build_controller
 from raytrain_scu.data import prepare_data, train_batch, val_batches
 from raytrain_scu.dist import all_gather_object, all_reduce_sum, barrier, print0, rank, world_size
@@ -242,7 +242,7 @@ def build(cfg: Config, hooks, run_id=None) -> State:
                  optimizer=optimizer, scaler=scaler, controller=build_controller(cfg.controller),
                  tracker=tracking.for_rank(cfg, rank(), run_id=run_id), structure=structure_of(cfg),
                  tokens_per_epoch=cfg.controller.tokens_per_epoch or data.tokens_per_epoch,
-                 seqs_per_step=d.batch_size * d.grad_accum * world_size(),
+                 seqs_per_step=sequences_per_step(cfg, world_size()),
                  # get_text_config: a nested text config too
                  flops_per_token=flops_per_token(base.config.get_text_config(), d.block_size))
 

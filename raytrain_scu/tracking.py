@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import tempfile
 import time
@@ -23,7 +24,8 @@ import warnings
 from pathlib import Path
 from typing import Optional
 
-from raytrain_scu.config import Config, flatten, flatten_tree, redact_uri, run_dir, storage_dir, to_yaml
+from raytrain_scu.config import (Config, flatten, flatten_tree, global_batch_tokens, redact_uri, run_dir, storage_dir,
+                                 to_yaml)
 
 RUN_KEY_TAG = "raytrain_scu.run_key"
 PARENT_TAG = "mlflow.parentRunId"
@@ -50,6 +52,9 @@ def _quiet_http() -> None:
     # a dead server must cost seconds, not MLflow's default minutes of retries, per attempt
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+    # a new sqlite store's schema set-up is MLflow's business, not a line on the user's console
+    for name in ("mlflow.store.db.utils", "alembic.runtime.migration"):
+        logging.getLogger(name).setLevel(logging.WARNING)
 
 
 def client_for(uri: str):
@@ -133,7 +138,7 @@ def derived_params(cfg: Config, *, tokens_per_epoch: int, world: int, device) ->
         gpu_name, gpu_count = torch.cuda.get_device_name(device), world
     out = flatten(cfg, redact=True)
     out.update({"derived.tokens_per_epoch": tokens_per_epoch, "derived.world_size": world,
-                "derived.global_batch_tokens": cfg.data.batch_size * cfg.data.grad_accum * world * cfg.data.block_size,
+                "derived.global_batch_tokens": global_batch_tokens(cfg, world),
                 "derived.gpu_name": gpu_name, "derived.gpu_count": gpu_count,
                 "version.torch": torch.__version__, "version.transformers": transformers.__version__,
                 "version.peft": peft.__version__, "version.ray": version("ray")})

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from raytrain_scu.config import Config, ConfigError, redact_uri, run_dir, to_yaml
+from raytrain_scu.config import Config, ConfigError, redact_uri, run_dir, sequences_per_step, to_yaml
 from raytrain_scu.console import format_summary
 from raytrain_scu.hardware import MemoryFitError, resolve
 
@@ -165,7 +165,7 @@ def preflight(cfg: Config) -> dict:
                                    override=cfg.controller.tokens_per_epoch)
         except CheckpointError as e:
             raise PreflightError(str(e)) from None
-    global_batch = d.batch_size * d.grad_accum * s.num_workers
+    global_batch = sequences_per_step(cfg)
     if len(data.train) < global_batch:
         raise PreflightError(f"the training split has {len(data.train)} blocks of {d.block_size} tokens, fewer than "
                              f"one global batch ({global_batch} = batch_size x grad_accum x num_workers)")
@@ -276,6 +276,8 @@ def run(cfg: Config, *, quiet: bool = False, verbose: bool = False) -> dict:
     status, ray_logs = "FAILED", None
     try:
         changes = record_config_change(cfg, run_id, facts["resume_from"], notes)
+        if facts["resume_from"] is not None:  # the workers say it too, in their log files
+            print(f"[raytrain_scu] resuming from {facts['resume_from'].name}", flush=True)
         launch.init_ray(cfg, verbose=verbose)
         print(f"[raytrain_scu] run {cfg.run.name}: {facts['model']}, {cfg.scaling.num_workers} worker(s) "
               f"({'GPU' if facts['use_gpu'] else 'CPU'}), {facts['train_blocks']} train / {facts['val_blocks']} val "
@@ -303,12 +305,16 @@ def run(cfg: Config, *, quiet: bool = False, verbose: bool = False) -> dict:
 
 
 def finished_summary(cfg: Config) -> Optional[dict]:
-    """The summary of this run name when it already reached train.max_steps (local storage): its output/summary.json,
-    if the newest checkpoint on disk is that step. None otherwise (a new run, an unfinished one, or an extension)."""
+    """The summary of this run name when it already reached train.max_steps with this very config (local storage): its
+    output/summary.json, if output/config.yaml is this config and the newest checkpoint on disk is that step. None
+    otherwise: a new run, an unfinished one, an extension, or a changed config (which preflight then checks)."""
     from raytrain_scu.checkpoint import CheckpointError, newest_good_local, read_meta
 
     path = output_dir(cfg) / "summary.json"
     if "://" in cfg.run.storage_path or not path.is_file():
+        return None
+    saved = output_dir(cfg) / "config.yaml"
+    if not saved.is_file() or saved.read_text() != to_yaml(cfg, redact=True):
         return None
     try:
         summary = json.loads(path.read_text())

@@ -51,7 +51,7 @@ def test_ray_job_submit_runs_training(tmp_path):
              "python", "-m", "raytrain_scu.train", "experiments/tiny-cpu.yaml", f"run.storage_path={storage}",
              "run.name=submitted", "train.max_steps=6", "train.report_every=3", "train.checkpoint_every=3",
              "tracking.enabled=false"])
-        for _ in range(20):  # the dashboard answers before its job agent is ready ("No available agent")
+        for _ in range(60):  # the dashboard answers before its job agent is ready ("No available agent")
             job = subprocess.run(submit, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
             out = job.stdout + job.stderr
             if "No available agent" not in out:

@@ -150,11 +150,16 @@ def test_fallback_to_previous_good_checkpoint_and_clear_error_when_none(tmp_path
 
     model = tiny_peft()
     old, new = write(tmp_path / "checkpoint_00000010", model, 10), write(tmp_path / "checkpoint_00000020", model, 20)
-    write(tmp_path / "checkpoint_00000030", model, 30)  # newer than the given latest: never used
+    newest = write(tmp_path / "checkpoint_00000030", model, 30)  # newer than Ray's latest: on disk, so a candidate
     truncate(new / "state.pt")
+    with contextlib.ExitStack() as stack:
+        local, problems = launch.open_checkpoint(Checkpoint.from_directory(str(new)), stack)
+    assert local == newest and problems == []  # the newest good one on disk (issue #16), not Ray's latest
+    truncate(newest / "state.pt")
     with contextlib.ExitStack() as stack, pytest.warns(UserWarning, match="skipped bad checkpoint.*truncated"):
         local, problems = launch.open_checkpoint(Checkpoint.from_directory(str(new)), stack)
-    assert local == old and len(problems) == 1 and "checkpoint_00000020" in problems[0]
+    assert local == old and len(problems) == 2 and "checkpoint_00000030" in problems[0]
+    write(newest, model, 30)
     good, problems = ckpt.newest_good_local(tmp_path)
     assert good.name == "checkpoint_00000030" and problems == []
     for d in checkpoint_dirs(tmp_path):
