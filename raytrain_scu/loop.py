@@ -350,7 +350,8 @@ def train_step(s: State, step: int) -> dict:
     s.scaler.unscale_(s.optimizer)
     grad_norm = torch.nn.utils.clip_grad_norm_(s.params, cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else 1e30)
     # rank 0's third element: a stop was asked for (Ctrl-C), so every rank agrees without another collective
-    stop = torch.tensor(float(rank() == 0 and s.stop_path is not None and s.stop_path.exists()), device=s.device)
+    # (a fill on the device, not torch.tensor(): a host->device copy from pageable memory would sync mid-step)
+    stop = tokens.new_full((), float(rank() == 0 and s.stop_path is not None and s.stop_path.exists()))
     stats = all_reduce_sum(torch.stack([nats_sum, tokens, stop]))
     # the one host sync per optimizer step: the controller needs these as floats
     nats_f, tokens_f, stop_f, pbpt_f, norm_f = torch.stack([stats[0], stats[1], stats[2], pbpt.detach().float(),

@@ -40,24 +40,34 @@ def _train(tmp_path, *overrides):
                             text=True, cwd=ROOT, env={**env, "RAY_AUTH_MODE": "disabled"}, start_new_session=True)
 
 
-def test_ctrl_c_stops_at_a_checkpoint_marks_the_run_killed_and_the_same_command_resumes(tmp_path):
-    from raytrain_scu.checkpoint import read_meta, verify
-    from raytrain_scu.tracking import client_for, default_uri
-
-    proc = _train(tmp_path, "train.max_steps=300", "train.report_every=5", "train.checkpoint_every=100",
-                  "train.eval_every=100")
+def _press_ctrl_c(proc, presses: int) -> tuple[str, float]:
+    """After the first progress line, SIGINT to the whole foreground group (as a terminal sends it) ``presses`` times;
+    returns (all output, seconds from the last press to the exit)."""
     lines = []
     try:
         for line in proc.stdout:
             lines.append(line)
             if line.startswith("[raytrain_scu] step "):
                 break
-        os.killpg(proc.pid, signal.SIGINT)  # the whole foreground group, as a terminal sends it
+        for i in range(presses):
+            if i:
+                time.sleep(0.05)  # the second press, before any worker could finish its step
+            os.killpg(proc.pid, signal.SIGINT)
+        t0 = time.time()
         rest, _ = proc.communicate(timeout=300)
+        return "".join(lines) + rest, time.time() - t0
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    text = "".join(lines) + rest
+
+
+def test_ctrl_c_stops_at_a_checkpoint_marks_the_run_killed_and_the_same_command_resumes(tmp_path):
+    from raytrain_scu.checkpoint import read_meta, verify
+    from raytrain_scu.tracking import client_for, default_uri
+
+    proc = _train(tmp_path, "train.max_steps=300", "train.report_every=5", "train.checkpoint_every=100",
+                  "train.eval_every=100")
+    text, _ = _press_ctrl_c(proc, presses=1)
     assert proc.returncode == 130, text[-3000:]
     m = re.search(r"interrupted at step (\d+), checkpoint written; resume: (python -m raytrain_scu\.train .*)$",
                   text, re.M)
@@ -86,22 +96,7 @@ def test_a_second_ctrl_c_aborts_at_once_and_still_marks_the_run_killed(tmp_path)
     from raytrain_scu.tracking import client_for, default_uri
 
     proc = _train(tmp_path, "train.max_steps=300", "train.report_every=5", "train.checkpoint_every=100")
-    lines = []
-    try:
-        for line in proc.stdout:
-            lines.append(line)
-            if line.startswith("[raytrain_scu] step "):
-                break
-        os.killpg(proc.pid, signal.SIGINT)
-        time.sleep(0.05)  # the second press, before any worker could finish its step
-        os.killpg(proc.pid, signal.SIGINT)
-        t0 = time.time()
-        rest, _ = proc.communicate(timeout=120)
-        took = time.time() - t0
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    text = "".join(lines) + rest
+    text, took = _press_ctrl_c(proc, presses=2)
     assert proc.returncode == 130, text[-3000:]
     assert re.search(r"interrupted at step \d+, no checkpoint of it; resume: python -m raytrain_scu\.train ", text)
     assert took < 60 and "Traceback" not in text, text[-3000:]
