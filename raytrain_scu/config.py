@@ -132,6 +132,9 @@ class ControllerConfig:
     lambda_min: float = 1e-4  # λ's lower bound under the SCU law
     lambda_max: float = 10.0  # λ's upper bound under the SCU law
     prior_sigma: float = 0.01  # σ of the Gaussian prior on the LoRA weights in ParamBPT
+    # where the prior is centred: zero (the spec's law, Σw²) | init (an option beside it: Σ(w − w_init)², the update;
+    # for B, initialised at 0, the same). With LoRA, Σw² at the start is almost all the random A init
+    prior_center: str = "zero"
     control_every: int = 1  # optimizer steps between controller updates
     saturation_window: int = 100  # updates over which λ must stay flat to count as settled
     saturation_rel_tol: float = 0.01  # max(λ)/min(λ) − 1 below this over the window = settled
@@ -373,6 +376,7 @@ def check_controller(c: "ControllerConfig") -> None:
     elif c.mode == "fixed":
         _check(c.lambda_init > 0, "controller.lambda_init", f"a fixed lambda_init must be > 0, got {c.lambda_init}")
     _check(c.prior_sigma > 0, "controller.prior_sigma", f"must be > 0, got {c.prior_sigma}")
+    _one_of("controller.prior_center", c.prior_center, ("zero", "init"))
     _check(c.control_every >= 1, "controller.control_every", f"must be >= 1, got {c.control_every}")
     _check(c.saturation_window >= 1, "controller.saturation_window", f"must be >= 1, got {c.saturation_window}")
     _check(c.saturation_rel_tol > 0, "controller.saturation_rel_tol", f"must be > 0, got {c.saturation_rel_tol}")

@@ -23,7 +23,7 @@ from raytrain_scu.faults import Faults
 from raytrain_scu.hardware import mfu, peak_flops
 from raytrain_scu.loss import CausalLMLoss, compile_for_training
 from raytrain_scu.model import apply_lora, build_model, flops_per_token, load_tokenizer, resolve_dtype, structure_of
-from raytrain_scu.regularizer import adapter_params, lora_b_norm, param_bpt
+from raytrain_scu.regularizer import adapter_params, initial_centers, lora_b_norm, param_bpt, param_bpt_parts
 
 LN2 = math.log(2.0)
 
@@ -190,6 +190,7 @@ class State:
     best_val: float = float("inf")
     val_bpt_start: float = float("nan")
     resumed_at: list = field(default_factory=list)
+    centers: list = field(default_factory=list)  # per adapter tensor: its initial value (A), or None (B, from 0)
     skipped_total: int = 0
     skipped_in_a_row: int = 0
     overflows_total: int = 0
@@ -228,6 +229,7 @@ def build(cfg: Config, hooks, run_id=None) -> State:
                        gradient_checkpointing=m.gradient_checkpointing)
     ckpt.seed_all(ckpt.rank_seed(cfg.seed, rank()))  # then each rank its own stream: distinct dropout masks
     params = adapter_params(model)
+    centers = initial_centers(model)  # before a resume loads the checkpoint: the seeded build's initial A factors
     loss_model = CausalLMLoss(model, fused=m.fused_loss, chunk_size=m.loss_chunk_size)
     if m.compile:
         loss_model = compile_for_training(loss_model, scope=m.compile_scope, mode=m.compile_mode)
@@ -239,7 +241,7 @@ def build(cfg: Config, hooks, run_id=None) -> State:
     scaler = torch.amp.GradScaler(device.type, enabled=use_amp and dtype == torch.float16)
     return State(cfg=cfg, hooks=hooks, device=device, data=data, model=model, params=params, ddp_model=ddp_model,
                  autocast=torch.autocast(device_type=device.type, dtype=dtype, enabled=use_amp),
-                 optimizer=optimizer, scaler=scaler, controller=build_controller(cfg.controller),
+                 optimizer=optimizer, scaler=scaler, controller=build_controller(cfg.controller), centers=centers,
                  tracker=tracking.for_rank(cfg, rank(), run_id=run_id), structure=structure_of(cfg),
                  tokens_per_epoch=cfg.controller.tokens_per_epoch or data.tokens_per_epoch,
                  seqs_per_step=sequences_per_step(cfg, world_size()),
@@ -326,7 +328,8 @@ def micro_steps(s: State, step: int, lam: float):
             nats = s.hooks.faults.poison(step + 1, nats)
             loss = nats / n / d.grad_accum
             if last:  # the penalty's gradient enters once per optimizer step, with full weight
-                pbpt = param_bpt(s.params, sigma=c.prior_sigma, tokens_per_epoch=s.tokens_per_epoch)
+                pbpt = param_bpt(s.params, sigma=c.prior_sigma, tokens_per_epoch=s.tokens_per_epoch,
+                                 center=s.centers if c.prior_center == "init" else None)
                 loss = loss + lam * LN2 * pbpt
         s.scaler.scale(loss).backward()
         nats_sum += nats.detach().float()
@@ -354,8 +357,10 @@ def train_step(s: State, step: int) -> dict:
     stop = tokens.new_full((), float(rank() == 0 and s.stop_path is not None and s.stop_path.exists()))
     stats = all_reduce_sum(torch.stack([nats_sum, tokens, stop]))
     # the one host sync per optimizer step: the controller needs these as floats
-    nats_f, tokens_f, stop_f, pbpt_f, norm_f = torch.stack([stats[0], stats[1], stats[2], pbpt.detach().float(),
-                                                            grad_norm.float()]).tolist()
+    parts = param_bpt_parts(s.params, s.centers, sigma=cfg.controller.prior_sigma,
+                            tokens_per_epoch=s.tokens_per_epoch)  # telemetry: ParamBPT's A and B parts, the update's
+    nats_f, tokens_f, stop_f, pbpt_f, norm_f, pa_f, pb_f, pu_f = torch.cat(
+        [stats, pbpt.detach().float().reshape(1), grad_norm.float().reshape(1), parts]).tolist()
     s.stopping = stop_f > 0
     data_bpt = nats_f / tokens_f / LN2
     outcome = optimizer_step(s.optimizer, s.scaler, data_bpt=data_bpt, param_bpt=pbpt_f, grad_norm=norm_f)
@@ -376,7 +381,8 @@ def train_step(s: State, step: int) -> dict:
            "ctrl/s_hat": ctrl.s_hat, "ctrl/error": ctrl.error, "ctrl/lambda": ctrl.lam,
            "ctrl/integral": ctrl.integral, "ctrl/skipped": ctrl.n_skipped,
            "train/skipped_steps": s.skipped_total, "train/scaler_overflows": s.overflows_total, "train/lr": lr,
-           "train/grad_norm": norm_f, "ctrl/lambda_applied": lam}
+           "train/grad_norm": norm_f, "ctrl/lambda_applied": lam, "train/param_bpt_a": pa_f,
+           "train/param_bpt_b": pb_f, "train/param_bpt_update": pu_f}
     s.hooks.faults.after_step(step + 1, fresh=s.fresh)
     if ctrl.saturated_step is not None:
         row["ctrl/saturated_step"] = ctrl.saturated_step

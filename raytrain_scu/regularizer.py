@@ -9,7 +9,7 @@ adapters' gradients.
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from typing import Iterable, Optional, Sequence
 
 import torch
 
@@ -25,13 +25,51 @@ def sum_of_squares(params: Iterable[torch.Tensor]) -> torch.Tensor:
     return torch.stack(norms).square().sum()
 
 
-def param_bpt(adapter_params: Iterable[torch.Tensor], sigma: float = 0.01, tokens_per_epoch: int = 1) -> torch.Tensor:
-    """Differentiable ParamBPT = Σw² / (2σ²N ln 2) in float32 (a 0-dim tensor)."""
+def param_bpt(adapter_params: Iterable[torch.Tensor], sigma: float = 0.01, tokens_per_epoch: int = 1,
+              center: Optional[Sequence[Optional[torch.Tensor]]] = None) -> torch.Tensor:
+    """Differentiable ParamBPT = Σw² / (2σ²N ln 2) in float32 (a 0-dim tensor).
+
+    ``center`` (the documented option beside the spec's law, ``controller.prior_center=init``): one tensor or None per
+    adapter tensor, and the prior is centred there: Σ(w − w₀)². None is a centre at 0 (a LoRA B, initialised at 0).
+    """
     if sigma <= 0:
         raise ValueError(f"sigma must be > 0, got {sigma}")
     if tokens_per_epoch <= 0:
         raise ValueError(f"tokens_per_epoch must be > 0, got {tokens_per_epoch}")
-    return sum_of_squares(adapter_params) / (2.0 * sigma * sigma * tokens_per_epoch * math.log(2.0))
+    params = list(adapter_params)
+    if center is not None:
+        if len(center) != len(params):
+            raise ValueError(f"center has {len(center)} entries for {len(params)} adapter tensors")
+        params = [p if c is None else p - c for p, c in zip(params, center)]
+    return sum_of_squares(params) / (2.0 * sigma * sigma * tokens_per_epoch * math.log(2.0))
+
+
+def is_factor_a(name: str) -> bool:
+    """A LoRA A factor (``lora_A`` / ``lora_embedding_A``) by its parameter name; the rest are B factors."""
+    return bool({"lora_A", "lora_embedding_A"}.intersection(name.split(".")))
+
+
+def initial_centers(model: torch.nn.Module) -> list[Optional[torch.Tensor]]:
+    """For each tensor of :func:`adapter_params` (same order): a detached float32 copy of an A factor as initialised,
+    None for a B factor (initialised at 0). Taken right after the adapters are built; the build is seeded, so a resume
+    rebuilds the same values before it loads the checkpoint."""
+    return [p.detach().float().clone() if is_factor_a(n) else None
+            for n, p in model.named_parameters() if p.requires_grad]
+
+
+@torch.no_grad()
+def param_bpt_parts(adapter_params: Sequence[torch.Tensor], centers: Sequence[Optional[torch.Tensor]], *,
+                    sigma: float, tokens_per_epoch: int) -> torch.Tensor:
+    """ParamBPT's parts, for telemetry: a float32 tensor [A part, B part, the update's ParamBPT Σ(w − w₀)²] in bits per
+    token. With the zero-centred prior the first two add up to ParamBPT; the third is ParamBPT under the prior centred
+    on the initial adapter (B's part is the same under both)."""
+    a = [p for p, c in zip(adapter_params, centers) if c is not None]
+    b = [p for p, c in zip(adapter_params, centers) if c is None]
+    zero = torch.zeros((), dtype=torch.float32, device=adapter_params[0].device)
+    sa = sum_of_squares(a) if a else zero
+    sb = sum_of_squares(b) if b else zero
+    su = sum_of_squares([p - c for p, c in zip(adapter_params, centers) if c is not None]) if a else zero
+    return torch.stack([sa, sb, su + sb]) / (2.0 * sigma * sigma * tokens_per_epoch * math.log(2.0))
 
 
 def penalty_nats(param_bpt_value: torch.Tensor, lam: float) -> torch.Tensor:

@@ -115,3 +115,24 @@ def test_compiled_training_matches_eager_on_cpu(scope):
         out.append((losses, float(lora_b_norm(model))))
     (eager, b_eager), (comp, b_comp) = out
     assert comp == pytest.approx(eager, rel=1e-5) and b_comp == pytest.approx(b_eager, rel=1e-4) and b_comp > 0
+
+
+# ---------------------------------------------------------------- ParamBPT's parts and the prior centred on the update
+
+def test_loop_logs_parambpt_parts_and_the_init_centred_prior_trains(tmp_path):
+    """The zero-centred law's ParamBPT is its A and B parts; under controller.prior_center=init the law's ParamBPT is
+    the update's (0 before the first step, so S starts at 0) and the run still trains."""
+    rows = {}
+    for center in ("zero", "init"):
+        hooks = LocalHooks(torch.device("cpu"))
+        cfg = _cfg(tmp_path, f"run.name=center-{center}", "train.max_steps=4", "train.report_every=2",
+                   f"controller.prior_center={center}", "controller.mode=fixed", "controller.lambda_init=5")
+        run_loop(cfg, hooks=hooks)
+        rows[center] = hooks.reports
+    for r in rows["zero"]:
+        assert r["train/param_bpt"] == pytest.approx(r["train/param_bpt_a"] + r["train/param_bpt_b"], rel=1e-5)
+        assert 0 < r["train/param_bpt_update"] < r["train/param_bpt"]  # the A init dominates Σw²
+    for r in rows["init"]:
+        assert r["train/param_bpt"] == pytest.approx(r["train/param_bpt_update"], rel=1e-5)
+        assert r["ctrl/s"] < 0.5 * rows["zero"][0]["ctrl/s"]
+    assert rows["init"][-1]["train/lora_b_norm"] > 0

@@ -111,3 +111,41 @@ def test_trainable_tensors_that_are_not_lora_factors_are_refused(lora_kw, culpri
 def test_no_adapter_is_an_error():
     with pytest.raises(ValueError, match="no trainable LoRA factors"):
         adapter_params(torch.nn.Linear(3, 3).requires_grad_(False))
+
+
+# ---------------------------------------------------------------- the prior centred on the update (issue #18)
+
+def test_centred_prior_counts_the_update_only():
+    w = [torch.tensor([3.0, 4.0], requires_grad=True), torch.tensor([1.0], requires_grad=True)]
+    w0 = [torch.tensor([3.0, 2.0]), None]  # an A factor's initial value; a B factor (None: centred at 0)
+    pb = param_bpt(w, sigma=1.0, tokens_per_epoch=1, center=w0)
+    assert pb.item() == pytest.approx((0.0 + 4.0 + 1.0) / (2 * math.log(2)))  # (4-2)² + 1²
+    pb.backward()  # the gradient is (w - w0) / (σ² N ln 2): zero where w is still at its initial value
+    assert w[0].grad.tolist() == pytest.approx([0.0, 2.0 / math.log(2)])
+    with pytest.raises(ValueError, match="center has 1 entries for 2"):
+        param_bpt(w, center=[None])
+
+
+def test_parts_split_parambpt_into_a_b_and_the_update():
+    from peft import LoraConfig, get_peft_model
+
+    from raytrain_scu.regularizer import initial_centers, param_bpt_parts
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(6, 6))
+    model = get_peft_model(m, LoraConfig(r=2, target_modules=["0"], init_lora_weights=True))
+    params = adapter_params(model)
+    centers = initial_centers(model)
+    assert [c is None for c in centers] == ["lora_B" in n for n, p in model.named_parameters() if p.requires_grad]
+    a0, b0, u0 = param_bpt_parts(params, centers, sigma=0.5, tokens_per_epoch=10).tolist()
+    assert b0 == 0.0 and u0 == 0.0 and a0 == pytest.approx(param_bpt(params, 0.5, 10).item())
+    with torch.no_grad():
+        for p in params:
+            p.add_(0.1)
+    a, b, u = param_bpt_parts(params, centers, sigma=0.5, tokens_per_epoch=10).tolist()
+    assert a + b == pytest.approx(param_bpt(params, 0.5, 10).item(), rel=1e-6)
+    assert u == pytest.approx(param_bpt(params, 0.5, 10, center=centers).item(), rel=1e-6)
+    n_a = sum(p.numel() for p, c in zip(params, centers) if c is not None)
+    n_b = sum(p.numel() for p, c in zip(params, centers) if c is None)
+    assert u == pytest.approx((n_a + n_b) * 0.01 / (2 * 0.25 * 10 * math.log(2)), rel=1e-5)
+    assert b == pytest.approx(n_b * 0.01 / (2 * 0.25 * 10 * math.log(2)), rel=1e-5)
