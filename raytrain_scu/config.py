@@ -351,7 +351,9 @@ def _one_of(key: str, value: str, allowed: tuple[str, ...]) -> None:
 TUNE_KINDS = ("choice", "grid", "uniform", "loguniform", "randint")
 # tune.space keys that are not config keys (sweep_space.apply_params maps them): global_batch_tokens, tokens per
 # optimizer step (the optimisation knob); a trial's data.grad_accum = it / (batch_size x num_workers x block_size)
-SPACE_ONLY_KEYS = {"global_batch_tokens": int}
+# arm: a bundle, each value a mapping {config key: value} set together (e.g. a controller mode with its λ): one grid
+# over arms runs a set of unlike trials (the ablation's none, fixed-λ and SCU arms) as one sweep
+SPACE_ONLY_KEYS = {"global_batch_tokens": int, "arm": dict}
 
 
 def check_controller(c: "ControllerConfig") -> None:
@@ -503,7 +505,10 @@ def validate_space_entry(key: str, spec: Any) -> None:
     if kind in ("choice", "grid"):
         _check(isinstance(args, list) and len(args) >= 1, where, f"{kind} needs a non-empty list of values")
         for i, v in enumerate(args):
-            _coerce(f"{where}[{i}]", v, tp)
+            if tp is dict:
+                _check_arm(f"{where}[{i}]", v)
+            else:
+                _coerce(f"{where}[{i}]", v, tp)
     else:
         _check(isinstance(args, list) and len(args) == 2 and all(isinstance(a, (int, float)) for a in args),
                where, f"{kind} needs [low, high], got {args!r}")
@@ -512,6 +517,20 @@ def validate_space_entry(key: str, spec: Any) -> None:
         if kind == "loguniform":
             _check(lo > 0, where, f"loguniform needs low > 0, got {args!r}")
         _check(tp in (int, float), where, f"{kind} needs a numeric key, {key} is {_type_name(tp)}")
+
+
+def _check_arm(where: str, arm: Any) -> None:
+    """One value of ``tune.space.arm``: a non-empty mapping of config keys (not scaling.*, no space-only key) to values
+    of their types."""
+    _check(isinstance(arm, dict) and len(arm) >= 1, where, f"an arm is a mapping {{config key: value}}, got {arm!r}")
+    for k, v in arm.items():
+        _check(k not in SPACE_ONLY_KEYS and not str(k).startswith("scaling."), where,
+               f"an arm cannot set {k!r} (scaling.* and space-only keys are not per-arm)")
+        try:
+            tp = _leaf_type(k)
+        except ConfigError:
+            raise ConfigError(f"{where}: {k!r} is not a config key") from None
+        _coerce(f"{where}.{k}", v, tp)
 
 
 def sequences_per_step(cfg: Config, world: Optional[int] = None) -> int:

@@ -15,7 +15,7 @@ from typing import Optional
 
 from raytrain_scu import tracking
 from raytrain_scu.config import Config, flatten, global_batch_tokens, redact_uri, run_dir, to_yaml
-from raytrain_scu.sweep_space import GLOBAL_BATCH, apply_params, plain_value, trial_config
+from raytrain_scu.sweep_space import ARM, GLOBAL_BATCH, apply_params, arm_text, flat_params, plain_value, trial_config
 
 
 def trial_rows(results, base: Config, space: dict) -> list[dict]:
@@ -64,6 +64,8 @@ def metric_digits(values) -> int:
 
 
 def _fmt(v, digits: int = 4) -> str:
+    if isinstance(v, dict):  # an arm
+        return arm_text(v)
     if isinstance(v, float):
         return f"{v:.{digits}g}"
     return "-" if v is None else str(v)
@@ -123,8 +125,8 @@ def plot_metric_vs_params(rows: list[dict], space: dict, metric: str, out_dir: P
     for key, spec in space.items():
         values = [r["params"].get(key) for r in shown]
         numeric = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
-        labels = sorted({str(v) for v in values})
-        xs = values if numeric else [labels.index(str(v)) for v in values]
+        labels = sorted({_fmt(v) for v in values})
+        xs = values if numeric else [labels.index(_fmt(v)) for v in values]
         fig, ax = plt.subplots(figsize=(6, 4))
         for status, marker in (("FINISHED", "o"), ("KILLED", "x"), ("FAILED", "^")):
             pts = [(x, r["metric"]) for x, r in zip(xs, shown) if r["status"] == status]
@@ -136,7 +138,8 @@ def plot_metric_vs_params(rows: list[dict], space: dict, metric: str, out_dir: P
         if numeric and next(iter(spec)) == "loguniform":
             ax.set_xscale("log")
         if not numeric:
-            ax.set_xticks(range(len(labels)), labels)
+            ax.set_xticks(range(len(labels)), labels, rotation=30 if key == ARM else 0, ha="right" if key == ARM else "center",
+                          fontsize=6 if key == ARM else None)
         ax.set(xlabel=key, ylabel=metric, title=f"{metric} vs {key} ({len(shown)} trials)")
         ax.legend()
         fig.tight_layout()
@@ -264,6 +267,7 @@ def open_child_run(cfg: Config, sweep_name: str, parent_run_id: Optional[str], p
         client.set_tag(run_id, tracking.SWEEP_TAG, sweep_name)
         client.set_tag(run_id, tracking.TRIAL_TAG, trial_id)
         flat = flatten(cfg)  # the same strings the worker logs, so the two never disagree
+        params = flat_params(params)
         keys = [k for k in params if k != GLOBAL_BATCH]  # the global batch is derived.global_batch_tokens
         if "data.batch_size" in params or GLOBAL_BATCH in params:
             keys.append("data.grad_accum")

@@ -14,6 +14,7 @@ from raytrain_scu.config import (Config, ConfigError, build_config, get_dotted, 
                                  set_dotted)
 
 GLOBAL_BATCH = "global_batch_tokens"  # the space key of the global batch (config.SPACE_ONLY_KEYS), in tokens per step
+ARM = "arm"  # the space key of a bundle of config values set together (config.SPACE_ONLY_KEYS)
 THROUGHPUT_PREFIX = "perf/"  # metrics that score speed, not the loss (the loop reports perf/tokens_per_s)
 
 
@@ -53,6 +54,18 @@ def plain_value(value):
     return value.item() if hasattr(value, "item") else value
 
 
+def flat_params(params: dict) -> dict:
+    """A trial's values with an ``arm`` bundle spread into its config keys (a key set both ways: the arm's wins)."""
+    if ARM not in params:
+        return params
+    return {**{k: v for k, v in params.items() if k != ARM}, **params[ARM]}
+
+
+def arm_text(arm: dict) -> str:
+    """An arm as table text: ``controller.mode=fixed controller.lambda_init=0.1``."""
+    return " ".join(f"{k}={plain_value(v)}" for k, v in arm.items())
+
+
 def apply_params(base: Config, params: dict) -> Config:
     """The base config with one trial's values set (and validated).
 
@@ -63,6 +76,7 @@ def apply_params(base: Config, params: dict) -> Config:
     base batch_size x base grad_accum / batch_size; a batch that does not divide that product is a ConfigError.
     """
     tree = asdict(base)
+    params = flat_params(params)
     for key, value in params.items():
         if key != GLOBAL_BATCH:
             set_dotted(tree, key, plain_value(value))
@@ -111,6 +125,8 @@ def resolve_space(cfg: Config, *, with_lr: bool = False) -> dict:
         raise SweepError(f"tune.space cannot sweep {', '.join(scaling)}: every trial takes the base config's "
                          f"scaling.* (set them as overrides, one sweep per setting)")
     kinds = {key: next(iter(spec)) for key, spec in space.items()}
+    if ARM in space and kinds[ARM] not in ("choice", "grid"):
+        raise SweepError(f"tune.space.{ARM} lists bundles of values: give it as grid or choice")
     _check_search(t.search, kinds)
     _check_batch_keys(cfg, space, kinds)
     if t.metric == "perf/tokens_per_s" and t.mode != "max":
@@ -186,7 +202,8 @@ def _typed_space(cfg: Config, space: dict) -> dict:
         values = []
         for v in args:
             try:
-                values.append(space_value(apply_params(cfg, {key: v}), key))
+                trial = apply_params(cfg, {key: v})
+                values.append(dict(v) if key == ARM else space_value(trial, key))
             except ConfigError as e:
                 raise SweepError(f"tune.space.{key} value {v!r}: {e}") from None
         typed[key] = {kind: values if kind in ("choice", "grid") else list(args)}
@@ -194,7 +211,10 @@ def _typed_space(cfg: Config, space: dict) -> dict:
 
 
 def space_value(cfg: Config, key: str):
-    """A trial config's value of a space key: a config key's value, or the global batch in tokens."""
+    """A trial config's value of a space key: a config key's value, the global batch in tokens, or (an arm: no one
+    value) None."""
+    if key == ARM:
+        return None
     return global_batch_tokens(cfg) if key == GLOBAL_BATCH else get_dotted(cfg, key)
 
 

@@ -183,6 +183,34 @@ def test_search_and_space_checks(tmp_path, monkeypatch):
         sweep_space.resolve_space(base(tmp_path, "tune.search=optuna"))
 
 
+def test_arm_bundles_unlike_trials_into_one_grid(tmp_path):
+    """tune.space.arm: each value sets several keys together, so the ablation's none, fixed-λ and SCU arms run as one
+    grid sweep (crossed with seeds), and bad arms are refused before launch."""
+    arms = "[{controller.mode: none}, {controller.mode: fixed, controller.lambda_init: 0.1}]"
+    cfg = base(tmp_path, f"tune.space={{arm: {{grid: {arms}}}, seed: {{grid: [0, 1]}}}}", "tune.search=grid")
+    space = sweep_space.resolve_space(cfg)
+    assert space["arm"] == {"grid": [{"controller.mode": "none"},
+                                     {"controller.mode": "fixed", "controller.lambda_init": 0.1}]}
+    assert sweep.tune_space(cfg, space)["arm"] == {"grid_search": space["arm"]["grid"]}
+    trial = sweep_space.trial_config(cfg, {"arm": space["arm"]["grid"][1], "seed": 1}, "t1")
+    assert (trial.controller.mode, trial.controller.lambda_init, trial.seed) == ("fixed", 0.1, 1)
+    cfg.tune.space = space
+    fake = [SimpleNamespace(path="/x/t1", config={"arm": space["arm"]["grid"][1], "seed": 1}, error=None,
+                            metrics={"step": 6, "val/data_bpt": 7.5, "tokens_seen": 3072})]
+    rows = sweep_results.trial_rows(fake, cfg, space)
+    assert "controller.mode=fixed controller.lambda_init=0.1" in sweep_results.format_table(rows, list(space),
+                                                                                           "val/data_bpt")
+    with pytest.raises(ConfigError, match=r"tune.space.arm\[0\]: 'controller.nope' is not a config key"):
+        base(tmp_path, "tune.space={arm: {grid: [{controller.nope: 1}]}}")
+    with pytest.raises(ConfigError, match=r"tune.space.arm\[0\].controller.lambda_init: expected a float"):
+        base(tmp_path, "tune.space={arm: {grid: [{controller.lambda_init: x}]}}")
+    with pytest.raises(ConfigError, match="an arm cannot set 'scaling.num_workers'"):
+        base(tmp_path, "tune.space={arm: {grid: [{scaling.num_workers: 2}]}}")
+    with pytest.raises(sweep_space.SweepError, match="controller.lambda_init"):  # a valid key, an invalid config
+        sweep_space.resolve_space(base(tmp_path, "tune.search=grid", "tune.space={arm: {grid: [{controller.mode: "
+                                                 "fixed, controller.lambda_init: -1.0}]}}"))
+
+
 def test_concurrent_trials_from_cluster_resources(tmp_path):
     cfg = base(tmp_path)
     assert sweep.concurrent_trials({"CPU": 4.0}, sweep.trial_need(cfg, use_gpu=False)) == 3  # 3 x (1 + 0.01) <= 4
