@@ -229,12 +229,13 @@ def build(cfg: Config, hooks, run_id=None) -> State:
                        gradient_checkpointing=m.gradient_checkpointing)
     ckpt.seed_all(ckpt.rank_seed(cfg.seed, rank()))  # then each rank its own stream: distinct dropout masks
     params = adapter_params(model)
-    centers = initial_centers(model)  # before a resume loads the checkpoint: the seeded build's initial A factors
     loss_model = CausalLMLoss(model, fused=m.fused_loss, chunk_size=m.loss_chunk_size)
     if m.compile:
         loss_model = compile_for_training(loss_model, scope=m.compile_scope, mode=m.compile_mode)
     # a quantized model is placed by device_map and must never be moved with .to()
     ddp_model = hooks.prepare_model(loss_model, move_to_device=not cfg.quant.load_in_4bit)
+    # on the adapters' device, before a resume loads the checkpoint: the seeded build's initial A factors
+    centers = initial_centers(model)
     optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2),
                                   eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay,
                                   fused=device.type == "cuda")
