@@ -29,6 +29,7 @@ are ``sweep_space.py``, the table, best.yaml, plots and the MLflow records ``swe
 from __future__ import annotations
 
 import math
+import os
 import sys
 import threading
 import time
@@ -163,6 +164,10 @@ class TrialSetup:
     placement_groups: object  # a ray.util.queue.Queue that PlacementGroupReaper reads
 
 
+TRAIN_START_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"  # read by the Train controller fit() starts
+TRIAL_START_TIMEOUT_S = 24 * 3600
+
+
 def run_trial(params: dict, setup: TrialSetup) -> None:
     """Tune's trainable: one trial is one Ray Train run, whose reports reach Tune through TuneReportCallback."""
     from ray.tune.integration.ray_train import TuneReportCallback
@@ -176,6 +181,11 @@ def run_trial(params: dict, setup: TrialSetup) -> None:
         run_id = open_child_run(cfg, setup.base.run.name, setup.parent_run_id, params, trial_id)
     # same run.name and storage_path on a resumed sweep: Ray Train continues from this trial's latest checkpoint
     callbacks = [TuneReportCallback(), NotePlacementGroup(setup.placement_groups)]
+    # a trial whose workers find no free GPU waits for one rather than failing at Ray Train's 60 s start-up timeout:
+    # a restored sweep starts every unfinished trial at once (Ray does not keep max_concurrent_trials across
+    # Tuner.restore with resume_errored, ray-project/ray#40652) and on a 4-GPU run the extra trials looped through
+    # WorkerGroupStartupTimeoutError. The resources were checked against the cluster before launch, so a wait ends
+    os.environ[TRAIN_START_TIMEOUT_ENV] = str(TRIAL_START_TIMEOUT_S)
     # this actor inherited the cluster's environment: the workers get the sweep command's RAYTRAIN_SCU_* variables
     build_trainer(cfg, use_gpu=setup.use_gpu, run_id=run_id, callbacks=callbacks, env=setup.env).fit()
     if run_id:  # the sweep opened the trial's run, so it ends it; a stopped or failed trial is closed by the parent
