@@ -1,15 +1,22 @@
-"""``python -m raytrain_scu.ablation CONFIG.yaml key=value...``: does SCU help? none vs fixed λ vs SCU, honestly.
+"""``python -m raytrain_scu.ablation CONFIG.yaml key=value... --out DIR``: does SCU help? none vs fixed λ vs SCU.
 
-Runs the arms as grid sweeps through the sweep machinery (so every run is a Ray Train run recorded in MLflow, a child
-of its arm's sweep), all with the config's steps and data, then scores every adapter on its seed's held-out
-documents with ``evaluate.score_shard`` and writes ``docs/ablation.md``-ready markdown, JSON and plots:
+The study runs in stages, each one Ray Tune sweep of Ray Train runs (one GPU each on a GPU cluster) recorded in
+MLflow; every stage's trials are kept in ``DIR/results.json`` as they finish, so a re-run skips the stages done and a
+later call (another machine) goes on from the file. The settings of every stage follow from the ones before by rules
+fixed here, before any SCU result comes in:
 
-- arms: ``none``; ``fixed`` with λ ∈ ``--lambdas``; ``scu`` with S* ∈ ``--targets``; each over ``--seeds``
-  (a seed also picks the train/validation split of documents, so every comparison is paired within a seed);
-- per arm: held-out BPT (mean over seeds, 95% t-interval), the gap to ``none`` (per-document paired bootstrap,
-  pooled over seeds), S tracking error (RMS of Ŝ − S* after warm-up), λ swing (max/min of λ after warm-up), final λ,
-  saturation step;
-- stability: a grid over (Kp, Ki) at one S*, ranked by RMS tracking error, against the default gains.
+1. ``fixed``: ``none`` and fixed λ on the ``--lambdas`` grid, over ``--seeds``. The best fixed λ is the one with the
+   lowest held-out BPT (mean over seeds); S* for the SCU arms is the S it settles at (mean Ŝ over the last 20% of
+   steps, mean over seeds) with its odds S/(1 − S) times each ``--target-factors``, and likewise for the prior
+   centred on the update (the same S*).
+2. ``scu``: SCU at those targets (default gains) and with ``controller.prior_center=init`` at its targets, over the
+   seeds; the stability grid ``--gains`` (Kp:Ki pairs) at the middle target, first seed.
+3. ``sweep``: ``raytrain_scu.sweep`` over controller.kp, controller.ki (log-uniform) and controller.target_s around
+   the middle target, with ASHA on held-out BPT at equal tokens, first seed.
+4. ``tuned``: SCU at the middle target with the sweep's best gains, over the seeds.
+
+Each finished adapter is scored on its seed's whole validation split (held-out documents cut into units of whole
+speeches, the paired bootstrap's resampling units); ``ablation_report`` turns the file into docs/ablation.md.
 """
 from __future__ import annotations
 
@@ -18,6 +25,7 @@ import json
 import math
 import re
 import sys
+import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -25,68 +33,129 @@ import numpy as np
 import torch
 
 from raytrain_scu.checkpoint import CheckpointError, newest_good_local, read_meta
-from raytrain_scu.config import Config, run_dir
-from raytrain_scu.evaluate import DEFAULT_BOOTSTRAP, paired_bootstrap, score_shard
+from raytrain_scu.config import Config, run_dir, to_yaml
 from raytrain_scu.hardware import resolve
 from raytrain_scu.model import bits_per_token
-from raytrain_scu.sweep_space import trial_config
+from raytrain_scu.sweep_space import flat_params, trial_config
 from raytrain_scu.train import USER_ERRORS
 
-T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
-FAMILIES = ("none", "fixed", "scu", "gains")  # the order of the tables' rows; gains is a table of its own
+STAGES = ("fixed", "scu", "sweep", "tuned")
+NEEDS = {"fixed": (), "scu": ("fixed",), "sweep": ("fixed",), "tuned": ("fixed", "sweep")}  # whose results a stage uses
+SETTLE_FRAC = 0.2  # the S a fixed-λ run settles at: mean Ŝ over this last share of its steps
+UNIT_CHARS = 2000  # held-out documents are cut at blank lines into units of at least this many characters
+HISTORY_KEYS = ("step", "train/data_bpt", "train/param_bpt", "train/param_bpt_a", "train/param_bpt_b",
+                "train/param_bpt_update", "ctrl/s", "ctrl/s_hat", "ctrl/lambda", "ctrl/lambda_applied",
+                "ctrl/saturated_step", "val/data_bpt")
 
 
 class AblationError(RuntimeError):
     """A trial that cannot be compared (unfinished, or without its final checkpoint); the message says why."""
 
 
-def arm_sweeps(*, seeds, lambdas, targets, gains) -> dict[str, list[str]]:
-    """Overrides for each grid sweep: one per arm family, plus the (Kp, Ki) stability sweep."""
-    seed_grid = f"seed: {{grid: {list(seeds)}}}"
-    return {
-        "none": ["controller.mode=none", f"tune.space={{{seed_grid}}}"],
-        "fixed": ["controller.mode=fixed",
-                  f"tune.space={{controller.lambda_init: {{grid: {list(lambdas)}}}, {seed_grid}}}"],
-        "scu": ["controller.mode=scu",
-                f"tune.space={{controller.target_s: {{grid: {list(targets)}}}, {seed_grid}}}"],
-        "gains": ["controller.mode=scu", f"seed={seeds[0]}",
-                  f"tune.space={{controller.kp: {{grid: {list(gains[0])}}}, controller.ki: {{grid: {list(gains[1])}}}}}"],
-    }
+# ---------------------------------------------------------------- the arms of each stage
+
+def arm(family: str, seed: int, **values) -> dict:
+    """One trial's bundle for ``tune.space.arm``: the controller keys and the seed (:func:`family_of` reads the
+    family back from them)."""
+    mode = {"none": "none", "fixed": "fixed"}.get(family, "scu")
+    return {"controller.mode": mode, **{f"controller.{k}": v for k, v in values.items()}, "seed": seed}
 
 
-def check_finished(sweep_name: str, rows: list[dict]) -> None:
-    """Raise AblationError unless every trial of the sweep reached train.max_steps (status DONE).
+def family_of(stage: str, params: dict) -> str:
+    """none | fixed | scu (default gains) | scu_init (the update-centred prior) | gains (the stability grid) | tuned."""
+    mode = params["controller.mode"]
+    if mode in ("none", "fixed"):
+        return mode
+    if stage == "tuned":
+        return "tuned"
+    if params.get("controller.prior_center") == "init":
+        return "scu_init"
+    return "gains" if "controller.kp" in params else "scu"
 
-    An ERROR or PENDING trial has no final adapter yet; a STOPPED one trained fewer steps than the other arms.
-    """
-    unfinished = [f"{r['trial']} ({r['status']})" for r in rows if r["status"] != "FINISHED"]
-    if unfinished:
-        raise AblationError(f"sweep {sweep_name}: {len(unfinished)} trial(s) did not reach train.max_steps: "
-                            f"{', '.join(unfinished)}. ERROR/PENDING trials resume when the same command is run "
-                            f"again; a STOPPED one (time budget, stop_on_saturation) needs those limits lifted and a "
-                            f"new run.name, since every arm must train the same steps")
+
+def fixed_arms(seeds, lambdas) -> list[dict]:
+    return [arm("none", s) for s in seeds] + [arm("fixed", s, lambda_init=lam) for lam in lambdas for s in seeds]
 
 
-def run_arms(config_path: str, overrides: list[str], sweeps: dict[str, list[str]]) -> dict[str, dict]:
-    """Run (or resume) each family's grid sweep; ``{family: {"cfg": sweep config, "rows": trial rows}}`` (rows as
-    ``sweep_results.trial_rows`` gives them)."""
-    from raytrain_scu.sweep import run_sweep  # the Tune wiring: Ray is imported only when the arms run
+def choose_targets(trials: list[dict], factors) -> dict:
+    """The rule from the fixed stage to the SCU targets: the best fixed λ (lowest mean held-out BPT), the S (and, for
+    the record, the update-centred S) its runs settle at, and S* from that S and each factor (:func:`scaled_target`),
+    for both prior centres."""
+    by_lam: dict[float, list[dict]] = {}
+    for t in trials:
+        if t["family"] == "fixed":
+            by_lam.setdefault(t["params"]["controller.lambda_init"], []).append(t)
+    if not by_lam:
+        raise AblationError("the fixed stage has no fixed-λ trial: give --lambdas")
+    best = min(by_lam, key=lambda lam: np.mean([t["val_bpt"] for t in by_lam[lam]]))
+    s_best = float(np.mean([settled(t["history"], "ctrl/s_hat") for t in by_lam[best]]))
+    s_upd = float(np.mean([settled(t["history"], "s_update") for t in by_lam[best]]))
+    targets = [scaled_target(s_best, f) for f in factors]
+    # the update-centred arms take the same S*: the best fixed λ's update-centred S is no guide (under the zero-centred
+    # penalty the A factors shrink towards 0, so w − w_init ≈ −w_init and that S is near the init's)
+    return {"best_lambda": best, "s_best": s_best, "s_update_best": s_upd, "targets": targets,
+            "targets_init": list(targets)}
 
-    out = {}
-    for family, extra in sweeps.items():
-        # a grid search runs each combination once (sweep.make_tuner ignores tune.num_samples for it)
-        cfg = resolve(config_path, [*overrides, *extra, "tune.search=grid", "tune.scheduler=none"])
-        cfg.run.name = f"{cfg.run.name}-{family}"
-        rows = run_sweep(cfg)["rows"]
-        check_finished(cfg.run.name, rows)
-        out[family] = {"cfg": cfg, "rows": rows}
+
+def scaled_target(s: float, factor: float) -> float:
+    """S* from a settled S: its odds S/(1 − S) times ``factor``, back to a ratio (3 significant digits). The odds
+    keep S* inside (0, 1) (a plain 2·S would pass 1 for S above 0.5); for small S it is about factor·S."""
+    odds = s / (1.0 - s) * factor
+    return float(f"{odds / (1.0 + odds):.3g}")
+
+
+def settled(history: dict, key: str) -> float:
+    """Mean of ``key`` over the last SETTLE_FRAC of the steps (``s_update``: the update-centred S of each step)."""
+    steps = [i for i, st in enumerate(history["step"]) if st >= 1]
+    if key == "s_update":
+        vals = [history["train/param_bpt_update"][i] / (history["train/data_bpt"][i] + history["train/param_bpt_update"][i])
+                for i in steps]
+    else:
+        vals = [history[key][i] for i in steps]
+    tail = vals[-max(1, int(len(vals) * SETTLE_FRAC)):]
+    return float(np.mean(tail))
+
+
+def middle(values: list) -> float:
+    return sorted(values)[len(values) // 2]
+
+
+def scu_arms(seeds, choice: dict, gains) -> list[dict]:
+    """SCU at each target (default gains) and with the update-centred prior at its targets, every seed; the
+    stability grid of (Kp, Ki) at the middle target on the first seed."""
+    out = [arm("scu", s, target_s=t) for t in choice["targets"] for s in seeds]
+    out += [arm("scu_init", s, target_s=t, prior_center="init") for t in choice["targets_init"] for s in seeds]
+    mid = middle(choice["targets"])
+    out += [arm("gains", seeds[0], target_s=mid, kp=kp, ki=ki) for kp, ki in gains]
     return out
 
 
-def trial_run(family_cfg: Config, row: dict) -> tuple[Config, Path]:
-    """A trial's full config, built by the sweep's own ``trial_config``, and its Train run directory."""
-    cfg = trial_config(family_cfg, row["params"], row["trial"])
-    return cfg, Path(run_dir(cfg))
+def sweep_space_for(choice: dict, kp_range, ki_range) -> dict:
+    lo, hi = min(choice["targets"]), max(choice["targets"])
+    return {"controller.kp": {"loguniform": list(kp_range)}, "controller.ki": {"loguniform": list(ki_range)},
+            "controller.target_s": {"loguniform": [lo, hi] if lo < hi else [lo / 2, lo * 2]}}
+
+
+def tuned_arms(seeds, choice: dict, best: dict) -> list[dict]:
+    return [arm("tuned", s, target_s=middle(choice["targets"]), kp=best["controller.kp"], ki=best["controller.ki"])
+            for s in seeds]
+
+
+# ---------------------------------------------------------------- running a stage
+
+def run_grid(config_path: str, overrides: list[str], name: str, arms: list[dict]) -> tuple[Config, list[dict]]:
+    """One Tune grid over ``arms`` (each a ``tune.space.arm`` bundle): the sweep's config and its trial rows."""
+    from raytrain_scu.sweep import run_sweep  # the Tune wiring: Ray is imported only when the arms run
+
+    cfg = resolve(config_path, [*overrides, "tune.search=grid", "tune.scheduler=none"])
+    cfg.tune.space = {"arm": {"grid": arms}}
+    cfg.run.name = f"{cfg.run.name}-{name}"
+    rows = run_sweep(cfg)["rows"]
+    unfinished = [f"{r['trial']} ({r['status']})" for r in rows if r["status"] != "FINISHED"]
+    if unfinished:
+        raise AblationError(f"sweep {cfg.run.name}: {len(unfinished)} trial(s) did not reach train.max_steps: "
+                            f"{', '.join(unfinished)}. Run the same command again: ERROR/PENDING trials resume")
+    return cfg, rows
 
 
 def final_checkpoint(run_dir: Path, max_steps: int) -> Path:
@@ -107,157 +176,83 @@ def history(ckpt: Path) -> list[dict]:
     return torch.load(ckpt / "state.pt", map_location="cpu", weights_only=False)["history"]
 
 
-def control_stats(hist: list[dict], target_s: float, warmup_frac: float = 0.2) -> dict:
-    """RMS of Ŝ − S* and λ swing (max/min) after the first ``warmup_frac`` of steps; final λ; saturation step."""
-    rows = [r for r in hist if r.get("step", 0) >= 1 and "ctrl/s_hat" in r]
-    cut = rows[int(len(rows) * warmup_frac):]
-    err = np.array([r["ctrl/s_hat"] - target_s for r in cut])
-    lams = np.array([r["ctrl/lambda"] for r in cut])
-    sat = next((r["ctrl/saturated_step"] for r in rows if "ctrl/saturated_step" in r), None)
-    return {"rms_tracking_error": float(np.sqrt(np.mean(err ** 2))) if len(err) else math.nan,
-            "lambda_swing": float(lams.max() / lams.min()) if len(lams) and lams.min() > 0 else math.nan,
-            "final_lambda": rows[-1]["ctrl/lambda"] if rows else math.nan, "saturated_step": sat,
-            "final_s_hat": rows[-1]["ctrl/s_hat"] if rows else math.nan}
+def columns(rows: list[dict]) -> dict:
+    """History rows as compact columns of HISTORY_KEYS (None where a row lacks the key), 6 significant digits."""
+    def num(v):
+        return None if v is None or not math.isfinite(v) else float(f"{v:.6g}")
+    return {k: [num(r.get(k)) if k != "step" else r["step"] for r in rows] for k in HISTORY_KEYS}
 
 
-def arm_label(family: str, params: dict) -> str:
-    if family == "fixed":
-        return f"fixed λ={params['controller.lambda_init']:g}"
-    if family == "scu":
-        return f"scu S*={params['controller.target_s']:g}"
-    if family == "gains":
-        return f"scu Kp={params['controller.kp']:g} Ki={params['controller.ki']:g}"
-    return "none"
+def scoring_units(docs: list[str], min_chars: int = UNIT_CHARS) -> list[str]:
+    """Held-out documents cut at blank lines into units of whole sections, each at least ``min_chars`` long (a last
+    short piece joins the unit before it): the paired bootstrap resamples these."""
+    units = []
+    for doc in docs:
+        parts, cur = re.split(r"\n\s*\n", doc), []
+        doc_units = []
+        for p in parts:
+            cur.append(p)
+            if sum(len(x) for x in cur) >= min_chars:
+                doc_units.append("\n\n".join(cur))
+                cur = []
+        if cur:
+            if doc_units:
+                doc_units[-1] += "\n\n" + "\n\n".join(cur)
+            else:
+                doc_units.append("\n\n".join(cur))
+        units += [u for u in doc_units if u.strip()]
+    return units
 
 
-def mean_ci(values) -> tuple[float, float]:
-    v = np.asarray(values, dtype=np.float64)
-    if len(v) < 2:
-        return float(v.mean()), math.nan
-    return float(v.mean()), T975.get(len(v) - 1, 1.96) * float(v.std(ddof=1)) / math.sqrt(len(v))
+def collect(stage: str, family_cfg: Config, rows: list[dict]) -> tuple[list[dict], dict]:
+    """Each trial's record (arm, seed, history columns, held-out nats per unit) and each seed's unit token counts."""
+    from raytrain_scu.evaluate import held_out_documents, score_shard
 
-
-def collect(arms: dict[str, dict], *, n_boot: int) -> dict:
-    """Score every adapter on its seed's held-out documents and gather the control traces."""
-    from raytrain_scu.evaluate import held_out_documents
-
-    trials = []
-    for family, a in arms.items():
-        for row in a["rows"]:
-            cfg, run_dir = trial_run(a["cfg"], row)
-            ckpt = final_checkpoint(run_dir, cfg.train.max_steps)
-            hist = history(ckpt)
-            target = cfg.controller.target_s  # none and fixed: the config's S*, for the tracking error
-            trials.append({"family": family, "arm": arm_label(family, row["params"]), "seed": cfg.seed, "cfg": cfg,
-                           "adapter": str(ckpt / "adapter"), "history": hist, "target_s": target,
-                           **control_stats(hist, target)})
-    by_seed: dict[int, list[dict]] = {}
-    for t in trials:
-        by_seed.setdefault(t["seed"], []).append(t)
-    for group in by_seed.values():
-        cfg = group[0]["cfg"]  # the arms' model and data, this seed's split
-        docs = held_out_documents(cfg, "val")
-        # peft adapter names: plain identifiers (no dots), mapped back to the trials by position
-        adapters = {"base": "", **{f"trial{i}": t["adapter"] for i, t in enumerate(group)}}
-        scores = score_shard(asdict(cfg), adapters, docs)
+    trials, units = [], {}
+    groups: dict[int, list[tuple[dict, Config, Path]]] = {}
+    for row in rows:
+        cfg = trial_config(family_cfg, row["params"], row["trial"])
+        ckpt = final_checkpoint(Path(run_dir(cfg)), cfg.train.max_steps)
+        groups.setdefault(cfg.seed, []).append((row, cfg, ckpt))
+    for seed, group in sorted(groups.items()):
+        docs = scoring_units(held_out_documents(group[0][1], "val"))
+        adapters = {"base": "", **{f"trial{i}": str(ck / "adapter") for i, (_, _, ck) in enumerate(group)}}
+        scores = score_shard(asdict(group[0][1]), adapters, docs)
         tokens = scores["tokens"]
-        n_tokens = float(tokens.sum())
-        none_nats = scores["nats"][f"trial{next(i for i, t in enumerate(group) if t['family'] == 'none')}"]
-        base_bpt = bits_per_token(float(scores["nats"]["base"].sum()), n_tokens)
-        for i, t in enumerate(group):
+        units[str(seed)] = {"tokens": tokens.tolist(),
+                            "base_bpt": bits_per_token(float(scores["nats"]["base"].sum()), float(tokens.sum()))}
+        for i, (row, cfg, ckpt) in enumerate(group):
+            params = flat_params(row["params"])
             nats = scores["nats"][f"trial{i}"]
-            t.update(nats=nats, tokens=tokens, none_nats=none_nats, base_bpt=base_bpt,
-                     val_bpt=bits_per_token(float(nats.sum()), n_tokens))
-    return {"trials": trials, "n_boot": n_boot}
+            c = cfg.controller
+            trials.append({"stage": stage, "family": family_of(stage, params), "seed": seed,
+                           "trial": row["trial"], "params": params, "target_s": c.target_s, "kp": c.kp, "ki": c.ki,
+                           "lambda_min": c.lambda_min, "lambda_max": c.lambda_max, "deadband": c.deadband,
+                           "prior_center": c.prior_center, "time_s": row.get("time_s"),
+                           "val_bpt": bits_per_token(float(nats.sum()), float(tokens.sum())),
+                           "unit_nats": [float(f"{x:.9g}") for x in nats], "history": columns(history(ckpt))})
+    return trials, units
 
 
-def summarize(result: dict) -> list[dict]:
-    """One row per arm, its seeds pooled, in :func:`row_order`: what table.md and results.json hold."""
-    rows = []
-    arms: dict[str, list[dict]] = {}
-    for t in result["trials"]:
-        arms.setdefault(t["arm"], []).append(t)
-    for arm, ts in arms.items():
-        mean, half = mean_ci([t["val_bpt"] for t in ts])
-        # gap to none: per-document differences of every seed pooled, each seed paired on its own documents
-        nats_a = np.concatenate([t["nats"] for t in ts])
-        nats_b = np.concatenate([t["none_nats"] for t in ts])
-        toks = np.concatenate([t["tokens"] for t in ts])
-        gap = paired_bootstrap(nats_a, nats_b, toks, n_boot=result["n_boot"], seed=0)
-        rows.append({"arm": arm, "family": ts[0]["family"], "seeds": len(ts), "val_bpt": mean, "val_bpt_ci95": half,
-                     "base_bpt": float(np.mean([t["base_bpt"] for t in ts])),
-                     "gap_to_none": gap["diff_bpt"], "gap_ci_low": gap["ci_low"], "gap_ci_high": gap["ci_high"],
-                     "rms_tracking_error": float(np.mean([t["rms_tracking_error"] for t in ts])),
-                     "lambda_swing": float(np.mean([t["lambda_swing"] for t in ts])),
-                     "final_lambda": float(np.mean([t["final_lambda"] for t in ts])),
-                     "final_s_hat": float(np.mean([t["final_s_hat"] for t in ts])),
-                     "saturated_steps": [t["saturated_step"] for t in ts]})
-    return sorted(rows, key=row_order)
+def run_sweep_stage(config_path: str, overrides: list[str], choice: dict, seed: int, a) -> dict:
+    """The PI-gain sweep: random search with ASHA on held-out BPT at equal tokens; its rows and best trial."""
+    from raytrain_scu.sweep import run_sweep
+
+    cfg = resolve(config_path, [*overrides, "controller.mode=scu", f"seed={seed}", "tune.search=random",
+                                "tune.scheduler=asha", "tune.metric=val/data_bpt", "tune.mode=min",
+                                f"tune.num_samples={a.sweep_samples}"])
+    cfg.tune.space = sweep_space_for(choice, a.kp_range, a.ki_range)
+    cfg.run.name = f"{cfg.run.name}-sweep"
+    out = run_sweep(cfg)
+    rows = [{k: r[k] for k in ("trial", "params", "metric", "steps", "tokens_seen", "status", "time_s") if k in r}
+            for r in out["rows"]]
+    best = next((r for r in rows if r["status"] == "FINISHED" and math.isfinite(r["metric"])), None)
+    if best is None:
+        raise AblationError(f"sweep {cfg.run.name}: no trial finished with a finite {cfg.tune.metric}")
+    return {"rows": rows, "best": best["params"], "metric": cfg.tune.metric}
 
 
-def plot(result: dict, out_dir: Path) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = []
-    lam = ("λ applied in step t (ctrl/lambda_applied)", "ctrl/lambda_applied", True)  # beside that step's Ŝ
-    for family, ylabel, key, log in [("scu", *lam), ("scu", "Ŝ", "ctrl/s_hat", False),
-                                     ("gains", *lam), ("gains", "Ŝ", "ctrl/s_hat", False)]:
-        fig, ax = plt.subplots(figsize=(7, 4))
-        for t in result["trials"]:
-            if t["family"] != family:
-                continue
-            pts = [(r["step"], r[key]) for r in t["history"] if r.get("step", 0) >= 1 and key in r]
-            ax.plot(*zip(*pts), label=f"{t['arm']} seed {t['seed']}", lw=1)
-            if key == "ctrl/s_hat":
-                ax.axhline(t["target_s"], color="k", ls=":", lw=0.7)
-        if log:
-            ax.set_yscale("log")
-        ax.set(xlabel="optimizer step", ylabel=ylabel, title=f"{family}: {ylabel}(t) (dotted: S*)")
-        ax.legend(fontsize=6, ncol=2)
-        fig.tight_layout()
-        name = f"{family}_{'s_hat' if key == 'ctrl/s_hat' else 'lambda'}.png"
-        fig.savefig(out_dir / name, dpi=110)
-        plt.close(fig)
-        paths.append(out_dir / name)
-    return paths
-
-
-HEADER = ("| arm | seeds | held-out BPT (mean ± 95% CI) | gap to none [95% CI] | RMS(Ŝ−S*) | λ swing | final λ | "
-          "final Ŝ | saturation step |\n|---|---|---|---|---|---|---|---|---|")
-
-
-def row_order(row: dict) -> tuple:
-    """Family (FAMILIES order), then the arm's swept values as :func:`arm_label` wrote them."""
-    return FAMILIES.index(row["family"]), [float(v) for v in re.findall(r"=(\S+)", row["arm"])]
-
-
-def _num(value, spec: str) -> str:
-    """``value`` formatted, or '-' where it is undefined (None, NaN: e.g. the λ swing of λ = 0, one seed's CI)."""
-    return "-" if value is None or not math.isfinite(value) else format(value, spec)
-
-
-def markdown(rows: list[dict]) -> str:
-    """The arms table (none, fixed, scu), then the gains table, each in :func:`row_order`; takes :func:`summarize`'s
-    rows or the results.json they were written to."""
-    tables = []
-    for families in (FAMILIES[:3], FAMILIES[3:]):
-        lines = [HEADER]
-        for r in sorted((r for r in rows if r["family"] in families), key=row_order):
-            ci = _num(r["val_bpt_ci95"], ".4f")
-            bpt = _num(r["val_bpt"], ".4f") + ("" if ci == "-" else f" ± {ci}")
-            gap = f"{_num(r['gap_to_none'], '+.4f')} [{_num(r['gap_ci_low'], '+.4f')}, {_num(r['gap_ci_high'], '+.4f')}]"
-            sat = ", ".join("-" if s is None else str(s) for s in r["saturated_steps"])
-            lines.append(f"| {r['arm']} | {r['seeds']} | {bpt} | {gap} | {_num(r['rms_tracking_error'], '.4g')} | "
-                         f"{_num(r['lambda_swing'], '.3g')} | {_num(r['final_lambda'], '.4g')} | "
-                         f"{_num(r['final_s_hat'], '.4g')} | {sat} |")
-        if len(lines) > 1:
-            tables.append("\n".join(lines))
-    return "\n\n".join(tables)
-
+# ---------------------------------------------------------------- the results file
 
 def json_ready(value):
     """``value`` with every NaN or infinity as None: JSON has no NaN (``json.dumps`` would write an invalid token)."""
@@ -267,44 +262,107 @@ def json_ready(value):
         return {k: json_ready(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [json_ready(v) for v in value]
+    if isinstance(value, (np.floating, np.integer)):
+        return json_ready(value.item())
     return value
+
+
+def save(results: dict, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(json_ready(results), indent=None, allow_nan=False, default=str))
+    tmp.replace(path)
+
+
+def setting(cfg: Config, a) -> dict:
+    """What the results were measured on: the config, the stage rules' arguments, the card and the versions."""
+    from raytrain_scu.bench import _versions, device_name
+
+    return {"config_yaml": to_yaml(cfg, redact=True), "args": {k: v for k, v in vars(a).items() if k != "out"},
+            "device": device_name(), "gpus": torch.cuda.device_count(), "versions": _versions(),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+
+
+def run_stage(name: str, results: dict, a) -> None:
+    """Run one stage (its rule's inputs come from the stages before) and record it in ``results``."""
+    seeds, st = a.seeds, results["stages"]
+    t0 = time.time()
+    if name != "fixed":  # the rule, applied again: the file may hold a choice an older rule made
+        st["fixed"]["choice"] = choose_targets(st["fixed"]["trials"], a.target_factors)
+    if name == "sweep":
+        st["sweep"] = run_sweep_stage(a.config, a.overrides, st["fixed"]["choice"], seeds[0], a)
+    else:
+        if name == "fixed":
+            arms = fixed_arms(seeds, a.lambdas)
+        elif name == "scu":
+            arms = scu_arms(seeds, st["fixed"]["choice"], a.gains)
+        else:
+            arms = tuned_arms(seeds, st["fixed"]["choice"], st["sweep"]["best"])
+        cfg, rows = run_grid(a.config, a.overrides, name, arms)
+        trials, units = collect(name, cfg, rows)
+        st[name] = {"trials": trials, "units": units}
+        if name == "fixed":
+            st[name]["choice"] = choose_targets(trials, a.target_factors)
+    st[name]["wall_s"] = time.time() - t0
+
+
+def parse_args(argv):
+    floats = lambda s: [float(x) for x in s.split(",")]  # noqa: E731
+    p = argparse.ArgumentParser(prog="python -m raytrain_scu.ablation", description=__doc__.split("\n\n")[0])
+    p.add_argument("config")
+    p.add_argument("overrides", nargs="*")
+    p.add_argument("--out", default="ablation_out", help="directory of results.json (read to resume), plots, table")
+    p.add_argument("--stages", default=",".join(STAGES), help=f"stages to run, in order, of {','.join(STAGES)}")
+    p.add_argument("--seeds", default="0,1,2", type=lambda s: [int(x) for x in s.split(",")])
+    p.add_argument("--lambdas", default="1e-4,1e-3,1e-2,0.1,1,10,100,1000", type=floats)
+    p.add_argument("--target-factors", default="0.5,1,2", type=floats, help="S* = the best fixed λ's S times these")
+    p.add_argument("--gains", default="0.4:0.075,0.2:0.04,0.1:0.02",
+                   type=lambda s: [tuple(float(v) for v in g.split(":")) for g in s.split(",")],
+                   help="the stability grid's Kp:Ki pairs (the default gains' runs are the scu arm's)")
+    p.add_argument("--kp-range", default="0.05,1.6", type=floats)
+    p.add_argument("--ki-range", default="0.005,0.3", type=floats)
+    p.add_argument("--sweep-samples", default=8, type=int)
+    p.add_argument("--bootstrap", type=int, default=2000)
+    return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     """CLI: 0 with results written, 1 when a trial cannot be compared (re-run to resume), 2 for a bad config."""
-    p = argparse.ArgumentParser(prog="python -m raytrain_scu.ablation", description=__doc__.split("\n\n")[0])
-    p.add_argument("config")
-    p.add_argument("overrides", nargs="*")
-    p.add_argument("--seeds", default="0,1,2")
-    p.add_argument("--lambdas", default="0.1,1,10")
-    p.add_argument("--targets", default="0.005,0.01,0.02")
-    p.add_argument("--kp", default="0.2,0.8")
-    p.add_argument("--ki", default="0.05,0.15")
-    p.add_argument("--bootstrap", type=int, default=DEFAULT_BOOTSTRAP)
-    p.add_argument("--out", default="ablation_out", help="directory for results.json, table.md and plots")
-    a = p.parse_args(argv)
-    floats = lambda s: [float(x) for x in s.split(",")]  # noqa: E731
+    from raytrain_scu import ablation_report
+
+    a = parse_args(argv)
+    stages = [s for s in a.stages.split(",") if s]
+    bad = [s for s in stages if s not in STAGES]
     try:
-        resolve(a.config, a.overrides)  # a bad config fails here, before any sweep starts
-    except USER_ERRORS as e:
+        if bad:
+            raise ValueError(f"--stages: unknown {bad}, expected some of {', '.join(STAGES)}")
+        cfg = resolve(a.config, a.overrides)  # a bad config fails here, before any sweep starts
+    except (*USER_ERRORS, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    sweeps = arm_sweeps(seeds=[int(x) for x in a.seeds.split(",")], lambdas=floats(a.lambdas),
-                        targets=floats(a.targets), gains=(floats(a.kp), floats(a.ki)))
+    out = Path(a.out)
+    path = out / "results.json"
+    results = json.loads(path.read_text()) if path.exists() else {"setting": setting(cfg, a), "stages": {}}
+    if "fixed" in results["stages"]:  # the current rule's targets, whatever rule wrote the file
+        results["stages"]["fixed"]["choice"] = choose_targets(results["stages"]["fixed"]["trials"], a.target_factors)
+        save(results, path)
     try:
-        arms = run_arms(a.config, a.overrides, sweeps)
-        result = collect(arms, n_boot=a.bootstrap)
+        for name in stages:
+            if name in results["stages"]:
+                print(f"[raytrain_scu] ablation stage {name}: already in {path}, kept", flush=True)
+                continue
+            missing = [s for s in NEEDS[name] if s not in results["stages"]]
+            if missing:
+                raise AblationError(f"stage {name} needs {', '.join(missing)} first (in {path})")
+            run_stage(name, results, a)
+            save(results, path)
+            print(f"[raytrain_scu] ablation stage {name} done in {results['stages'][name]['wall_s']:.0f} s: "
+                  f"{path}", flush=True)
     except (AblationError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    rows = summarize(result)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    plots = plot(result, out / "plots")
-    (out / "table.md").write_text(markdown(rows) + "\n")
-    (out / "results.json").write_text(json.dumps(json_ready(rows), indent=1, allow_nan=False, default=str))
-    print(markdown(rows))
-    print(f"[raytrain_scu] ablation results in {out} (plots: {', '.join(p.name for p in plots)})")
+    report = ablation_report.write(results, out, n_boot=a.bootstrap)
+    print(report)
     return 0
 
 

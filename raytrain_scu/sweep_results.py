@@ -44,7 +44,8 @@ def trial_rows(results, base: Config, space: dict) -> list[dict]:
         rows.append({"trial": trial_id, "params": params, "grad_accum": cfg.data.grad_accum,
                      "global_batch_tokens": global_batch_tokens(cfg),
                      "metric": float(m.get(base.tune.metric, math.nan)), "scored_step": step, "steps": step,
-                     "tokens_seen": m.get("tokens_seen"), "status": status, "run_name": cfg.run.name})
+                     "tokens_seen": m.get("tokens_seen"), "status": status, "run_name": cfg.run.name,
+                     "time_s": m.get("time_total_s")})  # the trial's wall time, start-up included (Tune's)
     sign = 1.0 if base.tune.mode == "min" else -1.0
     rows.sort(key=lambda row: (not math.isfinite(row["metric"]),
                                sign * row["metric"] if math.isfinite(row["metric"]) else 0.0))

@@ -1,5 +1,6 @@
-"""ablation.py without Ray: control statistics of a known trace, the summary and its tables (NaN as '-', gains apart,
-rows in order), JSON without NaN, the arms' overrides as valid sweeps, unfinished trials and checkpoints refused."""
+"""The ablation (issue #18): the stage rules, the statistics of known traces, the tables without NaN, the held-out
+units, the arms as valid sweeps, checkpoints refused; then the whole staged runner on CPU with real Ray, MLflow and
+checkpoints (the smoke test)."""
 import json
 import math
 from pathlib import Path
@@ -8,122 +9,126 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from conftest import ROOT
-from raytrain_scu import ablation, sweep_space
+from conftest import ROOT, TINY
+from raytrain_scu import ablation, ablation_report, sweep_space
 from raytrain_scu.checkpoint import write_checkpoint
-from raytrain_scu.config import load_config, run_dir
+from raytrain_scu.config import load_config
 
-ABLATION_YAML = str(ROOT / "experiments" / "ablation-smollm2.yaml")
+GPU_YAML = str(ROOT / "experiments" / "ablation-gpu.yaml")
 LN2 = math.log(2.0)
 
 
-# ---------------------------------------------------------------- control statistics
+# ---------------------------------------------------------------- the rules between stages
 
-def test_control_stats_of_a_known_trace():
-    hist = [{"step": 0, "val/data_bpt": 9.0}]  # the loop's start row: no controller keys, left out
-    s_hat = [0.5, 0.4, 0.03, 0.01, 0.02, 0.01, 0.03, 0.01, 0.02, 0.01]
-    lam = [1.0, 1.5, 2.0, 4.0, 3.0, 2.0, 5.0, 4.0, 3.0, 2.5]
-    hist += [{"step": i + 1, "ctrl/s_hat": s, "ctrl/lambda": g} for i, (s, g) in enumerate(zip(s_hat, lam))]
-    hist[7]["ctrl/saturated_step"] = 7
-    st = ablation.control_stats(hist, target_s=0.02, warmup_frac=0.2)  # the first 2 of 10 steps are warm-up
-    err = np.array(s_hat[2:]) - 0.02
-    assert st["rms_tracking_error"] == pytest.approx(math.sqrt(np.mean(err ** 2)))
-    assert st["lambda_swing"] == pytest.approx(5.0 / 2.0)  # not 5/1: step 1's λ is in the warm-up
-    assert st["final_lambda"] == 2.5 and st["final_s_hat"] == 0.01 and st["saturated_step"] == 7
-    off = ablation.control_stats([{"step": i, "ctrl/s_hat": 0.03, "ctrl/lambda": 0.0} for i in range(1, 6)], 0.01)
-    assert math.isnan(off["lambda_swing"]) and off["saturated_step"] is None  # λ = 0 (none): no swing
+def hist(s_hat, lam, data=4.0, upd=0.1):
+    n = len(s_hat)
+    return {"step": list(range(1, n + 1)), "ctrl/s_hat": list(s_hat), "ctrl/lambda": list(lam),
+            "train/data_bpt": [data] * n, "train/param_bpt_update": [upd] * n, "ctrl/saturated_step": [None] * n,
+            "train/param_bpt_a": [1.0] * n, "train/param_bpt_b": [0.5] * n, "val/data_bpt": [None] * n}
 
 
-# ---------------------------------------------------------------- summary and tables
+def test_targets_come_from_the_best_fixed_lambda_by_a_rule_that_stays_in_0_1():
+    trials = [{"family": "fixed", "params": {"controller.lambda_init": lam}, "val_bpt": bpt,
+               "history": hist([0.9] * 8 + [s] * 2, [lam] * 10)}
+              for lam, bpt, s in ((0.1, 5.0, 0.6), (0.1, 5.2, 0.6), (1.0, 5.05, 0.2), (1.0, 5.05, 0.2))]
+    choice = ablation.choose_targets(trials + [{"family": "none", "val_bpt": 1.0}], [0.5, 1, 2])
+    assert choice["best_lambda"] == 1.0  # mean 5.05 < 5.1; the none arm is not a candidate
+    assert choice["s_best"] == pytest.approx(0.2)  # the last 20% of the steps
+    assert choice["targets"] == [pytest.approx(1 / 9, abs=1e-3), 0.2, pytest.approx(1 / 3, abs=1e-3)]
+    assert choice["targets_init"] == choice["targets"]
+    assert ablation.scaled_target(0.9, 2) < 1 and ablation.scaled_target(0.9, 0.5) > 0  # never 1.8
+    assert choice["s_update_best"] == pytest.approx(0.1 / 4.1)
+    with pytest.raises(ablation.AblationError, match="no fixed-λ trial"):
+        ablation.choose_targets([{"family": "none", "val_bpt": 1.0}], [1])
 
-def trial(family, arm, seed, nats, tokens, none_nats, *, swing=1.0):
-    nats, tokens = np.asarray(nats, float), np.asarray(tokens, float)
-    return {"family": family, "arm": arm, "seed": seed, "nats": nats, "tokens": tokens,
-            "none_nats": np.asarray(none_nats, float), "val_bpt": nats.sum() / tokens.sum() / LN2,
-            "base_bpt": 7.0, "rms_tracking_error": 0.01, "lambda_swing": swing, "final_lambda": 1.0,
-            "final_s_hat": 0.02, "saturated_step": None}
+
+def test_arms_are_valid_grids_and_their_family_reads_back(tmp_path):
+    choice = {"targets": [0.1, 0.2, 0.4], "targets_init": [0.1, 0.2, 0.4]}
+    stages = {"fixed": ablation.fixed_arms([0, 1], [0.1, 1.0]),
+              "scu": ablation.scu_arms([0, 1], choice, [(0.2, 0.04)]),
+              "tuned": ablation.tuned_arms([0, 1], choice, {"controller.kp": 0.3, "controller.ki": 0.01})}
+    families = {}
+    for stage, arms in stages.items():
+        cfg = load_config(GPU_YAML, [f"run.storage_path={tmp_path}", "tune.search=grid", "tune.scheduler=none"])
+        cfg.tune.space = {"arm": {"grid": arms}}
+        sweep_space.resolve_space(cfg)  # every arm makes a valid config
+        for a in arms:
+            families[ablation.family_of(stage, a)] = families.get(ablation.family_of(stage, a), 0) + 1
+    assert families == {"none": 2, "fixed": 4, "scu": 6, "scu_init": 6, "gains": 1, "tuned": 2}
+    gains, = [a for a in stages["scu"] if "controller.kp" in a]
+    assert (gains["controller.target_s"], gains["seed"]) == (0.2, 0)  # the middle target, the first seed
+    space = ablation.sweep_space_for(choice, (0.05, 1.6), (0.005, 0.3))
+    assert space["controller.target_s"] == {"loguniform": [0.1, 0.4]}
+
+
+# ---------------------------------------------------------------- statistics of known traces
+
+def test_settling_and_lambda_behaviour_of_known_traces():
+    steps = np.arange(1, 11)
+    s_hat = np.array([0.5, 0.3, 0.25, 0.19, 0.21, 0.3, 0.205, 0.2, 0.195, 0.2])
+    st = ablation_report.settling(steps, s_hat, target=0.2, deadband=0.002)  # band: 0.1 x 0.2 = 0.02
+    assert st["settle_step"] == 7 and st["error_after"] == pytest.approx(np.mean([0.005, 0, 0.005, 0]))
+    never = ablation_report.settling(steps, np.full(10, 0.5), 0.2, 0.002)
+    assert never["settle_step"] is None and never["error_after"] == pytest.approx(0.3)
+    lam = np.array([1.0, 2.0, 4.0, 4.0, 3.0, 10.0, 10.0, 10.0, 5.0, 10.0])
+    b = ablation_report.lambda_behaviour(lam, 1e-4, 10.0)
+    assert b == {"reversals": 4, "steps_at_bound": 4, "bound_hits": 2}  # up, down, up, down, up; two stays at 10
+
+
+def test_scoring_units_cut_whole_sections_and_keep_all_text():
+    doc = "\n\n".join(f"speech {i} " + "x" * (30 * (i % 4 + 1)) for i in range(20))
+    units = ablation.scoring_units([doc, "short"], min_chars=200)
+    assert units[-1] == "short"  # a document shorter than a unit is one unit
+    assert all(len(u) >= 200 for u in units[:-1])
+    assert "".join(units[:-1]).replace("\n\n", "") == doc.replace("\n\n", "")
+
+
+# ---------------------------------------------------------------- the report of a known results file
+
+def trial(family, seed, params, nats, *, target=0.2, s=0.2):
+    return {"stage": "x", "family": family, "seed": seed, "trial": f"{family}{seed}{params}", "params": params,
+            "target_s": target, "kp": params.get("controller.kp", 0.8), "ki": params.get("controller.ki", 0.15),
+            "lambda_min": 1e-4, "lambda_max": 10.0, "deadband": 0.002, "prior_center": "zero", "time_s": 10.0,
+            "val_bpt": float(np.sum(nats) / 400 / LN2), "unit_nats": list(nats),
+            "history": hist([s] * 10, [1.0, 2.0] * 5 if family.startswith("scu") else [1.0] * 10)}
 
 
 @pytest.fixture
-def rows():
+def results():
     rng = np.random.default_rng(0)
-    trials = []
-    for seed in range(3):
-        tokens = rng.integers(50, 200, 8)
-        none = tokens * rng.uniform(3.0, 4.0, 8)
-        trials.append(trial("none", "none", seed, none, tokens, none, swing=math.nan))
-        # listed before λ=1 and with a worse gap: the tables still order arms by λ
-        trials.append(trial("fixed", "fixed λ=10", seed, none + 0.05 * tokens, tokens, none))
-        trials.append(trial("fixed", "fixed λ=1", seed, none - 0.01 * tokens, tokens, none))
-        if seed == 0:
-            trials.append(trial("gains", "scu Kp=0.8 Ki=0.15", seed, none - 0.02 * tokens, tokens, none))
-    return ablation.summarize({"trials": trials, "n_boot": 200})
+    fixed, scu, units = [], [], {}
+    for seed in (0, 1, 2):
+        none = rng.uniform(300, 400, 4)
+        units[str(seed)] = {"tokens": [100] * 4, "base_bpt": 5.0}
+        fixed += [trial("none", seed, {"controller.mode": "none"}, none),
+                  trial("fixed", seed, {"controller.mode": "fixed", "controller.lambda_init": 1.0}, none - 10),
+                  trial("fixed", seed, {"controller.mode": "fixed", "controller.lambda_init": 10.0}, none + 5)]
+        scu.append(trial("scu", seed, {"controller.mode": "scu", "controller.target_s": 0.2}, none - 12))
+    return {"setting": {"args": {"seeds": [0, 1, 2]}, "device": "cpu", "gpus": 0, "versions": {}, "started": "-",
+                        "config_yaml": "seed: 0\n"},
+            "stages": {"fixed": {"trials": fixed, "units": units,
+                                 "choice": {"best_lambda": 1.0, "s_best": 0.2, "s_update_best": 0.1,
+                                            "targets": [0.2], "targets_init": [0.2]}},
+                       "scu": {"trials": scu, "units": units}}}
 
 
-def test_summarize_pools_seeds_and_pairs_with_none(rows):
-    by_arm = {r["arm"]: r for r in rows}
-    assert [r["arm"] for r in rows] == ["none", "fixed λ=1", "fixed λ=10", "scu Kp=0.8 Ki=0.15"]
-    assert by_arm["none"]["gap_to_none"] == by_arm["none"]["gap_ci_low"] == 0.0
-    assert by_arm["fixed λ=10"]["gap_to_none"] == pytest.approx(0.05 / LN2)  # nats per token → bits
-    assert by_arm["fixed λ=1"]["gap_to_none"] == pytest.approx(-0.01 / LN2)
-    assert by_arm["fixed λ=1"]["seeds"] == 3 and math.isfinite(by_arm["fixed λ=1"]["val_bpt_ci95"])
-    assert by_arm["scu Kp=0.8 Ki=0.15"]["seeds"] == 1 and math.isnan(by_arm["scu Kp=0.8 Ki=0.15"]["val_bpt_ci95"])
-    assert math.isnan(by_arm["none"]["lambda_swing"])
+def test_summary_pairs_each_arm_with_none_and_the_best_fixed_lambda(results):
+    rows = {r["arm"]: r for r in ablation_report.summarize(results, n_boot=200)}
+    assert list(rows) == ["none", "fixed λ=1", "fixed λ=10", "scu S*=0.2"]
+    assert rows["fixed λ=1"]["gap_none"] == pytest.approx(-10 / 100 / LN2)  # nats per unit of 100 tokens → bits
+    assert rows["scu S*=0.2"]["gap_best_fixed"] == pytest.approx(-2 / 100 / LN2)
+    assert rows["fixed λ=1"]["gap_best_fixed"] == 0.0 and rows["none"]["gap_none"] == 0.0
+    assert rows["scu S*=0.2"]["reversals"] == 8 and rows["scu S*=0.2"]["settle_step"] == [1, 1, 1]
+    assert "reversals" not in rows["none"]  # no tracking for a run without a controller
+    assert rows["none"]["seeds"] == [0, 1, 2] and math.isfinite(rows["none"]["val_bpt_ci95"])
 
 
-def test_markdown_prints_undefined_as_dash_and_gains_apart(rows):
-    text = ablation.markdown(rows)
+def test_report_tables_have_no_nan_and_the_json_is_valid(results, tmp_path):
+    text = ablation_report.write(results, tmp_path, n_boot=100)
     assert "nan" not in text.lower()
-    arms_table, gains_table = text.split("\n\n")
-    arm_lines = arms_table.splitlines()[2:]
-    assert [line.split(" | ")[0] for line in arm_lines] == ["| none", "| fixed λ=1", "| fixed λ=10"]
-    none_cells = [c.strip() for c in arm_lines[0].strip("|").split("|")]
-    assert none_cells[5] == "-" and none_cells[8] == "-, -, -"  # λ swing of λ = 0; never saturated
-    assert "±" in none_cells[2]
-    gains_line, = gains_table.splitlines()[2:]
-    gains_cells = [c.strip() for c in gains_line.strip("|").split("|")]
-    assert gains_cells[0] == "scu Kp=0.8 Ki=0.15" and "±" not in gains_cells[2]  # one seed: no interval
-    # shuffled input, same tables
-    assert ablation.markdown(rows[::-1]) == text
-
-
-def test_results_json_is_valid_and_gives_the_same_tables(rows):
-    written = json.dumps(ablation.json_ready(rows), allow_nan=False)
-    back = json.loads(written)
-    assert back[0]["lambda_swing"] is None
-    assert ablation.markdown(back) == ablation.markdown(rows)
-
-
-# ---------------------------------------------------------------- the arms as sweeps
-
-def test_arm_overrides_are_valid_grid_sweeps():
-    sweeps = ablation.arm_sweeps(seeds=[0, 1], lambdas=[0.1, 1.0], targets=[0.005, 0.02], gains=([0.2, 0.8], [0.05]))
-    assert list(sweeps) == list(ablation.FAMILIES)
-    spaces = {}
-    for family, extra in sweeps.items():
-        cfg = load_config(ABLATION_YAML, [*extra, "tune.search=grid", "tune.scheduler=none"])
-        spaces[family] = sweep_space.resolve_space(cfg)
-        assert cfg.controller.mode == ("none" if family == "none" else "fixed" if family == "fixed" else "scu")
-    assert spaces["none"] == {"seed": {"grid": [0, 1]}}
-    assert spaces["fixed"]["controller.lambda_init"] == {"grid": [0.1, 1.0]}
-    assert spaces["scu"]["controller.target_s"] == {"grid": [0.005, 0.02]}
-    assert spaces["gains"] == {"controller.kp": {"grid": [0.2, 0.8]}, "controller.ki": {"grid": [0.05]}}
-
-
-def test_unfinished_trials_are_refused():
-    done = {"trial": "a", "status": "FINISHED"}
-    ablation.check_finished("s-none", [done])
-    with pytest.raises(ablation.AblationError, match=r"2 trial\(s\).*b \(FAILED\), c \(KILLED\)"):
-        ablation.check_finished("s-none", [done, {"trial": "b", "status": "FAILED"},
-                                           {"trial": "c", "status": "KILLED"}])
-
-
-def test_trial_run_is_the_sweeps_trial(tmp_path):
-    family = load_config(ABLATION_YAML, ["controller.mode=scu", f"run.storage_path={tmp_path}", "run.name=ab-scu",
-                                         "tune.space={controller.target_s: {grid: [0.02]}, seed: {grid: [2]}}"])
-    cfg, trial_dir = ablation.trial_run(family, {"trial": "t123", "params": {"controller.target_s": 0.02, "seed": 2}})
-    assert cfg.seed == 2 and cfg.controller.target_s == 0.02
-    assert trial_dir.is_relative_to(Path(run_dir(family))) and trial_dir.name.endswith("t123")
+    assert "| scu S*=0.2 | 3 | 0.2 | 1, 1, 1 |" in text  # the tracking table
+    assert (tmp_path / "plots" / "regime.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    json.loads((tmp_path / "summary.json").read_text())
 
 
 # ---------------------------------------------------------------- checkpoints
@@ -151,3 +156,36 @@ def test_final_checkpoint_verifies_and_must_be_the_last_step(tmp_path):
     (final / "state.pt").write_bytes((final / "state.pt").read_bytes()[:10])
     with pytest.raises(ablation.AblationError, match="checkpoint_000000 is of step 10.*checkpoint_000001"):
         ablation.final_checkpoint(tmp_path, 30)
+
+
+def test_bad_stage_and_bad_config_exit_2_before_ray(capsys):
+    assert ablation.main([TINY, "--stages", "fixed,nope"]) == 2
+    assert "unknown ['nope']" in capsys.readouterr().err
+    assert ablation.main([TINY, "controller.kp=-1"]) == 2
+    assert "controller.kp" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- the staged runner, end to end on CPU
+
+@pytest.mark.slow
+def test_staged_ablation_runs_every_stage_and_resumes_from_its_file(tmp_path, capsys):
+    out = tmp_path / "out"
+    args = [TINY, "scaling.num_workers=1", "scaling.cpus_per_worker=0.49", f"run.storage_path={tmp_path}/runs",
+            "run.name=abl", "train.max_steps=4", "train.report_every=2", "train.eval_every=2",
+            "train.checkpoint_every=4", "tune.grace_period=1", "--out", str(out), "--seeds", "0", "--lambdas", "1",
+            "--target-factors", "1", "--gains", "0.2:0.04", "--sweep-samples", "1", "--bootstrap", "50"]
+    assert ablation.main(args) == 0
+    res = json.loads((out / "results.json").read_text())
+    assert list(res["stages"]) == list(ablation.STAGES)
+    families = sorted(t["family"] for st in res["stages"].values() for t in st.get("trials", []))
+    assert families == ["fixed", "gains", "none", "scu", "scu_init", "tuned"]
+    for st in ("fixed", "scu", "tuned"):
+        for t in res["stages"][st]["trials"]:
+            assert len(t["unit_nats"]) == len(res["stages"][st]["units"]["0"]["tokens"]) > 1
+            assert t["history"]["step"][-1] == 4 and t["history"]["train/param_bpt_a"][-1] > 0
+    tuned, = res["stages"]["tuned"]["trials"]
+    assert tuned["kp"] == pytest.approx(res["stages"]["sweep"]["best"]["controller.kp"])
+    assert "### Tracking and λ" in (out / "table.md").read_text()
+    capsys.readouterr()
+    assert ablation.main(args) == 0  # everything recorded: no stage runs again
+    assert capsys.readouterr().out.count("already in") == 4
