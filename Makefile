@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 test: setup
-	RAY_AUTH_MODE=disabled $(BIN)/python -m pytest -q tests
+	RAY_AUTH_MODE=disabled $(BIN)/python -m pytest -q --durations=25 tests
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -m 'not slow' tests
