@@ -559,7 +559,8 @@ def _variant(res: dict, name: str, r: dict) -> str:
     notes = [r["preset"]] if r.get("preset", res["preset"]) != res["preset"] else []
     notes += [f"block {r['block']}"] if r.get("block", res["block"]) != res["block"] else []
     if "mamba" in r:
-        notes.append(f"Mamba: {r['mamba']['path']}" + (", checkpointing" if r["gradient_checkpointing"] else ""))
+        notes.append(f"LoRA on all linear layers; Mamba: {r['mamba']['path']}"
+                     + (", checkpointing" if r["gradient_checkpointing"] else ""))
     return f"{name} ({'; '.join(notes)})" if notes else name
 
 
