@@ -105,7 +105,7 @@ def test_groups_and_parts_expand_in_order_and_unknown_names_are_refused():
 
 
 def test_targets_table_says_met_not_met_and_not_run():
-    from raytrain_scu.bench import target_rows
+    from raytrain_scu.bench_report import target_rows
 
     def part(tps, shape="1b", **kw):
         return {"tokens_per_s": tps, "peak_mem_gib": 1.0, "batch": 8, "block": 2048, "mfu": 0.4, "shape_name": shape,
