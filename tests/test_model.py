@@ -169,3 +169,18 @@ def test_real_model_adapter_loads_offline_with_auto_peft(tmp_path):
     r = subprocess.run([sys.executable, "-c", code, str(tmp_path / "adapter")], capture_output=True, text=True,
                        env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=600)
     assert r.returncode == 0 and "PeftModelForCausalLM" in r.stdout, r.stderr[-2000:]
+
+
+def test_quantised_preset_cache_follows_the_presets_dimensions(tmp_path, monkeypatch):
+    """A preset saved for 4-bit loading is keyed by its dimensions: a changed preset gets a new file of its new
+    shape, never the old one (the cache used to be keyed by name, vocabulary and seed only)."""
+    import json as _json
+
+    from raytrain_scu import model as M
+
+    first = M._preset_on_disk("tiny", 2048, 0, str(tmp_path))
+    monkeypatch.setitem(M.PRESETS, "tiny", {**M.PRESETS["tiny"], "intermediate_size": 192})
+    second = M._preset_on_disk("tiny", 2048, 0, str(tmp_path))
+    assert first != second
+    assert _json.loads((first / "config.json").read_text())["intermediate_size"] == 128
+    assert _json.loads((second / "config.json").read_text())["intermediate_size"] == 192
