@@ -21,7 +21,6 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Optional, Union
 
-
 from raytrain_scu.config_io import (_numeric_space, describe, explicit_keys, flatten, flatten_tree,  # noqa: F401
                                     help_text, load_raw, parse_override, redact_uri, set_dotted, to_dict, to_yaml)
 
@@ -133,9 +132,7 @@ class ControllerConfig:
     lambda_min: float = 1e-4  # λ's lower bound under the SCU law
     lambda_max: float = 10.0  # λ's upper bound under the SCU law
     prior_sigma: float = 0.01  # σ of the Gaussian prior on the LoRA weights in ParamBPT
-    # where the prior is centred: zero (the spec's law, Σw²) | init (an option beside it: Σ(w − w_init)², the update;
-    # for B, initialised at 0, the same). With LoRA, Σw² at the start is almost all the random A init
-    prior_center: str = "zero"
+    prior_center: str = "zero"  # zero: the spec's law, Σw² | init: Σ(w − w_init)², the update (an option beside it)
     control_every: int = 1  # optimizer steps between controller updates
     saturation_window: int = 100  # updates over which λ must stay flat to count as settled
     saturation_rel_tol: float = 0.01  # max(λ)/min(λ) − 1 below this over the window = settled
@@ -352,8 +349,7 @@ def _one_of(key: str, value: str, allowed: tuple[str, ...]) -> None:
 TUNE_KINDS = ("choice", "grid", "uniform", "loguniform", "randint")
 # tune.space keys that are not config keys (sweep_space.apply_params maps them): global_batch_tokens, tokens per
 # optimizer step (the optimisation knob); a trial's data.grad_accum = it / (batch_size x num_workers x block_size)
-# arm: a bundle, each value a mapping {config key: value} set together (e.g. a controller mode with its λ): one grid
-# over arms runs a set of unlike trials (the ablation's none, fixed-λ and SCU arms) as one sweep
+# arm: bundles {config key: value} set together, so unlike trials (the ablation's arms) run as one grid
 SPACE_ONLY_KEYS = {"global_batch_tokens": int, "arm": dict}
 
 
@@ -548,26 +544,7 @@ def get_dotted(cfg: Config, key: str) -> Any:
     return functools.reduce(getattr, key.split("."), cfg)
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
-        print("usage: python -m raytrain_scu.config CONFIG.yaml [key=value ...]   (prints the resolved config)")
-        if argv:
-            print("\n" + help_text())
-        return 0 if argv else 2
-    try:
-        # presets and the memory fit, as every CLI (imported by name: run as __main__, this module is a second copy)
-        from raytrain_scu.hardware import resolve
-        from raytrain_scu.train import USER_ERRORS
+if __name__ == "__main__":  # python -m raytrain_scu.config CONFIG.yaml key=value...: the CLI lives in config_io
+    from raytrain_scu.config_io import main
 
-        cfg = resolve(argv[0], argv[1:])
-    except USER_ERRORS as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
-    sys.stdout.write(to_yaml(cfg, redact=True))
-    return 0
-
-
-if __name__ == "__main__":
     sys.exit(main())
-

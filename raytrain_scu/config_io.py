@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 import types
 import typing
 from dataclasses import asdict, fields
@@ -237,3 +238,24 @@ def help_text() -> str:
 
 # imported last: config.py imports this module first thing, and these functions use its tree and errors at call time
 from raytrain_scu import config as C  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m raytrain_scu.config CONFIG.yaml key=value...``: the resolved config as YAML (2: a bad config)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: python -m raytrain_scu.config CONFIG.yaml [key=value ...]   (prints the resolved config)")
+        if argv:
+            print("\n" + help_text())
+        return 0 if argv else 2
+    try:
+        # presets and the memory fit, as every CLI (imported by name: run as __main__, this module is a second copy)
+        from raytrain_scu.hardware import resolve
+        from raytrain_scu.train import USER_ERRORS
+
+        cfg = resolve(argv[0], argv[1:])
+    except USER_ERRORS as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    sys.stdout.write(to_yaml(cfg, redact=True))
+    return 0
