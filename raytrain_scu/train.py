@@ -388,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except BaseException as e:  # noqa: BLE001 - a failed run: its root cause in one line, not Ray's wrapping
-        from raytrain_scu.launch import Interrupted, root_cause
+        from raytrain_scu.launch import Interrupted, failure_notices, root_cause
 
         if isinstance(e, (Interrupted, KeyboardInterrupt)):  # Ctrl-C: the MLflow run is KILLED, exit 130
             step = getattr(e, "step", None)
@@ -399,6 +399,8 @@ def main(argv: list[str] | None = None) -> int:
         cause = root_cause(e)
         if cause is None:
             raise
+        for text in failure_notices(e):  # what rank 0 said that no report carried: the failure's context
+            print(f"[raytrain_scu] {text}", flush=True)
         print(f"error: {cause}", file=sys.stderr)
         return 1
     return 0

@@ -1,5 +1,6 @@
 """The console of a real CLI run (Ray on CPU workers, a real MLflow sqlite store): only the package's own lines off a
-terminal, Ray's logs kept in files; Ctrl-C to the process group stops at a checkpoint, KILLED, exit 130, resumable."""
+terminal, Ray's logs kept in files, the workers' notices relayed; Ctrl-C to the process group stops at a checkpoint,
+KILLED, exit 130, resumable."""
 import json
 import os
 import re
@@ -16,8 +17,17 @@ from conftest import ROOT, TINY, cli
 pytestmark = pytest.mark.slow
 
 
-def test_piped_run_prints_only_the_package_lines_and_keeps_ray_logs_in_files(tmp_path):
-    out = cli(f"run.storage_path={tmp_path}", "run.name=quiet", "train.max_steps=10", env={"RAY_DEDUP_LOGS": "1"})
+@pytest.fixture(scope="module")
+def quiet_run(tmp_path_factory):
+    """(output, storage path) of one piped 10-step run named ``quiet``: the tests below read its console and resume
+    it."""
+    storage = tmp_path_factory.mktemp("quiet")
+    out = cli(f"run.storage_path={storage}", "run.name=quiet", "train.max_steps=10", env={"RAY_DEDUP_LOGS": "1"})
+    return out, storage
+
+
+def test_piped_run_prints_only_the_package_lines_and_keeps_ray_logs_in_files(quiet_run):
+    out, tmp_path = quiet_run
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-3000:]
     print(f"console bytes: {len(text.encode())}\n{text}")  # for the record (-s)
@@ -30,6 +40,22 @@ def test_piped_run_prints_only_the_package_lines_and_keeps_ray_logs_in_files(tmp
     assert kept and Path(kept.group(1)) == tmp_path / "quiet" / "logs", out.stdout
     logs = list(Path(kept.group(1)).glob("worker-*"))
     assert logs and any("TrainingReport(" in f.read_text() for f in logs)  # what the console no longer shows
+
+
+def test_a_failure_shows_what_the_worker_said_since_its_last_report(quiet_run):
+    """Resumed, then stopped by non-finite losses before its first report: the worker's "resumed at step N" comes
+    with the failure (no report carried it), before the one-line error."""
+    from raytrain_scu.checkpoint import newest_good_local, read_meta
+
+    _, storage = quiet_run
+    start = read_meta(newest_good_local(storage / "quiet")[0])["step"]  # 10, or 15 after the terminal test
+    r = cli(f"run.storage_path={storage}", "run.name=quiet", f"train.max_steps={start + 5}", "train.report_every=5",
+            "train.max_consecutive_skips=3", "run.max_failures=0",
+            env={"RAYTRAIN_SCU_NAN_AT_STEPS": ",".join(str(start + k) for k in (1, 2, 3))})
+    assert r.returncode == 1, (r.stdout + r.stderr)[-3000:]
+    assert r.stdout.count(f"[raytrain_scu] resumed at step {start}\n") == 1, r.stdout
+    assert "[raytrain_scu] step " not in r.stdout  # no report came: the notice travelled with the failure
+    assert "error: NonFiniteError: 3 optimizer steps in a row" in r.stderr, r.stderr[-3000:]
 
 
 def _train(tmp_path, *overrides):
@@ -87,6 +113,8 @@ def test_ctrl_c_stops_at_a_checkpoint_marks_the_run_killed_and_the_same_command_
     again = cli(f"run.storage_path={tmp_path}", "run.name=ctrlc", f"train.max_steps={step + 2}",
                 "train.report_every=5", "train.checkpoint_every=100", "train.eval_every=100")
     assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
+    # the worker's own notice, relayed with the reports: the console shows it without --verbose, once
+    assert again.stdout.count(f"[raytrain_scu] resumed at step {step}\n") == 1, again.stdout
     last = run_dir / f"checkpoint_{step + 2:08d}"
     assert verify(last) is None and read_meta(last)["resumed_at"] == [step]  # it went on from the Ctrl-C checkpoint
     assert client.get_run(run_id).info.status == "FINISHED"
