@@ -10,11 +10,13 @@
 """
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
 import shutil
 import signal
+import sys
 import tempfile
 import threading
 import time
@@ -38,6 +40,17 @@ from raytrain_scu.console import NOTICES, relaying_warnings, take_notices
 from raytrain_scu.faults import Faults
 from raytrain_scu.loop import run_loop, stop_flag
 
+
+def _no_colour_reset_at_exit() -> None:
+    """Importing Ray runs its CLI logger's ``colorama.init(strip=False)``, which registers an atexit hook that writes
+    ``\x1b[0m`` to stdout when that is a terminal: a stray colour reset after the driver's last line. Unregister it
+    (colorama registers it once per process, so it does not come back)."""
+    colorama = sys.modules.get("colorama")  # Ray's copy (ray/thirdparty_files), imported with ray.train
+    if colorama is not None:
+        atexit.unregister(colorama.initialise.reset_all)
+
+
+_no_colour_reset_at_exit()
 
 
 # ---------------------------------------------------------------- driver side

@@ -1,12 +1,17 @@
 """The console of a real CLI run (Ray on CPU workers, a real MLflow sqlite store): only the package's own lines off a
-terminal, Ray's logs kept in files, the workers' notices relayed; Ctrl-C to the process group stops at a checkpoint,
-KILLED, exit 130, resumable."""
+terminal, Ray's logs kept in files, the workers' notices relayed, no stray ANSI codes on a terminal; Ctrl-C to the
+process group stops at a checkpoint, KILLED, exit 130, resumable."""
+import fcntl
 import json
 import os
+import pty
 import re
+import select
 import signal
+import struct
 import subprocess
 import sys
+import termios
 import time
 from pathlib import Path
 
@@ -20,7 +25,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def quiet_run(tmp_path_factory):
     """(output, storage path) of one piped 10-step run named ``quiet``: the tests below read its console and resume
-    it."""
+    it (on a terminal too)."""
     storage = tmp_path_factory.mktemp("quiet")
     out = cli(f"run.storage_path={storage}", "run.name=quiet", "train.max_steps=10", env={"RAY_DEDUP_LOGS": "1"})
     return out, storage
@@ -40,6 +45,50 @@ def test_piped_run_prints_only_the_package_lines_and_keeps_ray_logs_in_files(qui
     assert kept and Path(kept.group(1)) == tmp_path / "quiet" / "logs", out.stdout
     logs = list(Path(kept.group(1)).glob("worker-*"))
     assert logs and any("TrainingReport(" in f.read_text() for f in logs)  # what the console no longer shows
+
+
+def _run_on_a_terminal(*args, columns: int = 120) -> tuple[int, str]:
+    """The train CLI with a pseudo-terminal of ``columns`` columns as its stdin, stdout and stderr, as a person
+    runs it; returns (exit code, everything the terminal received)."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, columns, 0, 0))
+    proc = subprocess.Popen([sys.executable, "-m", "raytrain_scu.train", TINY, *args], stdin=slave, stdout=slave,
+                            stderr=slave, cwd=ROOT, env={**env, "RAY_AUTH_MODE": "disabled"}, start_new_session=True)
+    os.close(slave)
+    received = b""
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline:
+            if select.select([master], [], [], 1.0)[0]:
+                try:
+                    chunk = os.read(master, 65536)
+                except OSError:  # EIO: every writer closed the terminal
+                    break
+                if not chunk:
+                    break
+                received += chunk
+            elif proc.poll() is not None:
+                break
+        return proc.wait(timeout=60), received.decode(errors="replace")
+    finally:
+        os.close(master)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_on_a_terminal_a_bar_the_workers_notices_and_no_stray_escape_codes(quiet_run):
+    """Resuming the quiet run on a terminal: the bar, the worker's "resumed at step 10" above it (the workers' output
+    is in files), and no escape sequence but tqdm's own cursor moves (Ray's colorama once left a stray \x1b[0m)."""
+    _, storage = quiet_run
+    code, text = _run_on_a_terminal(f"run.storage_path={storage}", "run.name=quiet", "train.max_steps=15")
+    assert code == 0, text[-3000:]
+    print(repr(text))  # for the record (-s)
+    assert text.count("[raytrain_scu] resumed at step 10\r\n") == 1, text  # the worker's notice, once
+    assert re.search(r"train: +100%\|.*\| 15/15 ", text), text  # the bar reached the end
+    assert "pid=" not in text and "TrainingReport(" not in text
+    escapes = re.findall(r"\x1b\[[0-9;?]*[A-Za-z]", text)
+    assert set(escapes) <= {"\x1b[A"}, escapes  # tqdm's cursor up, nothing else: no colour codes
 
 
 def test_a_failure_shows_what_the_worker_said_since_its_last_report(quiet_run):
