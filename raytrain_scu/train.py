@@ -7,6 +7,7 @@ them in MLflow as a config revision: the run's params keep their first values.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -343,9 +344,12 @@ def summarize(cfg: Config, result, run_id: Optional[str], changes: dict, notes: 
                "tokens_per_s": last.get("perf/tokens_per_s"), "run_dir": result.path, "mlflow_run_id": run_id,
                "config_changes": changes or None, "notes": notes}
     if cfg.tracking.enabled:
-        uri = redact_uri(tracking.tracking_uri(cfg))
-        summary.update(tracking_uri=f"{uri} (experiment {cfg.tracking.experiment})",
-                       ui_command=f"mlflow ui --backend-store-uri {uri}   (or: make ui CONFIG=<this config>)")
+        uri, ui = redact_uri(tracking.tracking_uri(cfg)), tracking.ui_command(cfg)
+        summary["tracking_uri"] = f"{uri} (experiment {cfg.tracking.experiment})"
+        if ui is not None:
+            needs = importlib.util.find_spec("flask") is None  # mlflow-skinny alone has no UI server
+            summary["ui_command"] = ui + ("   (needs the ui extra: pip install 'raytrain_scu[ui]')" if needs
+                                          else "   (or: make ui CONFIG=<this config>)")
     if result.checkpoint is not None:
         summary["adapter"] = str(export_adapter(result.checkpoint, out / "adapter"))
     best = best_checkpoint(result.best_checkpoints)

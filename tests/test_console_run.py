@@ -1,31 +1,34 @@
 """The console of a real CLI run (Ray on CPU workers, a real MLflow sqlite store): only the package's own lines off a
-terminal, Ray's logs kept in files, the workers' notices relayed, no stray ANSI codes on a terminal; Ctrl-C to the
-process group stops at a checkpoint, KILLED, exit 130, resumable."""
+terminal, Ray's logs kept in files, the workers' notices relayed, no stray ANSI codes on a terminal, a UI command that
+serves the run; Ctrl-C to the process group stops at a checkpoint, KILLED, exit 130, resumable."""
 import fcntl
+import importlib.util
 import json
 import os
 import pty
 import re
 import select
+import shlex
 import signal
 import struct
 import subprocess
 import sys
 import termios
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, TINY, cli
+from conftest import ROOT, TINY, cli, free_port, tiny_cfg
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def quiet_run(tmp_path_factory):
-    """(output, storage path) of one piped 10-step run named ``quiet``: the tests below read its console and resume
-    it (on a terminal too)."""
+    """(output, storage path) of one piped 10-step run named ``quiet``: the tests below read its console, open its
+    store in the UI and resume it on a terminal."""
     storage = tmp_path_factory.mktemp("quiet")
     out = cli(f"run.storage_path={storage}", "run.name=quiet", "train.max_steps=10", env={"RAY_DEDUP_LOGS": "1"})
     return out, storage
@@ -45,6 +48,55 @@ def test_piped_run_prints_only_the_package_lines_and_keeps_ray_logs_in_files(qui
     assert kept and Path(kept.group(1)) == tmp_path / "quiet" / "logs", out.stdout
     logs = list(Path(kept.group(1)).glob("worker-*"))
     assert logs and any("TrainingReport(" in f.read_text() for f in logs)  # what the console no longer shows
+
+
+def _get(url: str) -> tuple[int, bytes]:
+    with urllib.request.urlopen(url, timeout=5) as r:
+        return r.status, r.read()
+
+
+def test_the_ui_command_the_summary_prints_serves_the_run(quiet_run):
+    """`pip install raytrain_scu[ui]` (make setup installs it) gives a working `mlflow ui` for the printed store."""
+    from raytrain_scu.tracking import ui_command
+
+    assert importlib.util.find_spec("flask"), "no ui extra here (make setup installs it: pip install -e '.[ui]')"
+    out, storage = quiet_run
+    printed = re.search(r"^  open the UI\s+(.+?)(?:   \(.*\))?$", out.stdout, re.M)
+    assert printed and printed.group(1) == ui_command(tiny_cfg(storage, "quiet")), out.stdout
+    port = free_port()
+    bin_dir = str(Path(sys.executable).parent)  # the venv's `mlflow`, as an activated venv finds it
+    env = {**os.environ, "PATH": bin_dir + os.pathsep + os.environ.get("PATH", "")}
+    with open(storage / "ui.log", "w") as log:
+        ui = subprocess.Popen(shlex.split(printed.group(1)) + ["--host", "127.0.0.1", "--port", str(port)],
+                              stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 180
+        while True:
+            assert ui.poll() is None, (storage / "ui.log").read_text()[-3000:]
+            try:
+                status, _ = _get(base + "/")
+                break
+            except OSError:
+                assert time.time() < deadline, (storage / "ui.log").read_text()[-3000:]
+                time.sleep(1)
+        assert status == 200
+        status, body = _get(base + "/ajax-api/2.0/mlflow/experiments/search?max_results=100")
+        experiments = {e["name"]: e["experiment_id"] for e in json.loads(body)["experiments"]}
+        assert status == 200 and "tiny-cpu" in experiments, experiments  # the config file's stem
+        query = json.dumps({"experiment_ids": [experiments["tiny-cpu"]]}).encode()
+        req = urllib.request.Request(base + "/ajax-api/2.0/mlflow/runs/search", data=query,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=10) as r:
+            runs = json.loads(r.read())["runs"]
+        assert [r["info"]["run_name"] for r in runs] == ["quiet"] and runs[0]["info"]["status"] == "FINISHED"
+    finally:
+        os.killpg(ui.pid, signal.SIGTERM)  # the server and the workers it started: its own process group only
+        try:
+            ui.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(ui.pid, signal.SIGKILL)
+            ui.wait()
 
 
 def _run_on_a_terminal(*args, columns: int = 120) -> tuple[int, str]:
