@@ -14,7 +14,7 @@ import warnings
 from pathlib import Path
 from typing import Optional, TextIO
 
-NOTICES = "notices"  # the reported metrics' key: the notices since the previous report, oldest first
+NOTICES = "notices"  # the reported metrics' key: the notices since the previous report, one a line, oldest first
 
 _pending: list[str] = []
 _PACKAGE = str(Path(__file__).resolve().parent)

@@ -175,7 +175,7 @@ def fit(trainer: TorchTrainer, cfg: Config, sink: Sink, progress):
 
     def show():
         for r in sink.read():
-            for text in r["metrics"].get(NOTICES, []):  # rank 0's notices since its previous report
+            for text in r["metrics"].get(NOTICES, "").splitlines():  # rank 0's notices since its previous report
                 progress.note(text)
             last.update(step=int(r["metrics"]["step"]), checkpoint=r["checkpoint"])
             progress.update(r["metrics"], checkpoint=r["checkpoint"])

@@ -432,8 +432,8 @@ def report(s: State, step: int, row: dict, is_ckpt: bool) -> None:
                "tokens_seen": s.position * s.cfg.data.block_size,  # the sweep's ASHA time axis (exact across resumes)
                "tokens_per_epoch": s.tokens_per_epoch, "max_steps": t.max_steps, "world_size": world_size()}
     notices = take_notices()  # rank 0's reach the driver's console (launch.fit)
-    if notices:
-        metrics[NOTICES] = notices
+    if notices:  # one text, not a list: Tune's TensorBoard logger warns about a list it cannot plot (sweeps)
+        metrics[NOTICES] = "\n".join(notices)
     rng_states = all_gather_object(ckpt.rng_state()) if is_ckpt else None  # all ranks: each rank's RNG
     local = save_checkpoint(s, step, rng_states) if is_ckpt and rank() == 0 else None
     s.tracker.flush()
