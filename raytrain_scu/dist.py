@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as tdist
 
+from raytrain_scu.console import notice
+
 
 def is_dist() -> bool:
     return tdist.is_available() and tdist.is_initialized()
@@ -61,3 +63,10 @@ def barrier() -> None:
 def print0(*args, **kwargs) -> None:
     if is_rank0():
         print(*args, **kwargs, flush=True)
+
+
+def notice0(text: str) -> None:
+    """Rank 0: a line for the person at the console (``console.notice``), which the next report carries to the
+    driver."""
+    if is_rank0():
+        notice(text)

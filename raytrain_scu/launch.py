@@ -2,19 +2,21 @@
 
 - the driver side: :func:`init_ray`, :func:`build_trainer` (one ``TorchTrainer`` per run or sweep trial), the
   workers' environment (:func:`scu_env`), the reports relayed to the driver's console and Ctrl-C (:func:`fit`),
-  Ray's log files (:func:`logs_dir`, :func:`keep_logs`), a failure's root cause
-  (:func:`root_cause`), and the Ray runs of evaluate (:func:`run_tasks`) and bench (:func:`fit_and_collect`);
+  Ray's log files (:func:`logs_dir`, :func:`keep_logs`), a failure's root cause and context (:func:`root_cause`,
+  :func:`failure_notices`), and the Ray runs of evaluate (:func:`run_tasks`) and bench (:func:`fit_and_collect`);
 - the worker side: :func:`train_func` runs ``loop.run_loop`` with :class:`RayHooks`, the handful of calls the loop
   makes into Ray Train (device, checkpoint to resume from, DDP, report), and :func:`checkpoint_candidates` turns a
   Ray checkpoint into the plain ``(name, open)`` pairs ``checkpoint.open_good_checkpoint`` verifies.
 """
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
 import shutil
 import signal
+import sys
 import tempfile
 import threading
 import time
@@ -34,8 +36,21 @@ from ray.train.torch import TorchTrainer
 
 from raytrain_scu import checkpoint as ckpt
 from raytrain_scu.config import Config, build_config, run_dir, storage_dir
+from raytrain_scu.console import NOTICES, relaying_warnings, take_notices
 from raytrain_scu.faults import Faults
 from raytrain_scu.loop import run_loop, stop_flag
+
+
+def _no_colour_reset_at_exit() -> None:
+    """Importing Ray runs its CLI logger's ``colorama.init(strip=False)``, which registers an atexit hook that writes
+    ``\x1b[0m`` to stdout when that is a terminal: a stray colour reset after the driver's last line. Unregister it
+    (colorama registers it once per process, so it does not come back)."""
+    colorama = sys.modules.get("colorama")  # Ray's copy (ray/thirdparty_files), imported with ray.train
+    if colorama is not None:
+        atexit.unregister(colorama.initialise.reset_all)
+
+
+_no_colour_reset_at_exit()
 
 
 # ---------------------------------------------------------------- driver side
@@ -91,6 +106,13 @@ def root_cause(error: BaseException) -> Optional[str]:
     return f"{type(cause).__name__}: {cause}".strip()
 
 
+def failure_notices(error: BaseException) -> list[str]:
+    """The notices rank 0 had not reported yet when it failed (a resume, a fallback: the failure's context), carried
+    on its exception by :func:`train_func`; [] for any other error."""
+    failures = getattr(error, "worker_failures", None) or {}
+    return list(getattr(failures.get(0), NOTICES, None) or [])
+
+
 class Sink(UserCallback):
     """Runs in the Ray Train controller (always on the driver's node): appends each report's rank-0 metrics and
     whether it carried a checkpoint to a JSON-lines file the driver reads (:meth:`read`)."""
@@ -123,7 +145,8 @@ class Interrupted(Exception):
 
 
 def fit(trainer: TorchTrainer, cfg: Config, sink: Sink, progress):
-    """``trainer.fit()`` with each report shown by ``progress`` (``console.Progress``) on the driver, and Ctrl-C.
+    """``trainer.fit()`` with each report shown by ``progress`` (``console.Progress``) on the driver, the workers'
+    notices it carries (``console.notice``) above it, and Ctrl-C.
 
     fit() runs in a thread, so Ray Train installs no SIGINT handler of its own. The first SIGINT writes the stop
     flag (local storage): every rank stops after its next step, rank 0 checkpoints it, and this raises
@@ -152,6 +175,8 @@ def fit(trainer: TorchTrainer, cfg: Config, sink: Sink, progress):
 
     def show():
         for r in sink.read():
+            for text in r["metrics"].get(NOTICES, "").splitlines():  # rank 0's notices since its previous report
+                progress.note(text)
             last.update(step=int(r["metrics"]["step"]), checkpoint=r["checkpoint"])
             progress.update(r["metrics"], checkpoint=r["checkpoint"])
 
@@ -263,7 +288,13 @@ def train_func(config: dict) -> None:
     """Ray Train per-worker entry point. ``config`` is ``asdict(Config)`` plus ``_mlflow_run_id``."""
     config = dict(config)
     run_id = config.pop("_mlflow_run_id", None)
-    run_loop(build_config(config), hooks=RayHooks(), run_id=run_id)
+    with relaying_warnings():  # the package's warnings reach the driver's console with the reports
+        try:
+            run_loop(build_config(config), hooks=RayHooks(), run_id=run_id)
+        except Exception as e:
+            # what no report carried (a resume, a fallback) travels with the failure: its context (failure_notices)
+            setattr(e, NOTICES, take_notices())
+            raise
 
 
 def _name(path: str) -> str:

@@ -17,8 +17,9 @@ from raytrain_scu import checkpoint as ckpt
 from raytrain_scu import tracking
 from raytrain_scu.config import Config, run_dir, sequences_per_step, to_yaml
 from raytrain_scu.controller import from_config as build_controller
+from raytrain_scu.console import NOTICES, take_notices
 from raytrain_scu.data import prepare_data, train_batch, val_batches
-from raytrain_scu.dist import all_gather_object, all_reduce_sum, barrier, print0, rank, world_size
+from raytrain_scu.dist import all_gather_object, all_reduce_sum, barrier, notice0, print0, rank, world_size
 from raytrain_scu.faults import Faults
 from raytrain_scu.hardware import mfu, peak_flops
 from raytrain_scu.loss import CausalLMLoss, compile_for_training
@@ -154,10 +155,10 @@ class Meter:
         self.report_wait = time.perf_counter() - t0
         if warn and not self.warned and self.report_wait > max(0.05, 0.1 * self.interval):
             self.warned = True
-            print0(f"[raytrain_scu] warning: reporting to Ray blocked training for {self.report_wait:.2f} s after a "
-                   f"{self.interval:.2f} s interval: reports come faster than Ray's controller takes them (every "
-                   f"scaling.poll_interval_s={self.poll_interval_s} s). Raise train.report_every or lower "
-                   f"scaling.poll_interval_s.")
+            notice0(f"warning: reporting to Ray blocked training for {self.report_wait:.2f} s after a "
+                    f"{self.interval:.2f} s interval: reports come faster than Ray's controller takes them (every "
+                    f"scaling.poll_interval_s={self.poll_interval_s} s). Raise train.report_every or lower "
+                    f"scaling.poll_interval_s.")
 
 
 @dataclass
@@ -273,14 +274,14 @@ def resume(s: State) -> None:
     s.overflows_total = meta.get("scaler_overflows", 0)
     # after a fallback, never reuse the name of a skipped bad checkpoint: Ray still lists it
     s.ckpt_suffix = f"_from{s.start_step:08d}" if problems else ""
-    print0(f"[raytrain_scu] resumed at step {s.start_step}"
-           + (f" after skipping {len(problems)} bad checkpoint(s)" if problems else ""))
+    notice0(f"resumed at step {s.start_step}"
+            + (f" after skipping {len(problems)} bad checkpoint(s)" if problems else ""))
     if note:
-        print0(f"[raytrain_scu] warning: {note}")
+        notice0(f"warning: {note}")
     if meta["rng_ranks"] != world_size():  # else each rank's RNG goes on where it stopped
-        print0(f"[raytrain_scu] warning: the checkpoint holds the RNG state of {meta['rng_ranks']} rank(s), this "
-               f"run has {world_size()}: dropout draws restart from a seed of (seed, rank, step {s.start_step}), so "
-               f"the run no longer matches an uninterrupted one")
+        notice0(f"warning: the checkpoint holds the RNG state of {meta['rng_ranks']} rank(s), this "
+                f"run has {world_size()}: dropout draws restart from a seed of (seed, rank, step {s.start_step}), "
+                f"so the run no longer matches an uninterrupted one")
         ckpt.seed_all(ckpt.rank_seed(s.cfg.seed, rank(), s.start_step))
 
 
@@ -305,9 +306,13 @@ def setup(cfg: Config, hooks, run_id=None) -> State:
     s.peak_flops = device_peak_flops(s.device)
     s.stop_path = stop_flag(cfg)
     if s.peak_flops == 0:
-        print0(f"[raytrain_scu] perf/mfu is not logged: no dense bf16 peak FLOP/s is known for "
-               f"{torch.cuda.get_device_name(s.device) if s.device.type == 'cuda' else s.device.type} "
-               f"(hardware.PEAK_BF16_FLOPS)")
+        text = (f"perf/mfu is not logged: no dense bf16 peak FLOP/s is known for "
+                f"{torch.cuda.get_device_name(s.device) if s.device.type == 'cuda' else s.device.type} "
+                f"(hardware.PEAK_BF16_FLOPS)")
+        if s.device.type == "cuda":  # a GPU missing from the table: said on the console
+            notice0(text)
+        else:  # a CPU has no MFU to miss: its log file only
+            print0(f"[raytrain_scu] {text}")
     return s
 
 
@@ -433,6 +438,9 @@ def report(s: State, step: int, row: dict, is_ckpt: bool) -> None:
     metrics = {**row, "val/data_bpt": s.val_bpt, "val/data_bpt_start": s.val_bpt_start,
                "tokens_seen": s.position * s.cfg.data.block_size,  # the sweep's ASHA time axis (exact across resumes)
                "tokens_per_epoch": s.tokens_per_epoch, "max_steps": t.max_steps, "world_size": world_size()}
+    notices = take_notices()  # rank 0's reach the driver's console (launch.fit)
+    if notices:  # one text, not a list: Tune's TensorBoard logger warns about a list it cannot plot (sweeps)
+        metrics[NOTICES] = "\n".join(notices)
     rng_states = all_gather_object(ckpt.rng_state()) if is_ckpt else None  # all ranks: each rank's RNG
     local = save_checkpoint(s, step, rng_states) if is_ckpt and rank() == 0 else None
     s.tracker.flush()

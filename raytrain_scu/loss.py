@@ -11,6 +11,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from raytrain_scu.console import notice
+
 
 @dataclass(frozen=True)
 class HeadTransform:
@@ -142,7 +144,7 @@ _notes: set = set()
 def _note_once(text: str) -> None:
     if text not in _notes:
         _notes.add(text)
-        print(f"[raytrain_scu] note: {text}", flush=True)
+        notice(f"note: {text}")  # the next report carries it to the driver's console
 
 
 class CausalLMLoss(nn.Module):
@@ -201,8 +203,8 @@ def compile_for_training(loss_model: CausalLMLoss, *, scope: str = "layers", mod
     layers = getattr(loss_model.decoder(), "layers", None)
     if scope == "model" or not isinstance(layers, nn.ModuleList):
         if scope == "layers":
-            print(f"[raytrain_scu] note: {type(loss_model.decoder()).__name__} has no decoder `layers` list; "
-                  f"compiling the whole model (model.compile_scope=model)", flush=True)
+            _note_once(f"{type(loss_model.decoder()).__name__} has no decoder `layers` list; compiling the whole "
+                       f"model (model.compile_scope=model)")
         return torch.compile(loss_model, mode=mode)
     for layer in layers:
         layer.compile(mode=mode)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shlex
 import tempfile
 import time
 import warnings
@@ -42,6 +43,16 @@ def default_uri(storage_path: str) -> str:
 
 def tracking_uri(cfg: Config) -> str:
     return cfg.tracking.uri or default_uri(cfg.run.storage_path)
+
+
+def ui_command(cfg: Config) -> Optional[str]:
+    """The command that opens the MLflow UI on the store this config's runs use, as the run's summary prints it (``make
+    ui`` runs the same); it needs the ``ui`` extra (the full mlflow package: its server and flask). None for an http(s)
+    tracking server, which serves the UI at its own address."""
+    uri = redact_uri(tracking_uri(cfg))
+    if uri.startswith(("http://", "https://")):
+        return None
+    return shlex.join(["mlflow", "ui", "--backend-store-uri", uri])
 
 
 def run_key(cfg: Config) -> str:

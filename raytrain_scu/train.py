@@ -7,6 +7,7 @@ them in MLflow as a config revision: the run's params keep their first values.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -343,9 +344,12 @@ def summarize(cfg: Config, result, run_id: Optional[str], changes: dict, notes: 
                "tokens_per_s": last.get("perf/tokens_per_s"), "run_dir": result.path, "mlflow_run_id": run_id,
                "config_changes": changes or None, "notes": notes}
     if cfg.tracking.enabled:
-        uri = redact_uri(tracking.tracking_uri(cfg))
-        summary.update(tracking_uri=f"{uri} (experiment {cfg.tracking.experiment})",
-                       ui_command=f"mlflow ui --backend-store-uri {uri}   (or: make ui CONFIG=<this config>)")
+        uri, ui = redact_uri(tracking.tracking_uri(cfg)), tracking.ui_command(cfg)
+        summary["tracking_uri"] = f"{uri} (experiment {cfg.tracking.experiment})"
+        if ui is not None:
+            needs = importlib.util.find_spec("flask") is None  # mlflow-skinny alone has no UI server
+            summary["ui_command"] = ui + ("   (needs the ui extra: pip install 'raytrain_scu[ui]')" if needs
+                                          else "   (or: make ui CONFIG=<this config>)")
     if result.checkpoint is not None:
         summary["adapter"] = str(export_adapter(result.checkpoint, out / "adapter"))
     best = best_checkpoint(result.best_checkpoints)
@@ -388,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except BaseException as e:  # noqa: BLE001 - a failed run: its root cause in one line, not Ray's wrapping
-        from raytrain_scu.launch import Interrupted, root_cause
+        from raytrain_scu.launch import Interrupted, failure_notices, root_cause
 
         if isinstance(e, (Interrupted, KeyboardInterrupt)):  # Ctrl-C: the MLflow run is KILLED, exit 130
             step = getattr(e, "step", None)
@@ -399,6 +403,8 @@ def main(argv: list[str] | None = None) -> int:
         cause = root_cause(e)
         if cause is None:
             raise
+        for text in failure_notices(e):  # what rank 0 said that no report carried: the failure's context
+            print(f"[raytrain_scu] {text}", flush=True)
         print(f"error: {cause}", file=sys.stderr)
         return 1
     return 0

@@ -1,8 +1,13 @@
-"""The console: plain lines without ANSI codes off a terminal, a bar on one, a short aligned summary."""
+"""The console: plain lines without ANSI codes off a terminal, a bar on one, the workers' notices, a short aligned
+summary."""
 import io
 import re
+import warnings
 
-from raytrain_scu.console import Progress, format_summary, report_line
+import pytest
+from conftest import tiny_cfg
+
+from raytrain_scu.console import Progress, format_summary, notice, relaying_warnings, report_line, take_notices
 
 ANSI = re.compile(r"\x1b\[")
 REPORT = {"step": 10, "max_steps": 40, "train/data_bpt": 4.862634567, "val/data_bpt": 5.150371783314967,
@@ -46,3 +51,42 @@ def test_summary_is_short_aligned_and_rounded():
     value_columns = {re.match(r"  (.+?)\s{2,}(\S.*)", line).start(2) for line in lines[1:]}
     assert len(value_columns) == 1 and max(map(len, lines)) < 100  # one aligned column of values
     assert "5.150371783314967" not in text
+
+
+def test_a_workers_notice_is_queued_for_the_next_report_and_shown_once_on_the_driver(capsys):
+    take_notices()  # whatever an earlier test left
+    notice("resumed at step 10")
+    notice("note: model.fused_loss: ...")
+    assert capsys.readouterr().out == "[raytrain_scu] resumed at step 10\n[raytrain_scu] note: model.fused_loss: ...\n"
+    assert take_notices() == ["resumed at step 10", "note: model.fused_loss: ..."] and take_notices() == []
+
+    out = io.StringIO()
+    p = Progress(target_s=0.01, stream=out, tty=False)
+    for text in ("resumed at step 10", "resumed at step 10", "warning: x"):  # a restarted worker says it again
+        p.note(text)
+    p.update(REPORT)
+    assert out.getvalue().splitlines()[:2] == ["[raytrain_scu] resumed at step 10", "[raytrain_scu] warning: x"]
+    assert len(out.getvalue().splitlines()) == 3
+
+    out = io.StringIO()
+    p = Progress(target_s=0.01, stream=out, tty=True)
+    p.update(REPORT)
+    p.note("resumed at step 10")  # on a terminal: a line of its own above the bar, which goes on below it
+    p.update({**REPORT, "step": 20})
+    p.close()
+    text = out.getvalue()
+    assert "[raytrain_scu] resumed at step 10\n" in text and text.rindex("resumed") < text.rindex("20/40")
+
+
+def test_the_packages_own_warnings_on_a_worker_become_notices(tmp_path):
+    from raytrain_scu.tracking import MlflowTracker
+
+    take_notices()
+    tracker = MlflowTracker(tiny_cfg(tmp_path, "w"))
+    with pytest.warns(UserWarning) as shown, relaying_warnings():
+        tracker._warn("log metrics", ConnectionError("refused"))  # tracking.py warns: relayed
+        warnings.warn("someone else's warning")  # not the package's: shown as usual, not relayed
+    notices = take_notices()
+    assert len(shown) == 2  # both still shown where they were issued (a worker's log file)
+    assert len(notices) == 1 and notices[0].startswith("warning: MLflow log metrics failed (")
+    assert "ConnectionError: refused" in notices[0]
