@@ -8,6 +8,7 @@ LoRA r=16 on all 7 projections:
   ref_liger                 ref_eager with Liger kernels (liger-kernel, the ``bench`` extra), what TRL users get
   ours                      raytrain_scu's per-worker loop, bare (no Ray), SCU on, compile, fused chunked CE
   ours_best                 the same at the largest device batch that fits (``--best-batch``)
+  ours_fused                ours with fused LoRA projections (model.fuse_lora=true: q/k/v, gate/up one GEMM each)
   ours_compile_model        ours with the whole model as one compiled graph (model.compile_scope=model) instead of
                             one compiled decoder layer shared by all layers (the default)
   scu_none                  the same loop with controller.mode=none (controller overhead)
@@ -61,8 +62,8 @@ PROJ = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_pr
 SHAPES = {"1b": ("llama-3.2-1b-shape", "tiny"), "8b": ("llama-3.1-8b-shape", "tiny-llama-3.1-8b"),
           "granite": ("granite-4.0-h-1b-shape", "tiny-granite-4.0-h")}
 # the parts with a name of their own (rayN: any N); a new part is added here and to run_parts' dispatch
-PARTS = ("attn", "ref_eager", "ref_compile", "ref_liger", "ours", "ours_best", "ours_compile_model", "scu_none",
-         "profile", "mem_bf16", "mem_qlora", "ref_8b", "ours_8b", "qlora_8b", "granite_h1b")
+PARTS = ("attn", "ref_eager", "ref_compile", "ref_liger", "ours", "ours_best", "ours_fused", "ours_compile_model",
+         "scu_none", "profile", "mem_bf16", "mem_qlora", "ref_8b", "ours_8b", "qlora_8b", "granite_h1b")
 SCALE_NS = (2, 4, 8)  # the `scale` group: ray1 and rayN for these N up to the GPUs here
 # named sets of parts; each fits one 10-minute call on one H100 (docs/benchmarks.md has the measured times)
 GROUPS = {"1b": "attn,ref_eager,ref_compile,ours,scu_none,ray1,ray2,mem_bf16,mem_qlora",
@@ -412,6 +413,7 @@ def expand_parts(groups: str, parts: str, gpus: int) -> list[str]:
 
 
 def run_parts(args) -> dict:
+    from raytrain_scu.config import validate
     from raytrain_scu.data import prepare_data
     from raytrain_scu.model import flops_per_token, load_tokenizer, preset_config
 
@@ -456,6 +458,11 @@ def run_parts(args) -> dict:
                 r = ours_bare(cfg(part), args.warmup_reports)
             elif part == "ours_best":
                 r = ours_bare(cfg("ours_best", batch=args.best_batch), args.warmup_reports)
+            elif part == "ours_fused":
+                c = cfg("ours_fused")
+                c.model.fuse_lora = True
+                validate(c)
+                r = ours_bare(c, args.warmup_reports)
             elif part == "ours_compile_model":
                 r = ours_bare(cfg("ours_compile_model", compile_scope="model"), args.warmup_reports)
             elif part == "scu_none":

@@ -30,6 +30,7 @@ class ConfigError(ValueError):
 
 
 ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+FUSED_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"]  # what model.fuse_lora fuses
 
 # keys that no longer exist -> what replaces them: a config that still sets one gets an error naming the replacement
 REMOVED_KEYS = {
@@ -58,6 +59,9 @@ class ModelConfig:
     compile_scope: str = "layers"
     fused_loss: bool = True  # chunked linear + cross-entropy: logits are never materialised in fp32
     loss_chunk_size: int = 4096  # tokens per chunk of the fused loss
+    # Llama only: q/k/v as one frozen GEMM and gate/up as another, each with the group's LoRA A-products in one more
+    # GEMM, in an autograd function that never forms frozen-weight gradients; the adapters stay peft's own
+    fuse_lora: bool = False
     trust_remote_code: bool = False  # allow a hub model's own Python code (transformers' trust_remote_code)
     cache_dir: str = ""  # where converted GGUF models and tokenizers are cached ("" = ~/.cache/raytrain_scu)
 
@@ -408,6 +412,15 @@ def _check_model_and_data(cfg: Config) -> None:
 
     q = cfg.quant
     _one_of("quant.quant_type", q.quant_type, ("nf4", "fp4"))
+    if m.fuse_lora:
+        _check(not q.load_in_4bit, "model.fuse_lora", "fused projections need a bf16/fp16/fp32 base, not a 4-bit "
+                                                      "one (quant.load_in_4bit=true); turn one off")
+        _check(lo.dropout == 0.0, "model.fuse_lora", f"needs lora.dropout=0 (q/k/v share one input to their "
+                                                     f"A-products), got lora.dropout={lo.dropout}")
+        covered = lo.target_modules if "all-linear" not in lo.target_modules else ALL_LINEAR
+        missing = [t for t in FUSED_LORA_TARGETS if t not in covered]
+        _check(not missing, "model.fuse_lora", f"lora.target_modules must cover {', '.join(FUSED_LORA_TARGETS)} "
+                                               f"(missing {missing})")
 
     d = cfg.data
     _one_of("data.source", d.source, ("shakespeare", "text", "jsonl", "hf_disk", "hf_hub", "auto"))

@@ -151,6 +151,13 @@ def preflight(cfg: Config) -> dict:
     missing = _missing_lora_targets(hf_config, cfg.lora.target_modules, m.trust_remote_code)
     if missing:
         raise PreflightError(f"lora.target_modules: {missing} not found in {m.name}")
+    if m.fuse_lora:
+        from raytrain_scu.fused_lora import check_fusable_config
+
+        try:
+            check_fusable_config(hf_config)
+        except ModelError as e:
+            raise PreflightError(str(e)) from None
     # re-running a run name resumes it: its newest good checkpoint must fit this config (local storage)
     good, resume_meta = _resume_point(cfg)
     try:
