@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 
+from raytrain_scu.fused_lora import fuse_lora_projections
 from raytrain_scu.loss import FUSED_HEADS, CausalLMLoss, HeadTransform, chunked_ce_sum
 
 from raytrain_scu.model import apply_lora
@@ -99,7 +100,17 @@ def available(name: str) -> bool:
 def test_loss_and_gradient_match_the_models_own_logits(name):
     if not available(name):
         pytest.skip(f"{name} is not in transformers {transformers.__version__}")
-    model = build(name)
+    assert_loss_matches_own_logits(build(name))
+
+
+def test_llama_with_fused_lora_projections():
+    """The same with model.fuse_lora's fused q/k/v and gate/up projections (issue #17)."""
+    model = build("LlamaForCausalLM")
+    assert fuse_lora_projections(model) == 4
+    assert_loss_matches_own_logits(model)
+
+
+def assert_loss_matches_own_logits(model):
     params = adapter_params(model)
     x, y = batch()
     logits = model(input_ids=x).logits.float()
