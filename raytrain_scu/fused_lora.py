@@ -92,8 +92,9 @@ def fused_lora_linear(x: torch.Tensor, weight: torch.Tensor, bias, branches) -> 
     b_s = [m.lora_B[a].weight for m, a in zip(branches, names)]
     scales = tuple(float(m.scaling[a]) for m, a in zip(branches, names))
     dev = x.device.type
-    lora_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else a_s[0].dtype
-    if torch.is_autocast_enabled(dev):
+    autocast = torch.is_autocast_enabled(dev)
+    lora_dtype = torch.get_autocast_dtype(dev) if autocast else a_s[0].dtype
+    if autocast:  # as F.linear under autocast: the base product in the autocast dtype too (a no-op for a bf16 base)
         weight = weight.to(lora_dtype)
     return _FusedLoraLinear.apply(x, weight, bias, scales, lora_dtype, *a_s, *b_s)
 
