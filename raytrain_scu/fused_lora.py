@@ -5,7 +5,7 @@ Per decoder layer, peft's separate ``base(x) + B(A(x))·s`` for q, k and v (and 
 
     out = x @ [Wq; Wk; Wv].T (+ bias)          one GEMM over the concatenated frozen weight
     xa  = x @ [Aq; Ak; Av].T                    one GEMM for every A of the group  (tokens x Σr)
-    out[:, q] += s_q · xa[:, q] @ Bq.T, ...     the B-products, per branch, in place
+    out += xa @ blockdiag(s_q·Bq, s_k·Bk, s_v·Bv).T   the B-products, one GEMM, in place
 
 in :class:`_FusedLoraLinear`, whose backward returns the input gradient and the A/B gradients and never a gradient
 for the frozen weight. The trainable tensors stay peft's own ``lora_A``/``lora_B`` parameters (same names, same
@@ -32,7 +32,11 @@ from raytrain_scu.model import ModelError
 class _FusedLoraLinear(torch.autograd.Function):
     """``x @ W.T + b`` of a concatenated frozen weight plus, for each branch i, ``s_i · (x @ A_i.T) @ B_i.T`` on its
     columns. ``factors`` are A_1..A_k then B_1..B_k. The base product runs in ``weight.dtype``, the LoRA products in
-    ``lora_dtype`` (under autocast both are the autocast dtype, as peft's own layers get them)."""
+    ``lora_dtype`` (under autocast both are the autocast dtype, as peft's own layers get them).
+
+    The B-products are one GEMM too, against the block-diagonal matrix of the s_i·B_i (tokens x Σr times Σr x N):
+    added in place to the whole output, not to column slices, which torch.compile would turn into a copy of the
+    output per branch. Its zero blocks cost 2·tokens·N·Σr FLOPs, under 3 % of the frozen GEMM at r=16, d=2048."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, scales, lora_dtype, *factors):
@@ -44,35 +48,27 @@ class _FusedLoraLinear(torch.autograd.Function):
         xl = x2.to(lora_dtype)
         a_cat = torch.cat([a.to(lora_dtype) for a in a_s])  # [Σr, d]: one GEMM for the group's A-products
         xa = torch.mm(xl, a_cat.t())
-        bs = [b.to(lora_dtype) for b in b_s]
-        col = rank = 0
-        for b, s in zip(bs, scales):
-            n, r = b.shape
-            o, xa_i = out[:, col:col + n], xa[:, rank:rank + r]
-            if lora_dtype == out.dtype:
-                o.addmm_(xa_i, b.t(), alpha=s)
-            else:  # peft adds a float32 LoRA term to a lower-precision base output in float32, then rounds
-                o.copy_(o + s * torch.mm(xa_i, b.t()))
-            col, rank = col + n, rank + r
-        ctx.save_for_backward(xl, weight, a_cat, xa, *bs)
-        ctx.scales, ctx.x_dtype = scales, x.dtype
+        b_diag = torch.block_diag(*[b.to(lora_dtype) * s for b, s in zip(b_s, scales)])  # [N, Σr]
+        if lora_dtype == out.dtype:
+            out.addmm_(xa, b_diag.t())
+        else:  # peft adds a float32 LoRA term to a lower-precision base output in float32, then rounds
+            out = (out + torch.mm(xa, b_diag.t())).to(out.dtype)
+        ctx.save_for_backward(xl, weight, a_cat, xa, b_diag)
+        ctx.scales, ctx.shapes, ctx.x_dtype = scales, [b.shape for b in b_s], x.dtype
         ctx.factor_dtypes = [f.dtype for f in factors]
         return out.view(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
     def backward(ctx, grad_out):
-        xl, weight, a_cat, xa, *bs = ctx.saved_tensors
+        xl, weight, a_cat, xa, b_diag = ctx.saved_tensors
         g = grad_out.reshape(-1, grad_out.shape[-1])
         gl = g.to(xl.dtype)
-        gxa, gbs, col, rank = [], [], 0, 0
-        for b, s in zip(bs, ctx.scales):
-            n, r = b.shape
-            g_i = gl[:, col:col + n]
-            gxa.append(torch.mm(g_i, b).mul_(s))
-            gbs.append(torch.mm(g_i.t(), xa[:, rank:rank + r]).mul_(s))
+        gxa = torch.mm(gl, b_diag)  # [tokens, Σr], the scales included
+        gbs, col, rank = [], 0, 0
+        for (n, r), s in zip(ctx.shapes, ctx.scales):  # each B's own block only
+            gbs.append(torch.mm(gl[:, col:col + n].t(), xa[:, rank:rank + r]).mul_(s))
             col, rank = col + n, rank + r
-        gxa = torch.cat(gxa, dim=1)  # [tokens, Σr]
-        gas = torch.mm(gxa.t(), xl).split([b.shape[1] for b in bs])
+        gas = torch.mm(gxa.t(), xl).split([r for _, r in ctx.shapes])
         gx = None
         if ctx.needs_input_grad[0]:  # the frozen weight's own gradient is never formed
             gx = torch.mm(g.to(weight.dtype), weight)

@@ -1,9 +1,9 @@
 """Fused LoRA projections (model.fuse_lora, issue #17) against plain peft LoRA on the same weights.
 
 Tolerances, fp32 on the CPU: the fused model sums the same products in another order (one GEMM over the
-concatenated weight, the LoRA B-products added in place), so losses agree to 1e-5 relative and each adapter
-gradient to 1e-5 relative (measured: at most 4e-6, on the GQA model's smallest gradients); after optimizer steps
-and under torch.compile, 1e-4 (measured: at most 7e-6).
+concatenated weight, the LoRA B-products in one GEMM), so losses agree to 1e-5 relative and each adapter gradient
+to 2e-5 relative, tensor by tensor (measured: at most 5e-6, on the GQA model's smallest gradients); after
+optimizer steps and under torch.compile, 1e-4 (measured: at most 7e-6).
 """
 import pytest
 import torch
@@ -19,6 +19,7 @@ from conftest import TINY, mlflow_runs, tiny_cfg
 
 VOCAB = 256
 TOL = 1e-5
+GRAD_TOL = 2e-5
 
 
 def tiny_base():
@@ -116,7 +117,7 @@ def test_loss_and_every_adapter_gradient_match_plain_peft(make_base, variant):
     ref, out = adapter_grads(plain), adapter_grads(fused)
     assert ref.keys() == out.keys() and len(ref) == 2 * 7 * 2  # 2 layers, 7 projections, A and B
     for name in ref:
-        assert ref[name].norm() > 0 and rel(out[name], ref[name]) < TOL, name
+        assert ref[name].norm() > 0 and rel(out[name], ref[name]) < GRAD_TOL, name
     assert all(p.grad is None for p in fused.parameters() if not p.requires_grad)
 
 
