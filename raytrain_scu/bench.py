@@ -7,8 +7,7 @@ LoRA r=16 on all 7 projections:
                             ``model(input_ids, labels).loss`` (full fp32 logits), without / with torch.compile
   ref_liger                 ref_eager with Liger kernels (liger-kernel, the ``bench`` extra), what TRL users get
   ours                      raytrain_scu's per-worker loop, bare (no Ray), SCU on, compile, fused chunked CE
-  ours_best                 the same at the largest device batch that fits (``--best-batch``)
-  ours_fused                ours with fused LoRA projections (model.fuse_lora=true: q/k/v, gate/up one GEMM each)
+  ours_best / ours_fused    ours at the largest device batch that fits (``--best-batch``) / with model.fuse_lora=true
   ours_compile_model        ours with the whole model as one compiled graph (model.compile_scope=model) instead of
                             one compiled decoder layer shared by all layers (the default)
   scu_none                  the same loop with controller.mode=none (controller overhead)
@@ -292,14 +291,14 @@ def _proof_from_reports(reports: list[dict]) -> dict:
 # ---------------------------------------------------------------- raytrain_scu's loop
 
 def bench_config(*, preset: str, batch: int, block: int, steps: int, report_every: int, storage: str, name: str,
-                 compile: bool, mode: str = "scu", load_in_4bit: bool = False, checkpointing: bool = False,
-                 chunk: int = 4096, workers: int = 1, compile_scope: str = "layers", targets=tuple(PROJ)):
+                 compile: bool, mode: str = "scu", load_in_4bit: bool = False, checkpointing: bool = False, chunk=4096,
+                 workers: int = 1, compile_scope: str = "layers", targets=tuple(PROJ), fuse_lora: bool = False):
     from raytrain_scu.hardware import resolve
 
     gpu = torch.cuda.is_available()
     return resolve(None, [
         f"model.name={preset}", f"model.precision={'bf16' if gpu else 'fp32'}", f"model.compile={str(compile).lower()}",
-        f"model.compile_scope={compile_scope}",
+        f"model.compile_scope={compile_scope}", f"model.fuse_lora={str(fuse_lora).lower()}",
         f"model.gradient_checkpointing={str(checkpointing).lower()}", f"model.loss_chunk_size={chunk}",
         f"quant.load_in_4bit={str(load_in_4bit).lower()}", "lora.r=16", "lora.alpha=32",
         f"lora.target_modules={','.join(targets)}", "data.source=shakespeare", f"data.block_size={block}",
@@ -413,7 +412,6 @@ def expand_parts(groups: str, parts: str, gpus: int) -> list[str]:
 
 
 def run_parts(args) -> dict:
-    from raytrain_scu.config import validate
     from raytrain_scu.data import prepare_data
     from raytrain_scu.model import flops_per_token, load_tokenizer, preset_config
 
@@ -454,15 +452,10 @@ def run_parts(args) -> dict:
             elif part == "ref_liger":
                 r = reference_loop(preset=pre, batch=args.batch, block=args.block, steps=args.steps,
                                    warmup=max(3, args.warmup_reports), compile=False, blocks=data.train, liger=True)
-            elif part in ("ours", "ours_8b"):
-                r = ours_bare(cfg(part), args.warmup_reports)
+            elif part in ("ours", "ours_8b", "ours_fused"):
+                r = ours_bare(cfg(part, fuse_lora=part == "ours_fused"), args.warmup_reports)
             elif part == "ours_best":
                 r = ours_bare(cfg("ours_best", batch=args.best_batch), args.warmup_reports)
-            elif part == "ours_fused":
-                c = cfg("ours_fused")
-                c.model.fuse_lora = True
-                validate(c)
-                r = ours_bare(c, args.warmup_reports)
             elif part == "ours_compile_model":
                 r = ours_bare(cfg("ours_compile_model", compile_scope="model"), args.warmup_reports)
             elif part == "scu_none":

@@ -11,7 +11,6 @@ resolved config as YAML.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import os
 import sys
@@ -21,8 +20,9 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from raytrain_scu.config_io import (_numeric_space, describe, explicit_keys, flatten, flatten_tree,  # noqa: F401
-                                    help_text, load_raw, parse_override, redact_uri, set_dotted, to_dict, to_yaml)
+from raytrain_scu.config_io import (_numeric_space, default_run_name, describe, explicit_keys, flatten,  # noqa: F401
+                                    flatten_tree, get_dotted, help_text, load_raw, parse_override, redact_uri,
+                                    set_dotted, to_dict, to_yaml)
 
 
 class ConfigError(ValueError):
@@ -59,9 +59,7 @@ class ModelConfig:
     compile_scope: str = "layers"
     fused_loss: bool = True  # chunked linear + cross-entropy: logits are never materialised in fp32
     loss_chunk_size: int = 4096  # tokens per chunk of the fused loss
-    # Llama only: q/k/v as one frozen GEMM and gate/up as another, each with the group's LoRA A-products in one more
-    # GEMM, in an autograd function that never forms frozen-weight gradients; the adapters stay peft's own
-    fuse_lora: bool = False
+    fuse_lora: bool = False  # Llama: q/k/v, gate/up one frozen GEMM each + one of their LoRA A's (fused_lora.py)
     trust_remote_code: bool = False  # allow a hub model's own Python code (transformers' trust_remote_code)
     cache_dir: str = ""  # where converted GGUF models and tokenizers are cached ("" = ~/.cache/raytrain_scu)
 
@@ -307,11 +305,6 @@ def _leaf_type(key: str):
     return tp
 
 
-def default_run_name(path: Optional[str | Path]) -> str:
-    """``run.name`` when the config leaves it empty: the config file's stem (``run`` without a file)."""
-    return Path(path).stem if path is not None else "run"
-
-
 def storage_dir(storage_path: str) -> str:
     """``run.storage_path`` made absolute (``~`` expanded); a remote URI (``s3://``, ``gs://``) unchanged."""
     return os.path.abspath(os.path.expanduser(storage_path)) if "://" not in storage_path else storage_path
@@ -412,15 +405,13 @@ def _check_model_and_data(cfg: Config) -> None:
 
     q = cfg.quant
     _one_of("quant.quant_type", q.quant_type, ("nf4", "fp4"))
-    if m.fuse_lora:
-        _check(not q.load_in_4bit, "model.fuse_lora", "fused projections need a bf16/fp16/fp32 base, not a 4-bit "
-                                                      "one (quant.load_in_4bit=true); turn one off")
-        _check(lo.dropout == 0.0, "model.fuse_lora", f"needs lora.dropout=0 (q/k/v share one input to their "
-                                                     f"A-products), got lora.dropout={lo.dropout}")
-        covered = lo.target_modules if "all-linear" not in lo.target_modules else ALL_LINEAR
+    if m.fuse_lora:  # what fused_lora.py fuses: plain LoRA on q/k/v and gate/up of an unquantised base
+        covered = ALL_LINEAR if "all-linear" in lo.target_modules else lo.target_modules
         missing = [t for t in FUSED_LORA_TARGETS if t not in covered]
-        _check(not missing, "model.fuse_lora", f"lora.target_modules must cover {', '.join(FUSED_LORA_TARGETS)} "
-                                               f"(missing {missing})")
+        for bad, need in ((q.load_in_4bit, "a bf16/fp16/fp32 base, not quant.load_in_4bit=true"),
+                          (lo.dropout > 0, f"lora.dropout=0 (q/k/v share one A-product input), got {lo.dropout}"),
+                          (missing, f"lora.target_modules to cover {FUSED_LORA_TARGETS}, missing {missing}")):
+            _check(not bad, "model.fuse_lora", f"needs {need}")
 
     d = cfg.data
     _one_of("data.source", d.source, ("shakespeare", "text", "jsonl", "hf_disk", "hf_hub", "auto"))
@@ -551,10 +542,6 @@ def sequences_per_step(cfg: Config, world: Optional[int] = None) -> int:
 def global_batch_tokens(cfg: Config, world: Optional[int] = None) -> int:
     """Tokens per optimizer step over all workers: the global batch."""
     return sequences_per_step(cfg, world) * cfg.data.block_size
-
-
-def get_dotted(cfg: Config, key: str) -> Any:
-    return functools.reduce(getattr, key.split("."), cfg)
 
 
 if __name__ == "__main__":  # python -m raytrain_scu.config CONFIG.yaml key=value...: the CLI lives in config_io

@@ -6,6 +6,7 @@ The tree itself, its defaults and every check live in config.py, which re-export
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import sys
 import types
@@ -59,6 +60,16 @@ def _parse_raw(key: str, raw: str, tp):
     except yaml.YAMLError:
         value = raw
     return C._coerce(key, value, tp)
+
+
+def get_dotted(cfg, key: str) -> Any:
+    """The value at ``a.b.c`` in a Config (or any tree of attributes)."""
+    return functools.reduce(getattr, key.split("."), cfg)
+
+
+def default_run_name(path: Optional[str | Path]) -> str:
+    """``run.name`` when the config leaves it empty: the config file's stem (``run`` without a file)."""
+    return Path(path).stem if path is not None else "run"
 
 
 def set_dotted(tree: dict, key: str, value: Any) -> None:

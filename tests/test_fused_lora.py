@@ -259,7 +259,7 @@ def test_bf16_autocast_eager_and_compiled_on_cuda():
 # ---------------------------------------------------------------- where it cannot apply
 
 @pytest.mark.parametrize("override,needle", [
-    ("quant.load_in_4bit=true", "4-bit"),
+    ("quant.load_in_4bit=true", "not quant.load_in_4bit=true"),
     ("lora.dropout=0.1", "lora.dropout=0"),
     ("lora.target_modules=q_proj,v_proj,gate_proj,up_proj", "missing ['k_proj']"),
     ("lora.target_modules=q_proj,k_proj,v_proj,o_proj", "missing ['gate_proj', 'up_proj']"),
