@@ -238,9 +238,13 @@ def run_sweep_stage(config_path: str, overrides: list[str], choice: dict, seed: 
     """The PI-gain sweep: random search with ASHA on held-out BPT at equal tokens; its rows and best trial."""
     from raytrain_scu.sweep import run_sweep
 
+    base = resolve(config_path, overrides)
+    t = base.train  # ASHA's first rung after --sweep-grace-steps: early on, the weakest penalty scores best (none's
+    # held-out BPT is lowest at step 20-30 and worst by the end), so an early rung would stop the gains that win
+    grace = max(1, min(math.ceil(a.sweep_grace_steps / t.report_every), t.max_steps // t.report_every))
     cfg = resolve(config_path, [*overrides, "controller.mode=scu", f"seed={seed}", "tune.search=random",
                                 "tune.scheduler=asha", "tune.metric=val/data_bpt", "tune.mode=min",
-                                f"tune.num_samples={a.sweep_samples}"])
+                                f"tune.num_samples={a.sweep_samples}", f"tune.grace_period={grace}"])
     cfg.tune.space = sweep_space_for(choice, a.kp_range, a.ki_range)
     cfg.run.name = f"{cfg.run.name}-sweep"
     out = run_sweep(cfg)
@@ -306,6 +310,22 @@ def run_stage(name: str, results: dict, a) -> None:
     st[name]["wall_s"] = time.time() - t0
 
 
+RULE_ARGS = ("config", "seeds", "lambdas", "target_factors", "gains", "kp_range", "ki_range", "sweep_samples",
+             "sweep_grace_steps")  # the flags that define the study: fixed for all of its stages
+
+
+def check_rules(recorded: dict, a) -> None:
+    """A study's rules are the first call's: a later call with another value of a rule flag is refused (naming it);
+    a rule flag the file does not hold yet (added before its stage ran) is recorded."""
+    current = json.loads(json.dumps({k: getattr(a, k) for k in RULE_ARGS}))  # tuples as lists, as the file has them
+    differ = [f"--{k.replace('_', '-')} {current[k]} (the study's: {recorded[k]})" for k in RULE_ARGS
+              if k in recorded and recorded[k] != current[k]]
+    if differ:
+        raise AblationError(f"this study's rules were fixed by its first call; this call changes {'; '.join(differ)}. "
+                            f"Give the recorded values, or start a new study with another --out")
+    recorded.update({k: current[k] for k in RULE_ARGS if k not in recorded})
+
+
 def parse_args(argv):
     floats = lambda s: [float(x) for x in s.split(",")]  # noqa: E731
     p = argparse.ArgumentParser(prog="python -m raytrain_scu.ablation", description=__doc__.split("\n\n")[0])
@@ -322,6 +342,7 @@ def parse_args(argv):
     p.add_argument("--kp-range", default="0.05,1.6", type=floats)
     p.add_argument("--ki-range", default="0.005,0.3", type=floats)
     p.add_argument("--sweep-samples", default=8, type=int)
+    p.add_argument("--sweep-grace-steps", default=100, type=int, help="steps before ASHA may stop a sweep trial")
     p.add_argument("--bootstrap", type=int, default=2000)
     return p.parse_args(argv)
 
@@ -343,6 +364,11 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(a.out)
     path = out / "results.json"
     results = json.loads(path.read_text()) if path.exists() else {"setting": setting(cfg, a), "stages": {}}
+    try:
+        check_rules(results["setting"]["args"], a)
+    except AblationError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if "fixed" in results["stages"]:  # the current rule's targets, whatever rule wrote the file
         results["stages"]["fixed"]["choice"] = choose_targets(results["stages"]["fixed"]["trials"], a.target_factors)
         save(results, path)

@@ -1,8 +1,8 @@
 """The ablation's numbers, tables and plots from its ``results.json`` (``raytrain_scu.ablation`` writes it).
 
 ``python -m raytrain_scu.ablation_report DIR [--doc docs/ablation.md]`` rebuilds them without running anything.
-Per arm: held-out BPT (mean over seeds, 95% t-interval), its paired bootstrap gap to ``none`` and to the best fixed λ
-(units of each seed's held-out documents, resampled together; seeds pooled, each paired on its own units); for SCU
+Per arm: held-out BPT (mean over seeds, 95% t-interval), its gap to ``none`` and to the best fixed λ (the mean over
+seeds of each seed's paired difference, with a bootstrap that resamples units within each seed); for SCU
 arms, tracking (settling step, mean |Ŝ − S*| after it) and λ's behaviour (direction reversals, steps at a bound,
 bound hits, the saturation detector's step); cost in GPU seconds.
 """
@@ -16,9 +16,10 @@ from pathlib import Path
 
 import numpy as np
 
-from raytrain_scu.evaluate import paired_bootstrap
-
-T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
+# Student's t, two-sided 95%, by degrees of freedom (beyond 30: 1.96)
+T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
+        11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093, 20: 2.086,
+        25: 2.060, 30: 2.042}
 ORDER = ("none", "fixed", "scu", "scu_init", "tuned", "gains")
 SCU_FAMILIES = ("scu", "scu_init", "tuned", "gains")
 SETTLE_BAND = 0.1  # settled: |Ŝ − S*| within max(deadband, this x S*) from some step to the end
@@ -104,18 +105,29 @@ def mean_ci(values) -> tuple[float, float]:
     v = np.asarray(values, dtype=np.float64)
     if len(v) < 2:
         return float(v.mean()), math.nan
-    return float(v.mean()), T975.get(len(v) - 1, 1.96) * float(v.std(ddof=1)) / math.sqrt(len(v))
+    df = len(v) - 1
+    t = T975.get(df) or next((T975[k] for k in sorted(T975) if k >= df), 1.96)  # between rows: the next one up
+    return float(v.mean()), t * float(v.std(ddof=1)) / math.sqrt(len(v))
 
 
-def gap(results: dict, ts: list[dict], ref: dict[int, dict], n_boot: int) -> dict:
-    """Paired bootstrap of BPT(arm) − BPT(reference), each seed paired on its own units, seeds pooled."""
+def gap(results: dict, ts: list[dict], ref: dict[int, dict], n_boot: int, ci: float = 0.95) -> dict:
+    """BPT(arm) − BPT(reference): the mean over seeds of each seed's difference on its own held-out units, and a
+    stratified paired bootstrap of it (units resampled within each seed, arm and reference together; seeds weigh
+    alike). The interval covers the held-out sample only: not how another training seed would have gone."""
     pairs = [(t, ref[t["seed"]]) for t in ts if t["seed"] in ref]
     if not pairs:
         return {"diff_bpt": math.nan, "ci_low": math.nan, "ci_high": math.nan}
-    a = np.concatenate([t["unit_nats"] for t, _ in pairs])
-    b = np.concatenate([r["unit_nats"] for _, r in pairs])
-    tok = np.concatenate([units_of(results, t["seed"]) for t, _ in pairs])
-    return paired_bootstrap(a, b, tok, n_boot=n_boot, seed=0)
+    rng = np.random.default_rng(0)
+    point, boots = [], []
+    for t, r in pairs:
+        d = np.asarray(t["unit_nats"]) - np.asarray(r["unit_nats"])
+        tok = units_of(results, t["seed"]).astype(np.float64)
+        point.append(d.sum() / tok.sum() / math.log(2))
+        idx = rng.integers(0, len(d), size=(n_boot, len(d)))
+        boots.append(d[idx].sum(axis=1) / tok[idx].sum(axis=1) / math.log(2))
+    boot = np.mean(boots, axis=0)
+    return {"diff_bpt": float(np.mean(point)), "ci_low": float(np.quantile(boot, (1 - ci) / 2)),
+            "ci_high": float(np.quantile(boot, (1 + ci) / 2))}
 
 
 def summarize(results: dict, n_boot: int) -> list[dict]:
@@ -166,7 +178,7 @@ def _steps(vals) -> str:
 
 def outcome_table(rows: list[dict]) -> str:
     lines = ["| arm | seeds | held-out BPT (mean ± 95% CI) | gap to none [95% CI] | gap to best fixed λ [95% CI] | "
-             "S settled (Ŝ, last 20%) | final λ | GPU s / run |", "|---|---|---|---|---|---|---|---|"]
+             "S settled (Ŝ, last 20%) | final λ | Tune wall s / trial |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ci = _num(r["val_bpt_ci95"], ".4f")
         lines.append(f"| {r['arm']} | {len(r['seeds'])} | {_num(r['val_bpt'], '.4f')}{'' if ci == '-' else ' ± ' + ci} | "
@@ -293,8 +305,9 @@ def markdown(results: dict, rows: list[dict], plot_paths: list[Path], rel: str) 
         parts.append(f"### PI-gain sweep (ASHA on {sw['metric']} at equal tokens)\n\nBest: "
                      f"`{json.dumps(sw['best'])}`\n\n" + sweep_table(sw))
     c = cost(results, rows)
-    parts.append(f"### Cost\n\nThe fixed-λ grid on one seed: {c['grid_runs']} runs, {c['grid_gpu_s']:.0f} GPU s. "
-                 f"One SCU run: {c['scu_gpu_s']:.0f} GPU s (Tune's wall time per trial, start-up included).")
+    parts.append(f"### Cost\n\nEvery run trains the same steps. The fixed-λ grid on one seed: {c['grid_runs']} runs "
+                 f"({_num(c['grid_gpu_s'], '.0f')} s of Tune wall time); one SCU run: {_num(c['scu_gpu_s'], '.0f')} s. "
+                 f"Tune's wall time per trial includes start-up and any wait for a free GPU, so compare run counts.")
     parts.append("### Plots\n\n" + "\n".join(f"![{p.stem}]({rel}/{p.name})" for p in plot_paths))
     return "\n\n".join(parts)
 

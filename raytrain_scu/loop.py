@@ -25,7 +25,8 @@ from raytrain_scu.fused_lora import fuse_lora_projections
 from raytrain_scu.hardware import mfu, peak_flops
 from raytrain_scu.loss import CausalLMLoss, compile_for_training
 from raytrain_scu.model import apply_lora, build_model, flops_per_token, load_tokenizer, resolve_dtype, structure_of
-from raytrain_scu.regularizer import adapter_params, initial_centers, lora_b_norm, param_bpt, param_bpt_parts
+from raytrain_scu.regularizer import (adapter_params, centers_fingerprint, initial_centers, lora_b_norm, param_bpt,
+                                      param_bpt_parts)
 
 LN2 = math.log(2.0)
 
@@ -268,6 +269,7 @@ def resume(s: State) -> None:
         note = ckpt.check_tokens_per_epoch(saved, measured=s.data.tokens_per_epoch, override=c.tokens_per_epoch)
         meta = ckpt.load_training_state(local, model=s.model, optimizer=s.optimizer, scaler=s.scaler, rank=rank(),
                                         world_size=world_size())
+    check_centers(s, meta.get("centers_sq"))
     s.fresh = False
     s.controller.load_state_dict(meta["controller"])
     s.start_step, s.position, s.history = meta["step"], meta["position"], meta["history"]
@@ -286,6 +288,20 @@ def resume(s: State) -> None:
                 f"run has {world_size()}: dropout draws restart from a seed of (seed, rank, step {s.start_step}), "
                 f"so the run no longer matches an uninterrupted one")
         ckpt.seed_all(ckpt.rank_seed(s.cfg.seed, rank(), s.start_step))
+
+
+def check_centers(s: State, saved_sq: Optional[float]) -> None:
+    """The initial A factors, rebuilt from the seed, must be the checkpoint's: under controller.prior_center=init they
+    are the prior's centre (a refusal), otherwise only train/param_bpt_update's reference (a warning)."""
+    now = centers_fingerprint(s.centers)
+    if saved_sq is None or math.isclose(now, saved_sq, rel_tol=1e-6):
+        return
+    what = (f"the initial adapter rebuilt from seed {s.cfg.seed} differs from the checkpoint's (Σw² of the A factors "
+            f"{now:.9g}, saved {saved_sq:.9g}): another torch or peft initialises LoRA differently")
+    if s.cfg.controller.prior_center == "init":
+        raise ckpt.CheckpointError(f"{what}; controller.prior_center=init centres the prior there, so the run cannot "
+                                   f"go on with the same loss. Resume with the torch/peft versions that started it")
+    notice0(f"warning: {what}; train/param_bpt_update now measures from the new values")
 
 
 def evaluate_now(s: State) -> float:
@@ -428,7 +444,7 @@ def save_checkpoint(s: State, step: int, rng_states: list):
                           config_yaml=to_yaml(s.cfg, redact=True), history=s.history, rng_states=rng_states,
                           extra={"val_bpt": s.val_bpt, "best_val": s.best_val, "resumed_at": s.resumed_at,
                                  "skipped_steps": s.skipped_total, "skipped_in_a_row": s.skipped_in_a_row,
-                                 "scaler_overflows": s.overflows_total})
+                                 "scaler_overflows": s.overflows_total, "centers_sq": centers_fingerprint(s.centers)})
     return local
 
 

@@ -58,6 +58,13 @@ def initial_centers(model: torch.nn.Module) -> list[Optional[torch.Tensor]]:
 
 
 @torch.no_grad()
+def centers_fingerprint(centers: Sequence[Optional[torch.Tensor]]) -> float:
+    """Σw² of the initial A factors in float64: a checkpoint records it, so a resume can tell that the seeded rebuild
+    of the initial adapter (:func:`initial_centers`) gave the same values (another peft or torch might not)."""
+    return float(sum(c.double().square().sum().item() for c in centers if c is not None))
+
+
+@torch.no_grad()
 def param_bpt_parts(adapter_params: Sequence[torch.Tensor], centers: Sequence[Optional[torch.Tensor]], *,
                     sigma: float, tokens_per_epoch: int) -> torch.Tensor:
     """ParamBPT's parts, for telemetry: a float32 tensor [A part, B part, the update's ParamBPT Σ(w − w₀)²] in bits per

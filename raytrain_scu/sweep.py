@@ -165,7 +165,7 @@ class TrialSetup:
 
 
 TRAIN_START_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"  # read by the Train controller fit() starts
-TRIAL_START_TIMEOUT_S = 24 * 3600
+TRIAL_START_TIMEOUT_S = 2 * 3600  # longer than any queue of trials for a GPU seen so far (13 min)
 
 
 def run_trial(params: dict, setup: TrialSetup) -> None:
@@ -185,6 +185,7 @@ def run_trial(params: dict, setup: TrialSetup) -> None:
     # a restored sweep starts every unfinished trial at once (Ray does not keep max_concurrent_trials across
     # Tuner.restore with resume_errored, ray-project/ray#40652) and on a 4-GPU run the extra trials looped through
     # WorkerGroupStartupTimeoutError. The resources were checked against the cluster before launch, so a wait ends
+    # when a running trial does; a trial that still cannot start after TRIAL_START_TIMEOUT_S (a node lost) fails
     os.environ[TRAIN_START_TIMEOUT_ENV] = str(TRIAL_START_TIMEOUT_S)
     # this actor inherited the cluster's environment: the workers get the sweep command's RAYTRAIN_SCU_* variables
     build_trainer(cfg, use_gpu=setup.use_gpu, run_id=run_id, callbacks=callbacks, env=setup.env).fit()

@@ -125,8 +125,8 @@ def resolve_space(cfg: Config, *, with_lr: bool = False) -> dict:
         raise SweepError(f"tune.space cannot sweep {', '.join(scaling)}: every trial takes the base config's "
                          f"scaling.* (set them as overrides, one sweep per setting)")
     kinds = {key: next(iter(spec)) for key, spec in space.items()}
-    if ARM in space and kinds[ARM] not in ("choice", "grid"):
-        raise SweepError(f"tune.space.{ARM} lists bundles of values: give it as grid or choice")
+    if ARM in space:
+        _check_arms(space, kinds[ARM])
     _check_search(t.search, kinds)
     _check_batch_keys(cfg, space, kinds)
     if t.metric == "perf/tokens_per_s" and t.mode != "max":
@@ -135,6 +135,22 @@ def resolve_space(cfg: Config, *, with_lr: bool = False) -> dict:
         raise SweepError(f"tune.grace_period={t.grace_period} reports x train.report_every={cfg.train.report_every} "
                          f"is beyond train.max_steps={cfg.train.max_steps}: ASHA could never stop a trial")
     return _typed_space(cfg, space)
+
+
+ARM_REFUSED = ("data.batch_size", "data.grad_accum", "data.block_size")  # the batch keys the space's bounds read
+
+
+def _check_arms(space: dict, kind: str) -> None:
+    """An arm lists bundles, sets no key the space also sweeps (which would win silently), and no batch key (the
+    memory fit, ASHA's time axis and the tokens-per-step checks read the batch from the space's keys)."""
+    if kind not in ("choice", "grid"):
+        raise SweepError(f"tune.space.{ARM} lists bundles of values: give it as grid or choice")
+    for i, arm in enumerate(space[ARM][kind]):
+        clash = sorted(k for k in arm if k in space or k in ARM_REFUSED)
+        if clash:
+            raise SweepError(f"tune.space.{ARM}[{i}] sets {', '.join(clash)}: sweep "
+                             f"{'it' if len(clash) == 1 else 'them'} as its own tune.space key"
+                             f"{'' if set(clash) - set(ARM_REFUSED) else ' (an arm sets no batch key)'}, not in an arm")
 
 
 def _check_search(search: str, kinds: dict) -> None:

@@ -158,6 +158,20 @@ def test_final_checkpoint_verifies_and_must_be_the_last_step(tmp_path):
         ablation.final_checkpoint(tmp_path, 30)
 
 
+def test_a_later_call_cannot_change_the_studys_rules(tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    recorded = {"config": TINY, "seeds": [0, 1], "lambdas": [0.1, 1.0], "target_factors": [0.5, 1.0, 2.0],
+                "gains": [[0.2, 0.04]], "kp_range": [0.05, 1.6], "ki_range": [0.005, 0.3], "sweep_samples": 8}
+    (out / "results.json").write_text(json.dumps({"setting": {"args": recorded}, "stages": {}}))
+    flags = [TINY, "--out", str(out), "--seeds", "0,1", "--lambdas", "0.1,1", "--gains", "0.2:0.04", "--stages", ""]
+    assert ablation.main([*flags, "--target-factors", "1,3"]) == 2
+    assert "changes --target-factors [1.0, 3.0] (the study's: [0.5, 1.0, 2.0])" in capsys.readouterr().err
+    a = ablation.parse_args(flags)
+    ablation.check_rules(recorded, a)  # the same rules: accepted, and a rule flag the file lacked is recorded
+    assert recorded["sweep_grace_steps"] == 100
+
+
 def test_bad_stage_and_bad_config_exit_2_before_ray(capsys):
     assert ablation.main([TINY, "--stages", "fixed,nope"]) == 2
     assert "unknown ['nope']" in capsys.readouterr().err

@@ -136,3 +136,44 @@ def test_loop_logs_parambpt_parts_and_the_init_centred_prior_trains(tmp_path):
         assert r["train/param_bpt"] == pytest.approx(r["train/param_bpt_update"], rel=1e-5)
         assert r["ctrl/s"] < 0.5 * rows["zero"][0]["ctrl/s"]
     assert rows["init"][-1]["train/lora_b_norm"] > 0
+
+
+class _KeepCheckpoints(LocalHooks):
+    """LocalHooks that keep each reported checkpoint and resume from ``resume_from``."""
+
+    def __init__(self, keep, resume_from=None):
+        super().__init__(torch.device("cpu"))
+        self.keep, self.resume_from = keep, resume_from
+
+    def open_checkpoint(self, stack):
+        return None if self.resume_from is None else (self.resume_from, [])
+
+    def report(self, metrics, checkpoint_dir, checkpoint_dir_name):
+        super().report(metrics, checkpoint_dir, checkpoint_dir_name)
+        if checkpoint_dir is not None:
+            import shutil
+
+            shutil.copytree(checkpoint_dir, self.keep / checkpoint_dir_name)
+
+
+def test_a_resume_refuses_an_initial_adapter_that_differs_from_the_checkpoints(tmp_path):
+    """Under prior_center=init the prior's centre is the initial A, rebuilt from the seed on a resume: a checkpoint
+    records its Σw², and a rebuild that differs (another peft or torch) is refused rather than trained on."""
+    import json
+
+    from raytrain_scu.checkpoint import CheckpointError
+
+    keep = tmp_path / "kept"
+    common = ["train.max_steps=2", "train.report_every=2", "train.checkpoint_every=2", "controller.prior_center=init"]
+    run_loop(_cfg(tmp_path, "run.name=c1", *common), hooks=_KeepCheckpoints(keep))
+    ckpt, = keep.iterdir()
+    meta = json.loads((ckpt / "meta.json").read_text())
+    assert meta["centers_sq"] > 0
+    longer = ["train.max_steps=3", "train.report_every=1", "train.checkpoint_every=3", "controller.prior_center=init"]
+    hooks = _KeepCheckpoints(tmp_path / "kept2", resume_from=ckpt)
+    run_loop(_cfg(tmp_path, "run.name=c1", *longer), hooks=hooks)  # the same rebuild: resumes
+    assert [r["step"] for r in hooks.reports] == [3]
+    meta["centers_sq"] *= 1.01
+    (ckpt / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match="initial adapter rebuilt from seed 0 differs"):
+        run_loop(_cfg(tmp_path, "run.name=c1", *longer), hooks=_KeepCheckpoints(tmp_path / "kept3", ckpt))

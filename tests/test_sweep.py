@@ -206,6 +206,11 @@ def test_arm_bundles_unlike_trials_into_one_grid(tmp_path):
         base(tmp_path, "tune.space={arm: {grid: [{controller.lambda_init: x}]}}")
     with pytest.raises(ConfigError, match="an arm cannot set 'scaling.num_workers'"):
         base(tmp_path, "tune.space={arm: {grid: [{scaling.num_workers: 2}]}}")
+    with pytest.raises(sweep_space.SweepError, match=r"arm\[0\] sets seed: sweep it as its own tune.space key"):
+        sweep_space.resolve_space(base(tmp_path, "tune.search=grid", "tune.space={arm: {grid: [{seed: 1}]}, "
+                                                 "seed: {grid: [0]}}"))
+    with pytest.raises(sweep_space.SweepError, match=r"sets data.batch_size.*an arm sets no batch key"):
+        sweep_space.resolve_space(base(tmp_path, "tune.search=grid", "tune.space={arm: {grid: [{data.batch_size: 2}]}}"))
     with pytest.raises(sweep_space.SweepError, match="controller.lambda_init"):  # a valid key, an invalid config
         sweep_space.resolve_space(base(tmp_path, "tune.search=grid", "tune.space={arm: {grid: [{controller.mode: "
                                                  "fixed, controller.lambda_init: -1.0}]}}"))
