@@ -317,9 +317,10 @@ RULE_ARGS = ("config", "seeds", "lambdas", "target_factors", "gains", "kp_range"
 def check_rules(recorded: dict, a) -> None:
     """A study's rules are the first call's: a later call with another value of a rule flag is refused (naming it);
     a rule flag the file does not hold yet (added before its stage ran) is recorded."""
-    current = json.loads(json.dumps({k: getattr(a, k) for k in RULE_ARGS}))  # tuples as lists, as the file has them
-    differ = [f"--{k.replace('_', '-')} {current[k]} (the study's: {recorded[k]})" for k in RULE_ARGS
-              if k in recorded and recorded[k] != current[k]]
+    # tuples as lists on both sides, as the file holds them
+    current = json.loads(json.dumps({k: getattr(a, k) for k in RULE_ARGS}))
+    before = json.loads(json.dumps({k: recorded[k] for k in RULE_ARGS if k in recorded}))
+    differ = [f"--{k.replace('_', '-')} {current[k]} (the study's: {v})" for k, v in before.items() if v != current[k]]
     if differ:
         raise AblationError(f"this study's rules were fixed by its first call; this call changes {'; '.join(differ)}. "
                             f"Give the recorded values, or start a new study with another --out")

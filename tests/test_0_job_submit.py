@@ -43,7 +43,7 @@ def test_ray_job_submit_runs_training(tmp_path):
             time.sleep(1)
     try:
         storage = tmp_path / "runs"
-        runtime_env = json.dumps({"excludes": [".venv", ".git", "runs", "*.egg-info", ".carry", ".whl", ".pytest_cache",
+        runtime_env = json.dumps({"excludes": [".venv", ".git", "runs", "*.egg-info", ".carry*", ".whl", ".pytest_cache",
                                                ".hypothesis"]})
         submit = (
             [ray, "job", "submit", f"--address=http://127.0.0.1:{dash}", "--working-dir", str(ROOT),

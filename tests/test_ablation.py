@@ -183,12 +183,17 @@ def test_bad_stage_and_bad_config_exit_2_before_ray(capsys):
 
 @pytest.mark.slow
 def test_staged_ablation_runs_every_stage_and_resumes_from_its_file(tmp_path, capsys):
+    import ray
+
     out = tmp_path / "out"
     args = [TINY, "scaling.num_workers=1", "scaling.cpus_per_worker=0.49", f"run.storage_path={tmp_path}/runs",
             "run.name=abl", "train.max_steps=4", "train.report_every=2", "train.eval_every=2",
-            "train.checkpoint_every=4", "tune.grace_period=1", "--out", str(out), "--seeds", "0", "--lambdas", "1",
+            "train.checkpoint_every=4", "--out", str(out), "--seeds", "0", "--lambdas", "1",
             "--target-factors", "1", "--gains", "0.2:0.04", "--sweep-samples", "1", "--bootstrap", "50"]
-    assert ablation.main(args) == 0
+    try:
+        assert ablation.main(args) == 0
+    finally:
+        ray.shutdown()  # the runner started Ray in this process: later tests expect none
     res = json.loads((out / "results.json").read_text())
     assert list(res["stages"]) == list(ablation.STAGES)
     families = sorted(t["family"] for st in res["stages"].values() for t in st.get("trials", []))
