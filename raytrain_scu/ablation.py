@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from raytrain_scu.ablation_report import settled
 from raytrain_scu.checkpoint import CheckpointError, newest_good_local, read_meta
 from raytrain_scu.config import Config, run_dir, to_yaml
 from raytrain_scu.hardware import resolve
@@ -41,7 +42,6 @@ from raytrain_scu.train import USER_ERRORS
 
 STAGES = ("fixed", "scu", "sweep", "tuned")
 NEEDS = {"fixed": (), "scu": ("fixed",), "sweep": ("fixed",), "tuned": ("fixed", "sweep")}  # whose results a stage uses
-SETTLE_FRAC = 0.2  # the S a fixed-λ run settles at: mean Ŝ over this last share of its steps
 UNIT_CHARS = 2000  # held-out documents are cut at blank lines into units of at least this many characters
 HISTORY_KEYS = ("step", "train/data_bpt", "train/param_bpt", "train/param_bpt_a", "train/param_bpt_b",
                 "train/param_bpt_update", "ctrl/s", "ctrl/s_hat", "ctrl/lambda", "ctrl/lambda_applied",
@@ -102,18 +102,6 @@ def scaled_target(s: float, factor: float) -> float:
     keep S* inside (0, 1) (a plain 2·S would pass 1 for S above 0.5); for small S it is about factor·S."""
     odds = s / (1.0 - s) * factor
     return float(f"{odds / (1.0 + odds):.3g}")
-
-
-def settled(history: dict, key: str) -> float:
-    """Mean of ``key`` over the last SETTLE_FRAC of the steps (``s_update``: the update-centred S of each step)."""
-    steps = [i for i, st in enumerate(history["step"]) if st >= 1]
-    if key == "s_update":
-        vals = [history["train/param_bpt_update"][i] / (history["train/data_bpt"][i] + history["train/param_bpt_update"][i])
-                for i in steps]
-    else:
-        vals = [history[key][i] for i in steps]
-    tail = vals[-max(1, int(len(vals) * SETTLE_FRAC)):]
-    return float(np.mean(tail))
 
 
 def middle(values: list) -> float:

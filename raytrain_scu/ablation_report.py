@@ -48,6 +48,21 @@ def series(t: dict, key: str) -> tuple[np.ndarray, np.ndarray]:
     return np.asarray(s), np.asarray(v, dtype=np.float64)
 
 
+SETTLE_FRAC = 0.2  # the S a run settles at: the mean over this last share of its steps
+
+
+def settled(history: dict, key: str) -> float:
+    """Mean of ``key`` over the last SETTLE_FRAC of the steps (``s_update``: the update-centred S of each step): the
+    S a fixed-λ run settles at, which sets the SCU arms' S*, and the table's "S settled"."""
+    if key == "s_update":
+        _, upd = series({"history": history}, "train/param_bpt_update")
+        _, data = series({"history": history}, "train/data_bpt")
+        vals = upd / (data + upd)
+    else:
+        _, vals = series({"history": history}, key)
+    return float(vals[-max(1, int(len(vals) * SETTLE_FRAC)):].mean()) if len(vals) else math.nan
+
+
 def settling(steps: np.ndarray, s_hat: np.ndarray, target: float, deadband: float) -> dict:
     """The first step from which |Ŝ − S*| stays within the band to the end (None: never), and the mean |Ŝ − S*|
     after it (never settled: over the second half of the run, flagged)."""
@@ -73,8 +88,7 @@ def lambda_behaviour(lam: np.ndarray, lo: float, hi: float) -> dict:
 def trial_stats(t: dict) -> dict:
     steps, s_hat = series(t, "ctrl/s_hat")
     _, lam = series(t, "ctrl/lambda")
-    tail = max(1, int(len(s_hat) * 0.2))
-    out = {"s_settled": float(s_hat[-tail:].mean()) if len(s_hat) else math.nan,
+    out = {"s_settled": settled(t["history"], "ctrl/s_hat"),
            "final_lambda": float(lam[-1]) if len(lam) else math.nan,
            "saturated_step": next((int(v) for v in t["history"]["ctrl/saturated_step"] if v is not None), None)}
     for key in ("train/param_bpt_a", "train/param_bpt_b", "train/param_bpt_update"):
