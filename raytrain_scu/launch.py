@@ -35,7 +35,7 @@ from ray.train import (Checkpoint, CheckpointConfig, FailureConfig, RunConfig, S
 from ray.train.torch import TorchTrainer
 
 from raytrain_scu import checkpoint as ckpt
-from raytrain_scu.config import Config, build_config, run_dir, storage_dir
+from raytrain_scu.config import Config, ConfigError, build_config, run_dir, storage_dir
 from raytrain_scu.console import NOTICES, relaying_warnings, take_notices
 from raytrain_scu.faults import Faults
 from raytrain_scu.loop import run_loop, stop_flag
@@ -233,8 +233,9 @@ def build_trainer(cfg: Config, *, use_gpu: bool, run_id: Optional[str], callback
     )
 
 
-class NotEnoughResources(ValueError):
-    """The Ray cluster has fewer GPUs (or CPUs) than the run's workers ask for; Ray would wait for them forever."""
+class NotEnoughResources(ConfigError):
+    """The Ray cluster has fewer GPUs (or CPUs) than the run's workers ask for; Ray would wait for them forever. A
+    ConfigError (scaling.* is at fault), so the CLIs say so in one line and exit 2."""
 
 
 def check_capacity(cfg: Config, *, use_gpu: bool) -> None:

@@ -287,6 +287,9 @@ def run(cfg: Config, *, quiet: bool = False, verbose: bool = False) -> dict:
         if facts["resume_from"] is not None:  # the workers say it too, in their log files
             print(f"[raytrain_scu] resuming from {facts['resume_from'].name}", flush=True)
         launch.init_ray(cfg, verbose=verbose)
+        # the cluster the run joined (RAY_ADDRESS, or a Ray already up), which preflight could not see: refused
+        # before any worker starts, rather than waited for forever
+        launch.check_capacity(cfg, use_gpu=facts["use_gpu"])
         print(f"[raytrain_scu] run {cfg.run.name}: {facts['model']}, {cfg.scaling.num_workers} worker(s) "
               f"({'GPU' if facts['use_gpu'] else 'CPU'}), {facts['train_blocks']} train / {facts['val_blocks']} val "
               f"blocks, tokens_per_epoch={facts['tokens_per_epoch']}", flush=True)

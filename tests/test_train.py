@@ -175,3 +175,19 @@ def test_loop_logs_mfu_where_the_card_peak_is_known_and_leaves_it_out_elsewhere(
     client, runs = mlflow_runs(tmp_path, "peak")
     logged = client.get_metric_history(runs[0].info.run_id, "perf/mfu")
     assert sorted((m.step, m.value) for m in logged) == [(r["step"], r["perf/mfu"]) for r in hooks.reports]
+
+
+@pytest.mark.slow
+def test_more_workers_than_the_joined_cluster_has_are_refused_before_any_starts(ray_local, tmp_path, capsys):
+    """With Ray already up (a cluster joined), preflight cannot count the machine's CPUs: the driver checks the
+    cluster's resources once it has joined, instead of letting Ray Train wait for workers it can never place."""
+    import time
+
+    from conftest import TINY
+    from raytrain_scu.train import main
+
+    t0 = time.time()
+    code = main([TINY, "scaling.num_workers=3", "scaling.cpus_per_worker=2", f"run.storage_path={tmp_path}",
+                 "run.name=toobig", "tracking.enabled=false"])
+    assert code == 2 and time.time() - t0 < 30  # Ray Train's start-up timeout alone is 60 s
+    assert "scaling.num_workers=3: 3 workers x 2 CPU need 6 CPUs, but the Ray cluster has 4" in capsys.readouterr().err
