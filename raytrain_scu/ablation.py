@@ -295,7 +295,11 @@ def run_stage(name: str, results: dict, a) -> None:
         st[name] = {"trials": trials, "units": units}
         if name == "fixed":
             st[name]["choice"] = choose_targets(trials, a.target_factors)
-    st[name]["wall_s"] = time.time() - t0
+    from raytrain_scu.bench import device_name
+
+    # each stage may run on another machine, and with GPUs shared between trials (scaling.gpus_per_worker < 1)
+    st[name].update(wall_s=time.time() - t0, device=device_name(), gpus=torch.cuda.device_count(),
+                    overrides=list(a.overrides))
 
 
 RULE_ARGS = ("config", "seeds", "lambdas", "target_factors", "gains", "kp_range", "ki_range", "sweep_samples",

@@ -301,6 +301,9 @@ def setting_text(results: dict) -> str:
     v = s["versions"]
     return (f"**Machine:** {s['gpus']} × {s['device']}; torch {v.get('torch')}, CUDA {v.get('cuda')}, transformers "
             f"{v.get('transformers')}, peft {v.get('peft')}, Ray {v.get('ray')}. Started {s['started']}.\n\n"
+            + "".join(f"- stage `{k}`: {st['gpus']} × {st['device']}, {st['wall_s'] / 60:.1f} min, overrides "
+                      f"`{' '.join(st['overrides'])}`\n" for k, st in results["stages"].items() if "device" in st)
+            + "\n"
             f"**Rules and grids** (fixed before the first trial): `{json.dumps(s['args'])}`\n\n"
             f"<details><summary>The study's config (every trial's base)</summary>\n\n```yaml\n{s['config_yaml']}```\n"
             f"</details>")
