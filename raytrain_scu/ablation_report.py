@@ -258,7 +258,7 @@ def _save(plt, fig, ax, path: Path) -> Path:
 
 def plots(results: dict, out: Path) -> list[Path]:
     """Representative arms on the first seed: the regime (held-out BPT over steps), Ŝ against S* and λ for the SCU
-    arms, the stability grid, and ParamBPT's A and B parts."""
+    arms, the stability grid and the tuned gains, and ParamBPT's A and B parts."""
     out.mkdir(parents=True, exist_ok=True)
     trials = all_trials(results)
     choice = results["stages"]["fixed"]["choice"]
@@ -269,11 +269,11 @@ def plots(results: dict, out: Path) -> list[Path]:
     scu_mid = [t for t in first if t["family"] == "scu" and t["target_s"] == mid]
     paths = []
     plt, fig, ax = _fig(f"held-out BPT over training (seed {seed0})", "val/data_bpt (fixed validation blocks)")
-    for t in [t for t in first if t["family"] in ("none", "fixed")] + scu_mid:
+    for t in [t for t in first if t["family"] in ("none", "fixed", "tuned")] + scu_mid:
         ax.plot(*series(t, "val/data_bpt"), label=label(t), lw=2 if t in best or t["family"] != "fixed" else 0.8)
     paths.append(_save(plt, fig, ax, out / "regime.png"))
-    for fam in ("scu", "scu_init", "gains"):
-        group = [t for t in first if t["family"] == fam] + (scu_mid if fam == "gains" else [])
+    for fam in ("scu", "scu_init", "gains", "tuned"):  # the gains grid and the tuned gains beside the default's
+        group = [t for t in first if t["family"] == fam] + (scu_mid if fam in ("gains", "tuned") else [])
         if not group:
             continue
         plt, fig, ax = _fig(f"{fam}: Ŝ(t) against S* (dotted), seed {seed0}", "Ŝ")
@@ -324,7 +324,9 @@ def markdown(results: dict, rows: list[dict], plot_paths: list[Path], rel: str) 
     c = cost(results, rows)
     parts.append(f"### Cost\n\nEvery run trains the same steps. The fixed-λ grid on one seed: {c['grid_runs']} runs "
                  f"({_num(c['grid_gpu_s'], '.0f')} s of Tune wall time); one SCU run: {_num(c['scu_gpu_s'], '.0f')} s. "
-                 f"Tune's wall time per trial includes start-up and any wait for a free GPU, so compare run counts.")
+                 f"Tune's wall time per trial includes start-up, any wait for a free GPU and, where a stage's trials "
+                 f"shared a GPU (`scaling.gpus_per_worker` < 1 in the machine list above), its sharing: compare run "
+                 f"counts.")
     parts.append("### Plots\n\n" + "\n".join(f"![{p.stem}]({rel}/{p.name})" for p in plot_paths))
     return "\n\n".join(parts)
 
