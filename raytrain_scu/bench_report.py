@@ -14,9 +14,12 @@ def ratio(res: dict, a: str, b: str, key: str = "tokens_per_s") -> float:
 
 def table(res: dict) -> str:
     """The results as a markdown table plus the ratios the targets are stated in."""
+    own = {(r["preset"], r["block"], r["flops_per_token"]) for r in res["parts"].values() if "preset" in r}
+    # parts that all name one other shape (--parts ref_8b,ours_8b): the header is theirs, not --shape's
+    preset, block, fpt = own.pop() if len(own) == 1 else (res["preset"], res["block"], res["flops_per_token"])
     lines = [f"card: {res['card']}  ({', '.join(f'{k} {v}' for k, v in res['versions'].items())})",
-             f"model: {res['preset']}, block {res['block']}, device batch {res['batch']}, LoRA r=16 on 7 projections",
-             f"FLOPs/token = 4*N_matmul + 12*L*d*T = {res['flops_per_token']:.4g}; "
+             f"model: {preset}, block {block}, device batch {res['batch']}, LoRA r=16 on 7 projections",
+             f"FLOPs/token = 4*N_matmul + 12*L*d*T = {fpt:.4g}; "
              f"peak = {res['peak_flops'] / 1e12:g} TFLOP/s (dense bf16)", "",
              "| variant | device batch | tokens/s per GPU | MFU | peak mem (GiB) | trained: fixed-set BPT, LoRA B norm |",
              "|---|---|---|---|---|---|"]
