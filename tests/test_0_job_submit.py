@@ -1,7 +1,8 @@
-"""Runs first (file name): `ray start --head` on loopback, then `ray job submit --working-dir . -- python -m raytrain_scu.train`.
+"""`ray start --head` on loopback, then `ray job submit --working-dir . -- python -m raytrain_scu.train`.
 
-It must run before any other Ray instance starts on this machine: with a second instance up, the head's job agent
-was seen never to register ("No available agent to submit job").
+Every port the head listens on is a free one: with another Ray instance up on this machine (the suite runs in
+parallel), the default dashboard agent port 52365 is that instance's, and the head's job agent then never registered
+("No available agent to submit job"). The file name once made it run first, before any other Ray started.
 """
 import json
 import os
@@ -25,12 +26,13 @@ def test_ray_job_submit_runs_training(tmp_path):
     ray = str(bin_dir / "ray")
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "RAY_AUTH_MODE": "disabled"}
     env.pop("RAY_ADDRESS", None)
-    gcs, dash = free_port(), free_port()
+    gcs, dash, agent = free_port(), free_port(), free_port()
     temp = tempfile.mkdtemp(prefix="rj", dir="/tmp")  # AF_UNIX socket paths must stay under 107 bytes
     # --block keeps this head in one process group that the test stops alone (`ray stop` would stop every Ray
     # instance on the machine, other tests' included)
     head = subprocess.Popen([ray, "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={gcs}",
-                             f"--dashboard-port={dash}", "--dashboard-host=127.0.0.1", "--num-cpus=3",
+                             f"--dashboard-port={dash}", "--dashboard-host=127.0.0.1",
+                             f"--dashboard-agent-listen-port={agent}", "--num-cpus=3",
                              "--include-dashboard=true", f"--temp-dir={temp}", "--disable-usage-stats"],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.time() + 120

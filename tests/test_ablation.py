@@ -190,10 +190,12 @@ def test_staged_ablation_runs_every_stage_and_resumes_from_its_file(tmp_path, ca
             "run.name=abl", "train.max_steps=4", "train.report_every=2", "train.eval_every=2",
             "train.checkpoint_every=4", "--out", str(out), "--seeds", "0", "--lambdas", "1",
             "--target-factors", "1", "--gains", "0.2:0.04", "--sweep-samples", "1", "--bootstrap", "50"]
+    ray_was_up = ray.is_initialized()  # another test's ray_local, when tests run in parallel (pytest -n)
     try:
         assert ablation.main(args) == 0
     finally:
-        ray.shutdown()  # the runner started Ray in this process: later tests expect none
+        if not ray_was_up:
+            ray.shutdown()  # the runner started Ray in this process: later tests expect none
     res = json.loads((out / "results.json").read_text())
     assert list(res["stages"]) == list(ablation.STAGES)
     families = sorted(t["family"] for st in res["stages"].values() for t in st.get("trials", []))
