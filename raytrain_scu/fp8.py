@@ -17,6 +17,9 @@ Both copies and their scales are frozen Parameters on the base Linear (``fp8_wei
 are held as uint8 bits, viewed as e4m3 in the forward, since gloo cannot broadcast a float8 tensor. The bf16
 weight stays as it was (peft's disable_adapter(), saved adapters and evaluation see the plain model). Errors name
 model.base_fp8.
+
+Devices: CUDA GPUs of compute capability 8.9 or more (Ada, Hopper, Blackwell). The CPU where torch's CPU _scaled_mm
+takes rowwise scales: torch 2.13 does, 2.11's is per-tensor only, and :func:`check_fp8_device` refuses it there.
 """
 from __future__ import annotations
 
