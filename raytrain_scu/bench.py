@@ -8,6 +8,7 @@ LoRA r=16 on all 7 projections:
   ref_liger                 ref_eager with Liger kernels (liger-kernel, the ``bench`` extra), what TRL users get
   ours                      raytrain_scu's per-worker loop, bare (no Ray), SCU on, compile, fused chunked CE
   ours_best / ours_fused    ours at the largest device batch that fits (``--best-batch``) / with model.fuse_lora=true
+  ours_fp8 / ours_fp8_8b    ours with model.base_fp8=true (the frozen GEMMs in FP8 e4m3, rowwise scales), 1B / 8B
   ours_compile_model        ours with the whole model as one compiled graph (model.compile_scope=model) instead of
                             one compiled decoder layer shared by all layers (the default)
   scu_none                  the same loop with controller.mode=none (controller overhead)
@@ -24,19 +25,18 @@ LoRA r=16 on all 7 projections:
   attn                      causal SDPA alone at the model's attention shape: each fused backend first in turn,
                             both q/k/v layouts, and transformers' call sequence under torch.compile
 
-Every part that times training must prove it trained (:func:`proof_of_training`): the LoRA B matrices left zero
-and the BPT on a fixed set of blocks fell (ours: the validation set before step 1 and at the last step; the
-reference: its first batch before and after). A part that fails this reports an error, not a speed.
-tokens/s are medians over timed intervals after warm-up; MFU = tokens/s × FLOPs/token / peak, with
-FLOPs/token = 4·N_matmul + 12·L·d·T for a frozen base and the card's dense bf16 peak.
-The GraniteMoeHybrid count is layer by layer (``model.flops_per_token``): its 4 attention layers get the 12·d·T
-term, its Mamba-2 layers 3 x their chunked-scan (SSD) FLOPs instead.
+Every part that times training must prove it trained (:func:`proof_of_training`): the LoRA B matrices left zero and the
+BPT on a fixed set of blocks fell (ours: the validation set before step 1 and at the last step; the reference: its first
+batch before and after). A part that fails this reports an error, not a speed. tokens/s are medians over timed intervals
+after warm-up; MFU = tokens/s × FLOPs/token / peak, with FLOPs/token = 4·N_matmul + 12·L·d·T for a frozen base and the
+card's dense bf16 peak. The GraniteMoeHybrid count is layer by layer (``model.flops_per_token``): its 4 attention layers
+get the 12·d·T term, its Mamba-2 layers 3 x their chunked-scan (SSD) FLOPs instead.
 
 ``--group`` picks named sets of parts (:data:`GROUPS`; ``1b``, the default, fits one 10-minute call on one H100),
-``--parts`` names parts (added after the groups'); ``--shape`` is the model of the parts that do not name one.
-The table ends with every target of issues #17 and #19 as met / not met / not run.
-``--smoke`` runs a tiny CPU version (the test suite uses it): the same code paths on shrunken shapes of the same
-structure (``tiny``, ``tiny-llama-3.1-8b``, ``tiny-granite-4.0-h``).
+``--parts`` names parts (added after the groups'); ``--shape`` is the model of the parts that do not name one. The table
+ends with every target of issues #17 and #19 as met / not met / not run. ``--smoke`` runs a tiny CPU version (the test
+suite uses it): the same code paths on shrunken shapes of the same structure (``tiny``, ``tiny-llama-3.1-8b``,
+``tiny-granite-4.0-h``).
 """
 from __future__ import annotations
 
@@ -61,8 +61,9 @@ PROJ = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_pr
 SHAPES = {"1b": ("llama-3.2-1b-shape", "tiny"), "8b": ("llama-3.1-8b-shape", "tiny-llama-3.1-8b"),
           "granite": ("granite-4.0-h-1b-shape", "tiny-granite-4.0-h")}
 # the parts with a name of their own (rayN: any N); a new part is added here and to run_parts' dispatch
-PARTS = ("attn", "ref_eager", "ref_compile", "ref_liger", "ours", "ours_best", "ours_fused", "ours_compile_model",
-         "scu_none", "profile", "mem_bf16", "mem_qlora", "ref_8b", "ours_8b", "qlora_8b", "granite_h1b")
+PARTS = ("attn", "ref_eager", "ref_compile", "ref_liger", "ours", "ours_best", "ours_fused", "ours_fp8",
+         "ours_compile_model", "scu_none", "profile", "mem_bf16", "mem_qlora", "ref_8b", "ours_8b", "ours_fp8_8b",
+         "qlora_8b", "granite_h1b")
 SCALE_NS = (2, 4, 8)  # the `scale` group: ray1 and rayN for these N up to the GPUs here
 # named sets of parts; each fits one 10-minute call on one H100 (docs/benchmarks.md has the measured times)
 GROUPS = {"1b": "attn,ref_eager,ref_compile,ours,scu_none,ray1,ray2,mem_bf16,mem_qlora",
@@ -292,21 +293,22 @@ def _proof_from_reports(reports: list[dict]) -> dict:
 
 def bench_config(*, preset: str, batch: int, block: int, steps: int, report_every: int, storage: str, name: str,
                  compile: bool, mode: str = "scu", load_in_4bit: bool = False, checkpointing: bool = False, chunk=4096,
-                 workers: int = 1, compile_scope: str = "layers", targets=tuple(PROJ), fuse_lora: bool = False):
+                 workers: int = 1, compile_scope: str = "layers", targets=tuple(PROJ), fuse_lora: bool = False,
+                 base_fp8: bool = False):
     from raytrain_scu.hardware import resolve
 
     gpu = torch.cuda.is_available()
     return resolve(None, [
         f"model.name={preset}", f"model.precision={'bf16' if gpu else 'fp32'}", f"model.compile={str(compile).lower()}",
         f"model.compile_scope={compile_scope}", f"model.fuse_lora={str(fuse_lora).lower()}",
-        f"model.gradient_checkpointing={str(checkpointing).lower()}", f"model.loss_chunk_size={chunk}",
-        f"quant.load_in_4bit={str(load_in_4bit).lower()}", "lora.r=16", "lora.alpha=32",
-        f"lora.target_modules={','.join(targets)}", "data.source=shakespeare", f"data.block_size={block}",
-        f"data.batch_size={batch}", "data.grad_accum=1", "data.val_fraction=0.05", f"train.max_steps={steps}",
-        f"train.report_every={report_every}", f"train.checkpoint_every={steps}", f"train.eval_every={steps}",
-        f"train.eval_blocks={batch * workers}", f"controller.mode={mode}", f"scaling.num_workers={workers}",
-        f"scaling.use_gpu={str(gpu).lower()}", f"run.storage_path={storage}", f"run.name={name}",
-        "tracking.enabled=false", "optim.warmup_steps=2"])
+        f"model.base_fp8={str(base_fp8).lower()}", f"model.gradient_checkpointing={str(checkpointing).lower()}",
+        f"model.loss_chunk_size={chunk}", f"quant.load_in_4bit={str(load_in_4bit).lower()}", "lora.r=16",
+        "lora.alpha=32", f"lora.target_modules={','.join(targets)}", "data.source=shakespeare",
+        f"data.block_size={block}", f"data.batch_size={batch}", "data.grad_accum=1", "data.val_fraction=0.05",
+        f"train.max_steps={steps}", f"train.report_every={report_every}", f"train.checkpoint_every={steps}",
+        f"train.eval_every={steps}", f"train.eval_blocks={batch * workers}", f"controller.mode={mode}",
+        f"scaling.num_workers={workers}", f"scaling.use_gpu={str(gpu).lower()}", f"run.storage_path={storage}",
+        f"run.name={name}", "tracking.enabled=false", "optim.warmup_steps=2"])
 
 
 def _median_rate(reports: list[dict], warmup_reports: int) -> float:
@@ -391,7 +393,7 @@ def preset_of(shape: str, smoke: bool) -> str:
 
 def part_shape(part: str, shape: str) -> str:
     """The --shape key a part runs at: the 8B and Granite parts name theirs, the others take ``shape``."""
-    return {"ref_8b": "8b", "ours_8b": "8b", "qlora_8b": "8b", "granite_h1b": "granite"}.get(part, shape)
+    return "8b" if part.endswith("_8b") else "granite" if part == "granite_h1b" else shape
 
 
 def expand_parts(groups: str, parts: str, gpus: int) -> list[str]:
@@ -452,8 +454,8 @@ def run_parts(args) -> dict:
             elif part == "ref_liger":
                 r = reference_loop(preset=pre, batch=args.batch, block=args.block, steps=args.steps,
                                    warmup=max(3, args.warmup_reports), compile=False, blocks=data.train, liger=True)
-            elif part in ("ours", "ours_8b", "ours_fused"):
-                r = ours_bare(cfg(part, fuse_lora=part == "ours_fused"), args.warmup_reports)
+            elif part in ("ours", "ours_8b", "ours_fused", "ours_fp8", "ours_fp8_8b"):
+                r = ours_bare(cfg(part, fuse_lora=part == "ours_fused", base_fp8="fp8" in part), args.warmup_reports)
             elif part == "ours_best":
                 r = ours_bare(cfg("ours_best", batch=args.best_batch), args.warmup_reports)
             elif part == "ours_compile_model":
@@ -511,8 +513,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smoke", action="store_true", help="tiny model on the CPU (seconds)")
     p.add_argument("--group", default="", help=f"named sets of parts, comma-separated: {', '.join(GROUPS)} "
                    f"(neither --group nor --parts: 1b)")
-    p.add_argument("--parts", default="", help="parts (after the groups'), comma-separated: rayN or "
-                   + ", ".join(PARTS))
+    p.add_argument("--parts", default="", help="comma-separated parts, after the groups': rayN or " + ", ".join(PARTS))
     p.add_argument("--shape", default="1b", choices=["1b", "8b"],
                    help="the model of the parts that do not name one (ray1, rayN, ours, ref_compile, ...)")
     p.add_argument("--granite-batch", type=int, default=32, help="device batch of granite_h1b (the seed's A100 one)")
@@ -535,8 +536,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.parts and not args.group:
             args.parts = "attn,ref_eager,ours,scu_none"
     try:
-        args.part_list = expand_parts(args.group or ("" if args.parts else "1b"), args.parts,
-                                      torch.cuda.device_count())
+        args.part_list = expand_parts(args.group or ("" if args.parts else "1b"), args.parts, torch.cuda.device_count())
     except ValueError as e:
         p.error(str(e))
     res = run_parts(args)

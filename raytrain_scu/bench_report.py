@@ -42,6 +42,7 @@ def table(res: dict) -> str:
             ("ours_best / ref_compile", "ours_best", "ref_compile", "tokens_per_s", ">= 1.4"),
             ("ours / ref_eager", "ours", "ref_eager", "tokens_per_s", "-"),
             ("ours_fused / ours (fused LoRA projections)", "ours_fused", "ours", "tokens_per_s", "-"),
+            ("ours_fp8 / ours (FP8 frozen base)", "ours_fp8", "ours", "tokens_per_s", "-"),
             ("ours / ref_liger (same batch)", "ours", "ref_liger", "tokens_per_s", ">= 1.5"),
             ("ours_compile_model / ours (whole-model vs per-layer compile)", "ours_compile_model", "ours",
              "tokens_per_s", "-"),

@@ -4,9 +4,8 @@ Loading is YAML -> dotted ``key=value`` overrides -> strict build -> cross-field
 
     cfg = load_config("experiments/tiny-cpu.yaml", ["train.max_steps=200", "controller.mode=fixed"])
 
-An unknown key or a value of the wrong type is a :class:`ConfigError` that names the key and what was
-expected. Validation does no I/O. ``python -m raytrain_scu.config CONFIG.yaml key=value...`` prints the
-resolved config as YAML.
+An unknown key or a value of the wrong type is a :class:`ConfigError` that names the key and what was expected.
+Validation does no I/O. ``python -m raytrain_scu.config CONFIG.yaml key=value...`` prints the resolved config as YAML.
 """
 from __future__ import annotations
 
@@ -42,8 +41,7 @@ REMOVED_KEYS = {
 
 @dataclass
 class ModelConfig:
-    # a built-in random-init preset (model.PRESETS: "tiny", "llama-3.2-1b-shape", "llama-3.1-8b-shape",
-    # "granite-4.0-h-1b-shape", ...), a hub id, or a local directory
+    # a built-in random-init preset (model.PRESETS: "tiny", "llama-3.2-1b-shape", ...), a hub id, or a local directory
     name: str = "tiny"
     gguf_file: str = ""  # a GGUF file inside `name` (a directory) or an absolute path
     tokenizer: str = ""  # "" = the model's own; presets use a BPE trained on the bundled Shakespeare
@@ -54,12 +52,12 @@ class ModelConfig:
     compile: bool = False  # torch.compile the model (what hardware presets pick on A100/H100/H200/4090)
     # torch.compile mode: default | reduce-overhead | max-autotune | max-autotune-no-cudagraphs
     compile_mode: str = "default"
-    # layers: each decoder layer compiled on its own, one compiled code shared by all layers (warm-up in seconds);
-    # model: the whole forward as one graph (inductor compiles every layer: minutes for a 30-layer model)
+    # layers: each decoder layer compiled alone, all sharing one compiled code (seconds); model: one graph (minutes)
     compile_scope: str = "layers"
     fused_loss: bool = True  # chunked linear + cross-entropy: logits are never materialised in fp32
     loss_chunk_size: int = 4096  # tokens per chunk of the fused loss
     fuse_lora: bool = False  # Llama: q/k/v, gate/up one frozen GEMM each + one of their LoRA A's (fused_lora.py)
+    base_fp8: bool = False  # LoRA-base GEMMs in FP8 e4m3, rowwise (fp8.py): CUDA >= 8.9; CPU: torch 2.13, not 2.11
     trust_remote_code: bool = False  # allow a hub model's own Python code (transformers' trust_remote_code)
     cache_dir: str = ""  # where converted GGUF models and tokenizers are cached ("" = ~/.cache/raytrain_scu)
 
@@ -150,9 +148,8 @@ class ScalingConfig:
     cpus_per_worker: float = 1.0  # CPUs Ray reserves for each worker
     gpus_per_worker: float = 1.0  # GPUs Ray reserves for each worker
     placement_strategy: str = "PACK"  # PACK | SPREAD | STRICT_PACK | STRICT_SPREAD (Ray placement group)
-    # how often Ray Train's controller polls the workers (RAY_TRAIN_HEALTH_CHECK_INTERVAL_S, Ray's default 2 s).
-    # A worker holds one unconsumed report, so a report every < poll_interval_s stalls training until the next poll;
-    # a checkpoint is registered at a poll too
+    # how often Ray Train's controller polls the workers (RAY_TRAIN_HEALTH_CHECK_INTERVAL_S, Ray's default 2 s): a
+    # worker holds one unconsumed report, so reports more often stall training to the next poll; checkpoints register
     poll_interval_s: float = 0.25
 
 
@@ -405,6 +402,9 @@ def _check_model_and_data(cfg: Config) -> None:
 
     q = cfg.quant
     _one_of("quant.quant_type", q.quant_type, ("nf4", "fp4"))
+    for bad, need in ((q.load_in_4bit, "an unquantised base, not quant.load_in_4bit=true"),
+                      (m.fuse_lora, "model.fuse_lora=false (the fused GEMMs bypass the base Linears it converts)")):
+        _check(not (m.base_fp8 and bad), "model.base_fp8", f"needs {need}")
     if m.fuse_lora:  # what fused_lora.py fuses: plain LoRA on q/k/v and gate/up of an unquantised base
         covered = ALL_LINEAR if "all-linear" in lo.target_modules else lo.target_modules
         missing = [t for t in FUSED_LORA_TARGETS if t not in covered]

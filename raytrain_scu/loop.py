@@ -21,6 +21,7 @@ from raytrain_scu.console import NOTICES, take_notices
 from raytrain_scu.data import prepare_data, train_batch, val_batches
 from raytrain_scu.dist import all_gather_object, all_reduce_sum, barrier, notice0, print0, rank, world_size
 from raytrain_scu.faults import Faults
+from raytrain_scu.fp8 import convert_base_to_fp8
 from raytrain_scu.fused_lora import fuse_lora_projections
 from raytrain_scu.hardware import mfu, peak_flops
 from raytrain_scu.loss import CausalLMLoss, compile_for_training
@@ -232,6 +233,8 @@ def build(cfg: Config, hooks, run_id=None) -> State:
                        gradient_checkpointing=m.gradient_checkpointing)
     if m.fuse_lora:  # on the device already: the base weights become views into the fused ones, not copies
         fuse_lora_projections(model)
+    if m.base_fp8:  # on the device already: the weights are quantised there, once
+        convert_base_to_fp8(model)
     ckpt.seed_all(ckpt.rank_seed(cfg.seed, rank()))  # then each rank its own stream: distinct dropout masks
     params = adapter_params(model)
     loss_model = CausalLMLoss(model, fused=m.fused_loss, chunk_size=m.loss_chunk_size)

@@ -158,6 +158,15 @@ def preflight(cfg: Config) -> dict:
             check_fusable_config(hf_config)
         except ModelError as e:
             raise PreflightError(str(e)) from None
+    if m.base_fp8 and (gpus or not use_gpu):  # a remote cluster's GPUs: each worker checks its own as it converts
+        import torch
+
+        from raytrain_scu.fp8 import check_fp8_device
+
+        try:
+            check_fp8_device(torch.device("cuda" if use_gpu else "cpu"))
+        except ModelError as e:
+            raise PreflightError(str(e)) from None
     # re-running a run name resumes it: its newest good checkpoint must fit this config (local storage)
     good, resume_meta = _resume_point(cfg)
     try:
