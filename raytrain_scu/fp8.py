@@ -83,16 +83,19 @@ class Fp8FrozenLinear(nn.Linear):
     forward = _fp8_linear_forward
 
 
-def check_fp8_device(device: torch.device) -> None:
+def check_fp8_device(device: torch.device, *, probe: bool = True) -> None:
     """Raise ModelError naming model.base_fp8 where ``device`` cannot run e4m3 rowwise ``_scaled_mm``: a CUDA GPU
-    below compute capability 8.9 (no FP8 tensor cores), or a torch whose kernel refuses the product here (a CPU
-    torch without it, say): a probe of one tiny GEMM."""
+    below compute capability 8.9 (no FP8 tensor cores), or (``probe``: one tiny GEMM) a torch whose kernel refuses
+    the product here (a CPU torch without it, say). The driver's preflight skips the probe on a GPU: it would give
+    the driver a CUDA context, memory on the GPU the workers train on, for the whole run."""
     if device.type == "cuda":
         cap = torch.cuda.get_device_capability(device)
         if cap < (8, 9):
             raise ModelError(f"model.base_fp8=true needs FP8 tensor cores (compute capability >= 8.9: Ada, Hopper "
                              f"or newer); {torch.cuda.get_device_name(device)} is {cap[0]}.{cap[1]}; set "
                              f"model.base_fp8=false")
+    if not probe:
+        return
     a, b = torch.ones(MM_ALIGN, MM_ALIGN, device=device), torch.ones(MM_ALIGN, MM_ALIGN, device=device)
     try:
         aq, sa = quantize_rows(a)

@@ -158,13 +158,14 @@ def preflight(cfg: Config) -> dict:
             check_fusable_config(hf_config)
         except ModelError as e:
             raise PreflightError(str(e)) from None
-    if m.base_fp8 and (gpus or not use_gpu):  # a remote cluster's GPUs: each worker checks its own as it converts
+    # a remote cluster's GPUs, and the GEMM probe on any GPU: each worker checks its own as it converts
+    if m.base_fp8 and (gpus or not use_gpu):
         import torch
 
         from raytrain_scu.fp8 import check_fp8_device
 
         try:
-            check_fp8_device(torch.device("cuda" if use_gpu else "cpu"))
+            check_fp8_device(torch.device("cuda" if use_gpu else "cpu"), probe=not use_gpu)
         except ModelError as e:
             raise PreflightError(str(e)) from None
     # re-running a run name resumes it: its newest good checkpoint must fit this config (local storage)

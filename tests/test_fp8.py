@@ -284,6 +284,19 @@ def test_devices_without_fp8_are_refused(monkeypatch):
         check_fp8_device(torch.device("cpu"))
 
 
+def test_without_the_probe_only_the_capability_is_read(monkeypatch):
+    """The driver's preflight on a GPU machine: the capability decides, and no GEMM runs (it would give the driver a
+    CUDA context on the workers' GPU)."""
+    def no_gemm(*args, **kwargs):
+        raise AssertionError("a GEMM ran")
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch, "_scaled_mm", no_gemm)
+    check_fp8_device(torch.device("cuda"), probe=False)
+    with pytest.raises(AssertionError, match="a GEMM ran"):
+        check_fp8_device(torch.device("cpu"))
+
+
 @cpu_fp8
 def test_preflight_checks_the_device(tmp_path, monkeypatch):
     from raytrain_scu.train import PreflightError, preflight
