@@ -55,3 +55,37 @@ def mlflow_runs(storage, run_name: str, filter_string: str = ""):
     exps = [e.experiment_id for e in client.search_experiments()]
     named = f"tags.`mlflow.runName` = '{run_name}'"
     return client, client.search_runs(exps, filter_string=f"{named} and {filter_string}" if filter_string else named)
+
+
+# ---------------------------------------------------------------- tensors: the fused and FP8 paths against plain
+
+def token_batch(vocab: int, seed=1, rows=2, cols=24):
+    """(input_ids, labels) at random, the first 3 labels of row 0 ignored (-100)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    x, y = torch.randint(0, vocab, (rows, cols), generator=g), torch.randint(0, vocab, (rows, cols), generator=g)
+    y[0, :3] = -100
+    return x, y
+
+
+def rel(a, b) -> float:
+    """|a − b| / |b| (Frobenius), in float32."""
+    return float((a.detach().float() - b.detach().float()).norm() / b.detach().float().norm())
+
+
+def adapter_grads(model) -> dict:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def autograd_nodes(loss, fn_name: str) -> int:
+    """How many backward nodes of the autograd Function ``fn_name`` are in ``loss``'s graph."""
+    seen, todo, count = set(), [loss.grad_fn], 0
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        count += fn_name in type(node).__name__
+        todo += [n for n, _ in node.next_functions]
+    return count

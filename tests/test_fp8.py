@@ -6,6 +6,8 @@ model's 2 layers the loss moves by under 1e-3 relative (measured 2e-5..1e-4) and
 (measured); all gradients together by under 10 % (measured 6 %). Hence: one product 6 %, the loss 5e-3, each
 adapter gradient 20 %, all together 12 %; on the GPU (a bf16 base under bf16 autocast) the same bounds.
 """
+from functools import partial
+
 import pytest
 import torch
 import torch.nn as nn
@@ -18,9 +20,10 @@ from raytrain_scu.loss import CausalLMLoss, compile_for_training
 from raytrain_scu.model import ModelError, apply_lora, build_model
 from raytrain_scu.regularizer import adapter_params
 
-from conftest import TINY, mlflow_runs, tiny_cfg
+from conftest import TINY, adapter_grads, autograd_nodes, mlflow_runs, rel, tiny_cfg, token_batch
 
 VOCAB = 256
+batch = partial(token_batch, VOCAB)
 PRODUCT_TOL = 0.06
 LOSS_TOL = 5e-3
 GRAD_TOL = 0.2
@@ -41,10 +44,6 @@ CPU_FP8_MISSING = _cpu_fp8_missing()
 cpu_fp8 = pytest.mark.skipif(bool(CPU_FP8_MISSING), reason=f"no CPU FP8 here: {CPU_FP8_MISSING}")
 
 
-def rel(a, b):
-    return float((a.detach().float() - b.detach().float()).norm() / b.detach().float().norm())
-
-
 def lora_model(dtype=torch.float32, device="cpu", base_fp8=False):
     """The tiny preset with LoRA on all 7 projections, non-zero B (so the adapters' gradients all count)."""
     model = apply_lora(build_model("tiny", vocab_size=VOCAB, dtype=dtype, device=torch.device(device), seed=0), r=4,
@@ -55,30 +54,6 @@ def lora_model(dtype=torch.float32, device="cpu", base_fp8=False):
     if base_fp8:
         assert convert_base_to_fp8(model) == 2 * 7
     return model
-
-
-def batch(seed=1, rows=2, cols=24):
-    g = torch.Generator().manual_seed(seed)
-    x, y = torch.randint(0, VOCAB, (rows, cols), generator=g), torch.randint(0, VOCAB, (rows, cols), generator=g)
-    y[0, :3] = -100
-    return x, y
-
-
-def adapter_grads(model):
-    return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
-
-
-def fp8_nodes(loss):
-    """The _Fp8FrozenLinear backward nodes in ``loss``'s autograd graph."""
-    seen, todo, count = set(), [loss.grad_fn], 0
-    while todo:
-        node = todo.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        count += "_Fp8FrozenLinear" in type(node).__name__
-        todo += [n for n, _ in node.next_functions]
-    return count
 
 
 def assert_grads_close(ref, out):
@@ -140,7 +115,7 @@ def test_loss_and_every_adapter_gradient_close_to_full_precision():
     got, _ = CausalLMLoss(fp8)(x, y)
     # every LoRA Linear's base ran in FP8 but layer 0's q/k/v: their input (frozen embedding, frozen norm) needs no
     # gradient, so no backward node is recorded for them
-    assert fp8_nodes(got) == 14 - 3
+    assert autograd_nodes(got, "_Fp8FrozenLinear") == 14 - 3
     assert float(got) == pytest.approx(float(want), rel=LOSS_TOL) and float(got) != float(want)
     want.backward()
     got.backward()
@@ -188,7 +163,7 @@ def test_compiled_fp8_model_agrees_with_eager_and_has_no_graph_break_of_its_own(
 
 
 @cpu_fp8
-def test_disabled_adapters_and_saved_adapter_are_the_plain_models(tmp_path):
+def test_disabled_adapters_run_close_to_plain_and_a_saved_adapter_loads_plain(tmp_path):
     from peft import PeftModel
 
     plain, fp8 = lora_model(), lora_model(base_fp8=True)

@@ -5,6 +5,8 @@ concatenated weight, the LoRA B-products in one GEMM), so losses agree to 1e-5 r
 to 2e-5 relative, tensor by tensor (measured: at most 5e-6, on the GQA model's smallest gradients); after
 optimizer steps and under torch.compile, 1e-4 (measured: at most 7e-6).
 """
+from functools import partial
+
 import pytest
 import torch
 import transformers
@@ -15,9 +17,10 @@ from raytrain_scu.loss import CausalLMLoss, compile_for_training
 from raytrain_scu.model import ModelError, apply_lora, build_model
 from raytrain_scu.regularizer import adapter_params
 
-from conftest import TINY, mlflow_runs, tiny_cfg
+from conftest import TINY, adapter_grads, autograd_nodes, mlflow_runs, rel, tiny_cfg, token_batch
 
 VOCAB = 256
+batch = partial(token_batch, VOCAB)
 TOL = 1e-5
 GRAD_TOL = 2e-5
 
@@ -68,34 +71,6 @@ def pair(make_base, variant="plain"):
     return plain, fused
 
 
-def batch(seed=1, rows=2, cols=24):
-    g = torch.Generator().manual_seed(seed)
-    x, y = torch.randint(0, VOCAB, (rows, cols), generator=g), torch.randint(0, VOCAB, (rows, cols), generator=g)
-    y[0, :3] = -100
-    return x, y
-
-
-def rel(a, b):
-    return float((a - b).norm() / b.norm())
-
-
-def adapter_grads(model):
-    return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
-
-
-def fused_nodes(loss):
-    """The _FusedLoraLinear backward nodes in ``loss``'s autograd graph."""
-    seen, todo, count = set(), [loss.grad_fn], 0
-    while todo:
-        node = todo.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        count += "_FusedLoraLinear" in type(node).__name__
-        todo += [n for n, _ in node.next_functions]
-    return count
-
-
 def checkpointed_tiny_base():
     return build_model("tiny", vocab_size=VOCAB, seed=0, gradient_checkpointing=True)
 
@@ -110,7 +85,7 @@ def test_loss_and_every_adapter_gradient_match_plain_peft(make_base, variant):
     x, y = batch()
     want, _ = CausalLMLoss(plain)(x, y)
     got, _ = CausalLMLoss(fused)(x, y)
-    assert fused_nodes(got) == 4  # q/k/v and gate/up of both layers went through the fused function
+    assert autograd_nodes(got, "_FusedLoraLinear") == 4  # q/k/v and gate/up of both layers went through the fused function
     assert float(got) == pytest.approx(float(want), rel=TOL)
     want.backward()
     got.backward()
