@@ -76,7 +76,8 @@ def param_bpt_parts(adapter_params: Sequence[torch.Tensor], centers: Sequence[Op
     sa = sum_of_squares(a) if a else zero
     sb = sum_of_squares(b) if b else zero
     # one fused subtraction over every A factor (a per-tensor `p - c` would launch a kernel per tensor, every step)
-    su = sum_of_squares(torch._foreach_sub([p.float() for p in a], [c for c in centers if c is not None])) if a else zero
+    a_centers = [c for c in centers if c is not None]
+    su = sum_of_squares(torch._foreach_sub([p.float() for p in a], a_centers)) if a else zero
     return torch.stack([sa, sb, su + sb]) / (2.0 * sigma * sigma * tokens_per_epoch * math.log(2.0))
 
 

@@ -190,7 +190,7 @@ def test_staged_ablation_runs_every_stage_and_resumes_from_its_file(tmp_path, ca
             "run.name=abl", "train.max_steps=4", "train.report_every=2", "train.eval_every=2",
             "train.checkpoint_every=4", "--out", str(out), "--seeds", "0", "--lambdas", "1",
             "--target-factors", "1", "--gains", "0.2:0.04", "--sweep-samples", "1", "--bootstrap", "50"]
-    ray_was_up = ray.is_initialized()  # another test's ray_local, when tests run in parallel (pytest -n)
+    ray_was_up = ray.is_initialized()  # an earlier test's ray_local in this process: left up for the tests after
     try:
         assert ablation.main(args) == 0
     finally:

@@ -92,7 +92,7 @@ def no_ray(monkeypatch):
     import raytrain_scu.launch as launch
     import raytrain_scu.train as train
 
-    def refuse(cfg):
+    def refuse(*args, **kwargs):  # whatever init_ray is called with: the message below, not a TypeError
         raise AssertionError("Ray was about to start: the bad input was not caught early")
 
     monkeypatch.setattr(launch, "init_ray", refuse)

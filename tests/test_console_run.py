@@ -67,7 +67,8 @@ def test_the_ui_command_the_summary_prints_serves_the_run(quiet_run):
     bin_dir = str(Path(sys.executable).parent)  # the venv's `mlflow`, as an activated venv finds it
     env = {**os.environ, "PATH": bin_dir + os.pathsep + os.environ.get("PATH", "")}
     with open(storage / "ui.log", "w") as log:
-        ui = subprocess.Popen(shlex.split(printed.group(1)) + ["--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
+        serve = ["--host", "127.0.0.1", "--port", str(port), "--workers", "1"]  # one worker: no child to lose
+        ui = subprocess.Popen(shlex.split(printed.group(1)) + serve,
                               stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
