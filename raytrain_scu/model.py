@@ -345,7 +345,7 @@ def build_model(name: str, *, gguf_file: str = "", vocab_size: int = 0, dtype: t
                 device: torch.device = torch.device("cpu"), attn_implementation: str = "sdpa",
                 gradient_checkpointing: bool = False, load_in_4bit: bool = False, quant_type: str = "nf4",
                 double_quant: bool = True, cache_dir: str = "", trust_remote_code: bool = False, seed: int = 0):
-    """The frozen base causal LM. With ``load_in_4bit`` it is NF4-quantised on ``device`` (device_map={"": device})."""
+    """The frozen base causal LM, on ``device``. With ``load_in_4bit`` it is NF4-quantised there (device_map={"": device})."""
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     if attn_implementation == "sdpa":  # the same kernels, with the causal shortcut also under torch.compile
@@ -373,6 +373,8 @@ def build_model(name: str, *, gguf_file: str = "", vocab_size: int = 0, dtype: t
         except Exception as e:  # noqa: BLE001
             raise ModelError(f"model.name={name}: could not load the model: {type(e).__name__}: {str(e)[:400]}") \
                 from None
+        if not load_in_4bit:  # what follows (FP8 quantisation, fused projections) works on the device's weights
+            model = model.to(device)
     model.requires_grad_(False)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
