@@ -14,35 +14,50 @@
 set -euo pipefail
 out=$(realpath -m "$1"); seeds=${2:-0 1}
 cfg=${CFG:-experiments/ablation-gpu.yaml}
+[ -e "$out/runs" ] && { echo "$out/runs exists: use a new OUT (its runs would resume, not start fresh)" >&2; exit 2; }
 mkdir -p "$out"
-export RAY_AUTH_MODE=${RAY_AUTH_MODE:-token}  # what `ray start --head` turns on; its clients need the same mode
+# token auth unless the caller says otherwise (tests alone disable it); `ray start` does not create the token
+export RAY_AUTH_MODE=${RAY_AUTH_MODE:-token}
+[ "$RAY_AUTH_MODE" = token ] && python -m ray.scripts.scripts get-auth-token --generate > /dev/null 2>&1
+ray_tmp=$(mktemp -d /tmp/rfaXXXX)  # a private temp dir: no other ray.init() on this host finds (and joins) this head
 n=$(( 2 * $(wc -w <<< "$seeds") ))
 port=$(python -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 setsid python -m ray.scripts.scripts start --head --block --node-ip-address=127.0.0.1 --port="$port" --num-gpus="$n" \
-  --num-cpus=$(( 4 * n )) --include-dashboard=false --disable-usage-stats > "$out/head.log" 2>&1 &
+  --num-cpus=$(( 4 * n )) --include-dashboard=false --temp-dir="$ray_tmp" --disable-usage-stats > "$out/head.log" 2>&1 &
 head=$!
-trap 'kill -TERM -- -$head 2>/dev/null; sleep 3; kill -KILL -- -$head 2>/dev/null || true' EXIT
+pids=()
+stop() {  # the training drivers still running, then the head's process group, then its temp dir
+  for p in "${pids[@]}"; do kill -INT "$p" 2>/dev/null || true; done
+  kill -TERM -- -$head 2>/dev/null; sleep 3; kill -KILL -- -$head 2>/dev/null; rm -rf "$ray_tmp"
+}
+trap stop EXIT
 export RAY_ADDRESS=127.0.0.1:$port
 up=0
-for _ in $(seq 30); do timeout 60 python -c "import ray; ray.init(log_to_driver=False)" > /dev/null 2>&1 && up=1 && break; sleep 2; done
+for _ in $(seq 30); do
+  kill -0 $head 2>/dev/null || break
+  timeout 60 python -c "import ray; ray.init(log_to_driver=False)" > /dev/null 2>&1 && up=1 && break
+  sleep 2
+done
 [ $up = 1 ] || { echo "the Ray head at $RAY_ADDRESS did not come up: see $out/head.log" >&2; exit 1; }
 
-pids=()
 for seed in $seeds; do
   for arm in bf16 fp8; do
     fp8=false; [ $arm = fp8 ] && fp8=true
     python -m raytrain_scu.train $cfg seed=$seed model.base_fp8=$fp8 controller.mode=fixed controller.lambda_init=0.1 \
-      scaling.cpus_per_worker=3 ${EXTRA:-} run.storage_path="$out/runs" run.name=fp8acc-$arm-s$seed > "$out/train-$arm-s$seed.log" 2>&1 &
+      scaling.cpus_per_worker=3 ${EXTRA:-} run.storage_path="$out/runs" run.name=fp8acc-$arm-s$seed \
+      > "$out/train-$arm-s$seed.log" 2>&1 &
     pids+=($!)
   done
 done
 rc=0
 for p in "${pids[@]}"; do wait "$p" || rc=1; done
+pids=()
 unset RAY_ADDRESS
 for seed in $seeds; do
   python -m raytrain_scu.evaluate --config $cfg --set seed=$seed \
-    --adapter "$out/runs/fp8acc-fp8-s$seed/output/adapter" --compare-adapter "$out/runs/fp8acc-bf16-s$seed/output/adapter" \
-    --json "$out/eval-s$seed.json" > "$out/eval-s$seed.log" 2>&1 || rc=1
+    --adapter "$out/runs/fp8acc-fp8-s$seed/output/adapter" \
+    --compare-adapter "$out/runs/fp8acc-bf16-s$seed/output/adapter" --json "$out/eval-s$seed.json" \
+    > "$out/eval-s$seed.log" 2>&1 || rc=1
 done
 python - "$out" $seeds <<'EOF'
 import json, sys

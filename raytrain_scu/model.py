@@ -345,7 +345,8 @@ def build_model(name: str, *, gguf_file: str = "", vocab_size: int = 0, dtype: t
                 device: torch.device = torch.device("cpu"), attn_implementation: str = "sdpa",
                 gradient_checkpointing: bool = False, load_in_4bit: bool = False, quant_type: str = "nf4",
                 double_quant: bool = True, cache_dir: str = "", trust_remote_code: bool = False, seed: int = 0):
-    """The frozen base causal LM, on ``device``. With ``load_in_4bit`` it is NF4-quantised there (device_map={"": device})."""
+    """The frozen base causal LM, on ``device``. With ``load_in_4bit`` it is NF4-quantised there
+    (device_map={"": device})."""
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     if attn_implementation == "sdpa":  # the same kernels, with the causal shortcut also under torch.compile
