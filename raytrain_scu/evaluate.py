@@ -173,8 +173,6 @@ def score_shard(config: dict, adapters: dict[str, str], docs: list[str]) -> dict
                        attn_implementation=m.attn_implementation, load_in_4bit=q.load_in_4bit,
                        quant_type=q.quant_type, double_quant=q.double_quant, cache_dir=m.cache_dir,
                        trust_remote_code=m.trust_remote_code, seed=cfg.seed)
-    if not q.load_in_4bit:  # a quantized model is placed by device_map and must not be moved
-        base = base.to(device)
     model = attach_adapters(base, adapters)
     loss_model = CausalLMLoss(model, fused=m.fused_loss, chunk_size=m.loss_chunk_size)
     token_docs = document_ids(tok, docs)
