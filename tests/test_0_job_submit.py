@@ -1,8 +1,8 @@
 """`ray start --head` on loopback, then `ray job submit --working-dir . -- python -m raytrain_scu.train`.
 
 Every port the head listens on is a free one: with another Ray instance up on this machine (a parallel suite,
-PYTEST_ARGS="-n 3"), the default dashboard agent port 52365 is that instance's, and the head's job agent then never registered
-("No available agent to submit job"). The file name once made it run first, before any other Ray started.
+PYTEST_ARGS="-n 3"), the default dashboard agent port 52365 is that instance's, and the head's job agent then never
+registered ("No available agent to submit job"). The file name once made it run first, before any other Ray started.
 """
 import json
 import os

@@ -85,7 +85,8 @@ def test_loss_and_every_adapter_gradient_match_plain_peft(make_base, variant):
     x, y = batch()
     want, _ = CausalLMLoss(plain)(x, y)
     got, _ = CausalLMLoss(fused)(x, y)
-    assert autograd_nodes(got, "_FusedLoraLinear") == 4  # q/k/v and gate/up of both layers went through the fused function
+    # q/k/v and gate/up of both layers went through the fused function
+    assert autograd_nodes(got, "_FusedLoraLinear") == 4
     assert float(got) == pytest.approx(float(want), rel=TOL)
     want.backward()
     got.backward()
