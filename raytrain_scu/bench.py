@@ -64,6 +64,9 @@ SHAPES = {"1b": ("llama-3.2-1b-shape", "tiny"), "8b": ("llama-3.1-8b-shape", "ti
 PARTS = ("attn", "ref_eager", "ref_compile", "ref_liger", "ours", "ours_best", "ours_fused", "ours_fp8",
          "ours_compile_model", "scu_none", "profile", "mem_bf16", "mem_qlora", "ref_8b", "ours_8b", "ours_fp8_8b",
          "qlora_8b", "granite_h1b")
+# the parts our loop times (and rayN): ``profile_<part>`` runs one with train.profile_steps (``profile``: ours)
+LOOP_PARTS = ("ours", "ours_best", "ours_fused", "ours_fp8", "ours_compile_model", "scu_none", "mem_bf16", "mem_qlora",
+              "ours_8b", "ours_fp8_8b", "qlora_8b", "granite_h1b")
 SCALE_NS = (2, 4, 8)  # the `scale` group: ray1 and rayN for these N up to the GPUs here
 # named sets of parts; each fits one 10-minute call on one H100 (docs/benchmarks.md has the measured times)
 GROUPS = {"1b": "attn,ref_eager,ref_compile,ours,scu_none,ray1,ray2,mem_bf16,mem_qlora",
@@ -263,7 +266,6 @@ def _peak_mem() -> float:
 
 def _free():
     import gc
-
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -294,7 +296,7 @@ def _proof_from_reports(reports: list[dict]) -> dict:
 def bench_config(*, preset: str, batch: int, block: int, steps: int, report_every: int, storage: str, name: str,
                  compile: bool, mode: str = "scu", load_in_4bit: bool = False, checkpointing: bool = False, chunk=4096,
                  workers: int = 1, compile_scope: str = "layers", targets=tuple(PROJ), fuse_lora: bool = False,
-                 base_fp8: bool = False):
+                 base_fp8: bool = False, profile_steps: int = 0):
     from raytrain_scu.hardware import resolve
 
     gpu = torch.cuda.is_available()
@@ -308,7 +310,7 @@ def bench_config(*, preset: str, batch: int, block: int, steps: int, report_ever
         f"train.max_steps={steps}", f"train.report_every={report_every}", f"train.checkpoint_every={steps}",
         f"train.eval_every={steps}", f"train.eval_blocks={batch * workers}", f"controller.mode={mode}",
         f"scaling.num_workers={workers}", f"scaling.use_gpu={str(gpu).lower()}", f"run.storage_path={storage}",
-        f"run.name={name}", "tracking.enabled=false", "optim.warmup_steps=2"])
+        f"run.name={name}", "tracking.enabled=false", "optim.warmup_steps=2", f"train.profile_steps={profile_steps}"])
 
 
 def _median_rate(reports: list[dict], warmup_reports: int) -> float:
@@ -321,29 +323,13 @@ def _rates(reports: list[dict]) -> list[float]:
     return [round(r["perf/tokens_per_s"]) for r in reports if "perf/tokens_per_s" in r]
 
 
-def ours_bare(cfg, warmup_reports: int, profile_to: str = "") -> dict:
-    """The loop in this process. With ``profile_to``, the steps after warm-up run under torch.profiler
-    (one report per step) and the top kernels by device time are written there."""
+def ours_bare(cfg, warmup_reports: int) -> dict:
+    """The loop in this process (``train.profile_steps`` writes its profile under the run directory)."""
     from raytrain_scu.loop import LocalHooks, run_loop
 
     hooks = LocalHooks()
     _reset_mem()
-    if profile_to:
-        from torch.profiler import ProfilerActivity, profile, schedule
-
-        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-        with profile(activities=acts, schedule=schedule(wait=warmup_reports, warmup=2, active=3, repeat=1)) as prof:
-            class Stepping(LocalHooks):
-                def report(self, metrics, checkpoint_dir, checkpoint_dir_name):
-                    super().report(metrics, checkpoint_dir, checkpoint_dir_name)
-                    prof.step()
-
-            hooks = Stepping()
-            run_loop(cfg, hooks=hooks)
-        key = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
-        Path(profile_to).write_text(prof.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=70))
-    else:
-        run_loop(cfg, hooks=hooks)
+    run_loop(cfg, hooks=hooks)
     out = {"tokens_per_s": _median_rate(hooks.reports, warmup_reports),
            "peak_mem_gib": max(r.get("perf/max_mem_gib", 0.0) for r in hooks.reports), "batch": cfg.data.batch_size,
            "rates": _rates(hooks.reports), **_proof_from_reports(hooks.reports)}
@@ -365,10 +351,9 @@ def ours_ray(cfg, warmup_reports: int) -> dict:
 # ---------------------------------------------------------------- driver
 
 def mamba_kernels() -> dict:
-    """Which Mamba-2 code transformers' GraniteMoeHybrid runs here. It imports ``mamba_ssm`` (the chunked scan, in
-    training fused with the conv and out_proj) and ``causal_conv1d`` when they import, else it runs its torch path: the
-    chunked scan as fp32 einsums that keep each chunk's Q x Q score blocks for the backward (~0.4 MB per token per
-    Mamba layer at the 1B shape: far more than a card holds at batch 32 x 1024 without checkpointing)."""
+    """Which Mamba-2 code transformers' GraniteMoeHybrid runs: ``mamba_ssm`` and ``causal_conv1d`` when they import,
+    else its torch path, fp32 einsums keeping each chunk's Q x Q scores for the backward (~0.4 MB per token per layer
+    at the 1B shape: more than a card holds at batch 32 x 1024 without checkpointing)."""
     import importlib
     from importlib.metadata import PackageNotFoundError, version
 
@@ -407,8 +392,10 @@ def expand_parts(groups: str, parts: str, gpus: int) -> list[str]:
         for p in GROUPS[g].split(","):
             names += [f"ray{n}" for n in SCALE_NS if n <= most] if p == "rayN" else [p]
     for p in filter(None, parts.split(",")):
-        if p not in PARTS and not RAY_PART.fullmatch(p):
-            raise ValueError(f"--parts: unknown part {p!r}, expected rayN (N >= 1) or one of {', '.join(PARTS)}")
+        base = p.removeprefix("profile_")
+        if not (p in PARTS or RAY_PART.fullmatch(base) or base != p and base in LOOP_PARTS):
+            raise ValueError(f"--parts: unknown part {p!r}, expected rayN (N >= 1), one of {', '.join(PARTS)}, "
+                             f"or profile_ before rayN or one of {', '.join(LOOP_PARTS)}")
         names.append(p)
     return list(dict.fromkeys(names))
 
@@ -426,54 +413,52 @@ def run_parts(args) -> dict:
     res = {"card": device_name(), "preset": preset, "block": args.block, "batch": args.batch,
            "flops_per_token": fpt, "peak_flops": peak_flops(device_name()), "versions": _versions(), "parts": {}}
     compile_ = not args.no_compile and torch.cuda.is_available()
+    out_dir = Path(args.out).parent if args.out else Path(".")
 
     parts = args.part_list
     if "ref_liger" in parts:  # Liger patches transformers' Llama classes for the rest of the process
         parts = [p for p in parts if p != "ref_liger"] + ["ref_liger"]
     for part in parts:
         t0 = time.time()
-        shape = part_shape(part, args.shape)
+        base = "ours" if part == "profile" else part.removeprefix("profile_")  # the part that runs (profiled?)
+        shape = part_shape(base, args.shape)
         pre = preset_of(shape, args.smoke)
-        block = args.granite_block if part == "granite_h1b" else args.block
+        block = args.granite_block if base == "granite_h1b" else args.block
 
-        def cfg(name, **kw):
-            base = dict(preset=pre, batch=args.batch, block=args.block, steps=steps, report_every=args.report_every,
-                        storage=storage, name=name, compile=compile_)
-            base.update(kw)
-            return bench_config(**base)
+        def cfg(**kw):
+            kw = dict(preset=pre, batch=args.batch, block=args.block, steps=steps, report_every=args.report_every,
+                      storage=storage, name=part, compile=compile_,
+                      profile_steps=args.profile_steps if base != part else 0) | kw
+            return bench_config(**kw)
 
-        ray = RAY_PART.fullmatch(part)
+        ray = RAY_PART.fullmatch(base)
         try:
-            if part == "ref_eager":
+            if base == "ref_eager":
                 r = reference_loop(preset=pre, batch=args.batch, block=args.block, steps=args.steps,
                                    warmup=args.warmup_reports, compile=False, blocks=data.train)
-            elif part in ("ref_compile", "ref_8b"):  # compiled where ours is: on a GPU without --no-compile
+            elif base in ("ref_compile", "ref_8b"):  # compiled where ours is: on a GPU without --no-compile
                 r = reference_loop(preset=pre, batch=args.batch, block=args.block, steps=args.steps,
                                    warmup=max(3, args.warmup_reports), compile=compile_, blocks=data.train)
                 r["compiled"] = compile_
-            elif part == "ref_liger":
+            elif base == "ref_liger":
                 r = reference_loop(preset=pre, batch=args.batch, block=args.block, steps=args.steps,
                                    warmup=max(3, args.warmup_reports), compile=False, blocks=data.train, liger=True)
-            elif part in ("ours", "ours_8b", "ours_fused", "ours_fp8", "ours_fp8_8b"):
-                r = ours_bare(cfg(part, fuse_lora=part == "ours_fused", base_fp8="fp8" in part), args.warmup_reports)
-            elif part == "ours_best":
-                r = ours_bare(cfg("ours_best", batch=args.best_batch), args.warmup_reports)
-            elif part == "ours_compile_model":
-                r = ours_bare(cfg("ours_compile_model", compile_scope="model"), args.warmup_reports)
-            elif part == "scu_none":
-                r = ours_bare(cfg("scu_none", mode="none"), args.warmup_reports)
+            elif base in ("ours", "ours_8b", "ours_fused", "ours_fp8", "ours_fp8_8b"):
+                r = ours_bare(cfg(fuse_lora=base == "ours_fused", base_fp8="fp8" in base), args.warmup_reports)
+            elif base == "ours_best":
+                r = ours_bare(cfg(batch=args.best_batch), args.warmup_reports)
+            elif base == "ours_compile_model":
+                r = ours_bare(cfg(compile_scope="model"), args.warmup_reports)
+            elif base == "scu_none":
+                r = ours_bare(cfg(mode="none"), args.warmup_reports)
             elif ray:
-                r = ours_ray(cfg(part, workers=int(ray.group(1))), args.warmup_reports)
-            elif part == "profile":
-                out_dir = Path(args.out).parent if args.out else Path(".")
-                r = ours_bare(cfg("profile", report_every=1, steps=args.warmup_reports + 6), args.warmup_reports,
-                              profile_to=str(out_dir / "profile.txt"))
-            elif part in ("mem_bf16", "mem_qlora", "qlora_8b"):
-                r = ours_bare(cfg(part, batch=args.mem_batch, compile=False, checkpointing=True, chunk=args.mem_chunk,
-                                  load_in_4bit=part != "mem_bf16"), args.warmup_reports)
-            elif part == "granite_h1b":
+                r = ours_ray(cfg(workers=int(ray.group(1))), args.warmup_reports)
+            elif base in ("mem_bf16", "mem_qlora", "qlora_8b"):
+                r = ours_bare(cfg(batch=args.mem_batch, compile=False, checkpointing=True, chunk=args.mem_chunk,
+                                  load_in_4bit=base != "mem_bf16"), args.warmup_reports)
+            elif base == "granite_h1b":
                 kernels = mamba_kernels()
-                r = ours_bare(cfg(part, batch=args.granite_batch, block=block, targets=("all-linear",),
+                r = ours_bare(cfg(batch=args.granite_batch, block=block, targets=("all-linear",),
                                   checkpointing=kernels["path"] == "torch"), args.warmup_reports)
                 r.update(mamba=kernels, gradient_checkpointing=kernels["path"] == "torch")
             elif part == "attn":
@@ -484,6 +469,8 @@ def run_parts(args) -> dict:
             util = mfu(r["tokens_per_s"], part_fpt, res["peak_flops"]) if part != "attn" else None
             r["mfu"] = float("nan") if util is None else util
             r.update(shape_name=shape, preset=pre, block=block, flops_per_token=part_fpt)
+            if base != part:  # each rank's table beside --out; the JSON keeps their first lines
+                r["profile"] = collect_profile(Path(storage) / part / "profile", out_dir, part)
         except Exception as e:  # noqa: BLE001 - one failed part must not hide the others' numbers
             r = {"error": f"{type(e).__name__}: {str(e)[:300]}", "shape_name": shape}
         r["wall_s"] = round(time.time() - t0, 1)
@@ -492,6 +479,18 @@ def run_parts(args) -> dict:
         if args.out:  # after every part: a call cut short still returns what it measured
             Path(args.out).write_text(json.dumps(res, indent=1))
     return res
+
+
+def collect_profile(src: Path, out_dir: Path, part: str) -> dict:
+    """Each rank's profile table from ``src`` to ``<out_dir>/<part>_rank<k>.txt``; returns their first lines."""
+    heads = {}
+    for f in sorted(src.glob("rank*.txt")):
+        text = f.read_text()
+        (out_dir / f"{part}_{f.name}").write_text(text)
+        heads[f.stem] = text.splitlines()[0]
+    if not heads:
+        raise RuntimeError(f"no profile table was written under {src}")
+    return heads
 
 
 def _versions() -> dict:
@@ -527,6 +526,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--report-every", type=int, default=5)
     p.add_argument("--warmup-reports", type=int, default=2)
     p.add_argument("--no-compile", action="store_true")
+    p.add_argument("--profile-steps", type=int, default=3, help="steps the profile_<part> parts profile")
     p.add_argument("--out", default="", help="write the results as JSON here")
     args = p.parse_args(argv)
     if args.smoke:

@@ -13,15 +13,14 @@ import dataclasses
 import math
 import os
 import sys
-import types
 import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
-from raytrain_scu.config_io import (_numeric_space, default_run_name, describe, explicit_keys, flatten,  # noqa: F401
-                                    flatten_tree, get_dotted, help_text, load_raw, parse_override, redact_uri,
-                                    set_dotted, to_dict, to_yaml)
+from raytrain_scu.config_io import (_coerce, _numeric_space, _type_name, default_run_name, describe,  # noqa: F401
+                                    explicit_keys, flatten, flatten_tree, get_dotted, help_text, load_raw,
+                                    parse_override, redact_uri, set_dotted, to_dict, to_yaml)
 
 
 class ConfigError(ValueError):
@@ -116,6 +115,7 @@ class TrainConfig:
     eval_blocks: int = 0
     max_consecutive_skips: int = 10  # skipped steps in a row before the run stops (fp16 scaler overflows never count)
     stop_on_saturation: bool = False  # end the run once λ has settled (ctrl/saturated_step)
+    profile_steps: int = 0  # the last N steps under torch.profiler, each rank's table in <run dir>/profile/ (0 = off)
 
 
 @dataclass
@@ -210,54 +210,6 @@ class Config:
 
 
 # ---------------------------------------------------------------- typed build
-
-def _type_name(tp) -> str:
-    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
-
-
-def _coerce(key: str, value: Any, tp) -> Any:
-    """Check/convert one leaf value against its annotation; raise ConfigError naming `key`."""
-    origin = typing.get_origin(tp)
-    if origin in (Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        inner = [a for a in args if a is not type(None)]
-        return _coerce(key, value, inner[0])
-    if origin is list:
-        (item_tp,) = typing.get_args(tp)
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{key}: expected a list of {_type_name(item_tp)}, got {value!r}")
-        return [_coerce(f"{key}[{i}]", v, item_tp) for i, v in enumerate(value)]
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
-        return dict(value)
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        raise ConfigError(f"{key}: expected a bool (true/false), got {value!r}")
-    if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        raise ConfigError(f"{key}: expected an int, got {value!r}")
-    if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads "1e-3" (no dot) as a string
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        raise ConfigError(f"{key}: expected a float, got {value!r}")
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        raise ConfigError(f"{key}: expected a string, got {value!r}")
-    raise ConfigError(f"{key}: unsupported type {tp}")
-
 
 def _build(cls, data: Any, prefix: str):
     if not isinstance(data, dict):
@@ -444,6 +396,9 @@ def _check_run(cfg: Config) -> None:
     _check(t.eval_every >= 1, "train.eval_every", f"must be >= 1, got {t.eval_every}")
     _check(t.eval_blocks >= 0, "train.eval_blocks", f"must be >= 0 (0 = the whole validation split), "
                                                      f"got {t.eval_blocks}")
+    _check(t.profile_steps >= 0, "train.profile_steps", f"must be >= 0 (0 = off), got {t.profile_steps}")
+    _check(not t.profile_steps or "://" not in cfg.run.storage_path, "train.profile_steps",
+           f"writes its tables under the run directory, which must be a local path, not {cfg.run.storage_path!r}")
     _check(t.max_consecutive_skips >= 1, "train.max_consecutive_skips",
            f"must be >= 1, got {t.max_consecutive_skips}")
     _check(t.checkpoint_every % t.report_every == 0, "train.checkpoint_every",

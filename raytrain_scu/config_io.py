@@ -59,7 +59,55 @@ def _parse_raw(key: str, raw: str, tp):
         value = yaml.safe_load(raw)
     except yaml.YAMLError:
         value = raw
-    return C._coerce(key, value, tp)
+    return _coerce(key, value, tp)
+
+
+def _type_name(tp) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(key: str, value: Any, tp) -> Any:
+    """Check/convert one leaf value against its annotation; raise C.ConfigError naming `key`."""
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(key, value, inner[0])
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        if not isinstance(value, (list, tuple)):
+            raise C.ConfigError(f"{key}: expected a list of {_type_name(item_tp)}, got {value!r}")
+        return [_coerce(f"{key}[{i}]", v, item_tp) for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise C.ConfigError(f"{key}: expected a mapping, got {value!r}")
+        return dict(value)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise C.ConfigError(f"{key}: expected a bool (true/false), got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise C.ConfigError(f"{key}: expected an int, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "1e-3" (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise C.ConfigError(f"{key}: expected a float, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise C.ConfigError(f"{key}: expected a string, got {value!r}")
+    raise C.ConfigError(f"{key}: unsupported type {tp}")
 
 
 def get_dotted(cfg, key: str) -> Any:

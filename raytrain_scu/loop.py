@@ -490,11 +490,48 @@ def after_step(s: State, step: int, row: dict) -> bool:
     return done
 
 
+@contextlib.contextmanager
+def profiled(s: State):
+    """All ranks. With ``train.profile_steps`` = N > 0, torch.profiler records the run's last N steps (each from the
+    end of the step before, so the reports and evals between them count) and every rank writes its table of
+    operators and kernels by self time on the device (the CPU on a CPU run) to ``<run dir>/profile/rank<k>.txt``.
+    Yields what the loop calls after each step (a no-op when off)."""
+    n = s.cfg.train.profile_steps
+    if n == 0:
+        yield lambda: None
+        return
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    cuda = s.device.type == "cuda"
+    left = s.cfg.train.max_steps - s.start_step
+    active = min(n, max(1, left - 1))  # one step before the window warms the profiler up
+    when = schedule(wait=max(0, left - active - 1), warmup=1, active=active, repeat=1)
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []), schedule=when) as prof:
+        yield prof.step
+    out = Path(run_dir(s.cfg)) / "profile" / f"rank{rank()}.txt"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(profile_table(prof.key_averages(), steps=active, device="cuda" if cuda else "cpu"))
+    notice0(f"profile of the last {active} step(s): {out.parent}/rank<k>.txt")
+
+
+def profile_table(events, *, steps: int, device: str) -> str:
+    """A profiler's averages as text: the wall time per step and the busy time on ``device`` (the sum of its
+    kernels' self time, so overlapping streams count twice), then the top 40 by that self time."""
+    key = "self_device_time_total" if device == "cuda" else "self_cpu_time_total"
+    walls = [e.cpu_time_total for e in events if e.key.startswith("ProfilerStep")]
+    busy = sum(getattr(e, key) for e in events if not e.key.startswith("ProfilerStep"))
+    head = (f"steps profiled: {steps}; wall per step: {sum(walls) / 1e3 / max(1, steps):.2f} ms; {device} busy per "
+            f"step (self time): {busy / 1e3 / max(1, steps):.2f} ms\n")
+    return head + events.table(sort_by=key, row_limit=40, max_name_column_width=70)
+
+
 def run_loop(cfg: Config, *, hooks, run_id=None) -> None:
     """Setup, then the training loop; ``hooks`` are Ray Train's calls (or their local stand-ins)."""
     s = setup(cfg, hooks, run_id)
-    for step in range(s.start_step, cfg.train.max_steps):
-        row = train_step(s, step)
-        if after_step(s, step, row):
-            break
+    with profiled(s) as tick:  # off unless train.profile_steps
+        for step in range(s.start_step, cfg.train.max_steps):
+            row = train_step(s, step)
+            tick()
+            if after_step(s, step, row):
+                break
     s.tracker.finish(history=s.history, model=s.model, status="KILLED" if s.stopping else "FINISHED")

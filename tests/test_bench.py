@@ -103,6 +103,28 @@ def test_groups_and_parts_expand_in_order_and_unknown_names_are_refused():
         expand_parts("9b", "", 1)
     with pytest.raises(ValueError, match="--parts: unknown part 'ray0'"):
         expand_parts("", "ours,ray0", 1)
+    # profile_<part>: a part our loop times, or rayN, rerun with its last steps profiled
+    assert expand_parts("", "profile,profile_ours_fp8,profile_ray4,ray4", 4) == ["profile", "profile_ours_fp8",
+                                                                                "profile_ray4", "ray4"]
+    for bad in ("profile_ref_compile", "profile_attn", "profile_ray0", "profile_profile"):
+        with pytest.raises(ValueError, match=f"--parts: unknown part '{bad}'"):
+            expand_parts("", bad, 1)
+
+
+def test_profile_parts_write_each_ranks_table_beside_the_json(tmp_path):
+    """profile_<part> runs the part with train.profile_steps: the loop itself (bare, and on a Ray worker) writes a
+    kernel table per rank, which the bench copies beside --out and summarises in the JSON."""
+    out = tmp_path / "b.json"
+    r = subprocess.run([sys.executable, "-m", "raytrain_scu.bench", "--smoke", "--parts", "profile,profile_ray1",
+                        "--profile-steps", "2", "--out", str(out)], capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    parts = json.loads(out.read_text())["parts"]
+    for part in ("profile", "profile_ray1"):
+        assert parts[part]["profile"]["rank0"].startswith("steps profiled: 2; wall per step: ")
+        table = (tmp_path / f"{part}_rank0.txt").read_text()
+        assert "aten::mm" in table and "Self CPU" in table
+        assert parts[part]["lora_b_norm"] > 0  # a profiled part still proves it trained
 
 
 def test_targets_table_says_met_not_met_and_not_run():

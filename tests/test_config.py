@@ -65,10 +65,17 @@ def test_overrides_are_typed_by_field():
     ("hardware.preset=v100", "hardware.preset"),
     ("tune.search=bayes", "tune.search"),
     ("train.eval_blocks=-1", "train.eval_blocks"),
+    ("train.profile_steps=-1", "train.profile_steps"),
 ])
 def test_bad_values_name_the_key(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         load_config(TINY, [override])
+
+
+def test_a_profile_needs_a_local_run_directory():
+    assert load_config(TINY, ["train.profile_steps=3"]).train.profile_steps == 3
+    with pytest.raises(ConfigError, match=r"train\.profile_steps: .*must be a local path, not 's3://bucket/runs'"):
+        load_config(TINY, ["train.profile_steps=3", "run.storage_path=s3://bucket/runs"])
 
 
 def test_a_fixed_lambda_may_lie_outside_the_scu_bounds():
