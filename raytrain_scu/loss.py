@@ -75,6 +75,39 @@ def fused_head(model) -> tuple[Optional[HeadTransform], str]:
     return transform, f"{cls.__name__}: logits = {transform} with z = lm_head(h), in the fused loss"
 
 
+def _chunk_ce_fused(z, y, bias, scale: float, softcap: float, need_grad: bool):
+    """One chunk's Σ CE nats (float32) of ``transform(z + bias)`` against ``y``, and with ``need_grad`` its gradient
+    with respect to ``z`` in z's dtype, written without in-place ops or a one-hot so that inductor fuses the float32
+    softmax into two passes over ``z`` (:data:`_chunk_ce_compiled`). The same math as the eager loop of
+    :class:`_ChunkedLinearCE`; tests/test_loss_arch.py holds the two together."""
+    logits = z.float() if bias is None else z.float() + bias.float()
+    logits = logits * scale
+    if softcap:
+        logits = softcap * torch.tanh(logits / softcap)
+    valid = y != -100
+    y_safe = torch.where(valid, y, torch.zeros_like(y))
+    lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+    nats = ((lse.squeeze(1) - logits.gather(1, y_safe[:, None]).squeeze(1)) * valid).sum()
+    if not need_grad:
+        return nats, None
+    target = torch.arange(logits.shape[1], device=z.device)[None, :] == y_safe[:, None]
+    grad = (torch.exp(logits - lse) - target.float()) * valid[:, None] * scale
+    if softcap:
+        grad = grad * (1.0 - (logits / softcap) ** 2)
+    return nats, grad.to(z.dtype)
+
+
+# built on first use: compiling costs seconds, once per chunk shape (the last chunk of a batch may differ)
+_chunk_ce_compiled = None
+
+
+def _compiled_chunk_ce():
+    global _chunk_ce_compiled
+    if _chunk_ce_compiled is None:
+        _chunk_ce_compiled = torch.compile(_chunk_ce_fused, dynamic=False)
+    return _chunk_ce_compiled
+
+
 class _ChunkedLinearCE(torch.autograd.Function):
     """Σ cross-entropy (nats) of ``head(h)`` against ``y`` without keeping the (tokens × vocab) logits.
 
@@ -82,15 +115,24 @@ class _ChunkedLinearCE(torch.autograd.Function):
     The forward pass walks chunks of tokens, computing each chunk's logits, its CE in float32 and at once the
     gradient with respect to ``h``, (softmax - onehot) · dlogits/dz · scale @ W; only that gradient (tokens ×
     hidden) is saved. The lm_head weight ``W`` (and bias ``b``) is frozen under LoRA, so it needs no gradient.
+    With ``compiled``, each chunk's float32 part between the two GEMMs is :func:`_chunk_ce_fused` under
+    torch.compile (no autograd in it: the gradient is computed here, by hand); otherwise in-place eager kernels.
     """
 
     @staticmethod
-    def forward(ctx, h, weight, bias, y, chunk_size: int, scale: float, softcap: float):
+    def forward(ctx, h, weight, bias, y, chunk_size: int, scale: float, softcap: float, compiled: bool,
+                need_grad: bool):
         n = h.shape[0]
         total = torch.zeros((), dtype=torch.float32, device=h.device)
-        grad_h = torch.empty_like(h) if h.requires_grad else None
+        grad_h = torch.empty_like(h) if need_grad else None
         for s in range(0, n, chunk_size):
             hc, yc = h[s:s + chunk_size], y[s:s + chunk_size]
+            if compiled:
+                nats, dz = _compiled_chunk_ce()(hc @ weight.t(), yc, bias, scale, softcap, grad_h is not None)
+                total += nats
+                if dz is not None:
+                    grad_h[s:s + chunk_size] = (dz.to(weight.dtype) @ weight).to(h.dtype)
+                continue
             logits = (hc @ weight.t()).float()
             if bias is not None:
                 logits += bias.float()
@@ -122,20 +164,24 @@ class _ChunkedLinearCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         (grad_h,) = ctx.saved_tensors
-        return grad_h * grad_out.to(grad_h.dtype), None, None, None, None, None, None
+        return grad_h * grad_out.to(grad_h.dtype), None, None, None, None, None, None, None, None
 
 
 @torch.compiler.disable
 def chunked_ce_sum(h: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, chunk_size: int = 4096, *,
-                   bias: Optional[torch.Tensor] = None, transform: HeadTransform = HeadTransform()) -> torch.Tensor:
+                   bias: Optional[torch.Tensor] = None, transform: HeadTransform = HeadTransform(),
+                   compiled: bool = False) -> torch.Tensor:
     """Σ CE nats of the logits ``transform(h @ weight.T + bias)`` against ``y`` (-100 ignored), chunk by chunk.
 
-    Always run eagerly, on purpose: traced by dynamo/inductor on CUDA (torch 2.11, H200) this autograd.Function
-    returned an exactly zero gradient for ``h``, so under ``model.compile=true`` the LoRA B matrices never left zero
-    and nothing trained (issue #14, item 0; the CPU build compiled it correctly). Eager, it is a few large GEMMs per
-    chunk, which compile could not speed up; the decoder before it stays compiled (one graph break).
+    Never traced by the model's compile, on purpose: traced by dynamo/inductor on CUDA (torch 2.11, H200) this
+    autograd.Function returned an exactly zero gradient for ``h``, so under ``model.compile=true`` the LoRA B matrices
+    never left zero and nothing trained (issue #14, item 0; the CPU build compiled it correctly); the decoder before
+    it stays compiled (one graph break). With ``compiled`` only the float32 softmax between each chunk's two GEMMs
+    runs compiled, as a function with no autograd in it (:func:`_chunk_ce_fused`).
     """
-    return _ChunkedLinearCE.apply(h, weight, bias, y, chunk_size, float(transform.scale), float(transform.softcap))
+    need_grad = h.requires_grad and torch.is_grad_enabled()  # an eval pass (no_grad) forms no gradient
+    return _ChunkedLinearCE.apply(h, weight, bias, y, chunk_size, float(transform.scale), float(transform.softcap),
+                                  compiled, need_grad)
 
 
 _notes: set = set()
@@ -165,6 +211,7 @@ class CausalLMLoss(nn.Module):
             _note_once(f"model.fused_loss: {self.fused_reason}; using the model's own logits "
                        f"(the full tokens x vocab logits are materialised)")
         self.chunk_size = chunk_size
+        self.compiled_ce = False  # compile_for_training turns it on: the loss' float32 part compiled per chunk
 
     def forward(self, x: torch.Tensor, y: torch.Tensor):
         n_tokens = (y != -100).sum()
@@ -172,7 +219,7 @@ class CausalLMLoss(nn.Module):
             hidden = self.decoder()(input_ids=x).last_hidden_state
             head = self.model.get_output_embeddings()
             nats = chunked_ce_sum(hidden.reshape(-1, hidden.shape[-1]), head.weight, y.reshape(-1), self.chunk_size,
-                                  bias=head.bias, transform=self.transform)
+                                  bias=head.bias, transform=self.transform, compiled=self.compiled_ce)
         else:
             logits = self.model(input_ids=x, return_dict=True).logits
             nats = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1),
@@ -185,7 +232,8 @@ class CausalLMLoss(nn.Module):
             hidden = self.decoder()(input_ids=x).last_hidden_state
             head = self.model.get_output_embeddings()
             return torch.stack([chunked_ce_sum(h, head.weight, t, self.chunk_size, bias=head.bias,
-                                               transform=self.transform) for h, t in zip(hidden, y)])
+                                               transform=self.transform, compiled=self.compiled_ce)
+                                for h, t in zip(hidden, y)])
         logits = self.model(input_ids=x, return_dict=True).logits.float()
         return F.cross_entropy(logits.transpose(1, 2), y, ignore_index=-100, reduction="none").sum(dim=1)
 
@@ -199,7 +247,9 @@ def compile_for_training(loss_model: CausalLMLoss, *, scope: str = "layers", mod
     """torch.compile for the training loop. ``layers``: every decoder layer is compiled in place and, being the same
     code on parameters that dynamo treats as inputs, all of them share one compiled graph, so warm-up costs one layer's
     compile (forward+backward, and again for eval under no_grad) instead of the whole unrolled model's. ``model``: one
-    graph for the whole forward. Both leave the chunked loss eager (see :func:`chunked_ce_sum`)."""
+    graph for the whole forward. Both leave the chunked loss untraced and compile only its float32 part per chunk
+    (see :func:`chunked_ce_sum`)."""
+    loss_model.compiled_ce = True
     layers = getattr(loss_model.decoder(), "layers", None)
     if scope == "model" or not isinstance(layers, nn.ModuleList):
         if scope == "layers":

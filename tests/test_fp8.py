@@ -158,8 +158,11 @@ def test_compiled_fp8_model_agrees_with_eager_and_has_no_graph_break_of_its_own(
     assert counters["stats"]["unique_graphs"] >= 1  # it was compiled
     assert float(got) == pytest.approx(float(want), rel=1e-4)
     ref, out = adapter_grads(eager), adapter_grads(compiled)
+    # compiled, the loss' float32 softmax sums in another order (the gradient it sends back differs by ~3e-7, as
+    # without FP8); one e4m3 step is 6 %, so that moves a few roundings of the output gradients in the layers below:
+    # measured up to 3.4e-3 with scope=model, 1.4e-5 with layers; FP8's own error against bf16 is 4-12 %
     for name in ref:
-        assert rel(out[name], ref[name]) < 1e-4, name
+        assert rel(out[name], ref[name]) < 1e-2, name
 
 
 @cpu_fp8

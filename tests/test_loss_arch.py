@@ -127,22 +127,36 @@ def assert_loss_matches_own_logits(model):
         assert_close(flat_grad(nats, params), ref_grad, f"gradient wrt the adapters, fused={fused}")
 
 
+@pytest.mark.parametrize("compiled", [False, True])
 @pytest.mark.parametrize("transform", [HeadTransform(), HeadTransform(scale=0.125), HeadTransform(softcap=3.0),
                                        HeadTransform(scale=2.0, softcap=5.0)])
-def test_chunked_kernel_applies_the_transform_and_its_derivative(transform):
+def test_chunked_kernel_applies_the_transform_and_its_derivative(transform, compiled):
+    """Both ways of running each chunk's float32 part: the in-place eager kernels, and the functional version under
+    torch.compile (what model.compile=true runs), with and without a bias, with an ignored label, in a gradient pass
+    and in an eval pass."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()  # each case's graphs fresh: none may fall back to eager at the recompile limit
+    counters.clear()
     torch.manual_seed(0)
-    h = torch.randn(37, 16, requires_grad=True)
-    w, b = torch.randn(50, 16), torch.randn(50)
-    y = torch.randint(0, 50, (37,))
-    y[3] = -100
-    z = (h @ w.t() + b) * transform.scale
-    logits = transform.softcap * torch.tanh(z / transform.softcap) if transform.softcap else z
-    ref = F.cross_entropy(logits, y, ignore_index=-100, reduction="sum")
-    (gref,) = torch.autograd.grad(ref, h)
-    out = chunked_ce_sum(h, w, y, chunk_size=8, bias=b, transform=transform)
-    (g,) = torch.autograd.grad(out * 2.0, h)
-    assert float(out) == pytest.approx(float(ref), rel=1e-5)
-    assert torch.allclose(g, 2.0 * gref, atol=1e-5)
+    for b in (torch.randn(50), None):
+        h = torch.randn(37, 16, requires_grad=True)
+        w = torch.randn(50, 16)
+        y = torch.randint(0, 50, (37,))
+        y[3] = -100
+        z = (h @ w.t() + (0.0 if b is None else b)) * transform.scale
+        logits = transform.softcap * torch.tanh(z / transform.softcap) if transform.softcap else z
+        ref = F.cross_entropy(logits, y, ignore_index=-100, reduction="sum")
+        (gref,) = torch.autograd.grad(ref, h)
+        out = chunked_ce_sum(h, w, y, chunk_size=8, bias=b, transform=transform, compiled=compiled)
+        (g,) = torch.autograd.grad(out * 2.0, h)
+        assert float(out) == pytest.approx(float(ref), rel=1e-5)
+        assert torch.allclose(g, 2.0 * gref, atol=1e-5)
+        with torch.no_grad():
+            evaluated = chunked_ce_sum(h, w, y, chunk_size=8, bias=b, transform=transform, compiled=compiled)
+        assert float(evaluated) == pytest.approx(float(ref), rel=1e-5)
+    # compiled: a graph per (bias or not, gradient or eval, chunk of 8 or the last 5), none when eager
+    assert counters["stats"]["unique_graphs"] == (8 if compiled else 0)
 
 
 def test_every_known_head_is_tested_here():
