@@ -9,8 +9,7 @@ LoRA r=16 on all 7 projections:
   ours                      raytrain_scu's per-worker loop, bare (no Ray), SCU on, compile, fused chunked CE
   ours_best / ours_fused    ours at the largest device batch that fits (``--best-batch``) / with model.fuse_lora=true
   ours_fp8 / ours_fp8_8b    ours with model.base_fp8=true (the frozen GEMMs in FP8 e4m3, rowwise scales), 1B / 8B
-  ours_compile_model        ours with the whole model as one compiled graph (model.compile_scope=model) instead of
-                            one compiled decoder layer shared by all layers (the default)
+  ours_compile_model        ours with the whole model as one compiled graph (model.compile_scope=model)
   scu_none                  the same loop with controller.mode=none (controller overhead)
   ray1 / ray2 / rayN        the same loop under a TorchTrainer with N GPU workers, one GPU each (Ray overhead,
                             scaling); refused before any worker starts when the Ray cluster has fewer GPUs
@@ -22,6 +21,8 @@ LoRA r=16 on all 7 projections:
                             records whether mamba_ssm / causal_conv1d were importable (their CUDA kernels ran) or
                             transformers' torch path ran (then with gradient checkpointing: see :func:`mamba_kernels`)
   mem_bf16 / mem_qlora      peak memory of bf16 LoRA vs QLoRA 4-bit at equal batch (eager, checkpointing on)
+  profile_<part>            ``<part>`` (ours..., rayN) with its last steps under torch.profiler, each rank's table
+                            beside --out (``train.profile_steps``); ``profile`` is ``profile_ours``
   attn                      causal SDPA alone at the model's attention shape: each fused backend first in turn,
                             both q/k/v layouts, and transformers' call sequence under torch.compile
 
@@ -93,7 +94,6 @@ def reference_loop(*, preset: str, batch: int, block: int, steps: int, warmup: i
         from liger_kernel.transformers import apply_liger_kernel_to_llama  # the `bench` extra
 
         apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, fused_linear_cross_entropy=True)
-
     from raytrain_scu.model import PRESET_TOKENIZER_VOCAB, preset_config
     from raytrain_scu.regularizer import lora_b_norm
 
@@ -264,8 +264,9 @@ def _peak_mem() -> float:
     return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
 
 
-def _free():
+def _free():  # a part's memory and compiled graphs: kept, they made a later ours_best at batch 16 run 0.64x
     import gc
+    torch._dynamo.reset()
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -517,9 +518,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="the model of the parts that do not name one (ray1, rayN, ours, ref_compile, ...)")
     p.add_argument("--granite-batch", type=int, default=32, help="device batch of granite_h1b (the seed's A100 one)")
     p.add_argument("--granite-block", type=int, default=1024, help="block of granite_h1b")
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--best-batch", type=int, default=16)
-    p.add_argument("--mem-batch", type=int, default=2)
+    for flag, default in (("--batch", 8), ("--best-batch", 16), ("--mem-batch", 2)):  # device batches
+        p.add_argument(flag, type=int, default=default)
     p.add_argument("--mem-chunk", type=int, default=256, help="loss chunk (tokens) of the memory parts")
     p.add_argument("--block", type=int, default=2048)
     p.add_argument("--steps", type=int, default=20, help="timed steps (reference) / timed steps after warm-up")

@@ -515,11 +515,15 @@ def profiled(s: State):
 
 
 def profile_table(events, *, steps: int, device: str) -> str:
-    """A profiler's averages as text: the wall time per step and the busy time on ``device`` (the sum of its
-    kernels' self time, so overlapping streams count twice), then the top 40 by that self time."""
+    """A profiler's averages as text: the wall time per step and the busy time on ``device`` (on a GPU the sum of its
+    kernels' time, so overlapping streams count twice; the operators that launched them are not added again), then
+    the top 40 operators and kernels by self time."""
+    from torch.autograd import DeviceType
+
     key = "self_device_time_total" if device == "cuda" else "self_cpu_time_total"
     walls = [e.cpu_time_total for e in events if e.key.startswith("ProfilerStep")]
-    busy = sum(getattr(e, key) for e in events if not e.key.startswith("ProfilerStep"))
+    busy = sum(getattr(e, key) for e in events if not e.key.startswith("ProfilerStep")
+               and (device != "cuda" or e.device_type == DeviceType.CUDA))
     head = (f"steps profiled: {steps}; wall per step: {sum(walls) / 1e3 / max(1, steps):.2f} ms; {device} busy per "
             f"step (self time): {busy / 1e3 / max(1, steps):.2f} ms\n")
     return head + events.table(sort_by=key, row_limit=40, max_name_column_width=70)
