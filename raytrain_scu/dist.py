@@ -36,6 +36,33 @@ def all_reduce_max(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def average_gradients(params: list) -> None:
+    """All ranks: every parameter's gradient becomes its mean over the ranks, in one all-reduce of all of them
+    flattened (a no-op in a single process); a parameter with no gradient counts as zeros, the same on every rank.
+
+    The data-parallel mean that DDP would give the adapters. The loop does it itself, after the backward: DDP's
+    per-bucket hooks split torch.compile's backward graph (dynamo's DDPOptimizer) and ran the 1B shape 6 % slower
+    per GPU on 2 and 4 H200s, while the adapters' gradients are small enough (45 MB at 1B) for one all-reduce to take
+    well under a millisecond over NVLink."""
+    if not is_dist():
+        return
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    grads = [p.grad for p in params]
+    flat = torch._utils._flatten_dense_tensors(grads)
+    tdist.all_reduce(flat.div_(world_size()), op=tdist.ReduceOp.SUM)
+    for g, mean in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+        g.copy_(mean)
+
+
+def broadcast_params(params: list, src: int = 0) -> None:
+    """All ranks: rank ``src``'s values of ``params`` on every rank (a no-op in a single process)."""
+    if is_dist():
+        for p in params:
+            tdist.broadcast(p.data, src=src)
+
+
 def broadcast_object(obj, src: int = 0):
     """Rank ``src``'s ``obj`` on every rank (any picklable value; ``obj`` of the other ranks is ignored).
     Returns ``obj`` itself in a single process."""

@@ -13,8 +13,9 @@ than the FP8 GEMM saves (issue #17: 10.0 ms/layer eager vs 2.77 fused vs 5.09 bf
 saves nothing for the backward but the weight's second copy, which the module holds anyway.
 
 Both copies and their scales are frozen Parameters on the base Linear (``fp8_weight``, ``fp8_weight_t`` and their
-``*_scale``): DDP broadcasts them once, at wrapping, where buffers it would broadcast at every forward. The copies
-are held as uint8 bits, viewed as e4m3 in the forward, since gloo cannot broadcast a float8 tensor. The bf16
+``*_scale``), computed by each rank from its own base (no DDP wrapper broadcasts them: dist.average_gradients). The
+copies are held as uint8 bits, viewed as e4m3 in the forward (from when DDP broadcast them, over gloo on CPUs,
+which refuses float8). The bf16
 weight stays as it was, and saved adapters hold only the LoRA weights, so a model rebuilt from one is plain; the
 in-loop evaluation and peft's disable_adapter() still run the FP8 base. Errors name model.base_fp8.
 

@@ -19,7 +19,8 @@ from raytrain_scu.config import Config, run_dir, sequences_per_step, to_yaml
 from raytrain_scu.controller import from_config as build_controller
 from raytrain_scu.console import NOTICES, take_notices
 from raytrain_scu.data import prepare_data, train_batch, val_batches
-from raytrain_scu.dist import all_gather_object, all_reduce_sum, barrier, notice0, print0, rank, world_size
+from raytrain_scu.dist import (all_gather_object, all_reduce_sum, average_gradients, barrier, broadcast_params,
+                               notice0, print0, rank, world_size)
 from raytrain_scu.faults import Faults
 from raytrain_scu.fp8 import convert_base_to_fp8
 from raytrain_scu.fused_lora import fuse_lora_projections
@@ -175,7 +176,7 @@ class State:
     data: object
     model: object  # the peft model: adapters, save_pretrained
     params: list  # its trainable (adapter) parameters
-    ddp_model: object  # the loss module as the hooks prepared it (DDP under Ray)
+    loss_model: object  # the loss module (compiled, on the device), as the hooks prepared it
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
     controller: object
@@ -241,14 +242,15 @@ def build(cfg: Config, hooks, run_id=None) -> State:
     if m.compile:
         loss_model = compile_for_training(loss_model, scope=m.compile_scope, mode=m.compile_mode)
     # a quantized model is placed by device_map and must never be moved with .to()
-    ddp_model = hooks.prepare_model(loss_model, move_to_device=not cfg.quant.load_in_4bit)
+    loss_model = hooks.prepare_model(loss_model, move_to_device=not cfg.quant.load_in_4bit)
+    broadcast_params(params)  # all ranks start from rank 0's adapters (the seeded init makes them equal already)
     # on the adapters' device, before a resume loads the checkpoint: the seeded build's initial A factors
     centers = initial_centers(model)
     optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2),
                                   eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay,
                                   fused=device.type == "cuda")
     scaler = torch.amp.GradScaler(device.type, enabled=use_amp and dtype == torch.float16)
-    return State(cfg=cfg, hooks=hooks, device=device, data=data, model=model, params=params, ddp_model=ddp_model,
+    return State(cfg=cfg, hooks=hooks, device=device, data=data, model=model, params=params, loss_model=loss_model,
                  autocast=torch.autocast(device_type=device.type, dtype=dtype, enabled=use_amp),
                  optimizer=optimizer, scaler=scaler, controller=build_controller(cfg.controller), centers=centers,
                  tracker=tracking.for_rank(cfg, rank(), run_id=run_id), structure=structure_of(cfg),
@@ -309,7 +311,7 @@ def check_centers(s: State, saved_sq: Optional[float]) -> None:
 
 def evaluate_now(s: State) -> float:
     """All ranks: the held-out DataBPT of the fixed validation blocks."""
-    return evaluate(s.ddp_model, s.data, device=s.device, batch_size=s.cfg.data.batch_size,
+    return evaluate(s.loss_model, s.data, device=s.device, batch_size=s.cfg.data.batch_size,
                     max_blocks=s.cfg.train.eval_blocks, autocast=s.autocast)
 
 
@@ -342,7 +344,6 @@ def micro_steps(s: State, step: int, lam: float):
     """All ranks: forward and backward over ``data.grad_accum`` micro-batches; returns this rank's summed nats and
     tokens, and ParamBPT (its gradient enters once, on the last micro-step)."""
     d, c = s.cfg.data, s.cfg.controller
-    ddp = isinstance(s.ddp_model, torch.nn.parallel.DistributedDataParallel)
     nats_sum = torch.zeros((), dtype=torch.float32, device=s.device)
     tokens = torch.zeros((), dtype=torch.float32, device=s.device)
     for micro in range(d.grad_accum):
@@ -350,9 +351,8 @@ def micro_steps(s: State, step: int, lam: float):
                            batch_size=d.batch_size, seed=s.cfg.seed, pin_memory=s.device.type == "cuda")
         x, y = x.to(s.device, non_blocking=True), y.to(s.device, non_blocking=True)
         last = micro == d.grad_accum - 1
-        # DDP all-reduces gradients only on the last micro-step
-        with (s.ddp_model.no_sync() if ddp and not last else contextlib.nullcontext()), s.autocast:
-            nats, n = s.ddp_model(x, y)
+        with s.autocast:
+            nats, n = s.loss_model(x, y)
             nats = s.hooks.faults.poison(step + 1, nats)
             loss = nats / n / d.grad_accum
             if last:  # the penalty's gradient enters once per optimizer step, with full weight
@@ -376,6 +376,7 @@ def train_step(s: State, step: int) -> dict:
     lam = s.controller.lam  # constant within the step: the last controller update's value
     nats_sum, tokens, pbpt = micro_steps(s, step, lam)
     s.position += s.seqs_per_step
+    average_gradients(s.params)  # all ranks: one all-reduce of the adapters' gradients, their data-parallel mean
 
     # one all-reduce of (nats, tokens): DataBPT is global and identical on every rank
     s.scaler.unscale_(s.optimizer)

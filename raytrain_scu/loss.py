@@ -194,7 +194,7 @@ def _note_once(text: str) -> None:
 
 
 class CausalLMLoss(nn.Module):
-    """forward(x, y) -> (Σ CE nats, number of target tokens). What DDP and torch.compile wrap.
+    """forward(x, y) -> (Σ CE nats, number of target tokens). What torch.compile wraps.
 
     With ``fused`` the LM head and the cross-entropy are computed chunk by chunk (``_ChunkedLinearCE``), with the
     model's own logit transform (:data:`FUSED_HEADS`); a model whose head is not known there, or whose lm_head

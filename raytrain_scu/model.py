@@ -356,7 +356,7 @@ def build_model(name: str, *, gguf_file: str = "", vocab_size: int = 0, dtype: t
         kw["quantization_config"] = BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type=quant_type, bnb_4bit_use_double_quant=double_quant,
             bnb_4bit_compute_dtype=dtype if dtype != torch.float32 else torch.float32)
-        kw["device_map"] = {"": device}  # one device per rank: never "auto" under DDP
+        kw["device_map"] = {"": device}  # one device per rank: never "auto" in data parallel
     if is_preset(name):
         with _seeded(seed):
             if load_in_4bit:

@@ -310,7 +310,7 @@ def test_bench_part_ours_fp8_trains(tmp_path):
 @pytest.mark.slow
 @cpu_fp8
 def test_an_fp8_run_on_ray_trains_and_exports_a_plain_adapter(ray_local, tmp_path):
-    """Two CPU workers (DDP over gloo: the FP8 copies are uint8 bits, which gloo broadcasts where it refuses float8),
+    """Two CPU workers (gloo: each rank builds its own FP8 copies, the adapters' gradients are averaged),
     a real MLflow sqlite store, real checkpoints: the run trains, MLflow records the key, DataBPT follows the
     full-precision run's within FP8's noise, and the exported adapter loads into a plain peft model."""
     from peft import PeftModel
