@@ -496,19 +496,26 @@ def profiled(s: State):
     """All ranks. With ``train.profile_steps`` = N > 0, torch.profiler records the run's last N steps (each from the
     end of the step before, so the reports and evals between them count) and every rank writes its table of
     operators and kernels by self time on the device (the CPU on a CPU run) to ``<run dir>/profile/rank<k>.txt``.
-    Yields what the loop calls after each step (a no-op when off)."""
-    n = s.cfg.train.profile_steps
-    if n == 0:
+    Yields what the loop calls after each step (a no-op when off). Fewer than 2 steps left, or a run that stops
+    before the window ends (Ctrl-C, stop_on_saturation): a notice says so and no table is written."""
+    n, left = s.cfg.train.profile_steps, s.cfg.train.max_steps - s.start_step
+    if n == 0 or left < 2:
+        if n:
+            notice0(f"train.profile_steps: {left} step(s) left to run, none profiled (one warms the profiler up)")
         yield lambda: None
         return
     from torch.profiler import ProfilerActivity, profile, schedule
 
     cuda = s.device.type == "cuda"
-    left = s.cfg.train.max_steps - s.start_step
-    active = min(n, max(1, left - 1))  # one step before the window warms the profiler up
-    when = schedule(wait=max(0, left - active - 1), warmup=1, active=active, repeat=1)
+    active = min(n, left - 1)  # one step before the window warms the profiler up
+    when = schedule(wait=left - active - 1, warmup=1, active=active, repeat=1)
+    ticks = []
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []), schedule=when) as prof:
-        yield prof.step
+        yield lambda: (ticks.append(1), prof.step())
+    if len(ticks) < left:
+        notice0(f"train.profile_steps: the run stopped after {len(ticks)} of {left} steps, before the profiled "
+                f"window ended; no profile written")
+        return
     out = Path(run_dir(s.cfg)) / "profile" / f"rank{rank()}.txt"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(profile_table(prof.key_averages(), steps=active, device="cuda" if cuda else "cpu"))

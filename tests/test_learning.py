@@ -177,3 +177,19 @@ def test_a_resume_refuses_an_initial_adapter_that_differs_from_the_checkpoints(t
     (ckpt / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(CheckpointError, match="initial adapter rebuilt from seed 0 differs"):
         run_loop(_cfg(tmp_path, "run.name=c1", *longer), hooks=_KeepCheckpoints(tmp_path / "kept3", ckpt))
+
+
+def test_profile_steps_profile_the_last_steps_or_say_why_not(tmp_path):
+    """train.profile_steps: the last N steps' table under the run directory; with too few steps left, a notice and no
+    file (never a table that claims steps it did not record)."""
+    from raytrain_scu.console import NOTICES
+
+    run_loop(_cfg(tmp_path, "run.name=prof", "train.max_steps=4", "train.profile_steps=2", "train.report_every=2",
+                  "train.checkpoint_every=4", "controller.mode=none"), hooks=LocalHooks(torch.device("cpu")))
+    table = (tmp_path / "prof" / "profile" / "rank0.txt").read_text()
+    assert table.startswith("steps profiled: 2; wall per step: ") and "aten::mm" in table
+    hooks = LocalHooks(torch.device("cpu"))
+    run_loop(_cfg(tmp_path, "run.name=short", "train.max_steps=1", "train.profile_steps=2", "train.report_every=1",
+                  "train.checkpoint_every=1", "controller.mode=none"), hooks=hooks)
+    assert not (tmp_path / "short" / "profile").exists()
+    assert "1 step(s) left to run, none profiled" in hooks.reports[0][NOTICES]
