@@ -54,7 +54,8 @@ from pathlib import Path
 import torch
 
 from raytrain_scu.bench_report import RAY_PART, ratio, table  # noqa: F401 - ratio: the bench's API
-from raytrain_scu.hardware import mfu, peak_flops
+from raytrain_scu.check import mamba_kernels
+from raytrain_scu.hardware import measured_memory_gib, mfu, peak_flops
 
 PROJ = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -325,13 +326,20 @@ def _rates(reports: list[dict]) -> list[float]:
 
 
 def ours_bare(cfg, warmup_reports: int) -> dict:
-    """The loop in this process (``train.profile_steps`` writes its profile under the run directory)."""
+    """The loop in this process (``train.profile_steps`` writes its profile under the run directory); with what the
+    built model held on the GPU before its first step, by kind (``hardware.measured_memory_gib``)."""
     from raytrain_scu.loop import LocalHooks, run_loop
 
-    hooks = LocalHooks()
+    class Measuring(LocalHooks):
+        def prepare_model(self, model, move_to_device: bool):
+            model = super().prepare_model(model, move_to_device)
+            self.built = measured_memory_gib(getattr(model, "_orig_mod", model).model)
+            return model
+
+    hooks = Measuring()
     _reset_mem()
     run_loop(cfg, hooks=hooks)
-    out = {"tokens_per_s": _median_rate(hooks.reports, warmup_reports),
+    out = {"tokens_per_s": _median_rate(hooks.reports, warmup_reports), "built_mem_gib": hooks.built,
            "peak_mem_gib": max(r.get("perf/max_mem_gib", 0.0) for r in hooks.reports), "batch": cfg.data.batch_size,
            "rates": _rates(hooks.reports), **_proof_from_reports(hooks.reports)}
     _free()
@@ -350,28 +358,6 @@ def ours_ray(cfg, warmup_reports: int) -> dict:
 
 
 # ---------------------------------------------------------------- driver
-
-def mamba_kernels() -> dict:
-    """Which Mamba-2 code transformers' GraniteMoeHybrid runs: ``mamba_ssm`` and ``causal_conv1d`` when they import,
-    else its torch path, fp32 einsums keeping each chunk's Q x Q scores for the backward (~0.4 MB per token per layer
-    at the 1B shape: more than a card holds at batch 32 x 1024 without checkpointing)."""
-    import importlib
-    from importlib.metadata import PackageNotFoundError, version
-
-    out = {}
-    for module, dist in (("mamba_ssm", "mamba-ssm"), ("causal_conv1d", "causal-conv1d")):
-        try:
-            importlib.import_module(module)
-            try:
-                out[module] = version(dist)
-            except PackageNotFoundError:
-                out[module] = "importable"
-        except Exception as e:  # noqa: BLE001 - transformers treats any import failure as "not installed" too
-            out[module] = f"not importable ({type(e).__name__})"
-    kernels = torch.cuda.is_available() and not out["mamba_ssm"].startswith("not importable")
-    out["path"] = "mamba_ssm CUDA kernels" if kernels else "torch"
-    return out
-
 
 def preset_of(shape: str, smoke: bool) -> str:
     return SHAPES[shape][1 if smoke else 0]

@@ -302,6 +302,25 @@ CUDA_OVERHEAD_GIB = 1.0  # CUDA context, cuBLAS/cuDNN workspaces, NCCL buffers, 
 USABLE_FRACTION = 0.9  # plan for 90% of the card: fragmentation and the estimate's own error
 
 
+def measured_memory_gib(model) -> dict:
+    """What a built (peft) model holds on its GPU, in GiB: the input embedding, a separate LM head, the adapters, every
+    other parameter (the frozen linears, in 4 bits their packed weights, and the norms), and all memory allocated on
+    that device then (with the 4-bit quantisation constants and FP8 copies, which are not all parameters): the
+    estimator's counterpart, measured."""
+    import torch
+
+    def gib(params) -> float:
+        return round(sum(p.numel() * p.element_size() for p in params) / 2**30, 6)
+
+    emb, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    on_gpu = emb.device.type == "cuda"
+    return {"embedding": gib([emb]), "lm_head": 0.0 if head is emb else gib([head]),
+            "adapters": gib(p for p in model.parameters() if p.requires_grad),
+            "other_params": gib(p for p in model.parameters()
+                                if not p.requires_grad and p is not emb and p is not head),
+            "allocated": round(torch.cuda.memory_allocated(emb.device) / 2**30, 3) if on_gpu else 0.0}
+
+
 def _dtype_bytes(precision: str) -> int:
     # "auto" means bf16/fp16 on a GPU, the case an estimate of GPU memory is for
     return 4 if precision == "fp32" else 2

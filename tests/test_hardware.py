@@ -374,3 +374,24 @@ def test_resolve_config_fits_the_batch_to_the_card_before_launch(tmp_path):
         hardware.resolve_config(p, ["data.batch_size=64"], gpus=a100)
     cfg, changes = hardware.resolve_config(p, ["data.batch_size=2"], gpus=a100)
     assert cfg.data.batch_size == 2 and "data.batch_size" not in changes
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-llama-3.1-8b"])
+def test_measured_memory_splits_the_built_model_by_kind(preset):
+    """The bench's per-kind account of a built model: the kinds add up to every parameter once, a tied head is not
+    counted twice, and the adapters are exactly the LoRA parameters."""
+    import torch
+
+    from raytrain_scu.model import apply_lora, build_model
+
+    model = apply_lora(build_model(preset, vocab_size=512, dtype=torch.float32, device=torch.device("cpu")), r=4,
+                       alpha=8, dropout=0.0, targets=["q_proj", "v_proj"])
+    got = hardware.measured_memory_gib(model)
+    total = sum(p.numel() * 4 for p in model.parameters()) / 2**30
+    assert sum(got[k] for k in ("embedding", "lm_head", "adapters", "other_params")) == pytest.approx(total, abs=4e-6)
+    emb = model.get_input_embeddings().weight
+    assert got["embedding"] == pytest.approx(emb.numel() * 4 / 2**30, abs=1e-6)
+    tied = model.get_output_embeddings().weight is emb
+    assert (got["lm_head"] == 0.0) == tied, (preset, tied)
+    lora = sum(p.numel() * 4 for n, p in model.named_parameters() if "lora_" in n) / 2**30
+    assert got["adapters"] == pytest.approx(lora, abs=1e-6) and got["allocated"] == 0.0  # nothing on a GPU here
