@@ -265,7 +265,7 @@ def _peak_mem() -> float:
     return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
 
 
-def _free():  # a part's memory and compiled graphs: kept, they made a later ours_best at batch 16 run 0.64x
+def _free():  # a part's memory and compiled graphs (left, they slowed a later part at another batch to 0.64x)
     import gc
     torch._dynamo.reset()
     gc.collect()
@@ -521,6 +521,8 @@ def main(argv: list[str] | None = None) -> int:
         args.steps, args.report_every, args.warmup_reports = 4, 2, 1
         if not args.parts and not args.group:
             args.parts = "attn,ref_eager,ours,scu_none"
+    if args.profile_steps < 1 and "profile" in args.parts:
+        p.error("--profile-steps must be >= 1 for the profile parts")
     try:
         args.part_list = expand_parts(args.group or ("" if args.parts else "1b"), args.parts, torch.cuda.device_count())
     except ValueError as e:

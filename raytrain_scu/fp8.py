@@ -14,10 +14,10 @@ saves nothing for the backward but the weight's second copy, which the module ho
 
 Both copies and their scales are frozen Parameters on the base Linear (``fp8_weight``, ``fp8_weight_t`` and their
 ``*_scale``), computed by each rank from its own base (no DDP wrapper broadcasts them: dist.average_gradients). The
-copies are held as uint8 bits, viewed as e4m3 in the forward (from when DDP broadcast them, over gloo on CPUs,
-which refuses float8). The bf16
-weight stays as it was, and saved adapters hold only the LoRA weights, so a model rebuilt from one is plain; the
-in-loop evaluation and peft's disable_adapter() still run the FP8 base. Errors name model.base_fp8.
+copies are held as uint8 bits, viewed as e4m3 in the forward (from when DDP broadcast them, over gloo on CPUs, which
+refuses float8). The bf16 weight stays as it was, and saved adapters hold only the LoRA weights, so a model rebuilt
+from one is plain; the in-loop evaluation and peft's disable_adapter() still run the FP8 base. Errors name
+model.base_fp8.
 
 Devices: CUDA GPUs of compute capability 8.9 or more (Ada, Hopper, Blackwell). The CPU where torch's CPU _scaled_mm
 takes rowwise scales: torch 2.13 does, 2.11's is per-tensor only, and :func:`check_fp8_device` refuses it there.

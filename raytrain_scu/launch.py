@@ -5,7 +5,7 @@
   Ray's log files (:func:`logs_dir`, :func:`keep_logs`), a failure's root cause and context (:func:`root_cause`,
   :func:`failure_notices`), and the Ray runs of evaluate (:func:`run_tasks`) and bench (:func:`fit_and_collect`);
 - the worker side: :func:`train_func` runs ``loop.run_loop`` with :class:`RayHooks`, the handful of calls the loop
-  makes into Ray Train (device, checkpoint to resume from, model placement, report), and :func:`checkpoint_candidates` turns a
+  makes into Ray Train (device, checkpoint to resume from, placement, report), and :func:`checkpoint_candidates` turns a
   Ray checkpoint into the plain ``(name, open)`` pairs ``checkpoint.open_good_checkpoint`` verifies.
 """
 from __future__ import annotations

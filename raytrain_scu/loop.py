@@ -512,25 +512,25 @@ def profiled(s: State):
     ticks = []
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []), schedule=when) as prof:
         yield lambda: (ticks.append(1), prof.step())
-    if len(ticks) < left:
-        notice0(f"train.profile_steps: the run stopped after {len(ticks)} of {left} steps, before the profiled "
-                f"window ended; no profile written")
+    if len(ticks) < left:  # after the last report: the worker's log, not the console
+        print0(f"[raytrain_scu] train.profile_steps: the run stopped after {len(ticks)} of {left} steps, before the "
+               f"profiled window ended; no profile written")
         return
     out = Path(run_dir(s.cfg)) / "profile" / f"rank{rank()}.txt"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(profile_table(prof.key_averages(), steps=active, device="cuda" if cuda else "cpu"))
-    notice0(f"profile of the last {active} step(s): {out.parent}/rank<k>.txt")
+    print0(f"[raytrain_scu] profile of the last {active} step(s): {out.parent}/rank<k>.txt")
 
 
 def profile_table(events, *, steps: int, device: str) -> str:
     """A profiler's averages as text: the wall time per step and the busy time on ``device`` (on a GPU the sum of its
-    kernels' time, so overlapping streams count twice; the operators that launched them are not added again), then
-    the top 40 operators and kernels by self time."""
+    kernels' time, so overlapping streams count twice; the operators that launched them and the annotated regions
+    around them, DDP's or NCCL's, are not added again), then the top 40 operators and kernels by self time."""
     from torch.autograd import DeviceType
 
     key = "self_device_time_total" if device == "cuda" else "self_cpu_time_total"
     walls = [e.cpu_time_total for e in events if e.key.startswith("ProfilerStep")]
-    busy = sum(getattr(e, key) for e in events if not e.key.startswith("ProfilerStep")
+    busy = sum(getattr(e, key) for e in events if not e.key.startswith("ProfilerStep") and not e.is_user_annotation
                and (device != "cuda" or e.device_type == DeviceType.CUDA))
     head = (f"steps profiled: {steps}; wall per step: {sum(walls) / 1e3 / max(1, steps):.2f} ms; {device} busy per "
             f"step (self time): {busy / 1e3 / max(1, steps):.2f} ms\n")

@@ -193,3 +193,8 @@ def test_profile_steps_profile_the_last_steps_or_say_why_not(tmp_path):
                   "train.checkpoint_every=1", "controller.mode=none"), hooks=hooks)
     assert not (tmp_path / "short" / "profile").exists()
     assert "1 step(s) left to run, none profiled" in hooks.reports[0][NOTICES]
+    (tmp_path / "stopped").mkdir()
+    (tmp_path / "stopped" / "STOP").touch()  # as a Ctrl-C leaves it: the run stops after its first step
+    run_loop(_cfg(tmp_path, "run.name=stopped", "train.max_steps=6", "train.profile_steps=2", "train.report_every=1",
+                  "train.checkpoint_every=1", "controller.mode=none"), hooks=LocalHooks(torch.device("cpu")))
+    assert not (tmp_path / "stopped" / "profile").exists()  # no table of a window it never reached, and no crash

@@ -187,7 +187,7 @@ def test_quantised_preset_cache_follows_the_presets_dimensions(tmp_path, monkeyp
 
 
 def test_a_model_from_a_path_is_built_on_the_device_asked(tmp_path):
-    """Presets were built on ``device``, but a hub id, local path or GGUF stayed on the CPU until DDP moved it, after
+    """Presets were built on ``device``, but a hub id, local path or GGUF stayed on the CPU until Ray moved it, after
     the FP8 conversion had quantised (and probed) on the CPU: base_fp8 on a real model failed on every GPU worker."""
     build_model("tiny", vocab_size=512, seed=0).save_pretrained(str(tmp_path / "m"))
     model = build_model(str(tmp_path / "m"), device=torch.device("meta"))
