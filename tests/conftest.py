@@ -13,6 +13,16 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 
 
+def pytest_configure(config):
+    """One intra-op thread for the torch work done in this (the pytest) process: scoring, in-process loops, tensor
+    checks. Its default, one thread per core, spin-waits when Ray's actors or another job hold those cores: on 2 busy
+    cores one tiny-model scoring pass took 19-50 s instead of 1.9 s. Ray's workers and the CLI subprocesses keep
+    their own settings (Ray gives each worker as many threads as CPUs it holds)."""
+    import torch
+
+    torch.set_num_threads(1)
+
+
 @pytest.fixture(scope="session")
 def ray_local():
     """One local Ray instance for the in-process integration tests."""
