@@ -96,20 +96,28 @@ def test_fixed_large_lambda_shrinks_adapter(ray_local, tmp_path):
     assert none["lambda"] == 0.0 and fixed["lambda"] == 10.0
 
 
-def test_exported_adapter_loads_with_peft(ray_local, tmp_path):
+def test_exported_adapter_loads_with_peft(finished_run):
     from peft import PeftModel
 
     from raytrain_scu.model import build_model, load_tokenizer
 
-    s = run(tiny_cfg(tmp_path, "export", "tracking.enabled=false", "scaling.num_workers=1",
-                     "train.max_steps=5", "train.checkpoint_every=5"), quiet=True)
+    s = finished_run[1]
     tok = load_tokenizer("tiny")
     model = PeftModel.from_pretrained(build_model("tiny", vocab_size=len(tok)), s["adapter"])
     assert any("lora_A" in n for n, _ in model.named_parameters())
     assert json.loads(open(f"{s['adapter']}/adapter_config.json").read())["r"] == 4
 
 
-def test_finished_run_is_reported_before_ray_and_its_adapter_generates(ray_local, tmp_path, capsys):
+@pytest.fixture(scope="module")
+def finished_run(ray_local, tmp_path_factory):
+    """(config, summary) of one finished 4-step run (1 worker, no MLflow): the tests below only read it, or re-run
+    its name, which returns before Ray."""
+    cfg = tiny_cfg(tmp_path_factory.mktemp("fin"), "fin", "tracking.enabled=false", "scaling.num_workers=1",
+                   "train.max_steps=4", "train.checkpoint_every=4", "train.report_every=2")
+    return cfg, run(cfg)
+
+
+def test_finished_run_is_reported_before_ray_and_its_adapter_generates(finished_run, tmp_path, capsys):
     """Re-running a finished run prints its summary within seconds, without Ray; generate rebuilds the base model from
     the run directory (a preset: base_model.json's seed, dtype and device) and completes a prompt with the adapter."""
     import subprocess
@@ -118,18 +126,17 @@ def test_finished_run_is_reported_before_ray_and_its_adapter_generates(ray_local
 
     from conftest import ROOT
 
-    cfg = tiny_cfg(tmp_path, "fin", "tracking.enabled=false", "scaling.num_workers=1", "train.max_steps=4",
-                   "train.checkpoint_every=4", "train.report_every=2")
-    first = run(cfg)
+    cfg, first = finished_run
+    storage = cfg.run.storage_path
     capsys.readouterr()
     t0 = time.perf_counter()
     again = run(cfg)
     assert time.perf_counter() - t0 < 5.0 and again == json.loads(json.dumps(first, default=str))
     out = capsys.readouterr().out
     assert "run fin already finished at step 4" in out and "held-out BPT" in out
-    recipe = json.loads(open(f"{tmp_path}/fin/output/base_model.json").read())
+    recipe = json.loads(open(f"{storage}/fin/output/base_model.json").read())
     assert recipe["init_device"] == "cpu" and recipe["dtype"] == "float32" and recipe["seed"] == cfg.seed
-    r = subprocess.run([sys.executable, "-m", "raytrain_scu.generate", f"{tmp_path}/fin", "To be, or not",
+    r = subprocess.run([sys.executable, "-m", "raytrain_scu.generate", f"{storage}/fin", "To be, or not",
                         "--max-new-tokens", "8", "--temperature", "0"], capture_output=True, text=True, cwd=ROOT,
                        timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
