@@ -6,6 +6,7 @@ import pytest
 import yaml
 
 from conftest import free_port, mlflow_runs, tiny_cfg
+from raytrain_scu.checkpoint import read_meta
 from raytrain_scu.train import run
 from raytrain_scu.tracking import BEST_STEP_TAG, CHANGES_TAG, REVISION_TAG, RUN_KEY_TAG, run_key
 
@@ -24,9 +25,26 @@ def artifact_paths(client, run_id, path=""):
     return out
 
 
-def test_params_metrics_and_artifacts(ray_local, tmp_path):
-    cfg = tiny_cfg(tmp_path, "tracked", "scaling.num_workers=1", "train.max_steps=10", "train.checkpoint_every=5")
-    summary = run(cfg, quiet=True)
+@pytest.fixture(scope="module")
+def restarted(ray_local, tmp_path_factory):
+    """(storage, config, summary) of one 10-step run (1 worker, checkpoints at 5 and 10) whose worker died after step
+    8 and that Ray restarted from step 5. The two tests below read it; each Ray Train run costs ~20 s here."""
+    import os
+
+    storage = tmp_path_factory.mktemp("tracked")
+    cfg = tiny_cfg(storage, "tracked", "scaling.num_workers=1", "train.max_steps=10", "train.checkpoint_every=5",
+                   "run.max_failures=1")
+    os.environ["RAYTRAIN_SCU_FAULT_AT_STEP"] = "8"  # a worker dies after step 8; Ray restarts from step 5
+    try:
+        summary = run(cfg, quiet=True)
+    finally:
+        del os.environ["RAYTRAIN_SCU_FAULT_AT_STEP"]
+    return storage, cfg, summary
+
+
+def test_params_metrics_and_artifacts(restarted):
+    # what a run records, here through a restart: nothing of it is lost or doubled by one
+    tmp_path, cfg, summary = restarted
     client, runs = client_and_runs(tmp_path, cfg)
     assert len(runs) == 1 and runs[0].info.run_id == summary["mlflow_run_id"]
     r = client.get_run(summary["mlflow_run_id"])
@@ -61,12 +79,9 @@ def test_params_metrics_and_artifacts(ray_local, tmp_path):
     assert summary["best_val_bpt"] == pytest.approx(val[best_step])
 
 
-def test_restart_continues_the_same_run_without_duplicate_steps(ray_local, tmp_path, monkeypatch):
-    monkeypatch.setenv("RAYTRAIN_SCU_FAULT_AT_STEP", "8")  # a worker dies after step 8; Ray restarts from step 5
-    cfg = tiny_cfg(tmp_path, "restarted", "scaling.num_workers=1", "train.max_steps=10", "train.checkpoint_every=5",
-                   "run.max_failures=1")
-    summary = run(cfg, quiet=True)
-    monkeypatch.delenv("RAYTRAIN_SCU_FAULT_AT_STEP")
+def test_restart_continues_the_same_run_without_duplicate_steps(restarted):
+    tmp_path, cfg, summary = restarted
+    assert read_meta(tmp_path / "tracked" / "checkpoint_00000010")["resumed_at"] == [5]  # it did restart
     run(cfg, quiet=True)  # re-running the finished run's name: same MLflow run, nothing logged twice
     client, runs = client_and_runs(tmp_path, cfg)
     assert len(runs) == 1 and runs[0].info.run_id == summary["mlflow_run_id"]
