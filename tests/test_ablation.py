@@ -186,8 +186,9 @@ def test_staged_ablation_runs_every_stage_and_resumes_from_its_file(tmp_path, ca
     import ray
 
     out = tmp_path / "out"
+    # 3 documents: one held-out play (56 scoring units) instead of two; the adapters are scored 9 times in all
     args = [TINY, "scaling.num_workers=1", "scaling.cpus_per_worker=0.49", f"run.storage_path={tmp_path}/runs",
-            "run.name=abl", "train.max_steps=4", "train.report_every=2", "train.eval_every=2",
+            "data.max_documents=3", "run.name=abl", "train.max_steps=4", "train.report_every=2", "train.eval_every=2",
             "train.checkpoint_every=4", "--out", str(out), "--seeds", "0", "--lambdas", "1",
             "--target-factors", "1", "--gains", "0.2:0.04", "--sweep-samples", "1", "--bootstrap", "50"]
     ray_was_up = ray.is_initialized()  # an earlier test's ray_local in this process: left up for the tests after
