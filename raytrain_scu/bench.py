@@ -448,12 +448,12 @@ def run_parts(args) -> dict:
                 r = ours_bare(cfg(batch=args.granite_batch, block=block, targets=("all-linear",),
                                   checkpointing=kernels["path"] == "torch"), args.warmup_reports)
                 r.update(mamba=kernels, gradient_checkpointing=kernels["path"] == "torch")
-            elif part == "attn":
+            elif base == "attn":
                 r = attention_bench(preset=pre, batch=args.batch, block=args.block)
             else:
                 raise ValueError(f"unknown part {part!r}")
             part_fpt = flops_per_token(preset_config(pre, len(tok)), block)
-            util = mfu(r["tokens_per_s"], part_fpt, res["peak_flops"]) if part != "attn" else None
+            util = mfu(r["tokens_per_s"], part_fpt, res["peak_flops"]) if base != "attn" else None
             r["mfu"] = float("nan") if util is None else util
             r.update(shape_name=shape, preset=pre, block=block, flops_per_token=part_fpt)
             if base != part:  # each rank's table beside --out; the JSON keeps their first lines

@@ -304,9 +304,9 @@ USABLE_FRACTION = 0.9  # plan for 90% of the card: fragmentation and the estimat
 
 def measured_memory_gib(model) -> dict:
     """What a built (peft) model holds on its GPU, in GiB: the input embedding, a separate LM head, the adapters, every
-    other parameter (the frozen linears, in 4 bits their packed weights, and the norms), and all memory allocated on
-    that device then (with the 4-bit quantisation constants and FP8 copies, which are not all parameters): the
-    estimator's counterpart, measured."""
+    other parameter (the frozen linears, in 4 bits their packed weights, FP8 copies, norms), and everything allocated
+    on that device then (also what is not a parameter: the 4-bit quantisation constants). The estimator's
+    counterpart, measured."""
     import torch
 
     def gib(params) -> float:

@@ -509,12 +509,11 @@ def profiled(s: State):
     cuda = s.device.type == "cuda"
     active = min(n, left - 1)  # one step before the window warms the profiler up
     when = schedule(wait=left - active - 1, warmup=1, active=active, repeat=1)
-    ticks = []
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []), schedule=when) as prof:
-        yield lambda: (ticks.append(1), prof.step())
-    if len(ticks) < left:  # after the last report: the worker's log, not the console
-        print0(f"[raytrain_scu] train.profile_steps: the run stopped after {len(ticks)} of {left} steps, before the "
-               f"profiled window ended; no profile written")
+        yield prof.step
+    if prof.step_num < left:  # after the last report: the worker's log, not the console
+        print0(f"[raytrain_scu] train.profile_steps: the run stopped after {prof.step_num} of {left} steps, before "
+               f"the profiled window ended; no profile written")
         return
     out = Path(run_dir(s.cfg)) / "profile" / f"rank{rank()}.txt"
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -530,7 +529,9 @@ def profile_table(events, *, steps: int, device: str) -> str:
 
     key = "self_device_time_total" if device == "cuda" else "self_cpu_time_total"
     walls = [e.cpu_time_total for e in events if e.key.startswith("ProfilerStep")]
-    busy = sum(getattr(e, key) for e in events if not e.key.startswith("ProfilerStep") and not e.is_user_annotation
+    # is_user_annotation: not on every torch this package accepts (>= 2.4); without it, no annotation is left out
+    busy = sum(getattr(e, key) for e in events if not e.key.startswith("ProfilerStep")
+               and not getattr(e, "is_user_annotation", False)
                and (device != "cuda" or e.device_type == DeviceType.CUDA))
     head = (f"steps profiled: {steps}; wall per step: {sum(walls) / 1e3 / max(1, steps):.2f} ms; {device} busy per "
             f"step (self time): {busy / 1e3 / max(1, steps):.2f} ms\n")
