@@ -75,6 +75,9 @@ class QuantConfig:
     load_in_4bit: bool = False  # QLoRA: the frozen base in 4 bits (bitsandbytes; CUDA)
     quant_type: str = "nf4"  # nf4 | fp4
     double_quant: bool = True  # also quantise the 4-bit quantisation constants
+    # the frozen token embedding and LM head (one table when tied) in int8, a scale per row: half their bf16 memory
+    embedding_int8: bool = False
+    offload_embedding: bool = False  # the input embedding in CPU memory, its rows copied per batch (untied models)
 
 
 @dataclass

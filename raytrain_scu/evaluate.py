@@ -171,7 +171,8 @@ def score_shard(config: dict, adapters: dict[str, str], docs: list[str]) -> dict
     tok = load_tokenizer(m.name, m.gguf_file, m.tokenizer, m.cache_dir)
     base = build_model(m.name, gguf_file=m.gguf_file, vocab_size=len(tok), dtype=dtype, device=device,
                        attn_implementation=m.attn_implementation, load_in_4bit=q.load_in_4bit,
-                       quant_type=q.quant_type, double_quant=q.double_quant, cache_dir=m.cache_dir,
+                       quant_type=q.quant_type, double_quant=q.double_quant, embedding_int8=q.embedding_int8,
+                       offload_embedding=q.offload_embedding, cache_dir=m.cache_dir,
                        trust_remote_code=m.trust_remote_code, seed=cfg.seed)
     model = attach_adapters(base, adapters)
     loss_model = CausalLMLoss(model, fused=m.fused_loss, chunk_size=m.loss_chunk_size)

@@ -303,22 +303,28 @@ USABLE_FRACTION = 0.9  # plan for 90% of the card: fragmentation and the estimat
 
 
 def measured_memory_gib(model) -> dict:
-    """What a built (peft) model holds on its GPU, in GiB: the input embedding, a separate LM head, the adapters, every
-    other parameter (the frozen linears, in 4 bits their packed weights, FP8 copies, norms), and everything allocated
-    on that device then (also what is not a parameter: the 4-bit quantisation constants). The estimator's
-    counterpart, measured."""
+    """What a built (peft) model holds, in GiB: the input embedding and a separate LM head (buffers too: int8 tables),
+    an offloaded embedding (CPU), the adapters, every other parameter (the frozen linears, norms, FP8 copies) and all
+    that is allocated on its GPU then (the 4-bit constants too). The estimator's counterpart, measured."""
     import torch
 
-    def gib(params) -> float:
-        return round(sum(p.numel() * p.element_size() for p in params) / 2**30, 6)
+    def gib(tensors) -> float:
+        return round(sum(t.numel() * t.element_size() for t in tensors) / 2**30, 6)
 
-    emb, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
-    on_gpu = emb.device.type == "cuda"
-    return {"embedding": gib([emb]), "lm_head": 0.0 if head is emb else gib([head]),
+    def held(module) -> dict:  # by identity: a tied table is one set of tensors
+        return {id(t): t for t in [*module.parameters(), *module.buffers()]}
+
+    emb_mod, head_mod = model.get_input_embeddings(), model.get_output_embeddings()
+    emb, head = held(emb_mod), held(head_mod)
+    head = {k: t for k, t in head.items() if k not in emb}
+    offloaded = getattr(emb_mod, "inner", None)
+    device = next(t for t in model.parameters() if t.requires_grad).device
+    return {"embedding": gib(emb.values()), "lm_head": gib(head.values()),
+            "embedding_offloaded": gib(held(offloaded).values()) if offloaded is not None else 0.0,
             "adapters": gib(p for p in model.parameters() if p.requires_grad),
             "other_params": gib(p for p in model.parameters()
-                                if not p.requires_grad and p is not emb and p is not head),
-            "allocated": round(torch.cuda.memory_allocated(emb.device) / 2**30, 3) if on_gpu else 0.0}
+                                if not p.requires_grad and id(p) not in emb and id(p) not in head),
+            "allocated": round(torch.cuda.memory_allocated(device) / 2**30, 3) if device.type == "cuda" else 0.0}
 
 
 def _dtype_bytes(precision: str) -> int:
@@ -337,7 +343,8 @@ def estimate_peak_memory_gib(*, n_params: int, hidden: int, layers: int, heads: 
                              vocab: int, lora_r: int, lora_targets: list[str] | tuple[str, ...],
                              load_in_4bit: bool, precision: str, batch_size: int, block_size: int,
                              gradient_checkpointing: bool, compile: bool, fused_loss: bool = True,
-                             loss_chunk_tokens: int = 4096, head_dim: int = 0) -> dict[str, float]:
+                             loss_chunk_tokens: int = 4096, head_dim: int = 0, embedding_int8: bool = False,
+                             offload_embedding: bool = False) -> dict[str, float]:
     """Peak GPU memory (GiB) of one training step of LoRA/QLoRA on a Llama-style decoder, by part.
 
     With ``a`` = bytes of the compute dtype (4 for fp32, else 2), ``tokens = batch_size * block_size``,
@@ -345,7 +352,9 @@ def estimate_peak_memory_gib(*, n_params: int, hidden: int, layers: int, heads: 
 
         weights      = linear * (0.52 if 4-bit else a) + (n_params - linear) * a
                        linear = L * (2*H*q_out + 2*H*kv_out + 3*H*F): the projections bitsandbytes quantises;
-                       embeddings, lm_head and norms stay in the compute dtype
+                       embeddings, lm_head and norms stay in the compute dtype; with embedding_int8 the
+                       V x H tables (one when tied, else two) take 1 byte + a 4-byte scale per row, and with
+                       offload_embedding an untied model's input table is in CPU memory (0 here)
         adapters     = lora_params * 16   (fp32 weight, grad, AdamW exp_avg and exp_avg_sq)
                        lora_params = L * sum over targets of r * (in + out)
         per layer    = tokens * (a * (7H + 4F + n_targets*r) + 8H + 4 * sum of the targets' in-features)
@@ -375,7 +384,8 @@ def estimate_peak_memory_gib(*, n_params: int, hidden: int, layers: int, heads: 
     dims = _lora_dims(hidden, heads, kv_heads, ffn, head_dim)
     linear_params = layers * sum(i * o for i, o in dims.values())
     other_params = max(n_params - linear_params, 0)
-    weights = linear_params * (NF4_BYTES_PER_PARAM if load_in_4bit else a) + other_params * a
+    weights = _weight_bytes(linear_params, other_params, a=a, load_in_4bit=load_in_4bit, layers=layers, hidden=hidden,
+                            vocab=vocab, embedding_int8=embedding_int8, offload_embedding=offload_embedding)
 
     targets = [t for t in lora_targets if t in dims]
     lora_params = layers * sum(lora_r * sum(dims[t]) for t in targets)
@@ -411,6 +421,16 @@ def estimate_peak_memory_gib(*, n_params: int, hidden: int, layers: int, heads: 
     return out
 
 
+def _weight_bytes(linear_params: int, other_params: int, *, a: int, load_in_4bit: bool, layers: int, hidden: int,
+                  vocab: int, embedding_int8: bool, offload_embedding: bool) -> float:
+    """The frozen weights on the device (:func:`estimate_peak_memory_gib`'s ``weights``)."""
+    tables = max(0, round((other_params - (2 * layers + 1) * hidden) / (vocab * hidden)))  # 1 tied, 2 untied
+    on_gpu = tables - (1 if offload_embedding and tables == 2 else 0)
+    table_bytes = vocab * (hidden + 4) if embedding_int8 else vocab * hidden * a
+    return (linear_params * (NF4_BYTES_PER_PARAM if load_in_4bit else a)
+            + (other_params - tables * vocab * hidden) * a + on_gpu * table_bytes)
+
+
 def shape_from_hf_config(hf_config: Any) -> dict[str, int]:
     """Estimator shape keywords from a transformers config (object or dict): hidden, layers, heads,
     kv_heads, ffn, vocab, head_dim and n_params (counted from the shape, tied embeddings once)."""
@@ -437,7 +457,8 @@ def memory_kwargs(cfg: C.Config) -> dict[str, Any]:
             "load_in_4bit": cfg.quant.load_in_4bit, "precision": cfg.model.precision,
             "batch_size": cfg.data.batch_size, "block_size": cfg.data.block_size,
             "gradient_checkpointing": cfg.model.gradient_checkpointing, "compile": cfg.model.compile,
-            "fused_loss": cfg.model.fused_loss, "loss_chunk_tokens": cfg.model.loss_chunk_size}
+            "fused_loss": cfg.model.fused_loss, "loss_chunk_tokens": cfg.model.loss_chunk_size,
+            "embedding_int8": cfg.quant.embedding_int8, "offload_embedding": cfg.quant.offload_embedding}
 
 
 # ---------------------------------------------------------------- fit

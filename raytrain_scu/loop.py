@@ -212,7 +212,7 @@ def stop_flag(cfg: Config) -> Optional[Path]:
 
 def build(cfg: Config, hooks, run_id=None) -> State:
     """All ranks: device, data, model with adapters, optimizer, controller, tracker (rank 0's is real)."""
-    m, d = cfg.model, cfg.data
+    m, d, q = cfg.model, cfg.data, cfg.quant
     device = hooks.get_device()
     torch.manual_seed(cfg.seed + rank())
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -225,12 +225,12 @@ def build(cfg: Config, hooks, run_id=None) -> State:
     # frozen base weights are stored in the compute dtype; LoRA adapters stay float32 (peft's default)
     base = build_model(m.name, gguf_file=m.gguf_file, vocab_size=len(tok), dtype=dtype, device=device,
                        attn_implementation=m.attn_implementation, gradient_checkpointing=m.gradient_checkpointing,
-                       load_in_4bit=cfg.quant.load_in_4bit, quant_type=cfg.quant.quant_type,
-                       double_quant=cfg.quant.double_quant, cache_dir=m.cache_dir,
+                       load_in_4bit=q.load_in_4bit, quant_type=q.quant_type, double_quant=q.double_quant,
+                       embedding_int8=q.embedding_int8, offload_embedding=q.offload_embedding, cache_dir=m.cache_dir,
                        trust_remote_code=m.trust_remote_code, seed=cfg.seed)
     torch.manual_seed(cfg.seed)  # identical LoRA init on every rank
     model = apply_lora(base, r=cfg.lora.r, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout,
-                       targets=cfg.lora.target_modules, quantized=cfg.quant.load_in_4bit,
+                       targets=cfg.lora.target_modules, quantized=q.load_in_4bit,
                        gradient_checkpointing=m.gradient_checkpointing)
     if m.fuse_lora:  # on the device already: the base weights become views into the fused ones, not copies
         fuse_lora_projections(model)
@@ -242,7 +242,7 @@ def build(cfg: Config, hooks, run_id=None) -> State:
     if m.compile:
         loss_model = compile_for_training(loss_model, scope=m.compile_scope, mode=m.compile_mode)
     # a quantized model is placed by device_map and must never be moved with .to()
-    loss_model = hooks.prepare_model(loss_model, move_to_device=not cfg.quant.load_in_4bit)
+    loss_model = hooks.prepare_model(loss_model, move_to_device=not q.load_in_4bit)
     broadcast_params(params)  # all ranks start from rank 0's adapters (the seeded init makes them equal already)
     # on the adapters' device, before a resume loads the checkpoint: the seeded build's initial A factors
     centers = initial_centers(model)

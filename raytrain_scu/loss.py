@@ -12,6 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from raytrain_scu.console import notice
+from raytrain_scu.embed_quant import Int8Head, int8_grad_input, int8_logits
 
 
 @dataclass(frozen=True)
@@ -67,7 +68,7 @@ def fused_head(model) -> tuple[Optional[HeadTransform], str]:
     if make is None or getattr(transformers, cls.__name__, None) is not cls:
         return None, f"{cls.__module__}.{cls.__name__} is not in the fused loss's table of known LM heads"
     head = lm.get_output_embeddings()
-    if not isinstance(head, nn.Linear):
+    if not isinstance(head, (nn.Linear, Int8Head)):
         return None, f"{cls.__name__}'s lm_head is a {type(head).__name__}, not a plain Linear (LoRA on lm_head?)"
     if any(p.requires_grad for p in head.parameters()):
         return None, f"{cls.__name__}'s lm_head is trainable (the fused loss computes no weight gradient)"
@@ -121,19 +122,20 @@ class _ChunkedLinearCE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h, weight, bias, y, chunk_size: int, scale: float, softcap: float, compiled: bool,
-                need_grad: bool):
+                need_grad: bool, weight_scale):
         n = h.shape[0]
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         grad_h = torch.empty_like(h) if need_grad else None
         for s in range(0, n, chunk_size):
             hc, yc = h[s:s + chunk_size], y[s:s + chunk_size]
             if compiled:
-                nats, dz = _compiled_chunk_ce()(hc @ weight.t(), yc, bias, scale, softcap, grad_h is not None)
+                nats, dz = _compiled_chunk_ce()(_head(hc, weight, weight_scale), yc, bias, scale, softcap,
+                                                grad_h is not None)
                 total += nats
                 if dz is not None:
-                    grad_h[s:s + chunk_size] = (dz.to(weight.dtype) @ weight).to(h.dtype)
+                    grad_h[s:s + chunk_size] = _head_grad(dz, weight, weight_scale, h.dtype).to(h.dtype)
                 continue
-            logits = (hc @ weight.t()).float()
+            logits = _head(hc, weight, weight_scale).float()
             if bias is not None:
                 logits += bias.float()
             if scale != 1.0:
@@ -157,31 +159,44 @@ class _ChunkedLinearCE(torch.autograd.Function):
                     del dcap
                 if scale != 1.0:
                     probs.mul_(scale)
-                grad_h[s:s + chunk_size] = (probs.to(weight.dtype) @ weight).to(h.dtype)
+                grad_h[s:s + chunk_size] = _head_grad(probs, weight, weight_scale, h.dtype).to(h.dtype)
         ctx.save_for_backward(grad_h if grad_h is not None else torch.empty(0))
         return total
 
     @staticmethod
     def backward(ctx, grad_out):
         (grad_h,) = ctx.saved_tensors
-        return grad_h * grad_out.to(grad_h.dtype), None, None, None, None, None, None, None, None
+        return grad_h * grad_out.to(grad_h.dtype), None, None, None, None, None, None, None, None, None
+
+
+def _head(h, weight, weight_scale):
+    """The head's product ``h @ W.T``; an int8 ``weight`` with its row scales is dequantised slice by slice."""
+    return h @ weight.t() if weight_scale is None else int8_logits(h, weight, weight_scale)
+
+
+def _head_grad(g, weight, weight_scale, dtype):
+    """``g @ W``, in the weight's dtype, or for an int8 weight in ``dtype`` (h's: the dtype the table stands in for)."""
+    if weight_scale is None:
+        return g.to(weight.dtype) @ weight
+    return int8_grad_input(g.to(dtype), weight, weight_scale)
 
 
 @torch.compiler.disable
 def chunked_ce_sum(h: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, chunk_size: int = 4096, *,
                    bias: Optional[torch.Tensor] = None, transform: HeadTransform = HeadTransform(),
-                   compiled: bool = False) -> torch.Tensor:
+                   compiled: bool = False, weight_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Σ CE nats of the logits ``transform(h @ weight.T + bias)`` against ``y`` (-100 ignored), chunk by chunk.
 
     Never traced by the model's compile, on purpose: traced by dynamo/inductor on CUDA (torch 2.11, H200) this
     autograd.Function returned an exactly zero gradient for ``h``, so under ``model.compile=true`` the LoRA B matrices
     never left zero and nothing trained (issue #14, item 0; the CPU build compiled it correctly); the decoder before
     it stays compiled (one graph break). With ``compiled`` only the float32 softmax between each chunk's two GEMMs
-    runs compiled, as a function with no autograd in it (:func:`_chunk_ce_fused`).
+    runs compiled, as a function with no autograd in it (:func:`_chunk_ce_fused`). With ``weight_scale`` the weight is
+    an int8 table with those row scales (``quant.embedding_int8``, embed_quant.py).
     """
     need_grad = h.requires_grad and torch.is_grad_enabled()  # an eval pass (no_grad) forms no gradient
     return _ChunkedLinearCE.apply(h, weight, bias, y, chunk_size, float(transform.scale), float(transform.softcap),
-                                  compiled, need_grad)
+                                  compiled, need_grad, weight_scale)
 
 
 _notes: set = set()
@@ -219,7 +234,8 @@ class CausalLMLoss(nn.Module):
             hidden = self.decoder()(input_ids=x).last_hidden_state
             head = self.model.get_output_embeddings()
             nats = chunked_ce_sum(hidden.reshape(-1, hidden.shape[-1]), head.weight, y.reshape(-1), self.chunk_size,
-                                  bias=head.bias, transform=self.transform, compiled=self.compiled_ce)
+                                  bias=head.bias, transform=self.transform, compiled=self.compiled_ce,
+                                  weight_scale=getattr(head, "weight_scale", None))
         else:
             logits = self.model(input_ids=x, return_dict=True).logits
             nats = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1),
@@ -232,7 +248,8 @@ class CausalLMLoss(nn.Module):
             hidden = self.decoder()(input_ids=x).last_hidden_state
             head = self.model.get_output_embeddings()
             return torch.stack([chunked_ce_sum(h, head.weight, t, self.chunk_size, bias=head.bias,
-                                               transform=self.transform, compiled=self.compiled_ce)
+                                               transform=self.transform, compiled=self.compiled_ce,
+                                               weight_scale=getattr(head, "weight_scale", None))
                                 for h, t in zip(hidden, y)])
         logits = self.model(input_ids=x, return_dict=True).logits.float()
         return F.cross_entropy(logits.transpose(1, 2), y, ignore_index=-100, reduction="none").sum(dim=1)

@@ -344,10 +344,13 @@ def causal_sdpa() -> str:
 def build_model(name: str, *, gguf_file: str = "", vocab_size: int = 0, dtype: torch.dtype = torch.float32,
                 device: torch.device = torch.device("cpu"), attn_implementation: str = "sdpa",
                 gradient_checkpointing: bool = False, load_in_4bit: bool = False, quant_type: str = "nf4",
-                double_quant: bool = True, cache_dir: str = "", trust_remote_code: bool = False, seed: int = 0):
+                double_quant: bool = True, embedding_int8: bool = False, offload_embedding: bool = False,
+                cache_dir: str = "", trust_remote_code: bool = False, seed: int = 0):
     """The frozen base causal LM, on ``device``. With ``load_in_4bit`` it is NF4-quantised there
-    (device_map={"": device})."""
+    (device_map={"": device}); ``embedding_int8`` / ``offload_embedding``: embed_quant.shrink_embeddings."""
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from raytrain_scu.embed_quant import shrink_embeddings  # it raises this module's ModelError
 
     if attn_implementation == "sdpa":  # the same kernels, with the causal shortcut also under torch.compile
         attn_implementation = causal_sdpa()
@@ -360,7 +363,7 @@ def build_model(name: str, *, gguf_file: str = "", vocab_size: int = 0, dtype: t
     if is_preset(name):
         with _seeded(seed):
             if load_in_4bit:
-                path = _preset_on_disk(name, vocab_size, seed, cache_dir)
+                path = _preset_on_disk(name, vocab_size, seed, cache_dir, device)
                 model = AutoModelForCausalLM.from_pretrained(str(path), **kw)
             else:  # initialised directly on the device: a 1B random init on a CPU takes many seconds
                 with torch.device(device):
@@ -380,6 +383,7 @@ def build_model(name: str, *, gguf_file: str = "", vocab_size: int = 0, dtype: t
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()
+    shrink_embeddings(model, int8=embedding_int8, offload=offload_embedding)  # the hook above moves with it
     model.config.use_cache = False
     return model
 
@@ -394,20 +398,26 @@ def _seeded(seed: int):
         torch.random.set_rng_state(state)
 
 
-def _preset_on_disk(name: str, vocab_size: int, seed: int, cache_dir: str) -> Path:
+def _preset_on_disk(name: str, vocab_size: int, seed: int, cache_dir: str,
+                    device: torch.device = torch.device("cpu")) -> Path:
     """Presets go through from_pretrained when quantised, so they are saved once (random init, seeded, in bf16: the
     8B shape is 16 GB on disk instead of 32). The name carries a hash of the preset's dimensions, so a changed preset
-    is never served an old shape."""
+    is never served an old shape. On a CUDA ``device`` the random init runs there (the 8B shape's init on a CPU took
+    minutes, past a 7-minute GPU call): CUDA's generator draws other numbers, so those files are named apart."""
     from transformers import AutoModelForCausalLM
 
     dims = hashlib.sha256(json.dumps(PRESETS[name], sort_keys=True).encode()).hexdigest()[:8]
-    out = default_cache_dir(cache_dir) / "models" / f"preset-{name}-v{vocab_size}-s{seed}-{dims}-bf16"
+    init_on = device if device.type == "cuda" else torch.device("cpu")
+    suffix = "-cuda-init" if init_on.type == "cuda" else ""
+    out = default_cache_dir(cache_dir) / "models" / f"preset-{name}-v{vocab_size}-s{seed}-{dims}-bf16{suffix}"
     with _file_lock(out):
         if not (out / "config.json").is_file():
             torch.manual_seed(seed)
-            m = AutoModelForCausalLM.from_config(preset_config(name, vocab_size), dtype=torch.bfloat16)
+            with torch.device(init_on):
+                m = AutoModelForCausalLM.from_config(preset_config(name, vocab_size), dtype=torch.bfloat16)
             tmp = out.with_name(out.name + f".tmp{os.getpid()}")
             m.save_pretrained(str(tmp), safe_serialization=True)
+            del m
             os.replace(tmp, out)
     return out
 

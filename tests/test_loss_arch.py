@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 
+from raytrain_scu import embed_quant
 from raytrain_scu.fused_lora import fuse_lora_projections
 from raytrain_scu.loss import FUSED_HEADS, CausalLMLoss, HeadTransform, chunked_ce_sum
 
@@ -107,6 +108,22 @@ def test_llama_with_fused_lora_projections():
     """The same with model.fuse_lora's fused q/k/v and gate/up projections (issue #17)."""
     model = build("LlamaForCausalLM")
     assert fuse_lora_projections(model) == 4
+    assert_loss_matches_own_logits(model)
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_an_int8_embedding_and_head_match_the_models_own_logits(name, monkeypatch):
+    """quant.embedding_int8 on every family (a tied or untied head, a bias, a scaled embedding): the fused loss over
+    the int8 head, dequantised 40 rows at a time, equals the int8 model's own logits."""
+    if not available(name):
+        pytest.skip(f"{name} is not in transformers {transformers.__version__}")
+    monkeypatch.setattr(embed_quant, "SLICE_BYTES", BASE["hidden_size"] * 4 * 40)
+    model = build(name)
+    plain = model(input_ids=batch()[0]).logits
+    embed_quant.shrink_embeddings(model, int8=True)
+    assert isinstance(model.get_output_embeddings(), embed_quant.Int8Head)
+    int8 = model(input_ids=batch()[0]).logits
+    assert 0 < float((int8 - plain).abs().max()) < 0.05 * float(plain.abs().max())  # rounded, not broken
     assert_loss_matches_own_logits(model)
 
 

@@ -1,0 +1,113 @@
+"""quant.embedding_int8 and quant.offload_embedding (embed_quant.py): the int8 table's arithmetic, slice by slice; a
+built model's loss and adapter gradients against the plain model's; the offloaded embedding leaves nothing on the
+model's device and changes no number; the errors; the memory estimate. The fused loss against the int8 model's own
+logits, family by family, is in test_loss_arch.py."""
+import pytest
+import torch
+
+from raytrain_scu import embed_quant, hardware
+from raytrain_scu.config import build_config
+from raytrain_scu.embed_quant import (Int8Embedding, Int8Head, OffloadedEmbedding, int8_grad_input, int8_logits,
+                                      quantize_rows_int8)
+from raytrain_scu.loss import CausalLMLoss
+from raytrain_scu.model import ModelError, apply_lora, build_model
+from raytrain_scu.regularizer import adapter_params
+
+TIED, UNTIED = "tiny", "tiny-llama-3.1-8b"
+
+
+def test_int8_rows_round_trip_within_half_a_step_and_slices_change_nothing(monkeypatch):
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(300, 48, generator=g) * torch.logspace(-3, 1, 300)[:, None]  # rows of very different scales
+    w[7] = 0.0
+    q, s = quantize_rows_int8(w)
+    assert q.dtype == torch.int8 and s.dtype == torch.float32 and int(q.abs().max()) == 127
+    assert torch.all((w - q.float() * s[:, None]).abs() <= s[:, None] / 2 + 1e-7)
+    assert torch.all(q[7] == 0) and torch.isfinite(s).all()
+    h, grad = torch.randn(5, 48, generator=g), torch.randn(5, 300, generator=g)
+    dense = q.float() * s[:, None]
+    whole = int8_logits(h, q, s), int8_grad_input(grad, q, s)
+    monkeypatch.setattr(embed_quant, "SLICE_BYTES", 48 * 4 * 64)  # 64 rows a slice: 5 slices, the last short
+    assert len(embed_quant.row_slices(300, 48, 4)) == 5
+    q2, s2 = quantize_rows_int8(w)
+    assert torch.equal(q2, q) and torch.equal(s2, s)
+    for got, want in ((int8_logits(h, q, s), h @ dense.t()), (int8_grad_input(grad, q, s), grad @ dense)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(whole[0], int8_logits(h, q, s), rtol=1e-6, atol=1e-6)  # the same columns
+    torch.testing.assert_close(whole[1], int8_grad_input(grad, q, s), rtol=1e-5, atol=1e-5)  # summed in 5 parts
+
+
+def loss_and_grads(name: str, **kw):
+    """Σ nats and the adapters' gradient of one batch, on a seeded tiny preset with non-zero adapters."""
+    torch.manual_seed(0)
+    model = apply_lora(build_model(name, vocab_size=512, gradient_checkpointing=True, **kw), r=4, alpha=8,
+                       targets=["q_proj", "v_proj", "down_proj"])
+    for p in adapter_params(model):
+        p.data.normal_(0.0, 0.05)
+    x = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(1))
+    nats, _ = CausalLMLoss(model, chunk_size=16)(x, torch.roll(x, -1, 1))
+    nats.backward()
+    return model, float(nats), torch.cat([p.grad.reshape(-1) for p in adapter_params(model)])
+
+
+@pytest.mark.parametrize("name", [TIED, UNTIED])
+def test_an_int8_embedding_and_head_train_as_the_plain_base_does(name):
+    """The same loss to 1e-4 and the same gradient direction; a tied model keeps one table for both."""
+    _, nats, grad = loss_and_grads(name)
+    model, nats8, grad8 = loss_and_grads(name, embedding_int8=True)
+    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+    assert isinstance(emb, Int8Embedding) and isinstance(head, Int8Head)
+    assert (head.table is emb.table) == (name == TIED)
+    assert emb.weight.dtype == torch.int8 and not any(p.requires_grad for p in emb.parameters())
+    assert nats8 == pytest.approx(nats, rel=1e-4) and nats8 != nats  # int8 rounding moves it, a little
+    assert float(torch.nn.functional.cosine_similarity(grad8, grad, dim=0)) > 0.999
+    # checkpointing's input-requires-grad hook came along (peft adds its own copy)
+    assert emb._forward_hooks and emb(torch.tensor([[1, 2]])).requires_grad
+
+
+def test_an_offloaded_embedding_changes_no_number_and_stays_off_the_device():
+    _, nats, grad = loss_and_grads(UNTIED)
+    model, nats_off, grad_off = loss_and_grads(UNTIED, offload_embedding=True)
+    emb = model.get_input_embeddings()
+    assert isinstance(emb, OffloadedEmbedding) and not list(emb.parameters()) and not list(emb.buffers())
+    assert nats_off == nats and torch.equal(grad_off, grad)
+    model.to(torch.float64)  # moving the model leaves the CPU table alone: it is outside the module tree
+    assert emb.inner.weight.dtype == torch.float32
+    mem = hardware.measured_memory_gib(model)
+    table = emb.inner.weight.numel() * 4 / 2**30
+    assert mem["embedding"] == 0.0 and mem["embedding_offloaded"] == pytest.approx(table, abs=1e-6) and table > 0
+
+
+def test_a_tied_model_cannot_offload_its_embedding():
+    with pytest.raises(ModelError, match=r"quant.offload_embedding: this model ties its input embedding"):
+        build_model(TIED, vocab_size=512, offload_embedding=True)
+
+
+def test_a_trainable_or_unknown_embedding_is_refused():
+    from raytrain_scu.embed_quant import shrink_embeddings
+
+    model = build_model(UNTIED, vocab_size=512)
+    model.get_input_embeddings().weight.requires_grad_(True)
+    with pytest.raises(ModelError, match="quant.embedding_int8: the input embedding is trainable"):
+        shrink_embeddings(model, int8=True)
+    model.set_input_embeddings(torch.nn.Linear(4, 4))
+    with pytest.raises(ModelError, match="quant.offload_embedding: the input embedding is a Linear"):
+        shrink_embeddings(model, offload=True)
+
+
+def test_the_options_are_config_keys_and_the_estimate_shrinks_by_the_tables():
+    cfg = build_config({"quant": {"embedding_int8": True, "offload_embedding": True}})
+    kw = hardware.memory_kwargs(cfg)
+    assert kw["embedding_int8"] is True and kw["offload_embedding"] is True
+    shape = dict(hidden=4096, layers=32, heads=32, kv_heads=8, ffn=14336, vocab=128256)
+    linear = 32 * (2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336)
+    for tables in (1, 2):
+        n = linear + (2 * 32 + 1) * 4096 + tables * 128256 * 4096
+        est = {(i8, off): hardware.estimate_peak_memory_gib(
+            n_params=n, **shape, lora_r=16, lora_targets=["q_proj"], load_in_4bit=True, precision="bf16",
+            batch_size=2, block_size=2048, gradient_checkpointing=True, compile=False, embedding_int8=i8,
+            offload_embedding=off)["weights_gib"] for i8 in (False, True) for off in (False, True)}
+        bf16, int8 = 128256 * 4096 * 2 / 2**30, 128256 * (4096 + 4) / 2**30
+        assert est[True, False] == pytest.approx(est[False, False] - tables * (bf16 - int8), rel=1e-9)
+        # offloading takes the input table off the device only where it is not also the head
+        assert est[False, True] == pytest.approx(est[False, False] - (bf16 if tables == 2 else 0.0), rel=1e-9)
