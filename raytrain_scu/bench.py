@@ -21,6 +21,8 @@ LoRA r=16 on all 7 projections:
                             records whether mamba_ssm / causal_conv1d were importable (their CUDA kernels ran) or
                             transformers' torch path ran (then with gradient checkpointing: see :func:`mamba_kernels`)
   mem_bf16 / mem_qlora      peak memory of bf16 LoRA vs QLoRA 4-bit at equal batch (eager, checkpointing on)
+  mem_qlora_emb8 / qlora_emb8_8b / qlora_offload_8b   mem_qlora / qlora_8b with the embedding and LM head in int8
+                            (quant.embedding_int8), or the input embedding in CPU memory and the head in int8
   profile_<part>            ``<part>`` (ours..., rayN) with its last steps under torch.profiler, each rank's table
                             beside --out (``train.profile_steps``); ``profile`` is ``profile_ours``
   attn                      causal SDPA alone at the model's attention shape: each fused backend first in turn,
@@ -62,17 +64,18 @@ PROJ = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_pr
 # --shape (and the parts that name their own shape) -> (preset on a GPU, its shrunken twin for --smoke)
 SHAPES = {"1b": ("llama-3.2-1b-shape", "tiny"), "8b": ("llama-3.1-8b-shape", "tiny-llama-3.1-8b"),
           "granite": ("granite-4.0-h-1b-shape", "tiny-granite-4.0-h")}
+QLORA_SMALL = ("mem_qlora_emb8", "qlora_emb8_8b", "qlora_offload_8b")  # QLoRA with a smaller embedding and head
 # the parts with a name of their own (rayN: any N); a new part is added here and to run_parts' dispatch
 PARTS = ("attn", "ref_eager", "ref_compile", "ref_liger", "ours", "ours_best", "ours_fused", "ours_fp8",
          "ours_compile_model", "scu_none", "profile", "mem_bf16", "mem_qlora", "ref_8b", "ours_8b", "ours_fp8_8b",
-         "qlora_8b", "granite_h1b")
+         "qlora_8b", "granite_h1b", *QLORA_SMALL)
 # the parts our loop times (and rayN): ``profile_<part>`` runs one with train.profile_steps (``profile``: ours)
 LOOP_PARTS = ("ours", "ours_best", "ours_fused", "ours_fp8", "ours_compile_model", "scu_none", "mem_bf16", "mem_qlora",
-              "ours_8b", "ours_fp8_8b", "qlora_8b", "granite_h1b")
+              "ours_8b", "ours_fp8_8b", "qlora_8b", "granite_h1b", *QLORA_SMALL)
 SCALE_NS = (2, 4, 8)  # the `scale` group: ray1 and rayN for these N up to the GPUs here
 # named sets of parts; each fits one 10-minute call on one H100 (docs/benchmarks.md has the measured times)
-GROUPS = {"1b": "attn,ref_eager,ref_compile,ours,scu_none,ray1,ray2,mem_bf16,mem_qlora",
-          "8b": "ref_8b,ours_8b,qlora_8b",
+GROUPS = {"1b": "attn,ref_eager,ref_compile,ours,scu_none,ray1,ray2,mem_bf16,mem_qlora,mem_qlora_emb8",
+          "8b": "ref_8b,ours_8b,qlora_8b,qlora_emb8_8b,qlora_offload_8b",
           "scale": "ray1,rayN",  # rayN: see expand_parts
           "granite": "granite_h1b"}
 
@@ -298,7 +301,8 @@ def _proof_from_reports(reports: list[dict]) -> dict:
 def bench_config(*, preset: str, batch: int, block: int, steps: int, report_every: int, storage: str, name: str,
                  compile: bool, mode: str = "scu", load_in_4bit: bool = False, checkpointing: bool = False, chunk=4096,
                  workers: int = 1, compile_scope: str = "layers", targets=tuple(PROJ), fuse_lora: bool = False,
-                 base_fp8: bool = False, profile_steps: int = 0):
+                 base_fp8: bool = False, profile_steps: int = 0, embedding_int8: bool = False,
+                 offload_embedding: bool = False):
     from raytrain_scu.hardware import resolve
 
     gpu = torch.cuda.is_available()
@@ -307,7 +311,8 @@ def bench_config(*, preset: str, batch: int, block: int, steps: int, report_ever
         f"model.compile_scope={compile_scope}", f"model.fuse_lora={str(fuse_lora).lower()}",
         f"model.base_fp8={str(base_fp8).lower()}", f"model.gradient_checkpointing={str(checkpointing).lower()}",
         f"model.loss_chunk_size={chunk}", f"quant.load_in_4bit={str(load_in_4bit).lower()}", "lora.r=16",
-        "lora.alpha=32", f"lora.target_modules={','.join(targets)}", "data.source=shakespeare",
+        f"quant.embedding_int8={str(embedding_int8).lower()}",
+        f"quant.offload_embedding={str(offload_embedding).lower()}", "lora.alpha=32", f"lora.target_modules={','.join(targets)}", "data.source=shakespeare",
         f"data.block_size={block}", f"data.batch_size={batch}", "data.grad_accum=1", "data.val_fraction=0.05",
         f"train.max_steps={steps}", f"train.report_every={report_every}", f"train.checkpoint_every={steps}",
         f"train.eval_every={steps}", f"train.eval_blocks={batch * workers}", f"controller.mode={mode}",
@@ -440,9 +445,10 @@ def run_parts(args) -> dict:
                 r = ours_bare(cfg(mode="none"), args.warmup_reports)
             elif ray:
                 r = ours_ray(cfg(workers=int(ray.group(1))), args.warmup_reports)
-            elif base in ("mem_bf16", "mem_qlora", "qlora_8b"):
+            elif base in ("mem_bf16", "mem_qlora", "qlora_8b", *QLORA_SMALL):
                 r = ours_bare(cfg(batch=args.mem_batch, compile=False, checkpointing=True, chunk=args.mem_chunk,
-                                  load_in_4bit=base != "mem_bf16"), args.warmup_reports)
+                                  load_in_4bit=base != "mem_bf16", embedding_int8="emb8" in base or "offload" in base,
+                                  offload_embedding="offload" in base), args.warmup_reports)
             elif base == "granite_h1b":
                 kernels = mamba_kernels()
                 r = ours_bare(cfg(batch=args.granite_batch, block=block, targets=("all-linear",),

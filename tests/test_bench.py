@@ -158,9 +158,15 @@ def test_bench_8b_and_granite_parts_train_on_cpu(tmp_path):
                        env={**os.environ, "RAYTRAIN_SCU_CACHE": str(tmp_path / "cache")})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     res = json.loads(out.read_text())
-    assert list(res["parts"]) == ["ref_8b", "ours_8b", "qlora_8b", "granite_h1b"]
+    assert list(res["parts"]) == ["ref_8b", "ours_8b", "qlora_8b", "qlora_emb8_8b", "qlora_offload_8b", "granite_h1b"]
     for name, p in res["parts"].items():
         assert p["tokens_per_s"] > 0 and p["lora_b_norm"] > 0 and p["bpt_after"] < p["bpt_before"], (name, p)
+    # the smaller-embedding QLoRA parts hold what they say: an int8 embedding and head (1 byte a weight and a scale
+    # a row), then the input embedding in CPU memory instead
+    q, e8, off = (res["parts"][n]["built_mem_gib"] for n in ("qlora_8b", "qlora_emb8_8b", "qlora_offload_8b"))
+    for key in ("embedding", "lm_head"):
+        assert e8[key] == pytest.approx(q[key] / 4 * (1 + 4 / 128), rel=1e-3), (key, q, e8)  # fp32 on a CPU
+    assert off["embedding"] == 0.0 and off["embedding_offloaded"] == e8["embedding"] and off["lm_head"] == e8["lm_head"]
     assert {p["preset"] for n, p in res["parts"].items() if n.endswith("_8b")} == {"tiny-llama-3.1-8b"}
     g = res["parts"]["granite_h1b"]
     assert g["preset"] == "tiny-granite-4.0-h" and g["mamba"]["path"] == "torch"  # no mamba_ssm on this box
