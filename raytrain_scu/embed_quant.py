@@ -127,6 +127,15 @@ class OffloadedEmbedding(nn.Module):
         return self.inner(ids.to("cpu")).to(ids.device)
 
 
+TIED_OFFLOAD = ("quant.offload_embedding: this model ties its input embedding to its LM head, which would leave the "
+                "GPU too; use quant.embedding_int8=true to shrink the shared table instead")
+
+
+def ties_embeddings(hf_config) -> bool:
+    """Whether a transformers config ties the input embedding to the LM head (transformers' default: tied)."""
+    return bool(getattr(hf_config.get_text_config(), "tie_word_embeddings", True))
+
+
 def shrink_embeddings(model, *, int8: bool = False, offload: bool = False) -> None:
     """Replace ``model``'s (a peft or transformers causal LM, already on its device) frozen embedding and LM head:
     with ``int8`` both by :class:`Int8Embedding` / :class:`Int8Head` (one table when tied), with ``offload`` the
@@ -146,8 +155,7 @@ def shrink_embeddings(model, *, int8: bool = False, offload: bool = False) -> No
     if any(p.requires_grad for p in emb.parameters()):
         raise ModelError(f"{key}: the input embedding is trainable (LoRA or modules_to_save on it); it must be frozen")
     if offload and tied:
-        raise ModelError("quant.offload_embedding: this model ties its input embedding to its LM head, which would "
-                         "leave the GPU too; use quant.embedding_int8=true to shrink the shared table instead")
+        raise ModelError(TIED_OFFLOAD)
     new_emb = emb
     if int8:
         if type(head) is not nn.Linear or head.weight.requires_grad:

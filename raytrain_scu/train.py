@@ -158,6 +158,11 @@ def preflight(cfg: Config) -> dict:
             check_fusable_config(hf_config)
         except ModelError as e:
             raise PreflightError(str(e)) from None
+    if cfg.quant.offload_embedding:
+        from raytrain_scu.embed_quant import TIED_OFFLOAD, ties_embeddings
+
+        if ties_embeddings(hf_config):
+            raise PreflightError(TIED_OFFLOAD)
     # a remote cluster's GPUs, and the GEMM probe on any GPU: each worker checks its own as it converts
     if m.base_fp8 and (gpus or not use_gpu):
         import torch

@@ -81,6 +81,9 @@ CASES = {
                                  ["quant.load_in_4bit=true with model.compile=true is not supported"]),
     "4-bit with fp16 on CPU": (lambda t: [TINY, "quant.load_in_4bit=true", "model.precision=fp16"],
                                ["model.precision=fp16", "also with quant.load_in_4bit"]),
+    "offloading a tied embedding": (lambda t: [TINY, "quant.offload_embedding=true"],
+                                    ["quant.offload_embedding: this model ties its input embedding to its LM head",
+                                     "quant.embedding_int8=true"]),
     "unwritable storage path": (lambda t: [TINY, f"run.storage_path={text_file(t, 'a-file', b'x')}/runs"],
                                 ["run.storage_path=", "not writable"]),
 }
