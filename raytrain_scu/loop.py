@@ -27,6 +27,7 @@ from raytrain_scu.fused_lora import fuse_lora_projections
 from raytrain_scu.hardware import mfu, peak_flops
 from raytrain_scu.loss import CausalLMLoss, compile_for_training
 from raytrain_scu.model import apply_lora, build_model, flops_per_token, load_tokenizer, resolve_dtype, structure_of
+from raytrain_scu.profiling import profiled
 from raytrain_scu.regularizer import (adapter_params, centers_fingerprint, initial_centers, lora_b_norm, param_bpt,
                                       param_bpt_parts)
 
@@ -491,57 +492,11 @@ def after_step(s: State, step: int, row: dict) -> bool:
     return done
 
 
-@contextlib.contextmanager
-def profiled(s: State):
-    """All ranks. With ``train.profile_steps`` = N > 0, torch.profiler records the run's last N steps (each from the
-    end of the step before, so the reports and evals between them count) and every rank writes its table of
-    operators and kernels by self time on the device (the CPU on a CPU run) to ``<run dir>/profile/rank<k>.txt``.
-    Yields what the loop calls after each step (a no-op when off). Fewer than 2 steps left, or a run that stops
-    before the window ends (Ctrl-C, stop_on_saturation): a notice says so and no table is written."""
-    n, left = s.cfg.train.profile_steps, s.cfg.train.max_steps - s.start_step
-    if n == 0 or left < 2:
-        if n:
-            notice0(f"train.profile_steps: {left} step(s) left to run, none profiled (one warms the profiler up)")
-        yield lambda: None
-        return
-    from torch.profiler import ProfilerActivity, profile, schedule
-
-    cuda = s.device.type == "cuda"
-    active = min(n, left - 1)  # one step before the window warms the profiler up
-    when = schedule(wait=left - active - 1, warmup=1, active=active, repeat=1)
-    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []), schedule=when) as prof:
-        yield prof.step
-    if prof.step_num < left:  # after the last report: the worker's log, not the console
-        print0(f"[raytrain_scu] train.profile_steps: the run stopped after {prof.step_num} of {left} steps, before "
-               f"the profiled window ended; no profile written")
-        return
-    out = Path(run_dir(s.cfg)) / "profile" / f"rank{rank()}.txt"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(profile_table(prof.key_averages(), steps=active, device="cuda" if cuda else "cpu"))
-    print0(f"[raytrain_scu] profile of the last {active} step(s): {out.parent}/rank<k>.txt")
-
-
-def profile_table(events, *, steps: int, device: str) -> str:
-    """A profiler's averages as text: the wall time per step and the busy time on ``device`` (on a GPU the sum of its
-    kernels' time, so overlapping streams count twice; the operators that launched them and the annotated regions
-    around them, DDP's or NCCL's, are not added again), then the top 40 operators and kernels by self time."""
-    from torch.autograd import DeviceType
-
-    key = "self_device_time_total" if device == "cuda" else "self_cpu_time_total"
-    walls = [e.cpu_time_total for e in events if e.key.startswith("ProfilerStep")]
-    # is_user_annotation: not on every torch this package accepts (>= 2.4); without it, no annotation is left out
-    busy = sum(getattr(e, key) for e in events if not e.key.startswith("ProfilerStep")
-               and not getattr(e, "is_user_annotation", False)
-               and (device != "cuda" or e.device_type == DeviceType.CUDA))
-    head = (f"steps profiled: {steps}; wall per step: {sum(walls) / 1e3 / max(1, steps):.2f} ms; {device} busy per "
-            f"step (self time): {busy / 1e3 / max(1, steps):.2f} ms\n")
-    return head + events.table(sort_by=key, row_limit=40, max_name_column_width=70)
-
-
 def run_loop(cfg: Config, *, hooks, run_id=None) -> None:
     """Setup, then the training loop; ``hooks`` are Ray Train's calls (or their local stand-ins)."""
     s = setup(cfg, hooks, run_id)
-    with profiled(s) as tick:  # off unless train.profile_steps
+    with profiled(steps=cfg.train.profile_steps, left=cfg.train.max_steps - s.start_step,
+                  cuda=s.device.type == "cuda", out_dir=Path(run_dir(cfg)) / "profile") as tick:  # off unless asked
         for step in range(s.start_step, cfg.train.max_steps):
             row = train_step(s, step)
             tick()

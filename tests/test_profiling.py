@@ -1,0 +1,35 @@
+"""profiling.idle_account on a hand-made Chrome trace: the idle time inside the profiled steps, each idle stretch
+charged to what ended it (the launching operator and its phase, or a host wait). The GPU run writes the real one
+(docs/bench/profiles/); the CPU profile itself is tested in test_learning.py."""
+from raytrain_scu.profiling import idle_account
+
+
+def x(name, cat, ts, dur, pid=1, tid=1, **args):
+    return {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur, "pid": pid, "tid": tid, "args": args}
+
+
+def test_idle_stretches_are_charged_to_what_ended_them():
+    ev = [x("ProfilerStep#3", "user_annotation", 0, 1000), x("ProfilerStep#4", "user_annotation", 1000, 1000),
+          # step 3: a kernel 0-400, idle 400-700 ended by a launch inside Optimizer.step > aten::_foreach_add
+          x("Optimizer.step#AdamW.step", "cpu_op", 500, 300), x("aten::_foreach_add", "cpu_op", 650, 30),
+          x("cudaLaunchKernel", "cuda_runtime", 660, 5, correlation=2),
+          x("k1", "kernel", 0, 400, pid=0, tid=7, correlation=1), x("k2", "kernel", 700, 300, pid=0, tid=7,
+                                                                       correlation=2),
+          # step 4: a device-to-host wait ends at 1100, then the next kernel starts at 1500: charged to the wait
+          x("cudaMemcpyAsync", "cuda_runtime", 1000, 10, correlation=3),
+          x("cudaStreamSynchronize", "cuda_runtime", 1010, 90, correlation=4),
+          x("memcpy DtoH", "gpu_memcpy", 1000, 10, pid=0, tid=7, correlation=3),
+          x("aten::mm", "cpu_op", 1400, 50), x("cudaLaunchKernel", "cuda_runtime", 1410, 5, correlation=5),
+          x("k3", "kernel", 1500, 490, pid=0, tid=7, correlation=5),
+          x("tiny gap kernel", "kernel", 1995, 5, pid=0, tid=7)]  # a 5 us gap: launch latency, not counted
+    text = idle_account({"traceEvents": ev}, steps=2)
+    # idle: 400-700 (300 us) and 1010-1500 (490 us) = 790 us over 2 steps
+    assert text.startswith("device idle per step: 0.40 ms of 1.00 ms wall"), text
+    rows = text.splitlines()[2:]
+    assert rows[0].split() == ["0.24", "0.5", "host", "waited", "for", "the", "device", "|", "cudaStreamSynchronize"]
+    assert rows[1].split() == ["0.15", "0.5", "Optimizer.step#AdamW.step", "|", "aten::_foreach_add"]
+    assert len(rows) == 2
+
+
+def test_a_trace_without_steps_says_so():
+    assert idle_account({"traceEvents": []}, steps=1).startswith("device idle: no ProfilerStep")
