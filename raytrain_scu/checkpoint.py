@@ -134,9 +134,13 @@ def read_meta(ckpt_dir: str | Path) -> dict:
     return json.loads((Path(ckpt_dir) / "meta.json").read_text())
 
 
+# structure keys newer than some checkpoints: what a checkpoint without one was made with
+STRUCTURE_ADDED = {"quant.embedding_int8": False}
+
+
 def check_structure(meta: dict, structure: dict) -> None:
     """Refuse a checkpoint made for a different base model / LoRA shape / block size."""
-    saved = meta.get("structure", {})
+    saved = {**STRUCTURE_ADDED, **meta.get("structure", {})}
     diffs = [f"{k}: checkpoint has {saved.get(k)!r}, config has {v!r}" for k, v in structure.items()
              if saved.get(k) != v]
     if diffs:

@@ -25,8 +25,8 @@ SLICE_BYTES = 64 << 20  # the largest dequantised slice of a table a head produc
 
 
 def quantize_rows_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``w`` (2-D) as int8 rows and their float32 scales [rows]: ``w ≈ q * s[:, None]``. A zero row gets scale 1e-12
-    (its q is all zeros). Row by row in float32 slices: no float32 copy of a whole 128k-row table."""
+    """``w`` (2-D) as int8 rows and their float32 scales [rows]: ``w ≈ q * s[:, None]``. A zero row gets the scale
+    1e-12 / 127 (its q is all zeros). Row by row in float32 slices: no float32 copy of a whole 128k-row table."""
     q = torch.empty(w.shape, dtype=torch.int8, device=w.device)
     s = torch.empty(w.shape[0], dtype=torch.float32, device=w.device)
     for a, b in row_slices(w.shape[0], w.shape[1], 4):
@@ -42,10 +42,15 @@ def row_slices(rows: int, cols: int, elem_bytes: int) -> list[tuple[int, int]]:
     return [(a, min(a + step, rows)) for a in range(0, rows, step)]
 
 
+def _dequant(q: torch.Tensor, s: torch.Tensor, a: int, b: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rows a:b of the table in ``dtype``: near the original weights, so fp16 cannot overflow as ``h @ q.T`` can."""
+    return q[a:b].to(dtype) * s[a:b, None].to(dtype)
+
+
 def int8_logits(h: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """``h @ (q * s[:, None]).T`` in h's dtype, one slice of rows of ``q`` dequantised at a time."""
-    parts = [(h @ q[a:b].to(h.dtype).t()) * s[a:b].to(h.dtype)
-             for a, b in row_slices(q.shape[0], q.shape[1], h.element_size())]
+    """``h @ (q * s[:, None]).T`` in h's dtype, one slice of rows of ``q`` dequantised at a time. No autograd here:
+    :class:`Int8Head` wraps it."""
+    parts = [h @ _dequant(q, s, a, b, h.dtype).t() for a, b in row_slices(q.shape[0], q.shape[1], h.element_size())]
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 
 
@@ -53,9 +58,24 @@ def int8_grad_input(g: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.
     """``g @ (q * s[:, None])`` in g's dtype (the gradient that reaches the head's input), slice by slice."""
     out = None
     for a, b in row_slices(q.shape[0], q.shape[1], g.element_size()):
-        part = (g[:, a:b] * s[a:b].to(g.dtype)) @ q[a:b].to(g.dtype)
+        part = g[..., a:b] @ _dequant(q, s, a, b, g.dtype)
         out = part if out is None else out.add_(part)
     return out
+
+
+class _Int8Linear(torch.autograd.Function):
+    """``x @ W.T`` for an int8 table that saves only the table for its backward (autograd through the slices would
+    keep every dequantised slice: a bf16 copy of the whole table)."""
+
+    @staticmethod
+    def forward(ctx, x, q, s):
+        ctx.save_for_backward(q, s)
+        return int8_logits(x, q, s)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, s = ctx.saved_tensors
+        return int8_grad_input(grad_out, q, s), None, None
 
 
 class Int8Table(nn.Module):
@@ -107,7 +127,7 @@ class Int8Head(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype if not torch.is_autocast_enabled(x.device.type) else torch.get_autocast_dtype(x.device.type)
-        out = int8_logits(x.to(dtype), self.table.weight, self.table.weight_scale)
+        out = _Int8Linear.apply(x.to(dtype), self.table.weight, self.table.weight_scale)
         return out if self.bias is None else out + self.bias.to(out.dtype)
 
 
@@ -166,6 +186,22 @@ def shrink_embeddings(model, *, int8: bool = False, offload: bool = False) -> No
         lm.set_output_embeddings(Int8Head(table if tied else Int8Table(head.weight), head.bias))
     if offload:
         new_emb = OffloadedEmbedding(new_emb)
-    new_emb._forward_hooks.update(emb._forward_hooks)
-    new_emb._forward_pre_hooks.update(emb._forward_pre_hooks)
+    for hooks in ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+                  "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs"):  # moved: the old module may live on inside
+        getattr(new_emb, hooks).update(getattr(emb, hooks))
+        getattr(emb, hooks).clear()
     lm.set_input_embeddings(new_emb)
+
+
+def embedding_targets(model, targets) -> list[str]:
+    """The LoRA target names in ``targets`` that name ``model``'s input embedding or LM head module (what
+    quant.embedding_int8 / quant.offload_embedding replace with frozen tables, where peft has no adapter)."""
+    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    mods = {id(m) for m in (lm.get_input_embeddings(), lm.get_output_embeddings()) if m is not None}
+    names = {n.rsplit(".", 1)[-1] for n, m in lm.named_modules() if id(m) in mods}
+    return [t for t in targets if t in names]
+
+
+EMBEDDING_TARGETS = ("lora.target_modules: {hit} would put LoRA on the embedding or LM head, which "
+                     "quant.embedding_int8 / quant.offload_embedding replace with frozen tables; drop them from the "
+                     "targets or turn those off")

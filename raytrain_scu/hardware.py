@@ -311,14 +311,14 @@ def measured_memory_gib(model) -> dict:
     def gib(tensors) -> float:
         return round(sum(t.numel() * t.element_size() for t in tensors) / 2**30, 6)
 
-    def held(module) -> dict:  # by identity: a tied table is one set of tensors
-        return {id(t): t for t in [*module.parameters(), *module.buffers()]}
+    def held(module) -> dict:  # frozen, by identity (a tied table is one set); LoRA on it counts as adapters
+        return {} if module is None else {id(t): t for t in [*module.parameters(), *module.buffers()]
+                                          if not t.requires_grad}
 
     emb_mod, head_mod = model.get_input_embeddings(), model.get_output_embeddings()
-    emb, head = held(emb_mod), held(head_mod)
-    head = {k: t for k, t in head.items() if k not in emb}
+    emb, head = held(emb_mod), {k: t for k, t in held(head_mod).items() if k not in held(emb_mod)}
     offloaded = getattr(emb_mod, "inner", None)
-    device = next(t for t in model.parameters() if t.requires_grad).device
+    device = next(model.parameters()).device
     return {"embedding": gib(emb.values()), "lm_head": gib(head.values()),
             "embedding_offloaded": gib(held(offloaded).values()) if offloaded is not None else 0.0,
             "adapters": gib(p for p in model.parameters() if p.requires_grad),

@@ -430,7 +430,12 @@ def apply_lora(model, *, r: int = 16, alpha: int = 32, dropout: float = 0.0, tar
     # For a quantized base, peft's prepare_model_for_kbit_training is NOT used: besides checkpointing (which
     # build_model already set up) it upcasts every non-quantized weight to fp32 -- the 128k x d embedding among them --
     # which on a 1B model costs more memory than the 4-bit linears save (measured on an H200: docs/benchmarks.md).
+    from raytrain_scu.embed_quant import EMBEDDING_TARGETS, Int8Embedding, OffloadedEmbedding, embedding_targets
+
     targets = list(targets) if targets else "all-linear"
+    shrunk = isinstance(model.get_input_embeddings(), (Int8Embedding, OffloadedEmbedding))
+    if isinstance(targets, list) and shrunk and embedding_targets(model, targets):
+        raise ModelError(EMBEDDING_TARGETS.format(hit=embedding_targets(model, targets)))
     if isinstance(targets, list):
         missing, present = missing_targets(model, targets)
         if missing:
@@ -454,14 +459,15 @@ def structure_of(cfg) -> dict:
     m = cfg.model
     return structure_signature(name=m.name, gguf_file=m.gguf_file, r=cfg.lora.r, alpha=cfg.lora.alpha,
                                targets=cfg.lora.target_modules, block_size=cfg.data.block_size,
-                               load_in_4bit=cfg.quant.load_in_4bit)
+                               load_in_4bit=cfg.quant.load_in_4bit, embedding_int8=cfg.quant.embedding_int8)
 
 
 def structure_signature(*, name: str, gguf_file: str, r: int, alpha: int, targets, block_size: int,
-                        load_in_4bit: bool) -> dict:
+                        load_in_4bit: bool, embedding_int8: bool = False) -> dict:
     """What a checkpoint must match to be resumed (base model, LoRA shape, block size)."""
     return {"model.name": name, "model.gguf_file": gguf_file, "lora.r": r, "lora.alpha": alpha,
-            "lora.target_modules": list(targets), "data.block_size": block_size, "quant.load_in_4bit": load_in_4bit}
+            "lora.target_modules": list(targets), "data.block_size": block_size, "quant.load_in_4bit": load_in_4bit,
+            "quant.embedding_int8": embedding_int8}
 
 
 def matmul_params(hf_config) -> int:

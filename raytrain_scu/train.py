@@ -60,6 +60,21 @@ def _missing_lora_targets(hf_config, targets: list[str], trust_remote_code: bool
     return missing_targets(skeleton, targets)[0]
 
 
+def _embedding_targets(hf_config, targets: list[str], trust_remote_code: bool) -> list[str]:
+    """Target names of the embedding / LM head modules, on a meta-device skeleton; [] if unsure."""
+    from raytrain_scu.embed_quant import embedding_targets
+
+    try:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            return embedding_targets(AutoModelForCausalLM.from_config(hf_config, trust_remote_code=trust_remote_code),
+                                     targets)
+    except Exception:  # noqa: BLE001 - apply_lora checks again on the real model
+        return []
+
+
 def _check_machine(cfg: Config) -> tuple[bool, int]:
     """Storage writable, GPUs and CPUs enough for a local Ray, precision and 4-bit supported; returns (use_gpu,
     visible GPUs)."""
@@ -158,11 +173,14 @@ def preflight(cfg: Config) -> dict:
             check_fusable_config(hf_config)
         except ModelError as e:
             raise PreflightError(str(e)) from None
-    if cfg.quant.offload_embedding:
-        from raytrain_scu.embed_quant import TIED_OFFLOAD, ties_embeddings
+    if cfg.quant.offload_embedding or cfg.quant.embedding_int8:
+        from raytrain_scu.embed_quant import EMBEDDING_TARGETS, TIED_OFFLOAD, ties_embeddings
 
-        if ties_embeddings(hf_config):
+        if cfg.quant.offload_embedding and ties_embeddings(hf_config):
             raise PreflightError(TIED_OFFLOAD)
+        hit = _embedding_targets(hf_config, cfg.lora.target_modules, m.trust_remote_code)
+        if hit:
+            raise PreflightError(EMBEDDING_TARGETS.format(hit=hit))
     # a remote cluster's GPUs, and the GEMM probe on any GPU: each worker checks its own as it converts
     if m.base_fp8 and (gpus or not use_gpu):
         import torch

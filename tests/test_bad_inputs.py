@@ -84,6 +84,9 @@ CASES = {
     "offloading a tied embedding": (lambda t: [TINY, "quant.offload_embedding=true"],
                                     ["quant.offload_embedding: this model ties its input embedding to its LM head",
                                      "quant.embedding_int8=true"]),
+    "LoRA on a table made int8": (lambda t: [TINY, "quant.embedding_int8=true",
+                                             "lora.target_modules=q_proj,embed_tokens"],
+                                  ["lora.target_modules: ['embed_tokens'] would put LoRA on the embedding"]),
     "unwritable storage path": (lambda t: [TINY, f"run.storage_path={text_file(t, 'a-file', b'x')}/runs"],
                                 ["run.storage_path=", "not writable"]),
 }

@@ -98,7 +98,8 @@ def test_groups_and_parts_expand_in_order_and_unknown_names_are_refused():
     assert expand_parts("scale", "", 4) == ["ray1", "ray2", "ray4"]
     assert expand_parts("scale", "", 1) == ["ray1"]
     assert expand_parts("scale", "", 0) == ["ray1", "ray2"]  # CPU workers
-    assert expand_parts("8b,granite", "ray16,ours_8b", 1) == ["ref_8b", "ours_8b", "qlora_8b", "granite_h1b", "ray16"]
+    assert expand_parts("8b,granite", "ray16,ours_8b", 1) == ["ref_8b", "ours_8b", "qlora_8b", "qlora_emb8_8b",
+                                                              "qlora_offload_8b", "granite_h1b", "ray16"]
     with pytest.raises(ValueError, match="--group: unknown group '9b'"):
         expand_parts("9b", "", 1)
     with pytest.raises(ValueError, match="--parts: unknown part 'ray0'"):

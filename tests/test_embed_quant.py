@@ -111,3 +111,65 @@ def test_the_options_are_config_keys_and_the_estimate_shrinks_by_the_tables():
         assert est[True, False] == pytest.approx(est[False, False] - tables * (bf16 - int8), rel=1e-9)
         # offloading takes the input table off the device only where it is not also the head
         assert est[False, True] == pytest.approx(est[False, False] - (bf16 if tables == 2 else 0.0), rel=1e-9)
+
+
+def test_fp16_logits_do_not_overflow_and_gradients_keep_their_precision():
+    """The slice is dequantised before the product: ``h @ q.T`` alone reaches 127/max|w| times a logit, past fp16's
+    65504 for a row the hidden state points at (found in review: inf, so a NaN loss)."""
+    torch.manual_seed(0)
+    h = torch.nn.functional.normalize(torch.randn(4, 4096), dim=-1) * 4096 ** 0.5  # RMS-normed, as before the head
+    w = torch.randn(256, 4096) * 0.02
+    w[0] = w[0] * 0.5 + h[0] * 0.01
+    q, s = quantize_rows_int8(w)
+    dense = q.float() * s[:, None]
+    got, want = int8_logits(h.half(), q, s).float(), h @ dense.t()
+    assert torch.isfinite(got).all() and float(want[0, 0]) > 30
+    torch.testing.assert_close(got, want, rtol=2e-3, atol=0.05)
+    g = torch.randn(4, 256)
+    torch.testing.assert_close(int8_grad_input(g.half(), q, s).float(), g @ dense, rtol=2e-2, atol=2e-3)
+
+
+def test_the_heads_own_forward_saves_the_int8_table_not_a_dequantised_copy():
+    """model.fused_loss=false (or an unknown head) runs Int8Head.forward under autograd: it must keep only the int8
+    table and its scales for the backward, and its input-gradient must be the dense one."""
+    torch.manual_seed(0)
+    head = Int8Head(embed_quant.Int8Table(torch.randn(3000, 64)))
+    x = torch.randn(5, 64, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = head(x)
+    assert {t.dtype for t in saved} <= {torch.int8, torch.float32} and sum(t.numel() for t in saved
+                                                                             if t.dtype != torch.int8) <= 3000 + 5 * 64
+    g = torch.randn_like(out)
+    out.backward(g)
+    dense = head.weight.float() * head.weight_scale[:, None]
+    torch.testing.assert_close(x.grad, g @ dense, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out, x.detach() @ dense.t(), rtol=1e-5, atol=1e-5)
+
+
+def test_offloading_moves_the_input_grad_hook_off_the_cpu_table():
+    model = build_model(UNTIED, vocab_size=512, gradient_checkpointing=True, offload_embedding=True)
+    emb = model.get_input_embeddings()
+    assert emb._forward_hooks and not emb.inner._forward_hooks  # no gradient is accumulated on the CPU copy
+    assert emb(torch.tensor([[1, 2]])).requires_grad
+
+
+def test_lora_on_a_replaced_table_is_refused_and_a_resume_must_keep_the_table():
+    from raytrain_scu.checkpoint import CheckpointError, check_structure
+    from raytrain_scu.model import structure_signature
+
+    base = build_model(UNTIED, vocab_size=512, embedding_int8=True)
+    with pytest.raises(ModelError, match=r"lora.target_modules: \['embed_tokens'\] would put LoRA on the embedding"):
+        apply_lora(base, r=4, alpha=8, targets=["q_proj", "embed_tokens"])
+    sig = dict(name="tiny", gguf_file="", r=4, alpha=8, targets=["q_proj"], block_size=64, load_in_4bit=False)
+    old = {"structure": {k: v for k, v in structure_signature(**sig).items() if k != "quant.embedding_int8"}}
+    check_structure(old, structure_signature(**sig))  # a checkpoint from before the key: made with the bf16 table
+    with pytest.raises(CheckpointError, match="quant.embedding_int8: checkpoint has False, config has True"):
+        check_structure(old, structure_signature(**sig, embedding_int8=True))
+
+
+def test_measured_memory_counts_lora_on_the_embedding_once():
+    model = apply_lora(build_model(UNTIED, vocab_size=512), r=4, alpha=8, targets=["q_proj", "embed_tokens"])
+    got = hardware.measured_memory_gib(model)
+    total = sum(p.numel() * 4 for p in model.parameters()) / 2**30
+    assert sum(got[k] for k in ("embedding", "lm_head", "adapters", "other_params")) == pytest.approx(total, abs=4e-6)
