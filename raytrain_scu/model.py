@@ -434,8 +434,9 @@ def apply_lora(model, *, r: int = 16, alpha: int = 32, dropout: float = 0.0, tar
 
     targets = list(targets) if targets else "all-linear"
     shrunk = isinstance(model.get_input_embeddings(), (Int8Embedding, OffloadedEmbedding))
-    if isinstance(targets, list) and shrunk and embedding_targets(model, targets):
-        raise ModelError(EMBEDDING_TARGETS.format(hit=embedding_targets(model, targets)))
+    hit = embedding_targets(model, targets) if isinstance(targets, list) and shrunk else []
+    if hit:
+        raise ModelError(EMBEDDING_TARGETS.format(hit=hit))
     if isinstance(targets, list):
         missing, present = missing_targets(model, targets)
         if missing:

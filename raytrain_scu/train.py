@@ -45,34 +45,17 @@ def _local_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def _missing_lora_targets(hf_config, targets: list[str], trust_remote_code: bool) -> list[str]:
-    """Target module names absent from the model, found on a weightless (meta-device) skeleton; [] if unsure."""
-    from raytrain_scu.model import missing_targets
-
+def _skeleton(hf_config, trust_remote_code: bool):
+    """The model as a weightless (meta-device) skeleton, for checks by module name; None if it cannot be built here
+    (the workers check again while building the real model)."""
     try:
         import torch
         from transformers import AutoModelForCausalLM
 
         with torch.device("meta"):
-            skeleton = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=trust_remote_code)
-    except Exception:  # noqa: BLE001 - the workers check again while building the real model
-        return []
-    return missing_targets(skeleton, targets)[0]
-
-
-def _embedding_targets(hf_config, targets: list[str], trust_remote_code: bool) -> list[str]:
-    """Target names of the embedding / LM head modules, on a meta-device skeleton; [] if unsure."""
-    from raytrain_scu.embed_quant import embedding_targets
-
-    try:
-        import torch
-        from transformers import AutoModelForCausalLM
-
-        with torch.device("meta"):
-            return embedding_targets(AutoModelForCausalLM.from_config(hf_config, trust_remote_code=trust_remote_code),
-                                     targets)
-    except Exception:  # noqa: BLE001 - apply_lora checks again on the real model
-        return []
+            return AutoModelForCausalLM.from_config(hf_config, trust_remote_code=trust_remote_code)
+    except Exception:  # noqa: BLE001
+        return None
 
 
 def _check_machine(cfg: Config) -> tuple[bool, int]:
@@ -148,7 +131,8 @@ def preflight(cfg: Config) -> dict:
     """
     from raytrain_scu.checkpoint import CheckpointError, check_tokens_per_epoch
     from raytrain_scu.data import DataError, check_source, prepare_data
-    from raytrain_scu.model import ModelError, check_model_source, load_tokenizer, max_positions, model_config
+    from raytrain_scu.model import (ModelError, check_model_source, load_tokenizer, max_positions, missing_targets,
+                                    model_config)
 
     m, d, s = cfg.model, cfg.data, cfg.scaling
     use_gpu, gpus = _check_machine(cfg)
@@ -163,7 +147,8 @@ def preflight(cfg: Config) -> dict:
     if positions and d.block_size > positions:
         raise PreflightError(f"data.block_size={d.block_size} is beyond the model's {positions} positions "
                              f"(max_position_embeddings of {m.name})")
-    missing = _missing_lora_targets(hf_config, cfg.lora.target_modules, m.trust_remote_code)
+    skeleton = _skeleton(hf_config, m.trust_remote_code)
+    missing = missing_targets(skeleton, cfg.lora.target_modules)[0] if skeleton is not None else []
     if missing:
         raise PreflightError(f"lora.target_modules: {missing} not found in {m.name}")
     if m.fuse_lora:
@@ -174,11 +159,11 @@ def preflight(cfg: Config) -> dict:
         except ModelError as e:
             raise PreflightError(str(e)) from None
     if cfg.quant.offload_embedding or cfg.quant.embedding_int8:
-        from raytrain_scu.embed_quant import EMBEDDING_TARGETS, TIED_OFFLOAD, ties_embeddings
+        from raytrain_scu.embed_quant import EMBEDDING_TARGETS, TIED_OFFLOAD, embedding_targets, ties_embeddings
 
         if cfg.quant.offload_embedding and ties_embeddings(hf_config):
             raise PreflightError(TIED_OFFLOAD)
-        hit = _embedding_targets(hf_config, cfg.lora.target_modules, m.trust_remote_code)
+        hit = embedding_targets(skeleton, cfg.lora.target_modules) if skeleton is not None else []
         if hit:
             raise PreflightError(EMBEDDING_TARGETS.format(hit=hit))
     # a remote cluster's GPUs, and the GEMM probe on any GPU: each worker checks its own as it converts
