@@ -15,7 +15,6 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT, free_port
 
 pytestmark = pytest.mark.slow

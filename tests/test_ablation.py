@@ -8,11 +8,14 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-
 from conftest import ROOT, TINY
-from raytrain_scu import ablation, ablation_report, sweep_space
-from raytrain_scu.checkpoint import write_checkpoint
+
 from raytrain_scu.config import load_config
+from raytrain_scu.core.checkpoint import write_checkpoint
+from raytrain_scu.ray.tune import space as sweep_space
+from raytrain_scu.studies.ablation import cli as ablation_cli
+from raytrain_scu.studies.ablation import report as ablation_report
+from raytrain_scu.studies.ablation import run as ablation
 
 GPU_YAML = str(ROOT / "experiments" / "ablation-gpu.yaml")
 LN2 = math.log(2.0)
@@ -165,17 +168,17 @@ def test_a_later_call_cannot_change_the_studys_rules(tmp_path, capsys):
                 "gains": [[0.2, 0.04]], "kp_range": [0.05, 1.6], "ki_range": [0.005, 0.3], "sweep_samples": 8}
     (out / "results.json").write_text(json.dumps({"setting": {"args": recorded}, "stages": {}}))
     flags = [TINY, "--out", str(out), "--seeds", "0,1", "--lambdas", "0.1,1", "--gains", "0.2:0.04", "--stages", ""]
-    assert ablation.main([*flags, "--target-factors", "1,3"]) == 2
+    assert ablation_cli.main([*flags, "--target-factors", "1,3"]) == 2
     assert "changes --target-factors [1.0, 3.0] (the study's: [0.5, 1.0, 2.0])" in capsys.readouterr().err
-    a = ablation.parse_args(flags)
+    a = ablation_cli.parse_args(flags)
     ablation.check_rules(recorded, a)  # the same rules: accepted, and a rule flag the file lacked is recorded
     assert recorded["sweep_grace_steps"] == 100
 
 
 def test_bad_stage_and_bad_config_exit_2_before_ray(capsys):
-    assert ablation.main([TINY, "--stages", "fixed,nope"]) == 2
+    assert ablation_cli.main([TINY, "--stages", "fixed,nope"]) == 2
     assert "unknown ['nope']" in capsys.readouterr().err
-    assert ablation.main([TINY, "controller.kp=-1"]) == 2
+    assert ablation_cli.main([TINY, "controller.kp=-1"]) == 2
     assert "controller.kp" in capsys.readouterr().err
 
 
@@ -193,7 +196,7 @@ def test_staged_ablation_runs_every_stage_and_resumes_from_its_file(tmp_path, ca
             "--target-factors", "1", "--gains", "0.2:0.04", "--sweep-samples", "1", "--bootstrap", "50"]
     ray_was_up = ray.is_initialized()  # an earlier test's ray_local in this process: left up for the tests after
     try:
-        assert ablation.main(args) == 0
+        assert ablation_cli.main(args) == 0
     finally:
         if not ray_was_up:
             ray.shutdown()  # the runner started Ray in this process: later tests expect none
@@ -209,5 +212,5 @@ def test_staged_ablation_runs_every_stage_and_resumes_from_its_file(tmp_path, ca
     assert tuned["kp"] == pytest.approx(res["stages"]["sweep"]["best"]["controller.kp"])
     assert "### Tracking and λ" in (out / "table.md").read_text()
     capsys.readouterr()
-    assert ablation.main(args) == 0  # everything recorded: no stage runs again
+    assert ablation_cli.main(args) == 0  # everything recorded: no stage runs again
     assert capsys.readouterr().out.count("already in") == 4

@@ -8,7 +8,6 @@ tested in test_reliability.py (it needs a real earlier run).
 import json
 
 import pytest
-
 from conftest import TINY, cli
 
 
@@ -95,8 +94,8 @@ CASES = {
 @pytest.fixture
 def no_ray(monkeypatch):
     """train.main in this process, where starting Ray fails the test."""
-    import raytrain_scu.launch as launch
     import raytrain_scu.train as train
+    from raytrain_scu.ray import launch
 
     def refuse(*args, **kwargs):  # whatever init_ray is called with: the message below, not a TypeError
         raise AssertionError("Ray was about to start: the bad input was not caught early")
@@ -116,9 +115,9 @@ def test_bad_input_is_refused_early_with_a_clear_message(name, tmp_path, no_ray,
 
 
 def test_more_workers_than_gpus(tmp_path, no_ray, capsys, monkeypatch):
-    import raytrain_scu.train as train
+    from raytrain_scu.driver import preflight
 
-    monkeypatch.setattr(train, "_gpu_count", lambda: 1)  # this machine has none; pretend one
+    monkeypatch.setattr(preflight, "visible_gpus", lambda: 1)  # this machine has none; pretend one
     code = no_ray([TINY, "scaling.use_gpu=true", "scaling.num_workers=2", f"run.storage_path={tmp_path}"])
     err = capsys.readouterr().err
     assert code == 2 and "scaling.num_workers=2 x gpus_per_worker=1 needs 2 GPUs but this machine has 1" in err

@@ -29,8 +29,8 @@ def test_bench_smoke_prints_the_table(tmp_path):
 
 
 def test_mfu_formula_counts_the_llama_1b_shape():
-    from raytrain_scu.bench import peak_flops
-    from raytrain_scu.model import flops_per_token, matmul_params, preset_config
+    from raytrain_scu.core.model import flops_per_token, matmul_params, preset_config
+    from raytrain_scu.studies.bench.run import peak_flops
 
     c = preset_config("llama-3.2-1b-shape", 128256)
     assert matmul_params(c) == 16 * (2048 * 2048 * 2 + 2 * 2048 * 512 + 3 * 2048 * 8192) + 2048 * 128256
@@ -41,7 +41,8 @@ def test_mfu_formula_counts_the_llama_1b_shape():
 def test_a_loop_that_did_not_train_has_no_speed():
     import pytest
 
-    from raytrain_scu.bench import DidNotTrain, proof_of_training
+    from raytrain_scu.errors import DidNotTrain
+    from raytrain_scu.studies.bench.run import proof_of_training
 
     assert proof_of_training(12.0, 11.5, 0.3)["bpt_after"] == 11.5
     with pytest.raises(DidNotTrain, match="did not train"):
@@ -51,7 +52,7 @@ def test_a_loop_that_did_not_train_has_no_speed():
 
 
 def test_8b_preset_has_the_llama_3_1_8b_dimensions_and_flops():
-    from raytrain_scu.model import flops_per_token, matmul_params, preset_config
+    from raytrain_scu.core.model import flops_per_token, matmul_params, preset_config
 
     c = preset_config("llama-3.1-8b-shape", 2048)  # the preset's own vocabulary wins over the tokenizer's
     assert (c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.intermediate_size,
@@ -71,7 +72,7 @@ def test_granite_hybrid_flops_count_each_layer_kind():
     import torch
     from transformers import AutoModelForCausalLM
 
-    from raytrain_scu.model import flops_per_token, matmul_params, preset_config
+    from raytrain_scu.core.model import flops_per_token, matmul_params, preset_config
 
     c = preset_config("granite-4.0-h-1b-shape", 2048)
     assert type(c).__name__ == "GraniteMoeHybridConfig"
@@ -91,7 +92,7 @@ def test_granite_hybrid_flops_count_each_layer_kind():
 def test_groups_and_parts_expand_in_order_and_unknown_names_are_refused():
     import pytest
 
-    from raytrain_scu.bench import GROUPS, expand_parts
+    from raytrain_scu.studies.bench.run import GROUPS, expand_parts
 
     assert expand_parts("1b", "", 1) == GROUPS["1b"].split(",")  # the previous default parts, unchanged
     assert expand_parts("scale", "", 8) == ["ray1", "ray2", "ray4", "ray8"]
@@ -129,7 +130,7 @@ def test_profile_parts_write_each_ranks_table_beside_the_json(tmp_path):
 
 
 def test_targets_table_says_met_not_met_and_not_run():
-    from raytrain_scu.bench_report import target_rows
+    from raytrain_scu.studies.bench.report import target_rows
 
     def part(tps, shape="1b", **kw):
         return {"tokens_per_s": tps, "peak_mem_gib": 1.0, "batch": 8, "block": 2048, "mfu": 0.4, "shape_name": shape,

@@ -5,9 +5,10 @@ import sys
 
 import pytest
 import yaml
-
 from conftest import ROOT, TINY
-from raytrain_scu.config import Config, ConfigError, flatten, load_config, to_yaml
+
+from raytrain_scu.config import Config, flatten, load_config, to_yaml
+from raytrain_scu.errors import ConfigError
 
 REQUIRED_KEYS = ["scaling.num_workers", "scaling.use_gpu", "train.max_steps", "train.checkpoint_every",
                  "train.report_every", "run.name", "run.storage_path", "run.max_failures", "tracking.uri", "data.path",
@@ -199,7 +200,7 @@ def test_empty_config_file_is_refused(tmp_path, text):
 def test_controller_checks_are_one_copy_shared_by_config_and_controller():
     """Fixed mode with lambda_min=2 > lambda_max=1 once passed the config check and then raised on the worker."""
     from raytrain_scu.config import ControllerConfig
-    from raytrain_scu.controller import SCUController
+    from raytrain_scu.core.controller import SCUController
 
     bad = ["controller.mode=fixed", "controller.lambda_min=2", "controller.lambda_max=1"]
     with pytest.raises(ConfigError, match=r"controller\.lambda_max: must be > lambda_min"):

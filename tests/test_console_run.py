@@ -19,7 +19,6 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT, TINY, cli, free_port, tiny_cfg
 
 pytestmark = pytest.mark.slow
@@ -147,7 +146,7 @@ def test_on_a_terminal_a_bar_the_workers_notices_and_no_stray_escape_codes(quiet
 def test_a_failure_shows_what_the_worker_said_since_its_last_report(quiet_run):
     """Resumed, then stopped by non-finite losses before its first report: the worker's "resumed at step N" comes
     with the failure (no report carried it), before the one-line error."""
-    from raytrain_scu.checkpoint import newest_good_local, read_meta
+    from raytrain_scu.core.checkpoint import newest_good_local, read_meta
 
     _, storage = quiet_run
     start = read_meta(newest_good_local(storage / "quiet")[0])["step"]  # 10, or 15 after the terminal test
@@ -190,7 +189,7 @@ def _press_ctrl_c(proc, presses: int) -> tuple[str, float]:
 
 
 def test_ctrl_c_stops_at_a_checkpoint_marks_the_run_killed_and_the_same_command_resumes(tmp_path):
-    from raytrain_scu.checkpoint import read_meta, verify
+    from raytrain_scu.core.checkpoint import read_meta, verify
     from raytrain_scu.tracking import client_for, default_uri
 
     proc = _train(tmp_path, "train.max_steps=300", "train.report_every=5", "train.checkpoint_every=100",

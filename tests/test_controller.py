@@ -5,9 +5,10 @@ import subprocess
 import sys
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from raytrain_scu.controller import SCUController, info_ratio
+from raytrain_scu.core.controller import SCUController, info_ratio
 
 
 def make(**kw):

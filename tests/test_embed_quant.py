@@ -5,13 +5,22 @@ logits, family by family, is in test_loss_arch.py."""
 import pytest
 import torch
 
-from raytrain_scu import embed_quant, hardware
 from raytrain_scu.config import build_config
-from raytrain_scu.embed_quant import (Int8Embedding, Int8Head, OffloadedEmbedding, int8_grad_input, int8_logits,
-                                      quantize_rows_int8)
-from raytrain_scu.loss import CausalLMLoss
-from raytrain_scu.model import ModelError, apply_lora, build_model
-from raytrain_scu.regularizer import adapter_params
+from raytrain_scu.config import resolve as resolve_mod
+from raytrain_scu.core import embed_quant
+from raytrain_scu.core.embed_quant import (
+    Int8Embedding,
+    Int8Head,
+    OffloadedEmbedding,
+    int8_grad_input,
+    int8_logits,
+    quantize_rows_int8,
+)
+from raytrain_scu.core.loss import CausalLMLoss
+from raytrain_scu.core.model import apply_lora, build_model
+from raytrain_scu.core.regularizer import adapter_params
+from raytrain_scu.errors import ModelError
+from raytrain_scu.hardware import gpus, memory
 
 TIED, UNTIED = "tiny", "tiny-llama-3.1-8b"
 
@@ -73,7 +82,7 @@ def test_an_offloaded_embedding_changes_no_number_and_stays_off_the_device():
     assert nats_off == nats and torch.equal(grad_off, grad)
     model.to(torch.float64)  # moving the model leaves the CPU table alone: it is outside the module tree
     assert emb.inner.weight.dtype == torch.float32
-    mem = hardware.measured_memory_gib(model)
+    mem = gpus.measured_memory_gib(model)
     table = emb.inner.weight.numel() * 4 / 2**30
     assert mem["embedding"] == 0.0 and mem["embedding_offloaded"] == pytest.approx(table, abs=1e-6) and table > 0
 
@@ -84,7 +93,7 @@ def test_a_tied_model_cannot_offload_its_embedding():
 
 
 def test_a_trainable_or_unknown_embedding_is_refused():
-    from raytrain_scu.embed_quant import shrink_embeddings
+    from raytrain_scu.core.embed_quant import shrink_embeddings
 
     model = build_model(UNTIED, vocab_size=512)
     model.get_input_embeddings().weight.requires_grad_(True)
@@ -97,13 +106,13 @@ def test_a_trainable_or_unknown_embedding_is_refused():
 
 def test_the_options_are_config_keys_and_the_estimate_shrinks_by_the_tables():
     cfg = build_config({"quant": {"embedding_int8": True, "offload_embedding": True}})
-    kw = hardware.memory_kwargs(cfg)
+    kw = resolve_mod.memory_kwargs(cfg)
     assert kw["embedding_int8"] is True and kw["offload_embedding"] is True
     shape = dict(hidden=4096, layers=32, heads=32, kv_heads=8, ffn=14336, vocab=128256)
     linear = 32 * (2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336)
     for tables in (1, 2):
         n = linear + (2 * 32 + 1) * 4096 + tables * 128256 * 4096
-        est = {(i8, off): hardware.estimate_peak_memory_gib(
+        est = {(i8, off): memory.estimate_peak_memory_gib(
             n_params=n, **shape, lora_r=16, lora_targets=["q_proj"], load_in_4bit=True, precision="bf16",
             batch_size=2, block_size=2048, gradient_checkpointing=True, compile=False, embedding_int8=i8,
             offload_embedding=off)["weights_gib"] for i8 in (False, True) for off in (False, True)}
@@ -155,8 +164,9 @@ def test_offloading_moves_the_input_grad_hook_off_the_cpu_table():
 
 
 def test_lora_on_a_replaced_table_is_refused_and_a_resume_must_keep_the_table():
-    from raytrain_scu.checkpoint import CheckpointError, check_structure
-    from raytrain_scu.model import structure_signature
+    from raytrain_scu.core.checkpoint import check_structure
+    from raytrain_scu.core.model import structure_signature
+    from raytrain_scu.errors import CheckpointError
 
     base = build_model(UNTIED, vocab_size=512, embedding_int8=True)
     with pytest.raises(ModelError, match=r"lora.target_modules: \['embed_tokens'\] would put LoRA on the embedding"):
@@ -170,6 +180,6 @@ def test_lora_on_a_replaced_table_is_refused_and_a_resume_must_keep_the_table():
 
 def test_measured_memory_counts_lora_on_the_embedding_once():
     model = apply_lora(build_model(UNTIED, vocab_size=512), r=4, alpha=8, targets=["q_proj", "embed_tokens"])
-    got = hardware.measured_memory_gib(model)
+    got = gpus.measured_memory_gib(model)
     total = sum(p.numel() * 4 for p in model.parameters()) / 2**30
     assert sum(got[k] for k in ("embedding", "lm_head", "adapters", "other_params")) == pytest.approx(total, abs=4e-6)

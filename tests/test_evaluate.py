@@ -8,13 +8,15 @@ import sys
 import numpy as np
 import pytest
 import torch
-
 from conftest import ROOT, TINY
+
+from raytrain_scu.cli.evaluate import main
 from raytrain_scu.config import load_config
-from raytrain_scu.data import document_ids, prepare_data
-from raytrain_scu.evaluate import EvalError, evaluate, main, paired_bootstrap, score_documents
-from raytrain_scu.loss import CausalLMLoss
-from raytrain_scu.model import apply_lora, build_model, load_tokenizer
+from raytrain_scu.core.data import document_ids, prepare_data
+from raytrain_scu.core.loss import CausalLMLoss
+from raytrain_scu.core.model import apply_lora, build_model, load_tokenizer
+from raytrain_scu.driver.evaluate import evaluate, paired_bootstrap, score_documents
+from raytrain_scu.errors import EvalError
 
 LN2 = math.log(2.0)
 WORDS = "the king queen sword crown night day love death war peace and of my lord thou art".split()
@@ -46,7 +48,7 @@ def save_adapter(tok, path, *, b_std, seed=0, **model_kw):
     if model_kw:
         from transformers import AutoModelForCausalLM
 
-        from raytrain_scu.model import preset_config
+        from raytrain_scu.core.model import preset_config
 
         cfg = preset_config("tiny", len(tok))
         for k, v in model_kw.items():

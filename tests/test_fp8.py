@@ -13,14 +13,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import transformers
-
-from raytrain_scu.config import ConfigError, load_config
-from raytrain_scu.fp8 import E4M3, check_fp8_device, convert_base_to_fp8, to_fp8
-from raytrain_scu.loss import CausalLMLoss, compile_for_training
-from raytrain_scu.model import ModelError, apply_lora, build_model
-from raytrain_scu.regularizer import adapter_params
-
 from conftest import TINY, adapter_grads, autograd_nodes, mlflow_runs, rel, tiny_cfg, token_batch
+
+from raytrain_scu.config import load_config
+from raytrain_scu.core.fp8 import E4M3, check_fp8_device, convert_base_to_fp8, to_fp8
+from raytrain_scu.core.loss import CausalLMLoss, compile_for_training
+from raytrain_scu.core.model import apply_lora, build_model
+from raytrain_scu.core.regularizer import adapter_params
+from raytrain_scu.errors import ConfigError, ModelError
 
 VOCAB = 256
 batch = partial(token_batch, VOCAB)
@@ -185,8 +185,8 @@ def test_bf16_autocast_eager_compiled_and_the_loop_on_cuda(tmp_path):
     """As the loop runs on a GPU: a bf16 base, float32 adapters, bf16 autocast; FP8 eager and FP8 compiled per layer
     against the bf16 model. Then the compiled loop itself a few steps with and without model.base_fp8: both train and
     end within 0.05 bits of each other."""
-    from raytrain_scu.bench import _proof_from_reports, bench_config
-    from raytrain_scu.loop import LocalHooks, run_loop
+    from raytrain_scu.studies.bench.run import _proof_from_reports, bench_config
+    from raytrain_scu.worker.loop import LocalHooks, run_loop
 
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("FP8 needs compute capability >= 8.9")
@@ -277,7 +277,8 @@ def test_without_the_probe_only_the_capability_is_read(monkeypatch):
 
 @cpu_fp8
 def test_preflight_checks_the_device(tmp_path, monkeypatch):
-    from raytrain_scu.train import PreflightError, preflight
+    from raytrain_scu.driver.preflight import preflight
+    from raytrain_scu.errors import PreflightError
 
     cfg = tiny_cfg(tmp_path, "fp8-run", "model.base_fp8=true", "scaling.use_gpu=false", "tracking.enabled=false")
     assert preflight(cfg)["use_gpu"] is False
@@ -294,7 +295,7 @@ def test_preflight_checks_the_device(tmp_path, monkeypatch):
 def test_bench_part_ours_fp8_trains(tmp_path):
     import json
 
-    from raytrain_scu import bench
+    from raytrain_scu.studies.bench import cli as bench
 
     out = tmp_path / "bench.json"
     assert bench.main(["--smoke", "--parts", "ours,ours_fp8", "--out", str(out)]) == 0
@@ -302,7 +303,9 @@ def test_bench_part_ours_fp8_trains(tmp_path):
     assert parts["ours_fp8"]["tokens_per_s"] > 0 and parts["ours_fp8"]["lora_b_norm"] > 0
     assert parts["ours_fp8"]["bpt_after"] < parts["ours_fp8"]["bpt_before"]
     assert parts["ours_fp8"]["bpt_after"] == pytest.approx(parts["ours"]["bpt_after"], abs=0.05)
-    assert bench.part_shape("ours_fp8_8b", "1b") == "8b" and bench.part_shape("ours_fp8", "1b") == "1b"
+    from raytrain_scu.studies.bench.run import part_shape
+
+    assert part_shape("ours_fp8_8b", "1b") == "8b" and part_shape("ours_fp8", "1b") == "1b"
 
 
 # ---------------------------------------------------------------- the real loop, on Ray, with MLflow
@@ -315,8 +318,8 @@ def test_an_fp8_run_on_ray_trains_and_exports_a_plain_adapter(ray_local, tmp_pat
     full-precision run's within FP8's noise, and the exported adapter loads into a plain peft model."""
     from peft import PeftModel
 
-    from raytrain_scu.model import load_tokenizer
-    from raytrain_scu.train import run
+    from raytrain_scu.core.model import load_tokenizer
+    from raytrain_scu.driver.run import run
 
     common = ["train.max_steps=4", "train.report_every=2", "train.checkpoint_every=4", "train.eval_every=4",
               "scaling.num_workers=2"]

@@ -10,15 +10,15 @@ from functools import partial
 import pytest
 import torch
 import transformers
-
-from raytrain_scu import loss as loss_mod
-from raytrain_scu.config import ConfigError, load_config
-from raytrain_scu.fused_lora import check_fusable_config, fuse_lora_projections
-from raytrain_scu.loss import CausalLMLoss, compile_for_training
-from raytrain_scu.model import ModelError, apply_lora, build_model
-from raytrain_scu.regularizer import adapter_params
-
 from conftest import TINY, adapter_grads, autograd_nodes, mlflow_runs, rel, tiny_cfg, token_batch
+
+from raytrain_scu.config import load_config
+from raytrain_scu.core import loss as loss_mod
+from raytrain_scu.core.fused_lora import check_fusable_config, fuse_lora_projections
+from raytrain_scu.core.loss import CausalLMLoss, compile_for_training
+from raytrain_scu.core.model import apply_lora, build_model
+from raytrain_scu.core.regularizer import adapter_params
+from raytrain_scu.errors import ConfigError, ModelError
 
 VOCAB = 256
 batch = partial(token_batch, VOCAB)
@@ -272,7 +272,8 @@ def test_models_that_cannot_be_fused_are_refused_with_the_key():
 
 
 def test_preflight_refuses_a_model_that_is_not_a_llama(tmp_path):
-    from raytrain_scu.train import PreflightError, preflight
+    from raytrain_scu.driver.preflight import preflight
+    from raytrain_scu.errors import PreflightError
 
     config = transformers.Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
                                       num_key_value_heads=2, vocab_size=VOCAB)
@@ -295,7 +296,7 @@ def test_dora_and_dropout_are_refused():
 def test_bench_part_ours_fused_trains_like_ours(tmp_path):
     import json
 
-    from raytrain_scu import bench
+    from raytrain_scu.studies.bench import cli as bench
 
     out = tmp_path / "bench.json"
     assert bench.main(["--smoke", "--parts", "ours,ours_fused", "--out", str(out)]) == 0
@@ -314,8 +315,8 @@ def test_a_fused_run_on_ray_tracks_the_plain_run(ray_local, tmp_path):
     from peft import PeftModel
     from safetensors.torch import load_file
 
-    from raytrain_scu.model import load_tokenizer
-    from raytrain_scu.train import run
+    from raytrain_scu.core.model import load_tokenizer
+    from raytrain_scu.driver.run import run
 
     common = ["train.max_steps=6", "train.report_every=3", "train.checkpoint_every=6", "train.eval_every=6"]
     summaries = {f: run(tiny_cfg(tmp_path, f"fuse-{f}", f"model.fuse_lora={f}", *common), quiet=True)

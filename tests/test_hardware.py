@@ -6,9 +6,13 @@ import sys
 
 import pytest
 
-from raytrain_scu import check, hardware
-from raytrain_scu.config import ALL_LINEAR, Config, ConfigError, build_config
-from raytrain_scu.hardware import GpuInfo, MemoryFitError
+from raytrain_scu import config as config_mod
+from raytrain_scu.config import ALL_LINEAR, Config, build_config
+from raytrain_scu.config import resolve as resolve_mod
+from raytrain_scu.errors import ConfigError, MemoryFitError
+from raytrain_scu.hardware import envcheck as check
+from raytrain_scu.hardware import gpus, memory, presets
+from raytrain_scu.hardware.gpus import GpuInfo
 
 
 def gpu(name, memory_gib, cc=(8, 0)):
@@ -23,10 +27,10 @@ RTX3090 = gpu("NVIDIA GeForce RTX 3090", 23.7, (8, 6))
 T4 = gpu("Tesla T4", 14.6, (7, 5))
 
 # Llama-3.2-1B's shape: hidden 2048, 16 layers, 32 heads, 8 KV heads, FFN 8192, vocab 128256, tied embeddings
-LLAMA_1B = hardware.shape_from_hf_config({
+LLAMA_1B = memory.shape_from_hf_config({
     "hidden_size": 2048, "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
     "intermediate_size": 8192, "vocab_size": 128256, "tie_word_embeddings": True})
-LLAMA_7B = hardware.shape_from_hf_config({
+LLAMA_7B = memory.shape_from_hf_config({
     "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
     "intermediate_size": 11008, "vocab_size": 32000, "tie_word_embeddings": False})
 
@@ -41,25 +45,25 @@ def run_kwargs(**over):
 def estimate(shape=LLAMA_1B, **over):
     kw = run_kwargs(batch_size=8)
     kw.update(over)
-    return hardware.estimate_peak_memory_gib(**shape, **kw)
+    return memory.estimate_peak_memory_gib(**shape, **kw)
 
 
 # ---------------------------------------------------------------- detection
 
 def test_detect_gpus_is_empty_on_this_cpu_machine():
-    assert hardware.detect_gpus() == []
+    assert gpus.detect_gpus() == []
 
 
 def test_cuda_visible_devices_filters_nvml_cards(monkeypatch):
     cards = [GpuInfo("NVIDIA A100-SXM4-40GB", 39.4, (8, 0), index=i, uuid=f"GPU-{i}") for i in range(4)]
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    assert hardware._visible(cards) == cards
+    assert gpus._visible(cards) == cards
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    assert hardware._visible(cards) == []
+    assert gpus._visible(cards) == []
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,3")
-    assert [g.index for g in hardware._visible(cards)] == [1, 3]
+    assert [g.index for g in gpus._visible(cards)] == [1, 3]
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-2")
-    assert [g.index for g in hardware._visible(cards)] == [2]
+    assert [g.index for g in gpus._visible(cards)] == [2]
 
 
 def test_hardware_imports_no_ray_mlflow_or_torch():
@@ -82,7 +86,7 @@ def test_bf16_and_tf32_follow_compute_capability():
     ([H100] * 8, "h100"),
 ])
 def test_preset_from_card_name(gpus, preset):
-    assert hardware.preset_for(gpus) == preset
+    assert presets.preset_for(gpus) == preset
 
 
 @pytest.mark.parametrize("card, preset", [
@@ -94,25 +98,25 @@ def test_preset_from_card_name(gpus, preset):
     (gpu("NVIDIA RTX 4000 Ada Generation", 19.5, (8, 9)), "t4"),
 ])
 def test_unknown_cards_by_memory_and_bf16(card, preset):
-    assert hardware.preset_for([card]) == preset
+    assert presets.preset_for([card]) == preset
 
 
 def test_presets_are_valid_configs_and_t4_avoids_bf16():
-    for name, values in hardware.PRESETS.items():
+    for name, values in presets.PRESETS.items():
         cfg = build_config({})
-        hardware.apply_preset(cfg, name, explicit=set())
+        resolve_mod.apply_preset(cfg, name, explicit=set())
         for key, value in values.items():
-            assert hardware.C.get_dotted(cfg, key) == value, (name, key)
-        hardware.C.validate(cfg)
-    assert hardware.PRESETS["t4"]["model.precision"] == "fp16"
-    assert hardware.PRESETS["cpu"]["model.precision"] == "fp32" and not hardware.PRESETS["cpu"]["model.compile"]
-    assert hardware.PRESETS["a100"]["data.batch_size"] == 32
-    assert hardware.PRESETS["h100"]["data.batch_size"] > hardware.PRESETS["a100"]["data.batch_size"]
+            assert config_mod.get_dotted(cfg, key) == value, (name, key)
+        config_mod.validate(cfg)
+    assert presets.PRESETS["t4"]["model.precision"] == "fp16"
+    assert presets.PRESETS["cpu"]["model.precision"] == "fp32" and not presets.PRESETS["cpu"]["model.compile"]
+    assert presets.PRESETS["a100"]["data.batch_size"] == 32
+    assert presets.PRESETS["h100"]["data.batch_size"] > presets.PRESETS["a100"]["data.batch_size"]
 
 
 def test_apply_preset_reports_changes_and_skips_explicit_keys():
     cfg = Config()
-    changes = hardware.apply_preset(cfg, "a100", explicit={"data.batch_size"})
+    changes = resolve_mod.apply_preset(cfg, "a100", explicit={"data.batch_size"})
     assert cfg.data.batch_size == Config().data.batch_size  # explicit: untouched
     assert "data.batch_size" not in changes
     assert changes["model.precision"] == ("auto", "bf16")
@@ -121,26 +125,26 @@ def test_apply_preset_reports_changes_and_skips_explicit_keys():
 
 def test_auto_resolves_with_given_gpus_and_records_the_preset():
     cfg = Config()
-    changes = hardware.apply_preset(cfg, "auto", explicit=set(), gpus=[T4])
+    changes = resolve_mod.apply_preset(cfg, "auto", explicit=set(), gpus=[T4])
     assert cfg.hardware.preset == "t4" and changes["hardware.preset"] == ("auto", "t4")
     assert cfg.model.precision == "fp16" and cfg.quant.load_in_4bit is True
-    assert hardware.apply_preset(Config(), "none", explicit=set()) == {}
+    assert resolve_mod.apply_preset(Config(), "none", explicit=set()) == {}
     cpu_only = Config()
     cpu_only.scaling.use_gpu = False
-    hardware.apply_preset(cpu_only, "auto", explicit=set(), gpus=[H100])
+    resolve_mod.apply_preset(cpu_only, "auto", explicit=set(), gpus=[H100])
     assert cpu_only.hardware.preset == "cpu"
 
 
 def test_auto_on_this_machine_is_cpu():
     cfg = Config()
-    hardware.apply_preset(cfg, "auto", explicit=set())
+    resolve_mod.apply_preset(cfg, "auto", explicit=set())
     assert cfg.hardware.preset == "cpu" and cfg.model.precision == "fp32"
 
 
 def test_resolve_config_explicit_yaml_and_overrides_win(tmp_path):
     path = tmp_path / "exp.yaml"
     path.write_text("hardware:\n  preset: a100\ndata:\n  batch_size: 5\nmodel:\n  compile: false\n")
-    cfg, changes = hardware.resolve_config(path, ["data.grad_accum=3"])
+    cfg, changes = resolve_mod.resolve_config(path, ["data.grad_accum=3"])
     assert cfg.data.batch_size == 5  # from the YAML file
     assert cfg.model.compile is False  # from the YAML file, though the preset says true
     assert cfg.data.grad_accum == 3  # from the override, though the preset says 1
@@ -152,7 +156,7 @@ def test_resolve_config_explicit_yaml_and_overrides_win(tmp_path):
 def test_resolve_config_auto_with_fake_gpus(tmp_path):
     path = tmp_path / "exp.yaml"
     path.write_text("data:\n  batch_size: 2\n")
-    cfg, changes = hardware.resolve_config(path, ["hardware.preset=auto"], gpus=[RTX4090])
+    cfg, changes = resolve_mod.resolve_config(path, ["hardware.preset=auto"], gpus=[RTX4090])
     assert cfg.hardware.preset == "4090"
     assert cfg.data.batch_size == 2 and cfg.data.grad_accum == 2 and cfg.model.compile is True
 
@@ -160,7 +164,7 @@ def test_resolve_config_auto_with_fake_gpus(tmp_path):
 def test_resolve_config_preset_none_changes_nothing(tmp_path):
     path = tmp_path / "exp.yaml"
     path.write_text("seed: 3\n")
-    cfg, changes = hardware.resolve_config(path, [])
+    cfg, changes = resolve_mod.resolve_config(path, [])
     assert changes == {} and cfg.data.batch_size == Config().data.batch_size
 
 
@@ -168,27 +172,27 @@ def test_resolve_config_still_validates(tmp_path):
     path = tmp_path / "exp.yaml"
     path.write_text("hardware:\n  preset: bogus\n")
     with pytest.raises(ConfigError, match="hardware.preset"):
-        hardware.resolve_config(path, [])
+        resolve_mod.resolve_config(path, [])
 
 
 # ---------------------------------------------------------------- peak FLOP/s and MFU
 
 def test_mfu_of_the_benchmarked_llama_1b_shape_on_an_h100():
-    from raytrain_scu.model import flops_per_token, preset_config
+    from raytrain_scu.core.model import flops_per_token, preset_config
 
     fpt = flops_per_token(preset_config("llama-3.2-1b-shape", 128256), 2048)
     assert fpt == pytest.approx(5.748e9, rel=1e-4)  # docs/benchmarks.md's FLOPs/token
-    peak = hardware.peak_flops("NVIDIA H100 80GB HBM3")
+    peak = gpus.peak_flops("NVIDIA H100 80GB HBM3")
     assert peak == 989e12
     # docs/benchmarks.md, run 1: ours at 76,026 tokens/s per GPU is 44.2% MFU, ray2 at 80,704 is 46.9%
-    assert hardware.mfu(76_026, fpt, peak) == pytest.approx(0.442, abs=5e-4)
-    assert hardware.mfu(80_704, fpt, peak) == pytest.approx(0.469, abs=5e-4)
+    assert gpus.mfu(76_026, fpt, peak) == pytest.approx(0.442, abs=5e-4)
+    assert gpus.mfu(80_704, fpt, peak) == pytest.approx(0.469, abs=5e-4)
 
 
 @pytest.mark.parametrize("name", ["CPU", "cpu", "NVIDIA GeForce GTX 1080", ""])
 def test_no_mfu_where_the_peak_is_unknown(name):
-    assert hardware.peak_flops(name) == 0.0
-    assert hardware.mfu(1e5, 5.7e9, hardware.peak_flops(name)) is None  # left out, never a made-up 0
+    assert gpus.peak_flops(name) == 0.0
+    assert gpus.mfu(1e5, 5.7e9, gpus.peak_flops(name)) is None  # left out, never a made-up 0
 
 
 # ---------------------------------------------------------------- estimator
@@ -208,7 +212,7 @@ def test_shape_from_hf_config_object_and_nested_text_config():
     class Outer:
         text_config = Cfg()
 
-    shape = hardware.shape_from_hf_config(Outer())
+    shape = memory.shape_from_hf_config(Outer())
     assert shape["kv_heads"] == 4 and shape["head_dim"] == 16
     assert shape["n_params"] == 2 * (4 * 64 * 64 + 3 * 64 * 128 + 2 * 64) + 64 + 2 * 1000 * 64
 
@@ -238,11 +242,11 @@ def test_fused_loss_and_fp32_and_compile():
     assert estimate(precision="fp32")["weights_gib"] == pytest.approx(2 * estimate()["weights_gib"])
     # compile: 2 GiB more overhead, but the adapters' saved input copies are fused away
     eager, compiled = estimate(), estimate(compile=True)
-    assert compiled["overhead_gib"] == pytest.approx(eager["overhead_gib"] + hardware.COMPILE_EXTRA_GIB)
+    assert compiled["overhead_gib"] == pytest.approx(eager["overhead_gib"] + memory.COMPILE_EXTRA_GIB)
     assert compiled["activations_gib"] < eager["activations_gib"]
     parts = ("weights_gib", "adapters_gib", "activations_gib", "logits_gib", "overhead_gib")
     assert eager["total_gib"] == pytest.approx(sum(eager[k] for k in parts))
-    assert eager["overhead_gib"] == hardware.CUDA_OVERHEAD_GIB
+    assert eager["overhead_gib"] == memory.CUDA_OVERHEAD_GIB
 
 
 def test_estimate_matches_h200_measurements_at_block_2048():
@@ -251,42 +255,42 @@ def test_estimate_matches_h200_measurements_at_block_2048():
     proj = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     for batch, ckpt, comp, chunk, measured in [(8, False, True, 4096, 28.16), (16, False, True, 4096, 47.94),
                                                 (2, True, False, 256, 3.50)]:
-        e = hardware.estimate_peak_memory_gib(**LLAMA_1B, lora_r=16, lora_targets=proj, load_in_4bit=False,
+        e = memory.estimate_peak_memory_gib(**LLAMA_1B, lora_r=16, lora_targets=proj, load_in_4bit=False,
                                               precision="bf16", batch_size=batch, block_size=2048,
                                               gradient_checkpointing=ckpt, compile=comp, loss_chunk_tokens=chunk)
-        ratio = (e["total_gib"] - hardware.CUDA_OVERHEAD_GIB) / measured
+        ratio = (e["total_gib"] - memory.CUDA_OVERHEAD_GIB) / measured
         assert 0.9 <= ratio <= 1.1, (batch, ckpt, comp, ratio)
 
 
 def test_fit_batch_size_returns_the_largest_batch_that_fits():
     kw = run_kwargs(block_size=1024)
-    b = hardware.fit_batch_size(gpu_mem_gib=40, max_batch_size=256, **LLAMA_1B, **kw)
+    b = memory.fit_batch_size(gpu_mem_gib=40, max_batch_size=256, **LLAMA_1B, **kw)
     assert 1 <= b < 256
-    assert hardware.fit_check(hardware.estimate_peak_memory_gib(batch_size=b, **LLAMA_1B, **kw)["total_gib"], 40)
-    assert not hardware.fit_check(
-        hardware.estimate_peak_memory_gib(batch_size=b + 1, **LLAMA_1B, **kw)["total_gib"], 40)
-    assert hardware.fit_batch_size(gpu_mem_gib=80, max_batch_size=256, **LLAMA_1B, **kw) > b
-    assert hardware.fit_batch_size(gpu_mem_gib=80, max_batch_size=4, **LLAMA_1B, **kw) == 4
+    assert memory.fit_check(memory.estimate_peak_memory_gib(batch_size=b, **LLAMA_1B, **kw)["total_gib"], 40)
+    assert not memory.fit_check(
+        memory.estimate_peak_memory_gib(batch_size=b + 1, **LLAMA_1B, **kw)["total_gib"], 40)
+    assert memory.fit_batch_size(gpu_mem_gib=80, max_batch_size=256, **LLAMA_1B, **kw) > b
+    assert memory.fit_batch_size(gpu_mem_gib=80, max_batch_size=4, **LLAMA_1B, **kw) == 4
 
 
 def test_a_run_that_cannot_fit_raises_naming_alternatives():
     kw = run_kwargs(block_size=4096)
     with pytest.raises(MemoryFitError) as e:
-        hardware.fit_batch_size(gpu_mem_gib=12, max_batch_size=8, **LLAMA_7B, **kw)
+        memory.fit_batch_size(gpu_mem_gib=12, max_batch_size=8, **LLAMA_7B, **kw)
     msg = str(e.value)
     assert "GiB" in msg and "quant.load_in_4bit=true" in msg and "gradient_checkpointing=true" in msg
 
 
 def test_nothing_fits_says_so():
     with pytest.raises(MemoryFitError, match="Nothing fits"):
-        hardware.fit_batch_size(gpu_mem_gib=2, max_batch_size=8, **LLAMA_7B, **run_kwargs())
+        memory.fit_batch_size(gpu_mem_gib=2, max_batch_size=8, **LLAMA_7B, **run_kwargs())
 
 
 def test_fit_to_gpu_shrinks_a_preset_batch_and_keeps_sequences_per_step():
     cfg = Config()
-    hardware.apply_preset(cfg, "a100", explicit=set())
+    resolve_mod.apply_preset(cfg, "a100", explicit=set())
     cfg.data.block_size = 2048
-    changes = hardware.fit_to_gpu(cfg, LLAMA_1B, gpu_mem_gib=40)
+    changes = resolve_mod.fit_to_gpu(cfg, LLAMA_1B, gpu_mem_gib=40)
     new_batch = changes["data.batch_size"][1]
     assert new_batch < 32 and cfg.data.batch_size == new_batch
     assert cfg.data.batch_size * cfg.data.grad_accum >= 32
@@ -295,10 +299,10 @@ def test_fit_to_gpu_shrinks_a_preset_batch_and_keeps_sequences_per_step():
 def test_fit_to_gpu_leaves_a_fitting_config_and_refuses_to_change_an_explicit_batch():
     cfg = Config()
     cfg.data.block_size = 256
-    assert hardware.fit_to_gpu(cfg, LLAMA_1B, gpu_mem_gib=80) == {}
+    assert resolve_mod.fit_to_gpu(cfg, LLAMA_1B, gpu_mem_gib=80) == {}
     cfg.data.batch_size, cfg.data.block_size = 64, 4096
     with pytest.raises(MemoryFitError, match="Would fit"):
-        hardware.fit_to_gpu(cfg, LLAMA_1B, gpu_mem_gib=24, explicit={"data.batch_size"})
+        resolve_mod.fit_to_gpu(cfg, LLAMA_1B, gpu_mem_gib=24, explicit={"data.batch_size"})
     assert cfg.data.batch_size == 64
 
 
@@ -364,15 +368,15 @@ def test_check_units():
 
 
 def test_resolve_config_fits_the_batch_to_the_card_before_launch(tmp_path):
-    a100 = [hardware.GpuInfo("NVIDIA A100-SXM4-40GB", 40.0, (8, 0))]
+    a100 = [gpus.GpuInfo("NVIDIA A100-SXM4-40GB", 40.0, (8, 0))]
     p = tmp_path / "big.yaml"
     p.write_text("model: {name: llama-3.2-1b-shape}\ndata: {block_size: 2048}\nhardware: {preset: auto}\n")
-    cfg, changes = hardware.resolve_config(p, [], gpus=a100)  # the a100 preset's batch 32 is lowered
+    cfg, changes = resolve_mod.resolve_config(p, [], gpus=a100)  # the a100 preset's batch 32 is lowered
     assert cfg.hardware.preset == "a100" and "data.batch_size" in changes
     assert cfg.data.batch_size < 32 and cfg.data.batch_size * cfg.data.grad_accum >= 32
     with pytest.raises(MemoryFitError, match="batch"):  # an explicit batch that cannot fit is refused
-        hardware.resolve_config(p, ["data.batch_size=64"], gpus=a100)
-    cfg, changes = hardware.resolve_config(p, ["data.batch_size=2"], gpus=a100)
+        resolve_mod.resolve_config(p, ["data.batch_size=64"], gpus=a100)
+    cfg, changes = resolve_mod.resolve_config(p, ["data.batch_size=2"], gpus=a100)
     assert cfg.data.batch_size == 2 and "data.batch_size" not in changes
 
 
@@ -382,11 +386,11 @@ def test_measured_memory_splits_the_built_model_by_kind(preset):
     counted twice, and the adapters are exactly the LoRA parameters."""
     import torch
 
-    from raytrain_scu.model import apply_lora, build_model
+    from raytrain_scu.core.model import apply_lora, build_model
 
     model = apply_lora(build_model(preset, vocab_size=512, dtype=torch.float32, device=torch.device("cpu")), r=4,
                        alpha=8, dropout=0.0, targets=["q_proj", "v_proj"])
-    got = hardware.measured_memory_gib(model)
+    got = gpus.measured_memory_gib(model)
     total = sum(p.numel() * 4 for p in model.parameters()) / 2**30
     assert sum(got[k] for k in ("embedding", "lm_head", "adapters", "other_params")) == pytest.approx(total, abs=4e-6)
     emb = model.get_input_embeddings().weight

@@ -9,11 +9,12 @@ import os
 
 import pytest
 import torch
-
 from conftest import TINY
-from raytrain_scu import loss as loss_mod
+
 from raytrain_scu.config import load_config
-from raytrain_scu.loop import LocalHooks, NotLearningError, run_loop
+from raytrain_scu.core import loss as loss_mod
+from raytrain_scu.errors import NotLearningError
+from raytrain_scu.worker.loop import LocalHooks, run_loop
 
 
 def _cfg(tmp_path, *overrides, path=TINY):
@@ -115,9 +116,9 @@ def test_an_int8_embedding_learns_like_the_bf16_one_on_the_real_model(tmp_path):
 @pytest.mark.parametrize("scope", ["layers", "model"])
 def test_compiled_training_matches_eager_on_cpu(scope):
     """Both compile scopes give eager's losses and adapters (fp32 on the CPU; the GPU test above covers bf16)."""
-    from raytrain_scu.loss import CausalLMLoss, compile_for_training
-    from raytrain_scu.model import apply_lora, build_model, load_tokenizer
-    from raytrain_scu.regularizer import adapter_params, lora_b_norm
+    from raytrain_scu.core.loss import CausalLMLoss, compile_for_training
+    from raytrain_scu.core.model import apply_lora, build_model, load_tokenizer
+    from raytrain_scu.core.regularizer import adapter_params, lora_b_norm
 
     tok = load_tokenizer("tiny")
     x = torch.randint(0, len(tok), (2, 32), generator=torch.Generator().manual_seed(0))
@@ -190,7 +191,7 @@ def test_a_resume_refuses_an_initial_adapter_that_differs_from_the_checkpoints(t
     records its Σw², and a rebuild that differs (another peft or torch) is refused rather than trained on."""
     import json
 
-    from raytrain_scu.checkpoint import CheckpointError
+    from raytrain_scu.errors import CheckpointError
 
     keep = tmp_path / "kept"
     common = ["train.max_steps=2", "train.report_every=2", "train.checkpoint_every=2", "controller.prior_center=init"]

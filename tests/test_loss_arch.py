@@ -10,12 +10,11 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-from raytrain_scu import embed_quant
-from raytrain_scu.fused_lora import fuse_lora_projections
-from raytrain_scu.loss import FUSED_HEADS, CausalLMLoss, HeadTransform, chunked_ce_sum
-
-from raytrain_scu.model import apply_lora
-from raytrain_scu.regularizer import adapter_params
+from raytrain_scu.core import embed_quant
+from raytrain_scu.core.fused_lora import fuse_lora_projections
+from raytrain_scu.core.loss import FUSED_HEADS, CausalLMLoss, HeadTransform, chunked_ce_sum
+from raytrain_scu.core.model import apply_lora
+from raytrain_scu.core.regularizer import adapter_params
 
 VOCAB = 96
 BASE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

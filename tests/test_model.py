@@ -4,9 +4,10 @@ import math
 import pytest
 import torch
 
-from raytrain_scu.loss import CausalLMLoss, chunked_ce_sum
-from raytrain_scu.model import ModelError, apply_lora, build_model, check_model_source, load_tokenizer
-from raytrain_scu.regularizer import adapter_params
+from raytrain_scu.core.loss import CausalLMLoss, chunked_ce_sum
+from raytrain_scu.core.model import apply_lora, build_model, check_model_source, load_tokenizer
+from raytrain_scu.core.regularizer import adapter_params
+from raytrain_scu.errors import ModelError
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +88,7 @@ def _hf_sdpa_twin(model, tok):
     """The same weights under transformers' own "sdpa" attention."""
     from transformers import AutoModelForCausalLM
 
-    from raytrain_scu.model import preset_config
+    from raytrain_scu.core.model import preset_config
 
     ref = AutoModelForCausalLM.from_config(preset_config("tiny", len(tok)), attn_implementation="sdpa")
     ref.load_state_dict(model.state_dict())
@@ -95,7 +96,7 @@ def _hf_sdpa_twin(model, tok):
 
 
 def test_causal_sdpa_runs_the_causal_kernel_under_compile_and_matches_hf(tok, monkeypatch):
-    from raytrain_scu.model import CAUSAL_SDPA
+    from raytrain_scu.core.model import CAUSAL_SDPA
 
     model = build_model("tiny", vocab_size=len(tok), seed=3).eval()
     assert model.config._attn_implementation == CAUSAL_SDPA
@@ -176,7 +177,7 @@ def test_quantised_preset_cache_follows_the_presets_dimensions(tmp_path, monkeyp
     shape, never the old one (the cache used to be keyed by name, vocabulary and seed only)."""
     import json as _json
 
-    from raytrain_scu import model as M
+    from raytrain_scu.core import model as M
 
     first = M._preset_on_disk("tiny", 2048, 0, str(tmp_path))
     monkeypatch.setitem(M.PRESETS, "tiny", {**M.PRESETS["tiny"], "intermediate_size": 192})

@@ -1,7 +1,7 @@
 """profiling.idle_account on a hand-made Chrome trace: the idle time inside the profiled steps, each idle stretch
 charged to what ended it (the launching operator and its phase, or a host wait). The GPU run writes the real one
 (docs/bench/profiles/); the CPU profile itself is tested in test_learning.py."""
-from raytrain_scu.profiling import idle_account
+from raytrain_scu.worker.profiling import idle_account
 
 
 def x(name, cat, ts, dur, pid=1, tid=1, **args):

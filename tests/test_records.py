@@ -4,9 +4,10 @@ import re
 from pathlib import Path
 
 from conftest import tiny_cfg
+
 from raytrain_scu.config import flatten
+from raytrain_scu.driver.run import best_checkpoint
 from raytrain_scu.tracking import config_changes, param_text
-from raytrain_scu.train import best_checkpoint
 
 
 def test_best_checkpoint_is_the_lowest_val_bpt_in_any_order():
@@ -78,7 +79,7 @@ def test_each_config_change_is_the_next_revision_of_the_mlflow_run(tmp_path, cap
     import yaml
 
     from raytrain_scu import tracking
-    from raytrain_scu.train import record_config_change
+    from raytrain_scu.driver.run import record_config_change
 
     def cfg(*over):
         return tiny_cfg(tmp_path, "ext", "train.max_steps=30", *over)
@@ -110,7 +111,7 @@ def test_a_config_change_without_mlflow_is_printed_from_the_checkpoint_config(tm
     import json
 
     from raytrain_scu.config import to_yaml
-    from raytrain_scu.train import record_config_change
+    from raytrain_scu.driver.run import record_config_change
 
     ckpt = tmp_path / "checkpoint_00000030"  # the two files of a checkpoint this reads
     ckpt.mkdir()

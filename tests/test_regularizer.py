@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from raytrain_scu.regularizer import adapter_params, param_bpt, penalty_nats, sum_of_squares
+from raytrain_scu.core.regularizer import adapter_params, param_bpt, penalty_nats, sum_of_squares
 
 
 def tensors(seed=0):
@@ -78,7 +78,7 @@ def _tiny_lora(targets, **lora_kw):
 
 
 def test_lora_on_embeddings_is_trained_and_counted():
-    from raytrain_scu.loss import CausalLMLoss
+    from raytrain_scu.core.loss import CausalLMLoss
 
     model = _tiny_lora(["q_proj", "embed_tokens"])
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -129,7 +129,7 @@ def test_centred_prior_counts_the_update_only():
 def test_parts_split_parambpt_into_a_b_and_the_update():
     from peft import LoraConfig, get_peft_model
 
-    from raytrain_scu.regularizer import initial_centers, param_bpt_parts
+    from raytrain_scu.core.regularizer import initial_centers, param_bpt_parts
 
     torch.manual_seed(0)
     m = torch.nn.Sequential(torch.nn.Linear(6, 6))

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import ROOT, cli, free_port, mlflow_runs, tiny_cfg
 from safetensors.torch import load_file
 
-from conftest import ROOT, cli, free_port, mlflow_runs, tiny_cfg
-from raytrain_scu import checkpoint as ckpt
+from raytrain_scu.core import checkpoint as ckpt
 
 SECRETS = {"HF_TOKEN": "hf_SECRETtoken123", "MLFLOW_TRACKING_PASSWORD": "mlflowSECRETpw456",
            "AWS_SECRET_ACCESS_KEY": "awsSECRETkey789"}
@@ -30,7 +30,7 @@ SECRETS = {"HF_TOKEN": "hf_SECRETtoken123", "MLFLOW_TRACKING_PASSWORD": "mlflowS
 # ---------------------------------------------------------------- helpers
 
 def tiny_peft():
-    from raytrain_scu.model import apply_lora, build_model
+    from raytrain_scu.core.model import apply_lora, build_model
 
     torch.manual_seed(0)
     return apply_lora(build_model("tiny", vocab_size=256), r=2, alpha=4, targets=["q_proj", "v_proj"])
@@ -146,7 +146,7 @@ def test_verify_names_what_is_wrong(tmp_path, damage, reason):
 def test_fallback_to_previous_good_checkpoint_and_clear_error_when_none(tmp_path):
     from ray.train import Checkpoint
 
-    from raytrain_scu import launch
+    from raytrain_scu.ray import hooks as launch
 
     model = tiny_peft()
     old, new = write(tmp_path / "checkpoint_00000010", model, 10), write(tmp_path / "checkpoint_00000020", model, 20)
@@ -198,7 +198,7 @@ def dropout_mask(model) -> torch.Tensor:
 
 
 def test_ranks_share_the_lora_init_but_draw_distinct_dropout_masks():
-    from raytrain_scu.model import apply_lora, build_model
+    from raytrain_scu.core.model import apply_lora, build_model
 
     def rank_model(r):  # the loop's seeding: one init seed for every rank, then a stream of the rank's own
         torch.manual_seed(0)
@@ -257,7 +257,7 @@ def resume_pick_worker(r: int, port: int, roots: list, out: str) -> None:
     import torch.distributed as tdist
     from ray.train import Checkpoint
 
-    from raytrain_scu import launch
+    from raytrain_scu.ray import hooks as launch
 
     tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=r, world_size=2,
                              timeout=timedelta(seconds=60))
@@ -323,7 +323,7 @@ def figures(**kw) -> None:
 def test_sigkill_worker_mid_run_recovers_exactly(ray_local, tmp_path, monkeypatch):
     import psutil
 
-    from raytrain_scu.train import run
+    from raytrain_scu.driver.run import run
 
     common = ["train.max_steps=30", "train.checkpoint_every=10", "train.report_every=5", "run.max_failures=2"]
     t0 = time.time()
@@ -392,7 +392,7 @@ def test_sigkill_worker_mid_run_recovers_exactly(ray_local, tmp_path, monkeypatc
     (3.0, float("inf"), 1.0, True, "skipped"), (float("inf"), 0.1, 1.0, False, "skipped")])
 def test_step_outcome_tells_an_fp16_overflow_from_a_nonfinite_loss(data_bpt, param_bpt, grad_norm, loss_scaling,
                                                                    outcome):
-    from raytrain_scu.loop import step_outcome
+    from raytrain_scu.worker.loop import step_outcome
 
     assert step_outcome(data_bpt, param_bpt, grad_norm, loss_scaling=loss_scaling) == outcome
 
@@ -400,7 +400,7 @@ def test_step_outcome_tells_an_fp16_overflow_from_a_nonfinite_loss(data_bpt, par
 def test_a_real_grad_scaler_overflow_is_an_overflow_not_a_skipped_step():
     """The loop's optimizer step with a real GradScaler (on CPU; fp16 runs need CUDA): an inf gradient under a
     finite loss is skipped by the scaler, which halves its scale; a NaN loss is skipped by us and also backs off."""
-    from raytrain_scu.loop import optimizer_step
+    from raytrain_scu.worker.loop import optimizer_step
 
     torch.manual_seed(0)
     layer = torch.nn.Linear(4, 4)
@@ -439,7 +439,7 @@ def test_a_real_grad_scaler_overflow_is_an_overflow_not_a_skipped_step():
 
 @pytest.mark.slow
 def test_nonfinite_steps_are_skipped_and_counted(ray_local, tmp_path, monkeypatch):
-    from raytrain_scu.train import run
+    from raytrain_scu.driver.run import run
 
     monkeypatch.setenv("RAYTRAIN_SCU_NAN_AT_STEPS", "5,6")  # the loss of steps 5 and 6 is multiplied by NaN
     s = run(tiny_cfg(tmp_path, "nan", "tracking.enabled=false", "train.max_steps=8", "train.checkpoint_every=2",
@@ -487,7 +487,8 @@ def test_consecutive_nonfinite_steps_stop_the_run_with_a_clear_error(ray_local, 
 
 @pytest.mark.slow
 def test_corrupt_latest_checkpoint_falls_back_then_none_good_is_a_clear_error(ray_local, tmp_path, capfd):
-    from raytrain_scu.train import PreflightError, run
+    from raytrain_scu.driver.run import run
+    from raytrain_scu.errors import PreflightError
 
     args = ["tracking.enabled=false", "train.max_steps=20", "train.checkpoint_every=10", "train.report_every=5"]
     first = run(tiny_cfg(tmp_path, "c", *args), quiet=True)
@@ -618,7 +619,7 @@ def two_node_scenario(storage: str) -> dict:
     from ray.cluster_utils import Cluster
     from ray.util.state import list_actors
 
-    from raytrain_scu.train import run
+    from raytrain_scu.driver.run import run
 
     hold = Path(storage) / "hold"
     os.environ.update(RAYTRAIN_SCU_HOLD_AT_STEP="15", RAYTRAIN_SCU_HOLD_DIR=str(hold))
@@ -711,7 +712,7 @@ def test_resume_considers_every_checkpoint_on_disk_newest_first(tmp_path):
 
     from ray.train import Checkpoint
 
-    from raytrain_scu.launch import checkpoint_candidates
+    from raytrain_scu.ray.hooks import checkpoint_candidates
 
     for name in ("checkpoint_00000010", "checkpoint_00000020", "checkpoint_00000030_from00000010",
                  "checkpoint_00000050", "checkpoint_00000060.partial"):

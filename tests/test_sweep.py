@@ -8,10 +8,16 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-
 from conftest import ROOT, TINY, tiny_cfg
-from raytrain_scu import sweep, sweep_results, sweep_space, tracking
-from raytrain_scu.config import ConfigError, global_batch_tokens, load_config, to_yaml
+
+from raytrain_scu import tracking
+from raytrain_scu.cli import sweep as sweep_cli
+from raytrain_scu.config import global_batch_tokens, load_config, to_yaml
+from raytrain_scu.driver import sweep as driver_sweep
+from raytrain_scu.errors import ConfigError
+from raytrain_scu.ray.tune import results as sweep_results
+from raytrain_scu.ray.tune import space as sweep_space
+from raytrain_scu.ray.tune import sweep
 
 # a 1-worker tiny run: val/data_bpt measured at every report so ASHA compares fresh values
 FAST = ["scaling.num_workers=1", "train.max_steps=6", "train.report_every=2", "train.eval_every=2",
@@ -74,7 +80,7 @@ def test_micro_batch_is_scored_on_speed_never_on_a_loss(tmp_path):
 def test_micro_batch_changes_the_loss_only_by_float_noise(tmp_path):
     # the premise of the rule above, on the real loop (one process, no Ray): 4 x 2 and 8 x 1 sequences per step train
     # on the same stream and score the same fixed validation blocks (eval at batch 4 and at batch 8)
-    from raytrain_scu.loop import LocalHooks, run_loop
+    from raytrain_scu.worker.loop import LocalHooks, run_loop
 
     runs = {}
     for batch, accum in ((4, 2), (8, 1)):
@@ -226,29 +232,31 @@ def test_concurrent_trials_from_cluster_resources(tmp_path):
 
 
 def test_space_results_and_ablation_modules_import_no_ray():
-    # Ray lives at the edge: only sweep.py (the Tune wiring) imports it; a fresh interpreter shows what each pulls in
+    # Ray lives at the edge: only ray/ imports it, and of the sweep only its Tune wiring; a fresh interpreter shows
+    # what each module pulls in
     import subprocess
 
-    code = ("import sys; import raytrain_scu.sweep_space, raytrain_scu.sweep_results, raytrain_scu.ablation; "
+    code = ("import sys; import raytrain_scu.ray.tune.space, raytrain_scu.ray.tune.results, "
+            "raytrain_scu.studies.ablation.run; "
             "print(sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 
 
 def test_cli_without_a_config_prints_usage_and_exits_2(capsys):
-    assert sweep.main(["--lr"]) == 2
+    assert sweep_cli.main(["--lr"]) == 2
     assert capsys.readouterr().out.startswith("usage: ")
-    assert sweep.main(["--help"]) == 0
+    assert sweep_cli.main(["--help"]) == 0
 
 
 def test_cli_memory_fit_error_exits_2(tmp_path, monkeypatch, capsys):
-    from raytrain_scu.hardware import MemoryFitError
+    from raytrain_scu.errors import MemoryFitError
 
     def no_fit(cfg, with_lr):
         raise MemoryFitError("data.batch_size=64 does not fit")
 
-    monkeypatch.setattr(sweep, "run_sweep", no_fit)
-    assert sweep.main([TINY, f"run.storage_path={tmp_path}"]) == 2
+    monkeypatch.setattr(driver_sweep, "sweep", no_fit)
+    assert sweep_cli.main([TINY, f"run.storage_path={tmp_path}"]) == 2
     assert capsys.readouterr().err == "error: data.batch_size=64 does not fit\n"
 
 
@@ -263,11 +271,11 @@ def test_cli_memory_fit_error_exits_2(tmp_path, monkeypatch, capsys):
     (["controller.target_s=1.5"], "controller.target_s"),
 ])
 def test_cli_errors_exit_2_before_ray(tmp_path, monkeypatch, capsys, overrides, message):
-    import raytrain_scu.launch
+    from raytrain_scu.ray.tune import sweep as tune_sweep
 
     monkeypatch.setitem(sys.modules, "optuna", None)
-    monkeypatch.setattr(raytrain_scu.launch, "init_ray", lambda cfg: pytest.fail("Ray started"))
-    assert sweep.main([TINY, f"run.storage_path={tmp_path}", *overrides]) == 2
+    monkeypatch.setattr(tune_sweep, "init_ray", lambda cfg: pytest.fail("Ray started"))
+    assert sweep_cli.main([TINY, f"run.storage_path={tmp_path}", *overrides]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err
 
@@ -381,13 +389,13 @@ def sweep_runs(cfg, summary):
 
 @pytest.mark.slow
 def test_three_trial_sweep_asha_stops_the_bad_one_children_linked_best_yaml_trains(ray_local, tmp_path):
-    from raytrain_scu.train import run
+    from raytrain_scu.driver.run import run
 
     # one trial at a time in grid order, the bad lr last: ASHA judges it against the others at the first rung (step 2)
     cfg = base(tmp_path, "train.max_steps=8", "train.checkpoint_every=8", "tune.search=grid",
                "tune.space={optim.lr: {grid: [0.01, 0.005, 1e-7]}}", "tune.scheduler=asha", "tune.grace_period=1",
                "tune.max_concurrent_trials=1")
-    summary = sweep.run_sweep(cfg)
+    summary = driver_sweep.sweep(cfg)
     rows = summary["rows"]
     by_lr = {r["params"]["optim.lr"]: r for r in rows}
     assert len(rows) == 3 and not summary["errors"]
@@ -441,9 +449,9 @@ def test_interrupted_sweep_resumes_when_rerun(ray_local, tmp_path, monkeypatch):
     monkeypatch.setenv("RAYTRAIN_SCU_FAULT_AT_STEP", "5")
     cfg = base(tmp_path, "train.max_steps=8", "train.checkpoint_every=4", "run.max_failures=0",
                "tune.space={optim.lr: {grid: [0.003]}}", "tune.search=grid")
-    first = sweep.run_sweep(cfg)
+    first = driver_sweep.sweep(cfg)
     assert first["rows"][0]["status"] == "FAILED" and first["errors"]
-    second = sweep.run_sweep(base(tmp_path, "train.max_steps=8", "train.checkpoint_every=4", "run.max_failures=0",
+    second = driver_sweep.sweep(base(tmp_path, "train.max_steps=8", "train.checkpoint_every=4", "run.max_failures=0",
                                   "tune.space={optim.lr: {grid: [0.003]}}", "tune.search=grid"))
     row = second["rows"][0]
     assert (row["trial"], row["status"], row["steps"]) == (first["rows"][0]["trial"], "FINISHED", 8)

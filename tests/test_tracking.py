@@ -4,10 +4,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import free_port, mlflow_runs, tiny_cfg
-from raytrain_scu.checkpoint import read_meta
-from raytrain_scu.train import run
+
+from raytrain_scu.core.checkpoint import read_meta
+from raytrain_scu.driver.run import run
 from raytrain_scu.tracking import BEST_STEP_TAG, CHANGES_TAG, REVISION_TAG, RUN_KEY_TAG, run_key
 
 pytestmark = pytest.mark.slow

@@ -3,11 +3,11 @@ import json
 
 import pytest
 import torch
+from conftest import cli, tiny_cfg
 from safetensors.torch import load_file
 
-from conftest import cli, tiny_cfg
-from raytrain_scu.launch import build_trainer
-from raytrain_scu.train import run
+from raytrain_scu.driver.run import run
+from raytrain_scu.ray.launch import build_trainer
 
 pytestmark = pytest.mark.slow
 
@@ -99,7 +99,7 @@ def test_fixed_large_lambda_shrinks_adapter(ray_local, tmp_path):
 def test_exported_adapter_loads_with_peft(finished_run):
     from peft import PeftModel
 
-    from raytrain_scu.model import build_model, load_tokenizer
+    from raytrain_scu.core.model import build_model, load_tokenizer
 
     s = finished_run[1]
     tok = load_tokenizer("tiny")
@@ -163,8 +163,9 @@ def test_loop_logs_mfu_where_the_card_peak_is_known_and_leaves_it_out_elsewhere(
     and the MLflow run carry perf/mfu = tokens/s per GPU x FLOPs/token / peak; on this CPU there is no peak, so no
     perf/mfu at all (not 0) and one line that says so."""
     from conftest import mlflow_runs
-    from raytrain_scu import loop
-    from raytrain_scu.model import flops_per_token, load_tokenizer, preset_config
+
+    from raytrain_scu.core.model import flops_per_token, load_tokenizer, preset_config
+    from raytrain_scu.worker import loop
 
     common = ["scaling.num_workers=1", "train.max_steps=4", "train.report_every=2", "train.checkpoint_every=4"]
     fpt = flops_per_token(preset_config("tiny", len(load_tokenizer("tiny"))), 64)  # tiny-cpu.yaml: block 64
@@ -191,7 +192,8 @@ def test_more_workers_than_the_joined_cluster_has_are_refused_before_any_starts(
     import time
 
     from conftest import TINY
-    from raytrain_scu.train import main
+
+    from raytrain_scu.cli.train import main
 
     t0 = time.time()
     code = main([TINY, "scaling.num_workers=3", "scaling.cpus_per_worker=2", f"run.storage_path={tmp_path}",

@@ -1,0 +1,40 @@
+"""``python -m raytrain_scu.generate RUN_DIR "prompt"``: try a trained adapter on its base model.
+
+RUN_DIR is a run directory (``<run.storage_path>/<run.name>``), its ``output/``, or one checkpoint directory. A
+finished run supplies ``output/config.yaml`` and ``output/adapter``; an unfinished one its newest good checkpoint.
+The base model is rebuilt from the run's config: a real model from the same local path, GGUF file or hub id (offline
+with ``HF_HUB_OFFLINE=1`` once cached), a random-init preset from ``output/base_model.json``, which records the seed,
+dtype and device its weights were drawn with.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from raytrain_scu.driver.generate import complete, find_run, load_for_generation
+from raytrain_scu.errors import EvalError, GenerateError, ModelError
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m raytrain_scu.generate", description=__doc__.split("\n\n")[0])
+    p.add_argument("run_dir", help="<run.storage_path>/<run.name>, its output/, or a checkpoint directory")
+    p.add_argument("prompt")
+    p.add_argument("--max-new-tokens", type=int, default=60)
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    try:
+        cfg, adapter, recipe = find_run(args.run_dir)
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        model, tok = load_for_generation(cfg, adapter, recipe, device)
+    except (GenerateError, EvalError, ModelError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    text = complete(model, tok, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                    top_p=args.top_p, seed=args.seed)
+    print(args.prompt + text, flush=True)
+    return 0
+

@@ -1,0 +1,55 @@
+"""``python -m raytrain_scu.train [--verbose] CONFIG.yaml key=value...``: resolve the config, then run it on Ray Train.
+
+Exit 0 when the run finished, 2 for bad input (found before any worker starts where possible), 130 after Ctrl-C
+(the run stops after the current step with a checkpoint), 1 when the run failed (its root cause in one line).
+"""
+from __future__ import annotations
+
+import shlex
+import sys
+
+from raytrain_scu.config.io import help_text
+from raytrain_scu.config.resolve import resolve
+from raytrain_scu.errors import USER_ERRORS, Interrupted
+
+USAGE = "usage: python -m raytrain_scu.train [--verbose] CONFIG.yaml [key=value ...]"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    resume_cmd = shlex.join(["python", "-m", "raytrain_scu.train", *argv])
+    verbose = "--verbose" in argv  # Ray's and the workers' logs on the console, as well as in their files
+    argv = [a for a in argv if a != "--verbose"]
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        if argv:  # --help: every key, its default and meaning, generated from the config tree
+            print("\n" + help_text())
+        return 0 if argv else 2
+    try:
+        cfg = resolve(argv[0], argv[1:])  # presets, memory fit and checks, once
+    except USER_ERRORS as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    # the driver imports torch, transformers and Ray: only once the config is known to be good
+    from raytrain_scu.driver import run as driver
+
+    try:
+        driver.run(cfg, verbose=verbose)
+    except USER_ERRORS as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except (Interrupted, KeyboardInterrupt) as e:  # Ctrl-C: the MLflow run is KILLED, exit 130
+        step = getattr(e, "step", None)
+        done = ", checkpoint written" if getattr(e, "checkpointed", False) else ", no checkpoint of it"
+        print("[raytrain_scu] interrupted" + (f" at step {step}{done}" if step is not None else "")
+              + f"; resume: {resume_cmd}", flush=True)
+        return 130
+    except Exception as e:  # noqa: BLE001 - a failed run: its root cause in one line, not Ray's wrapping
+        cause, notices = driver.failure(e)
+        if cause is None:
+            raise
+        for text in notices:  # what rank 0 said that no report carried: the failure's context
+            print(f"[raytrain_scu] {text}", flush=True)
+        print(f"error: {cause}", file=sys.stderr)
+        return 1
+    return 0

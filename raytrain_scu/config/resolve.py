@@ -1,0 +1,147 @@
+"""THE front door of every CLI: a YAML file and ``key=value`` overrides -> the final Config, with the strict build and
+checks, the hardware preset and the memory fit each done once (:func:`resolve`).
+
+This module sits above ``core``: it reads the cards (``hardware``) and the model's shape (``core.model``). The rest
+of ``config`` stays pure and imports neither.
+"""
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+from raytrain_scu.config.checks import validate
+from raytrain_scu.config.io import default_run_name, explicit_keys, get_dotted, load_raw
+from raytrain_scu.config.load import build_config
+from raytrain_scu.config.schema import Config
+from raytrain_scu.core.model import model_config
+from raytrain_scu.errors import ConfigError, MemoryFitError
+from raytrain_scu.hardware.gpus import GpuInfo, detect_gpus
+from raytrain_scu.hardware.memory import (
+    USABLE_FRACTION,
+    estimate_peak_memory_gib,
+    fit_check,
+    largest_batch,
+    no_fit_message,
+    shape_from_hf_config,
+)
+from raytrain_scu.hardware.presets import PRESETS, preset_for
+
+
+def _set(cfg: Config, key: str, value: Any) -> None:
+    *path, leaf = key.split(".")
+    node: Any = cfg
+    for part in path:
+        node = getattr(node, part)
+    setattr(node, leaf, value)
+
+
+def apply_preset(cfg: Config, preset_name: str, explicit: set[str],
+                 gpus: Optional[list[GpuInfo]] = None) -> dict[str, tuple[Any, Any]]:
+    """Set ``preset_name``'s values on ``cfg`` in place, except keys in ``explicit`` (explicit config values
+    always win). ``auto`` resolves through :func:`preset_for` on ``gpus`` (default: :func:`detect_gpus`; none
+    with ``scaling.use_gpu=false``) and writes the resolved name to ``hardware.preset`` so the recorded
+    config says which preset ran. Returns ``{key: (old, new)}`` for every value that changed."""
+    if preset_name == "none":
+        return {}
+    changes: dict[str, tuple[Any, Any]] = {}
+    if preset_name == "auto":
+        if cfg.scaling.use_gpu is False:
+            gpus = []
+        preset_name = preset_for(detect_gpus() if gpus is None else gpus)
+        changes["hardware.preset"] = ("auto", preset_name)
+        cfg.hardware.preset = preset_name
+    if preset_name not in PRESETS:
+        raise ConfigError(f"hardware.preset: unknown preset {preset_name!r}, expected one of "
+                            f"none, auto, {', '.join(PRESETS)}")
+    for key, value in PRESETS[preset_name].items():
+        if key in explicit:
+            continue
+        old = get_dotted(cfg, key)
+        if old != value:
+            _set(cfg, key, value)
+            changes[key] = (old, value)
+    return changes
+
+
+def resolve_config(path: Optional[str | Path], overrides: list[str] | tuple[str, ...] = (),
+                   gpus: Optional[list[GpuInfo]] = None) -> tuple[Config, dict[str, tuple[Any, Any]]]:
+    """Load a config like :func:`config.load_config`, then apply ``hardware.preset`` under the keys the
+    YAML file and overrides did not set. Returns ``(cfg, {key: (old, new)})``."""
+    tree = load_raw(path, overrides)
+    explicit = explicit_keys(tree)
+    cfg = build_config(tree, default_name=default_run_name(path))
+    changes: dict[str, tuple[Any, Any]] = {}
+    found = [] if cfg.scaling.use_gpu is False else (detect_gpus() if gpus is None else gpus)
+    if cfg.hardware.preset != "none":  # (no preset sets scaling.use_gpu: `found` stays right)
+        changes = apply_preset(cfg, cfg.hardware.preset, explicit, gpus=found)
+        validate(cfg)
+    shape = model_shape(cfg) if found else None
+    if shape is not None:  # before launch: lower a default/preset batch, or refuse an explicit one that can't fit
+        changes.update(fit_to_gpu(cfg, shape, min(g.memory_gib for g in found), explicit))
+        validate(cfg)
+    return cfg, changes
+
+
+def resolve(path: Optional[str | Path], overrides: list[str] | tuple[str, ...] = (), *,
+            gpus: Optional[list[GpuInfo]] = None, announce: bool = True) -> Config:
+    """THE way a CLI turns a YAML file and ``key=value`` overrides into the final config: strict build and checks,
+    the hardware preset, the memory fit, each once (:func:`resolve_config`). With ``announce`` every value a preset
+    or the fit changed is printed (stderr), so a run never silently differs from its file."""
+    cfg, changes = resolve_config(path, overrides, gpus=gpus)
+    if announce:
+        for key, (old, new) in changes.items():
+            print(f"[raytrain_scu] preset {cfg.hardware.preset}: {key} {old!r} -> {new!r}", file=sys.stderr,
+                  flush=True)
+    return cfg
+
+
+def model_shape(cfg: Config) -> Optional[dict[str, int]]:
+    """The estimator's shape of the config's model, or None when its config cannot be read here (the run's own
+    pre-flight check then says why)."""
+    try:
+        m = cfg.model
+        return shape_from_hf_config(model_config(m.name, gguf_file=m.gguf_file, cache_dir=m.cache_dir,
+                                                 trust_remote_code=m.trust_remote_code))
+    except Exception:  # noqa: BLE001 - a missing model is reported by the pre-flight check, with its reason
+        return None
+
+
+
+
+def memory_kwargs(cfg: Config) -> dict[str, Any]:
+    """The estimator keywords a Config decides (everything but the model shape)."""
+    return {"lora_r": cfg.lora.r, "lora_targets": list(cfg.lora.target_modules),
+            "load_in_4bit": cfg.quant.load_in_4bit, "precision": cfg.model.precision,
+            "batch_size": cfg.data.batch_size, "block_size": cfg.data.block_size,
+            "gradient_checkpointing": cfg.model.gradient_checkpointing, "compile": cfg.model.compile,
+            "fused_loss": cfg.model.fused_loss, "loss_chunk_tokens": cfg.model.loss_chunk_size,
+            "embedding_int8": cfg.quant.embedding_int8, "offload_embedding": cfg.quant.offload_embedding}
+
+
+
+
+def fit_to_gpu(cfg: Config, shape: dict[str, int], gpu_mem_gib: float, explicit: set[str] = frozenset(),
+               usable_fraction: float = USABLE_FRACTION) -> dict[str, tuple[Any, Any]]:
+    """Make ``cfg`` fit the card before training starts, in place. If the configured batch fits, nothing
+    changes. If ``data.batch_size`` came from a default or a preset, it drops to the largest batch that
+    fits and ``data.grad_accum`` (unless explicit) rises to keep the sequences per step. An explicit batch
+    that does not fit is an error naming what would. Returns ``{key: (old, new)}``."""
+    kwargs = {**shape, **memory_kwargs(cfg)}
+    batch_size = kwargs.pop("batch_size")
+    total = estimate_peak_memory_gib(batch_size=batch_size, **kwargs)["total_gib"]
+    if fit_check(total, gpu_mem_gib, usable_fraction):
+        return {}
+    if "data.batch_size" in explicit:
+        raise MemoryFitError(no_fit_message(batch_size, gpu_mem_gib, usable_fraction, kwargs))
+    best = largest_batch(gpu_mem_gib, batch_size, usable_fraction, **kwargs)
+    if best < 1:
+        raise MemoryFitError(no_fit_message(batch_size, gpu_mem_gib, usable_fraction, kwargs))
+    changes: dict[str, tuple[Any, Any]] = {"data.batch_size": (batch_size, best)}
+    cfg.data.batch_size = best
+    if "data.grad_accum" not in explicit:
+        accum = math.ceil(batch_size * cfg.data.grad_accum / best)
+        changes["data.grad_accum"] = (cfg.data.grad_accum, accum)
+        cfg.data.grad_accum = accum
+    return changes

@@ -1,0 +1,237 @@
+"""The config's dataclass tree: the only home of raytrain_scu's defaults, with each key's meaning beside it.
+
+Loading (YAML, ``key=value`` overrides, the strict build) is :mod:`.io` and :mod:`.load`, the cross-field checks
+:mod:`.checks`. Every module here is pure: no I/O at import or in validation, no heavy imports.
+"""
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from typing import Optional
+
+from raytrain_scu.errors import ConfigError
+
+ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+FUSED_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"]  # what model.fuse_lora fuses
+
+# keys that no longer exist -> what replaces them: a config that still sets one gets an error naming the replacement
+REMOVED_KEYS = {
+    "train.eval_batches": "train.eval_blocks (validation blocks scored at each eval, 0 = the whole split): "
+                          "eval_batches scored eval_batches x data.batch_size x scaling.num_workers blocks, a "
+                          "different validation set for every batch size and worker count",
+}
+
+
+@dataclass
+class ModelConfig:
+    # a built-in random-init preset (model.PRESETS: "tiny", "llama-3.2-1b-shape", ...), a hub id, or a local directory
+    name: str = "tiny"
+    gguf_file: str = ""  # a GGUF file inside `name` (a directory) or an absolute path
+    tokenizer: str = ""  # "" = the model's own; presets use a BPE trained on the bundled Shakespeare
+    precision: str = "auto"  # auto | bf16 | fp16 | fp32 (auto: bf16 on capable GPUs, fp16 on older, fp32 on CPU)
+    # sdpa | eager | flash_attention_2 | any name transformers knows (sdpa gets a causal no-mask shortcut)
+    attn_implementation: str = "sdpa"
+    gradient_checkpointing: bool = False  # recompute activations in the backward pass: less memory, ~30 % slower
+    compile: bool = False  # torch.compile the model (what hardware presets pick on A100/H100/H200/4090)
+    # torch.compile mode: default | reduce-overhead | max-autotune | max-autotune-no-cudagraphs
+    compile_mode: str = "default"
+    # layers: each decoder layer compiled alone, all sharing one compiled code (seconds); model: one graph (minutes)
+    compile_scope: str = "layers"
+    fused_loss: bool = True  # chunked linear + cross-entropy: logits are never materialised in fp32
+    loss_chunk_size: int = 4096  # tokens per chunk of the fused loss
+    fuse_lora: bool = False  # Llama: q/k/v, gate/up one frozen GEMM each + one of their LoRA A's (fused_lora.py)
+    base_fp8: bool = False  # LoRA-base GEMMs in FP8 e4m3, rowwise (fp8.py): CUDA >= 8.9; CPU: torch 2.13, not 2.11
+    trust_remote_code: bool = False  # allow a hub model's own Python code (transformers' trust_remote_code)
+    cache_dir: str = ""  # where converted GGUF models and tokenizers are cached ("" = ~/.cache/raytrain_scu)
+
+
+@dataclass
+class LoraConfig:
+    r: int = 16  # LoRA rank
+    alpha: int = 32  # LoRA alpha: the update is scaled by alpha / r
+    dropout: float = 0.0  # dropout on the LoRA input (each rank draws its own masks)
+    # module names that get adapters (all-linear = every linear layer but the head)
+    target_modules: list[str] = field(default_factory=lambda: list(ALL_LINEAR))
+
+
+@dataclass
+class QuantConfig:
+    load_in_4bit: bool = False  # QLoRA: the frozen base in 4 bits (bitsandbytes; CUDA)
+    quant_type: str = "nf4"  # nf4 | fp4
+    double_quant: bool = True  # also quantise the 4-bit quantisation constants
+    # the frozen token embedding and LM head (one table when tied) in int8, a scale per row: half their bf16 memory
+    embedding_int8: bool = False
+    offload_embedding: bool = False  # the input embedding in CPU memory, its rows copied per batch (untied models)
+
+
+@dataclass
+class DataConfig:
+    # source: shakespeare | text (file, directory or glob) | jsonl | hf_disk | hf_hub | auto (from path)
+    source: str = "shakespeare"
+    path: str = ""  # file, directory or glob of the text/jsonl source; dataset name or directory for hf_*
+    text_field: str = "text"  # the field holding the text (jsonl and hf_* sources)
+    max_documents: int = 0  # 0 = all documents of the source
+    block_size: int = 256  # tokens per training sequence
+    batch_size: int = 8  # sequences per worker per micro-step
+    grad_accum: int = 1  # micro-steps per optimizer step
+    val_fraction: float = 0.1  # share of documents held out for validation (split by document, seeded)
+    cache_dir: str = ""  # token cache ("" = ~/.cache/raytrain_scu/tokens)
+    loader_workers: int = 0  # background processes that read batches (0 = in the training process)
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 2e-4  # peak learning rate (AdamW)
+    weight_decay: float = 0.0  # AdamW decoupled weight decay (the SCU penalty is separate)
+    beta1: float = 0.9  # AdamW beta1
+    beta2: float = 0.999  # AdamW beta2
+    eps: float = 1e-8  # AdamW epsilon
+    warmup_steps: int = 10  # linear warm-up steps, then cosine decay
+    min_lr_ratio: float = 0.1  # the cosine decay ends at lr x min_lr_ratio at train.max_steps
+    grad_clip: float = 1.0  # clip the global gradient norm to this (0 = off)
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 100  # optimizer steps; a larger value on a finished run's name extends it
+    checkpoint_every: int = 50  # steps between checkpoints (and always at the end)
+    report_every: int = 10  # steps between reports to Ray (progress, tokens/s, MFU)
+    eval_every: int = 50  # steps between held-out evaluations
+    # validation blocks each eval scores, spread evenly over the split (0 or more than it has = the whole split):
+    # one fixed set, the same whatever data.batch_size, data.grad_accum and scaling.num_workers are
+    eval_blocks: int = 0
+    max_consecutive_skips: int = 10  # skipped steps in a row before the run stops (fp16 scaler overflows never count)
+    stop_on_saturation: bool = False  # end the run once λ has settled (ctrl/saturated_step)
+    profile_steps: int = 0  # the last N steps under torch.profiler, each rank's table in <run dir>/profile/ (0 = off)
+
+
+@dataclass
+class ControllerConfig:
+    mode: str = "scu"  # scu | fixed | none
+    target_s: float = 0.01  # S*: the information ratio ParamBPT / (DataBPT + ParamBPT) to hold
+    kp: float = 0.8  # proportional gain
+    ki: float = 0.15  # integral gain
+    ema_alpha: float = 0.1  # smoothing of S into Ŝ (Ŝ ← α·S + (1−α)·Ŝ)
+    deadband: float = 0.002  # |Ŝ − S*| at or below this leaves λ unchanged
+    leak: float = 0.995  # the integral decays by this factor each update
+    integral_limit: float = 0.2  # the integral is clipped to ± this
+    lambda_init: float = 1.0  # λ at the start (scu), or the fixed λ (fixed)
+    lambda_min: float = 1e-4  # λ's lower bound under the SCU law
+    lambda_max: float = 10.0  # λ's upper bound under the SCU law
+    prior_sigma: float = 0.01  # σ of the Gaussian prior on the LoRA weights in ParamBPT
+    prior_center: str = "zero"  # zero: the spec's law, Σw² | init: Σ(w − w_init)², the update (an option beside it)
+    control_every: int = 1  # optimizer steps between controller updates
+    saturation_window: int = 100  # updates over which λ must stay flat to count as settled
+    saturation_rel_tol: float = 0.01  # max(λ)/min(λ) − 1 below this over the window = settled
+    # 0 = measured from the training split. A resume refuses a checkpoint whose tokens_per_epoch differs from the
+    # measured one (changed data would rescale ParamBPT and S silently); set here, it wins over both.
+    tokens_per_epoch: int = 0
+
+
+@dataclass
+class ScalingConfig:
+    num_workers: int = 1  # Ray Train workers (one per GPU on a GPU cluster)
+    use_gpu: Optional[bool] = None  # None = auto-detect
+    cpus_per_worker: float = 1.0  # CPUs Ray reserves for each worker
+    gpus_per_worker: float = 1.0  # GPUs Ray reserves for each worker
+    placement_strategy: str = "PACK"  # PACK | SPREAD | STRICT_PACK | STRICT_SPREAD (Ray placement group)
+    # how often Ray Train's controller polls the workers (RAY_TRAIN_HEALTH_CHECK_INTERVAL_S, Ray's default 2 s): a
+    # worker holds one unconsumed report, so reports more often stall training to the next poll; checkpoints register
+    poll_interval_s: float = 0.25
+
+
+@dataclass
+class RunConfig:
+    name: str = ""  # "" = the config file's stem
+    # where run directories and the default MLflow store live (a path or s3:// / gs://)
+    storage_path: str = "~/raytrain_scu_runs"
+    max_failures: int = 3  # worker-group restarts Ray Train makes before the run fails
+    num_to_keep: int = 2  # checkpoints kept: the best by val/data_bpt, plus the latest
+    output_dir: str = ""  # "" = <storage_path>/<name>/output
+
+
+@dataclass
+class TrackingConfig:
+    enabled: bool = True  # record the run in MLflow
+    uri: str = ""  # "" = sqlite:///<storage_path>/mlflow.db
+    experiment: str = ""  # "" = the config file's stem: one experiment per config, its runs side by side
+    log_best_checkpoint: bool = True  # log the best checkpoint (lowest val/data_bpt) as an MLflow artifact
+    system_metrics: Optional[bool] = None  # None = on for GPU runs
+
+
+@dataclass
+class TuneConfig:
+    # key path -> {kind: args}, e.g. {"controller.kp": {"loguniform": [0.1, 2.0]}}
+    space: dict[str, dict] = field(default_factory=dict)
+    metric: str = "val/data_bpt"  # the metric trials are scored on (perf/tokens_per_s for micro-batch sweeps)
+    mode: str = "min"  # min | max
+    search: str = "random"  # random | grid | optuna
+    scheduler: str = "asha"  # asha | none
+    num_samples: int = 4  # trials (for grid: repeats of the grid)
+    time_budget_s: float = 0.0  # stop launching trials after this many seconds (0 = no limit)
+    grace_period: int = 1  # reports before ASHA may stop a trial
+    max_concurrent_trials: int = 0  # 0 = from cluster resources
+    keep_tokens_per_step: bool = True  # batch-size trials keep tokens per optimizer step by adjusting grad_accum
+
+
+@dataclass
+class HardwareConfig:
+    preset: str = "none"  # none | auto | a100 | h100 | h200 | 4090 | 3090 | t4 | cpu
+
+
+@dataclass
+class Config:
+    seed: int = 0  # seeds the data split and order, LoRA init and dropout
+    model: ModelConfig = field(default_factory=ModelConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    quant: QuantConfig = field(default_factory=QuantConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    controller: ControllerConfig = field(default_factory=ControllerConfig)
+    scaling: ScalingConfig = field(default_factory=ScalingConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    tune: TuneConfig = field(default_factory=TuneConfig)
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
+
+
+TUNE_KINDS = ("choice", "grid", "uniform", "loguniform", "randint")
+# tune.space keys that are not config keys (sweep_space.apply_params maps them): global_batch_tokens, tokens per
+# optimizer step (the optimisation knob); a trial's data.grad_accum = it / (batch_size x num_workers x block_size)
+# arm: bundles {config key: value} set together, so unlike trials (the ablation's arms) run as one grid
+SPACE_ONLY_KEYS = {"global_batch_tokens": int, "arm": dict}
+
+
+def check_not_removed(key: str) -> None:
+    """A key that no longer exists: an error naming what replaces it."""
+    if key in REMOVED_KEYS:
+        raise ConfigError(f"config key '{key}' was removed: use {REMOVED_KEYS[key]}")
+
+
+def leaf_type(key: str):
+    """The annotation of a dotted key, or ConfigError for an unknown (or removed) key."""
+    check_not_removed(key)
+    cls, tp = Config, Config
+    for part in key.split("."):
+        if not dataclasses.is_dataclass(cls):
+            raise ConfigError(f"unknown config key '{key}'")
+        hints = typing.get_type_hints(cls)
+        if part not in hints:
+            raise ConfigError(f"unknown config key '{key}' (known keys here: {', '.join(sorted(hints))})")
+        tp = hints[part]
+        cls = tp
+    return tp
+
+
+# ---------------------------------------------------------------- values derived from the tree
+
+def sequences_per_step(cfg: Config, world: Optional[int] = None) -> int:
+    """Sequences per optimizer step over all workers (``world``: the live world size; default scaling.num_workers)."""
+    return cfg.data.batch_size * cfg.data.grad_accum * (cfg.scaling.num_workers if world is None else world)
+
+
+def global_batch_tokens(cfg: Config, world: Optional[int] = None) -> int:
+    """Tokens per optimizer step over all workers: the global batch."""
+    return sequences_per_step(cfg, world) * cfg.data.block_size

@@ -1,0 +1,276 @@
+"""Checkpoints: adapter + optimizer + scaler + controller + RNG + data position, written atomically with a manifest.
+
+Layout of one checkpoint directory::
+
+    adapter/            peft save_pretrained (safetensors) -- loadable by PeftModel.from_pretrained
+    state.pt            optimizer, grad scaler, history, every rank's RNG states (python, numpy, torch, CUDA)
+    controller.json     SCU controller state (JSON, readable without torch)
+    meta.json           step, data position, structure signature, tokens_per_epoch
+    config.yaml         the resolved config (secrets redacted)
+    manifest.json       sha256 and size of every file above; written last
+
+A directory is written under ``<dir>.partial`` and renamed when complete. Ray then copies it into the run directory
+file by file (not atomic there), so a checkpoint counts as complete only when every file matches ``manifest.json``.
+Loading verifies the manifest; a corrupt or truncated latest checkpoint falls back to the newest older good one with a
+warning; none good is a :class:`CheckpointError`. Rank 0 picks and every rank loads that same one.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+
+from raytrain_scu.core.dist import all_gather_object, broadcast_object, rank
+from raytrain_scu.errors import CheckpointError
+
+MANIFEST = "manifest.json"
+# what "best" means for a checkpoint (Ray's top-k, the MLflow best_checkpoint artifact): lowest held-out DataBPT
+BEST_METRIC = "val/data_bpt"
+REQUIRED = ("adapter/adapter_model.safetensors", "state.pt", "controller.json", "meta.json")
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def rng_state() -> dict:
+    """This process's RNG state: python, numpy, torch CPU and (when CUDA is available) its current CUDA device."""
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.random.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.random.set_rng_state(state["torch"])
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def rank_seed(seed: int, rank: int, step: int = 0) -> int:
+    """The seed of rank ``rank``'s random draws (LoRA dropout) from ``step`` on.
+
+    Distinct per (seed, rank, step) and independent of ``seed`` itself, which initialises LoRA identically on every
+    rank: numpy's SeedSequence mixes the three, so no two ranks (or restarts) share a stream."""
+    return int(np.random.SeedSequence([seed % 2**64, rank, step]).generate_state(1)[0])
+
+
+def seed_all(seed: int) -> None:
+    """Seed python, numpy and torch (CPU and every CUDA device) with ``seed`` (< 2**32, e.g. :func:`rank_seed`)."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def write_checkpoint(out_dir: str | Path, *, model, optimizer, scaler, controller_state: dict, step: int,
+                     position: int, structure: dict, tokens_per_epoch: int, config_yaml: str,
+                     history: list, extra: Optional[dict] = None, rng_states: Optional[list] = None) -> Path:
+    """Write a complete checkpoint to ``out_dir`` atomically (``out_dir.partial`` then rename).
+
+    ``rng_states``: every rank's :func:`rng_state`, in rank order (the writer gathers them); default: this process's
+    alone (a one-process run)."""
+    out = Path(out_dir)
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    model.save_pretrained(str(tmp / "adapter"), safe_serialization=True)
+    torch.save({"optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(), "history": history,
+                "rng": rng_states if rng_states is not None else [rng_state()]}, tmp / "state.pt")
+    (tmp / "controller.json").write_text(json.dumps(controller_state, indent=1))
+    meta = {"step": step, "position": position, "structure": structure, "tokens_per_epoch": tokens_per_epoch,
+            **(extra or {})}
+    (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+    (tmp / "config.yaml").write_text(config_yaml)
+    files = sorted(p for p in tmp.rglob("*") if p.is_file())
+    manifest = {str(p.relative_to(tmp)): {"sha256": _sha256(p), "size": p.stat().st_size} for p in files}
+    (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": manifest}, indent=1))
+    shutil.rmtree(out, ignore_errors=True)
+    os.rename(tmp, out)
+    return out
+
+
+def verify(ckpt_dir: str | Path) -> Optional[str]:
+    """None if the checkpoint matches its manifest, else the reason it does not."""
+    d = Path(ckpt_dir)
+    mpath = d / MANIFEST
+    if not mpath.is_file():
+        return "no manifest.json (incomplete checkpoint)"
+    try:  # a malformed entry is a bad checkpoint too, not an exception out of verify()
+        manifest = json.loads(mpath.read_text())["files"]
+        missing = [rel for rel in REQUIRED if rel not in manifest]
+        expected = {rel: (int(want["size"]), str(want["sha256"])) for rel, want in manifest.items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        return f"unreadable manifest: {type(e).__name__}: {e}"
+    if missing:
+        return f"manifest lists no {', '.join(missing)}"
+    for rel, (size, sha256) in expected.items():
+        p = d / rel
+        if not p.is_file():
+            return f"missing file {rel}"
+        if p.stat().st_size != size:
+            return f"{rel} has {p.stat().st_size} bytes, manifest says {size} (truncated?)"
+        if _sha256(p) != sha256:
+            return f"{rel} checksum mismatch (corrupt)"
+    return None
+
+
+def read_meta(ckpt_dir: str | Path) -> dict:
+    return json.loads((Path(ckpt_dir) / "meta.json").read_text())
+
+
+# structure keys newer than some checkpoints: what a checkpoint without one was made with
+STRUCTURE_ADDED = {"quant.embedding_int8": False}
+
+
+def check_structure(meta: dict, structure: dict) -> None:
+    """Refuse a checkpoint made for a different base model / LoRA shape / block size."""
+    saved = {**STRUCTURE_ADDED, **meta.get("structure", {})}
+    diffs = [f"{k}: checkpoint has {saved.get(k)!r}, config has {v!r}" for k, v in structure.items()
+             if saved.get(k) != v]
+    if diffs:
+        raise CheckpointError("cannot resume: the checkpoint was made for a structurally different run ("
+                              + "; ".join(diffs) + "). Use a new run.name to start fresh.")
+
+
+def load_training_state(ckpt_dir: str | Path, *, model, optimizer, scaler, rank: int = 0, world_size: int = 1,
+                        map_location="cpu") -> dict:
+    """Restore adapter weights, optimizer, scaler and this rank's RNG from a verified directory; returns meta +
+    controller + history, and ``rng_ranks``: how many ranks' RNG states the checkpoint holds. The RNG is restored only
+    when that equals ``world_size``; otherwise (a changed world size, or a checkpoint from before per-rank states,
+    counted as 0) the caller must seed the ranks itself."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    d = Path(ckpt_dir)
+    adapter = load_file(str(d / "adapter" / "adapter_model.safetensors"))
+    result = set_peft_model_state_dict(model, adapter)
+    missing = [k for k in getattr(result, "unexpected_keys", [])]
+    if missing:
+        raise CheckpointError(f"adapter in {d} has keys the model lacks: {missing[:5]}")
+    state = torch.load(d / "state.pt", map_location=map_location, weights_only=False)
+    optimizer.load_state_dict(state["optimizer"])
+    scaler.load_state_dict(state["scaler"])
+    # one state per rank, in rank order; an older checkpoint holds one dict, rank 0's alone: counted as none
+    rngs = state["rng"] if isinstance(state["rng"], list) else []
+    if len(rngs) == world_size:
+        set_rng_state(rngs[rank])
+    meta = read_meta(d)
+    meta["controller"] = json.loads((d / "controller.json").read_text())
+    meta["history"] = state.get("history", [])
+    meta["rng_ranks"] = len(rngs)
+    return meta
+
+
+def check_tokens_per_epoch(meta: dict, *, measured: int, override: int) -> Optional[str]:
+    """Refuse to resume when the data's tokens per epoch (N of ParamBPT, so S) is not the checkpoint's.
+
+    ``measured``: the training split's count now; ``override``: controller.tokens_per_epoch (0 = none). A set override
+    wins: returns a warning when it differs from the checkpoint's value, else None."""
+    saved = meta["tokens_per_epoch"]
+    if override:
+        if override == saved:
+            return None
+        return (f"controller.tokens_per_epoch={override} overrides the checkpoint's tokens_per_epoch={saved}: "
+                f"ParamBPT and S change by x{saved / override:.4g} from step {meta['step']} on")
+    if measured != saved:
+        raise CheckpointError(
+            f"cannot resume: the checkpoint was written with tokens_per_epoch={saved} but the data now gives "
+            f"tokens_per_epoch={measured} (did data.* change?); ParamBPT and S scale with it, so they would change "
+            f"silently. Restore the data settings, set controller.tokens_per_epoch={saved} to keep the checkpoint's "
+            f"scale on the new data, or use a new run.name to start fresh.")
+    return None
+
+
+def _newest_good(dirs, where: str) -> tuple[Optional[tuple[str, Path]], list[str]]:
+    """The first ``(label, local dir)`` of ``dirs`` (newest first) that verifies, and the problems of those before it.
+
+    (None, []) when ``dirs`` is empty; CheckpointError when none verifies. ``dirs`` may be lazy: a remote checkpoint
+    is materialised only when the newer ones were bad."""
+    problems = []
+    for label, local in dirs:
+        why = verify(local)
+        if why is None:
+            return (label, local), problems
+        problems.append(f"{label}: {why}")
+    if problems:
+        raise CheckpointError(f"no usable checkpoint{where}: " + "; ".join(problems)
+                              + ". Delete the run directory or use a new run.name to start fresh.")
+    return None, []
+
+
+def open_good_checkpoint(candidates: list[tuple[str, Callable[[], Path]]]) -> tuple[Path, list[str]]:
+    """The local directory of the newest checkpoint that verifies, the same one on every rank; returns (local dir,
+    warnings).
+
+    ``candidates``: ``(name, open)`` pairs, newest first, the given (latest) checkpoint first: ``name`` is the same on
+    every rank (``checkpoint_00000020``), ``open()`` makes the checkpoint local and returns its directory (called only
+    for those looked at). Rank 0 picks (a bad latest falls back to an older one, with a warning) and broadcasts the
+    name and step; every other rank opens that one, verifies it and checks its step. A rank never picks for itself: its
+    own download of the latest could be the one that failed. Raises CheckpointError on every rank when none is good or
+    any rank cannot use rank 0's pick; each rank's outcome is all-gathered first, so no rank waits on one that gave
+    up."""
+    pick, error = None, None
+    if rank() == 0:
+        try:
+            dirs = ((name, open_()) for name, open_ in candidates)
+            (name, inner), problems = _newest_good(dirs, "")  # never empty: the given checkpoint comes first
+            pick = {"name": name, "step": read_meta(inner)["step"], "problems": problems}
+        except Exception as e:  # noqa: BLE001 - every rank must reach the broadcast; raised below on all of them
+            error = e
+    pick, why_not = broadcast_object((pick, None if error is None else f"{type(error).__name__}: {error}"))
+    if error is not None:
+        raise error
+    if why_not is not None:
+        raise CheckpointError(f"rank 0 found no checkpoint to resume from ({why_not})")
+    mine = None  # None: this rank holds rank 0's pick, verified, at rank 0's step
+    if rank() != 0:
+        try:
+            same = [open_ for name, open_ in candidates if name == pick["name"]]
+            if not same:
+                mine = "it does not see that checkpoint"
+            else:
+                inner = same[0]()
+                mine = verify(inner)
+                if mine is None and read_meta(inner)["step"] != pick["step"]:
+                    mine = f"its meta.json says step {read_meta(inner)['step']}"
+        except Exception as e:  # noqa: BLE001 - a failed download here must not leave the other ranks waiting
+            mine = f"{type(e).__name__}: {e}"
+    failures = [f"rank {r}: {why}" for r, why in enumerate(all_gather_object(mine)) if why is not None]
+    if failures:
+        raise CheckpointError(f"cannot resume: rank 0 picked {pick['name']} (step {pick['step']}) but not every rank "
+                              f"can use it ({'; '.join(failures)}); ranks must resume from the same step. A failed "
+                              f"download is retried with the run (run.max_failures); if it persists, check the "
+                              f"storage.")
+    if pick["problems"] and rank() == 0:
+        warnings.warn("skipped bad checkpoint(s): " + "; ".join(pick["problems"]) + f"; resuming from {pick['name']}")
+    return inner, pick["problems"]
+
+
+def newest_good_local(run_dir: str | Path) -> tuple[Optional[Path], list[str]]:
+    """The newest ``checkpoint_*`` under a local run directory that verifies, and the problems of newer ones.
+
+    (None, []) when there is no checkpoint at all; CheckpointError when there are some but none is good."""
+    # Training writes a checkpoint under <dir>.partial in its own temp dir (loop.py: new_local_dir) and Ray copies
+    # the finished one here, so a .partial here is only a direct write_checkpoint into the run directory that died
+    # half-way: never a candidate.
+    dirs = ((d.name, d) for d in sorted(Path(run_dir).glob("checkpoint_*"), reverse=True)
+            if d.is_dir() and not d.name.endswith(".partial"))
+    good, problems = _newest_good(dirs, f" in {run_dir}")
+    return (good[1] if good else None), problems
+
+
+def new_local_dir(prefix: str = "raytrain_scu_ckpt_") -> Path:
+    return Path(tempfile.mkdtemp(prefix=prefix))

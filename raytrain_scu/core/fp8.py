@@ -1,0 +1,151 @@
+"""An FP8 frozen base (``model.base_fp8``): the frozen GEMMs under each peft LoRA Linear in e4m3 with rowwise scales,
+on plain ``torch._scaled_mm``; the LoRA products stay in their own dtype. No ray, mlflow or torch.distributed.
+
+The frozen weight W [N, K] never gets a gradient, so a base layer has two products only, both in FP8:
+
+    forward      y  = x @ W.T      x quantised per token (row of x) now, W per output row (once, at the swap)
+    input-grad   gx = g @ W        g quantised per token now, W per input column (a second copy, once)
+
+W is quantised once, into two e4m3 copies (one per product, each scaled along the axis its product reduces over):
+2 bytes per weight, as much again as the bf16 base. Only activations and output-gradients are quantised per step;
+under torch.compile inductor fuses that (amax, scale, cast) into the neighbouring kernels, where eager it costs more
+than the FP8 GEMM saves (issue #17: 10.0 ms/layer eager vs 2.77 fused vs 5.09 bf16 at the 1B shape). The forward
+saves nothing for the backward but the weight's second copy, which the module holds anyway.
+
+Both copies and their scales are frozen Parameters on the base Linear (``fp8_weight``, ``fp8_weight_t`` and their
+``*_scale``), computed by each rank from its own base (no DDP wrapper broadcasts them: dist.average_gradients). The
+copies are held as uint8 bits, viewed as e4m3 in the forward (from when DDP broadcast them, over gloo on CPUs, which
+refuses float8). The bf16 weight stays as it was, and saved adapters hold only the LoRA weights, so a model rebuilt
+from one is plain; the in-loop evaluation and peft's disable_adapter() still run the FP8 base. Errors name
+model.base_fp8.
+
+Devices: CUDA GPUs of compute capability 8.9 or more (Ada, Hopper, Blackwell). The CPU where torch's CPU _scaled_mm
+takes rowwise scales: torch 2.13 does, 2.11's is per-tensor only, and :func:`check_fp8_device` refuses it there.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from raytrain_scu.errors import ModelError
+
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = float(torch.finfo(E4M3).max)  # 448
+MM_ALIGN = 16  # torch._scaled_mm wants both dimensions of its second operand divisible by 16
+
+
+def quantize_rows(t: torch.Tensor):
+    """``t`` (2-D) in e4m3, each row scaled so its largest magnitude maps to 448, and the float32 inverse scales
+    [rows, 1] that undo it. The amax is clamped (a zero row divides by 1e-12, not 0): no branch on tensor values,
+    so torch.compile traces it without a graph break."""
+    amax = t.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12)
+    q = (t.float() * (E4M3_MAX / amax)).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+    return q, amax / E4M3_MAX
+
+
+class _Fp8FrozenLinear(torch.autograd.Function):
+    """``x @ W.T (+ b)`` from the pre-quantised ``w_q`` [N, K] (scales [1, N]) and its input-gradient ``g @ W`` from
+    ``wt_q`` [K, N] (scales [1, K]); both GEMMs return bf16, cast to ``out_dtype``. No gradient for W or b."""
+
+    @staticmethod
+    def forward(ctx, x, w_q, w_scale, wt_q, wt_scale, bias, out_dtype):
+        x2 = x.reshape(-1, x.shape[-1])
+        xq, x_scale = quantize_rows(x2)
+        out = torch._scaled_mm(xq, w_q.t(), scale_a=x_scale, scale_b=w_scale, out_dtype=torch.bfloat16)
+        out = out.to(out_dtype)
+        if bias is not None:
+            out = out + bias.to(out_dtype)
+        ctx.save_for_backward(wt_q, wt_scale)
+        ctx.x_dtype = x.dtype
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        wt_q, wt_scale = ctx.saved_tensors
+        gx = None
+        if ctx.needs_input_grad[0]:
+            gq, g_scale = quantize_rows(grad_out.reshape(-1, grad_out.shape[-1]))
+            gx = torch._scaled_mm(gq, wt_q.t(), scale_a=g_scale, scale_b=wt_scale, out_dtype=torch.bfloat16)
+            gx = gx.to(ctx.x_dtype).view(*grad_out.shape[:-1], gx.shape[-1])
+        return gx, None, None, None, None, None, None
+
+
+def _fp8_linear_forward(self, x):
+    """nn.Linear.forward through :class:`_Fp8FrozenLinear`; the output dtype is what F.linear would give (the autocast
+    dtype under autocast, else the input's)."""
+    dev = x.device.type
+    out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+    return _Fp8FrozenLinear.apply(x, self.fp8_weight.view(E4M3), self.fp8_weight_scale,
+                                  self.fp8_weight_t.view(E4M3), self.fp8_weight_t_scale, self.bias, out_dtype)
+
+
+class Fp8FrozenLinear(nn.Linear):
+    """A frozen nn.Linear whose forward runs in FP8 (see the module docstring); its own weight is kept unchanged."""
+    forward = _fp8_linear_forward
+
+
+def check_fp8_device(device: torch.device, *, probe: bool = True) -> None:
+    """Raise ModelError naming model.base_fp8 where ``device`` cannot run e4m3 rowwise ``_scaled_mm``: a CUDA GPU
+    below compute capability 8.9 (no FP8 tensor cores), or (``probe``: one tiny GEMM) a torch whose kernel refuses
+    the product here (a CPU torch without it, say). The driver's preflight skips the probe on a GPU: it would give
+    the driver a CUDA context, memory on the GPU the workers train on, for the whole run."""
+    if device.type == "cuda":
+        cap = torch.cuda.get_device_capability(device)
+        if cap < (8, 9):
+            raise ModelError(f"model.base_fp8=true needs FP8 tensor cores (compute capability >= 8.9: Ada, Hopper "
+                             f"or newer); {torch.cuda.get_device_name(device)} is {cap[0]}.{cap[1]}; set "
+                             f"model.base_fp8=false")
+    if not probe:
+        return
+    a, b = torch.ones(MM_ALIGN, MM_ALIGN, device=device), torch.ones(MM_ALIGN, MM_ALIGN, device=device)
+    try:
+        aq, sa = quantize_rows(a)
+        bq, sb = quantize_rows(b)
+        torch._scaled_mm(aq, bq.t(), scale_a=sa, scale_b=sb.t(), out_dtype=torch.bfloat16)
+    except (RuntimeError, NotImplementedError) as e:
+        raise ModelError(f"model.base_fp8=true: torch {torch.__version__} cannot run an e4m3 rowwise "
+                         f"torch._scaled_mm on {device.type} ({str(e).splitlines()[0]}); set model.base_fp8=false"
+                         ) from None
+
+
+def convert_base_to_fp8(model) -> int:
+    """Give the frozen base Linear under every peft LoRA Linear of ``model`` an FP8 forward, in place, on the device
+    the model is on; returns how many were converted. Raises ModelError (naming model.base_fp8) where it cannot:
+    no LoRA Linear, a base that is not a plain frozen nn.Linear (4-bit, converted already), a trainable base weight,
+    or dimensions not multiples of 16."""
+    from peft.tuners.lora import Linear as LoraLinear
+
+    done = 0
+    for name, m in model.named_modules():
+        if not isinstance(m, LoraLinear):
+            continue
+        base, where = m.base_layer, f"{name}.base_layer"
+        problem = ("converted already" if isinstance(base, Fp8FrozenLinear) else
+                   f"a {type(base).__name__}, not a plain nn.Linear" if type(base) is not nn.Linear else
+                   "its weight is trainable" if base.weight.requires_grad else
+                   f"{base.out_features} x {base.in_features}: both must be multiples of {MM_ALIGN} for "
+                   f"torch._scaled_mm" if base.in_features % MM_ALIGN or base.out_features % MM_ALIGN else "")
+        if problem:
+            raise ModelError(f"model.base_fp8=true: {where} is {problem}; set model.base_fp8=false")
+        if done == 0:
+            check_fp8_device(base.weight.device)
+        to_fp8(base)
+        done += 1
+    if not done:
+        raise ModelError("model.base_fp8=true: the model has no peft LoRA Linear whose base could run in FP8 "
+                         "(lora.target_modules names no nn.Linear?); set model.base_fp8=false")
+    return done
+
+
+def to_fp8(linear: nn.Linear) -> Fp8FrozenLinear:
+    """``linear`` (frozen, dimensions multiples of 16: :func:`convert_base_to_fp8` checks) made an
+    :class:`Fp8FrozenLinear` in place: its weight quantised into the two e4m3 copies and their scales."""
+    with torch.no_grad():
+        w = linear.weight.detach()
+        w_q, w_scale = quantize_rows(w)  # per output row: the forward reduces over K
+        wt_q, wt_scale = quantize_rows(w.t().contiguous())  # per input column: the input-grad reduces over N
+    for attr, t in (("fp8_weight", w_q.view(torch.uint8)), ("fp8_weight_scale", w_scale.t().contiguous()),
+                    ("fp8_weight_t", wt_q.view(torch.uint8)), ("fp8_weight_t_scale", wt_scale.t().contiguous())):
+        linear.register_parameter(attr, nn.Parameter(t, requires_grad=False))
+    linear.__class__ = Fp8FrozenLinear
+    return linear

@@ -1,0 +1,278 @@
+"""The training loss: Σ cross-entropy nats of a causal LM, with the LM head and the cross-entropy fused chunk by chunk
+(logits never materialised in fp32) where the model's head is known, and the model's own logits elsewhere; and
+compiling it for training. No ray, mlflow or torch.distributed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from raytrain_scu.console import notice
+from raytrain_scu.core.embed_quant import Int8Head, int8_grad_input, int8_logits
+
+
+@dataclass(frozen=True)
+class HeadTransform:
+    """What a causal LM does to its LM head's output ``z = h @ W.T (+ b)``: ``logits = scale·z``, then, with a
+    ``softcap``, ``logits = softcap·tanh(logits / softcap)``. The identity (1.0, 0.0) is a plain head."""
+    scale: float = 1.0
+    softcap: float = 0.0
+
+    def __str__(self) -> str:
+        z = "z" if self.scale == 1.0 else f"{self.scale:g}*z"
+        return f"{self.softcap:g}*tanh({z}/{self.softcap:g})" if self.softcap else z
+
+
+def _plain(c) -> HeadTransform:
+    return HeadTransform()
+
+
+def _granite(c) -> HeadTransform:  # logits / logits_scaling
+    return HeadTransform(scale=1.0 / float(c.logits_scaling))
+
+
+def _gemma(c) -> HeadTransform:  # cap * tanh(logits / cap), or a plain head when final_logit_softcapping is None
+    return HeadTransform(softcap=float(c.final_logit_softcapping or 0.0))
+
+
+def _cohere(c) -> HeadTransform:  # logits * logit_scale
+    return HeadTransform(scale=float(c.logit_scale))
+
+
+# The LM heads the fused loss reproduces: transformers class name -> its transform, read from the model's config.
+# A model qualifies only if its class IS that transformers class (not a subclass, not remote code); anything else
+# uses the model's own logits. tests/test_loss_arch.py checks every entry against model(input_ids).logits.
+FUSED_HEADS = {
+    **dict.fromkeys(["LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM",
+                     "Qwen2MoeForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "GemmaForCausalLM",
+                     "PhiForCausalLM", "Phi3ForCausalLM", "OlmoForCausalLM", "Olmo2ForCausalLM",
+                     "SmolLM3ForCausalLM", "StableLmForCausalLM", "Starcoder2ForCausalLM"], _plain),
+    **dict.fromkeys(["GraniteForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM",
+                     "GraniteMoeHybridForCausalLM"], _granite),
+    **dict.fromkeys(["Gemma2ForCausalLM", "Gemma3ForCausalLM"], _gemma),
+    **dict.fromkeys(["CohereForCausalLM", "Cohere2ForCausalLM"], _cohere),
+}
+
+
+def fused_head(model) -> tuple[Optional[HeadTransform], str]:
+    """Whether the fused loss can stand in for ``model``'s LM head: (its transform, why) or (None, why not)."""
+    import transformers
+
+    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    cls = type(lm)
+    make = FUSED_HEADS.get(cls.__name__)
+    if make is None or getattr(transformers, cls.__name__, None) is not cls:
+        return None, f"{cls.__module__}.{cls.__name__} is not in the fused loss's table of known LM heads"
+    head = lm.get_output_embeddings()
+    if not isinstance(head, (nn.Linear, Int8Head)):
+        return None, f"{cls.__name__}'s lm_head is a {type(head).__name__}, not a plain Linear (LoRA on lm_head?)"
+    if any(p.requires_grad for p in head.parameters()):
+        return None, f"{cls.__name__}'s lm_head is trainable (the fused loss computes no weight gradient)"
+    transform = make(lm.config)
+    return transform, f"{cls.__name__}: logits = {transform} with z = lm_head(h), in the fused loss"
+
+
+def _chunk_ce_fused(z, y, bias, scale: float, softcap: float, need_grad: bool):
+    """One chunk's Σ CE nats (float32) of ``transform(z + bias)`` against ``y``, and with ``need_grad`` its gradient
+    with respect to ``z`` in z's dtype, written without in-place ops or a one-hot so that inductor fuses the float32
+    softmax into two passes over ``z`` (:data:`_chunk_ce_compiled`). The same math as the eager loop of
+    :class:`_ChunkedLinearCE`; tests/test_loss_arch.py holds the two together."""
+    logits = z.float() if bias is None else z.float() + bias.float()
+    logits = logits * scale
+    if softcap:
+        logits = softcap * torch.tanh(logits / softcap)
+    valid = y != -100
+    y_safe = torch.where(valid, y, torch.zeros_like(y))
+    lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+    nats = ((lse.squeeze(1) - logits.gather(1, y_safe[:, None]).squeeze(1)) * valid).sum()
+    if not need_grad:
+        return nats, None
+    target = torch.arange(logits.shape[1], device=z.device)[None, :] == y_safe[:, None]
+    grad = (torch.exp(logits - lse) - target.float()) * valid[:, None] * scale
+    if softcap:
+        grad = grad * (1.0 - (logits / softcap) ** 2)
+    return nats, grad.to(z.dtype)
+
+
+# built on first use: compiling costs seconds, once per chunk shape (the last chunk of a batch may differ)
+_chunk_ce_compiled = None
+
+
+def _compiled_chunk_ce():
+    global _chunk_ce_compiled
+    if _chunk_ce_compiled is None:
+        _chunk_ce_compiled = torch.compile(_chunk_ce_fused, dynamic=False)
+    return _chunk_ce_compiled
+
+
+class _ChunkedLinearCE(torch.autograd.Function):
+    """Σ cross-entropy (nats) of ``head(h)`` against ``y`` without keeping the (tokens × vocab) logits.
+
+    ``head(h) = softcap·tanh(scale·(h @ W.T + b) / softcap)`` (:class:`HeadTransform`; no tanh when softcap is 0).
+    The forward pass walks chunks of tokens, computing each chunk's logits, its CE in float32 and at once the
+    gradient with respect to ``h``, (softmax - onehot) · dlogits/dz · scale @ W; only that gradient (tokens ×
+    hidden) is saved. The lm_head weight ``W`` (and bias ``b``) is frozen under LoRA, so it needs no gradient.
+    With ``compiled``, each chunk's float32 part between the two GEMMs is :func:`_chunk_ce_fused` under
+    torch.compile (no autograd in it: the gradient is computed here, by hand); otherwise in-place eager kernels.
+    """
+
+    @staticmethod
+    def forward(ctx, h, weight, bias, y, chunk_size: int, scale: float, softcap: float, compiled: bool,
+                need_grad: bool, weight_scale):
+        n = h.shape[0]
+        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        grad_h = torch.empty_like(h) if need_grad else None
+        for s in range(0, n, chunk_size):
+            hc, yc = h[s:s + chunk_size], y[s:s + chunk_size]
+            if compiled:
+                nats, dz = _compiled_chunk_ce()(_head(hc, weight, weight_scale), yc, bias, scale, softcap,
+                                                grad_h is not None)
+                total += nats
+                if dz is not None:
+                    grad_h[s:s + chunk_size] = _head_grad(dz, weight, weight_scale, h.dtype).to(h.dtype)
+                continue
+            logits = _head(hc, weight, weight_scale).float()
+            if bias is not None:
+                logits += bias.float()
+            if scale != 1.0:
+                logits.mul_(scale)
+            if softcap:
+                logits.div_(softcap).tanh_().mul_(softcap)
+            valid = yc != -100
+            yc_safe = torch.where(valid, yc, torch.zeros_like(yc))
+            lse = torch.logsumexp(logits, dim=-1)
+            picked = logits.gather(1, yc_safe[:, None]).squeeze(1)
+            total += ((lse - picked) * valid).sum()
+            if grad_h is not None:
+                # the softcap's derivative 1 - tanh² = 1 - (logits/cap)², taken before the buffer becomes the
+                # softmax: one more chunk-sized float32 buffer, no more than logsumexp's own temporary above
+                dcap = logits.div(softcap).square_().neg_().add_(1.0) if softcap else None
+                probs = logits.sub_(lse[:, None]).exp_()
+                probs[torch.arange(probs.shape[0], device=probs.device), yc_safe] -= 1.0
+                probs.mul_(valid[:, None])
+                if dcap is not None:
+                    probs.mul_(dcap)
+                    del dcap
+                if scale != 1.0:
+                    probs.mul_(scale)
+                grad_h[s:s + chunk_size] = _head_grad(probs, weight, weight_scale, h.dtype).to(h.dtype)
+        ctx.save_for_backward(grad_h if grad_h is not None else torch.empty(0))
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (grad_h,) = ctx.saved_tensors
+        return grad_h * grad_out.to(grad_h.dtype), None, None, None, None, None, None, None, None, None
+
+
+def _head(h, weight, weight_scale):
+    """The head's product ``h @ W.T``; an int8 ``weight`` with its row scales is dequantised slice by slice."""
+    return h @ weight.t() if weight_scale is None else int8_logits(h, weight, weight_scale)
+
+
+def _head_grad(g, weight, weight_scale, dtype):
+    """``g @ W``, in the weight's dtype, or for an int8 weight in ``dtype`` (h's: the dtype the table stands in for)."""
+    if weight_scale is None:
+        return g.to(weight.dtype) @ weight
+    return int8_grad_input(g.to(dtype), weight, weight_scale)
+
+
+@torch.compiler.disable
+def chunked_ce_sum(h: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, chunk_size: int = 4096, *,
+                   bias: Optional[torch.Tensor] = None, transform: HeadTransform = HeadTransform(),
+                   compiled: bool = False, weight_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Σ CE nats of the logits ``transform(h @ weight.T + bias)`` against ``y`` (-100 ignored), chunk by chunk.
+
+    Never traced by the model's compile, on purpose: traced by dynamo/inductor on CUDA (torch 2.11, H200) this
+    autograd.Function returned an exactly zero gradient for ``h``, so under ``model.compile=true`` the LoRA B matrices
+    never left zero and nothing trained (issue #14, item 0; the CPU build compiled it correctly); the decoder before
+    it stays compiled (one graph break). With ``compiled`` only the float32 softmax between each chunk's two GEMMs
+    runs compiled, as a function with no autograd in it (:func:`_chunk_ce_fused`). With ``weight_scale`` the weight is
+    an int8 table with those row scales (``quant.embedding_int8``, embed_quant.py).
+    """
+    need_grad = h.requires_grad and torch.is_grad_enabled()  # an eval pass (no_grad) forms no gradient
+    return _ChunkedLinearCE.apply(h, weight, bias, y, chunk_size, float(transform.scale), float(transform.softcap),
+                                  compiled, need_grad, weight_scale)
+
+
+_notes: set = set()
+
+
+def _note_once(text: str) -> None:
+    if text not in _notes:
+        _notes.add(text)
+        notice(f"note: {text}")  # the next report carries it to the driver's console
+
+
+class CausalLMLoss(nn.Module):
+    """forward(x, y) -> (Σ CE nats, number of target tokens). What torch.compile wraps.
+
+    With ``fused`` the LM head and the cross-entropy are computed chunk by chunk (``_ChunkedLinearCE``), with the
+    model's own logit transform (:data:`FUSED_HEADS`); a model whose head is not known there, or whose lm_head
+    is not a frozen Linear, uses its own logits in float32 instead, with a one-line note. ``self.fused`` says
+    which path runs and ``self.fused_reason`` why.
+    """
+
+    def __init__(self, model, fused: bool = True, chunk_size: int = 4096):
+        super().__init__()
+        self.model = model
+        self.transform, self.fused_reason = fused_head(model) if fused else (None, "model.fused_loss=false")
+        self.fused = self.transform is not None
+        if fused and not self.fused:
+            _note_once(f"model.fused_loss: {self.fused_reason}; using the model's own logits "
+                       f"(the full tokens x vocab logits are materialised)")
+        self.chunk_size = chunk_size
+        self.compiled_ce = False  # compile_for_training turns it on: the loss' float32 part compiled per chunk
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor):
+        n_tokens = (y != -100).sum()
+        if self.fused:
+            hidden = self.decoder()(input_ids=x).last_hidden_state
+            head = self.model.get_output_embeddings()
+            nats = chunked_ce_sum(hidden.reshape(-1, hidden.shape[-1]), head.weight, y.reshape(-1), self.chunk_size,
+                                  bias=head.bias, transform=self.transform, compiled=self.compiled_ce,
+                                  weight_scale=getattr(head, "weight_scale", None))
+        else:
+            logits = self.model(input_ids=x, return_dict=True).logits
+            nats = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1),
+                                   ignore_index=-100, reduction="sum")
+        return nats, n_tokens
+
+    def row_nats(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Σ cross-entropy nats of each row of (x, y), shape (rows,): forward's math, kept apart per row."""
+        if self.fused:
+            hidden = self.decoder()(input_ids=x).last_hidden_state
+            head = self.model.get_output_embeddings()
+            return torch.stack([chunked_ce_sum(h, head.weight, t, self.chunk_size, bias=head.bias,
+                                               transform=self.transform, compiled=self.compiled_ce,
+                                               weight_scale=getattr(head, "weight_scale", None))
+                                for h, t in zip(hidden, y)])
+        logits = self.model(input_ids=x, return_dict=True).logits.float()
+        return F.cross_entropy(logits.transpose(1, 2), y, ignore_index=-100, reduction="none").sum(dim=1)
+
+    def decoder(self):
+        """The transformer body under the LM head (peft injects LoRA into it in place)."""
+        lm = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        return getattr(lm, lm.base_model_prefix)
+
+
+def compile_for_training(loss_model: CausalLMLoss, *, scope: str = "layers", mode: str = "default") -> nn.Module:
+    """torch.compile for the training loop. ``layers``: every decoder layer is compiled in place and, being the same
+    code on parameters that dynamo treats as inputs, all of them share one compiled graph, so warm-up costs one layer's
+    compile (forward+backward, and again for eval under no_grad) instead of the whole unrolled model's. ``model``: one
+    graph for the whole forward. Both leave the chunked loss untraced and compile only its float32 part per chunk
+    (see :func:`chunked_ce_sum`)."""
+    loss_model.compiled_ce = True
+    layers = getattr(loss_model.decoder(), "layers", None)
+    if scope == "model" or not isinstance(layers, nn.ModuleList):
+        if scope == "layers":
+            _note_once(f"{type(loss_model.decoder()).__name__} has no decoder `layers` list; compiling the whole "
+                       f"model (model.compile_scope=model)")
+        return torch.compile(loss_model, mode=mode)
+    for layer in layers:
+        layer.compile(mode=mode)
+    return loss_model

@@ -1,0 +1,179 @@
+"""Checks that need I/O, run on the driver before Ray starts: the machine, the model, the data and the checkpoint a
+re-run resumes from. Every problem is a PreflightError naming the key at fault; no Ray worker has started."""
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from raytrain_scu.config.paths import RunPaths
+from raytrain_scu.config.schema import Config, sequences_per_step
+from raytrain_scu.core.checkpoint import check_structure, check_tokens_per_epoch, newest_good_local, read_meta
+from raytrain_scu.core.data import check_source, prepare_data
+from raytrain_scu.core.embed_quant import EMBEDDING_TARGETS, TIED_OFFLOAD, embedding_targets, ties_embeddings
+from raytrain_scu.core.fp8 import check_fp8_device
+from raytrain_scu.core.fused_lora import check_fusable_config
+from raytrain_scu.core.model import (
+    check_model_source,
+    load_tokenizer,
+    max_positions,
+    missing_targets,
+    model_config,
+    structure_of,
+)
+from raytrain_scu.errors import CheckpointError, DataError, ModelError, PreflightError
+
+
+@contextlib.contextmanager
+def _as_preflight(*errors: type):
+    """A lower layer's error, said as a PreflightError (the CLIs print it in one line and exit 2)."""
+    try:
+        yield
+    except errors as e:
+        raise PreflightError(str(e)) from None
+
+
+def visible_gpus() -> int:
+    """CUDA GPUs this process sees."""
+    return torch.cuda.device_count()
+
+
+def _local_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def _skeleton(hf_config, trust_remote_code: bool):
+    """The model as a weightless (meta-device) skeleton, for checks by module name; None if it cannot be built here
+    (the workers check again while building the real model)."""
+    try:
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(hf_config, trust_remote_code=trust_remote_code)
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _check_storage(cfg: Config) -> None:
+    """A local run.storage_path must be writable (remote URIs are checked by Ray)."""
+    paths = RunPaths.of(cfg)
+    if paths.remote:
+        return
+    p = Path(paths.storage)
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+        probe = p / f".write-test-{os.getpid()}"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise PreflightError(f"run.storage_path={cfg.run.storage_path}: not writable ({e.strerror})") from None
+
+
+def check_machine(cfg: Config) -> tuple[bool, int]:
+    """GPUs and CPUs enough for a local Ray, precision and 4-bit supported; returns (use_gpu, visible GPUs)."""
+    m, s = cfg.model, cfg.scaling
+    local_ray = not os.environ.get("RAY_ADDRESS") and not ("ray" in sys.modules and sys.modules["ray"].is_initialized())
+    _check_storage(cfg)
+    gpus = visible_gpus()
+    use_gpu = s.use_gpu if s.use_gpu is not None else gpus > 0
+    if use_gpu and gpus == 0 and local_ray:
+        raise PreflightError("scaling.use_gpu=true but no CUDA GPU is visible on this machine "
+                             "(set scaling.use_gpu=false for CPU training, or submit to a GPU cluster)")
+    if use_gpu and local_ray and s.num_workers * s.gpus_per_worker > gpus:
+        raise PreflightError(f"scaling.num_workers={s.num_workers} x gpus_per_worker={s.gpus_per_worker:g} needs "
+                             f"{s.num_workers * s.gpus_per_worker:g} GPUs but this machine has {gpus}")
+    # a local Ray instance would wait forever for workers it cannot place
+    if local_ray and s.num_workers * s.cpus_per_worker > _local_cpus():
+        raise PreflightError(f"scaling.num_workers={s.num_workers} x cpus_per_worker={s.cpus_per_worker:g} needs "
+                             f"{s.num_workers * s.cpus_per_worker:g} CPUs but this machine has {_local_cpus()} "
+                             f"(lower them, or set RAY_ADDRESS to a cluster)")
+    if m.precision == "fp16" and not use_gpu:
+        raise PreflightError("model.precision=fp16 needs CUDA workers (fp16 loss scaling runs under CUDA autocast "
+                             "only); use fp32 or bf16 on CPU" + (", also with quant.load_in_4bit" if
+                                                                 cfg.quant.load_in_4bit else ""))
+    if cfg.quant.load_in_4bit:
+        if importlib.util.find_spec("bitsandbytes") is None:
+            raise PreflightError("quant.load_in_4bit=true needs bitsandbytes: pip install bitsandbytes")
+        if m.compile:
+            raise PreflightError("quant.load_in_4bit=true with model.compile=true is not supported "
+                                 "(bitsandbytes 4-bit layers do not compile); turn one off")
+    return use_gpu, gpus
+
+
+def _check_model(cfg: Config, *, use_gpu: bool, gpus: int):
+    """The model exists, takes the block size, has the LoRA targets, and supports the chosen fast paths; returns
+    (where it comes from, its tokenizer)."""
+    m = cfg.model
+    with _as_preflight(ModelError):
+        where = check_model_source(m.name, m.gguf_file)
+        tok = load_tokenizer(m.name, m.gguf_file, m.tokenizer, m.cache_dir)
+        hf_config = model_config(m.name, gguf_file=m.gguf_file, vocab_size=len(tok), cache_dir=m.cache_dir,
+                                 trust_remote_code=m.trust_remote_code)
+        if m.fuse_lora:
+            check_fusable_config(hf_config)
+        # a remote cluster's GPUs, and the GEMM probe on any GPU: each worker checks its own as it converts
+        if m.base_fp8 and (gpus or not use_gpu):
+            check_fp8_device(torch.device("cuda" if use_gpu else "cpu"), probe=not use_gpu)
+    positions = max_positions(hf_config)
+    if positions and cfg.data.block_size > positions:
+        raise PreflightError(f"data.block_size={cfg.data.block_size} is beyond the model's {positions} positions "
+                             f"(max_position_embeddings of {m.name})")
+    skeleton = _skeleton(hf_config, m.trust_remote_code)
+    missing = missing_targets(skeleton, cfg.lora.target_modules)[0] if skeleton is not None else []
+    if missing:
+        raise PreflightError(f"lora.target_modules: {missing} not found in {m.name}")
+    if cfg.quant.offload_embedding and ties_embeddings(hf_config):
+        raise PreflightError(TIED_OFFLOAD)
+    hit = embedding_targets(skeleton, cfg.lora.target_modules) if skeleton is not None else []
+    if hit and (cfg.quant.offload_embedding or cfg.quant.embedding_int8):
+        raise PreflightError(EMBEDDING_TARGETS.format(hit=hit))
+    return where, tok
+
+
+def resume_point(cfg: Config) -> tuple[Optional[Path], Optional[dict]]:
+    """Re-running a run name resumes it: its newest good checkpoint (local storage) and that one's meta, checked
+    against this config's structure; (None, None) with none."""
+    run_path = RunPaths.of(cfg).local
+    if run_path is None:
+        return None, None
+    with _as_preflight(CheckpointError):
+        good, problems = newest_good_local(run_path)
+        resume_meta = read_meta(good) if good is not None else None
+        if resume_meta is not None:
+            check_structure(resume_meta, structure_of(cfg))
+    if problems:
+        print(f"[raytrain_scu] warning: bad checkpoint(s) in {run_path}: {'; '.join(problems)}; "
+              f"resuming from {good.name}", file=sys.stderr, flush=True)
+    return good, resume_meta
+
+
+def preflight(cfg: Config) -> dict:
+    """Every check that needs I/O, before Ray starts. Returns derived facts: where the model comes from, use_gpu,
+    tokens_per_epoch, the split sizes, visible GPUs, the checkpoint a re-run resumes from and the vocabulary size."""
+    d = cfg.data
+    use_gpu, gpus = check_machine(cfg)
+    where, tok = _check_model(cfg, use_gpu=use_gpu, gpus=gpus)
+    good, resume_meta = resume_point(cfg)
+    with _as_preflight(DataError):
+        check_source(d.source, d.path, d.text_field)
+        data = prepare_data(tok, source=d.source, path=d.path, text_field=d.text_field,
+                            max_documents=d.max_documents, block_size=d.block_size, val_fraction=d.val_fraction,
+                            seed=cfg.seed, cache_dir=d.cache_dir)
+    if resume_meta is not None:  # the data must give the checkpoint's tokens_per_epoch (the loop checks it too)
+        with _as_preflight(CheckpointError):
+            check_tokens_per_epoch(resume_meta, measured=data.tokens_per_epoch,
+                                   override=cfg.controller.tokens_per_epoch)
+    global_batch = sequences_per_step(cfg)
+    if len(data.train) < global_batch:
+        raise PreflightError(f"the training split has {len(data.train)} blocks of {d.block_size} tokens, fewer than "
+                             f"one global batch ({global_batch} = batch_size x grad_accum x num_workers)")
+    return {"model": where, "use_gpu": use_gpu, "tokens_per_epoch": data.tokens_per_epoch,
+            "train_blocks": len(data.train), "val_blocks": len(data.val), "gpus": gpus, "resume_from": good,
+            "vocab_size": len(tok)}

@@ -1,0 +1,216 @@
+"""The driver of one training run: the one owner of its MLflow run, the launch on Ray Train, and what comes after it
+(the exported adapter, the best checkpoint, the summary).
+
+Connects to a running cluster when ``RAY_ADDRESS`` is set (so ``ray job submit`` works), else starts a local one.
+Re-running the same ``run.name`` with the same ``run.storage_path`` resumes from its latest good checkpoint.
+A re-run whose config changed (a larger ``train.max_steps`` extends the run) prints the changed keys and records
+them in MLflow as a config revision: the run's params keep their first values.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Optional
+
+import yaml
+
+from raytrain_scu import tracking
+from raytrain_scu.config.io import flatten, flatten_tree, redact_uri, to_yaml
+from raytrain_scu.config.paths import RunPaths
+from raytrain_scu.config.schema import Config
+from raytrain_scu.console import Progress, format_summary
+from raytrain_scu.core.checkpoint import BEST_METRIC, newest_good_local, read_meta
+from raytrain_scu.driver.generate import BASE_RECIPE, base_recipe
+from raytrain_scu.driver.preflight import preflight
+from raytrain_scu.errors import CheckpointError, Interrupted
+from raytrain_scu.ray import launch
+
+
+def output_dir(cfg: Config) -> Path:
+    """Where the adapter, config.yaml and summary.json go: ``run.output_dir``, else ``<run dir>/output``."""
+    return Path(RunPaths.of(cfg).output)
+
+
+def export_adapter(checkpoint, dest: Path) -> Path:
+    """Copy the adapter of a Ray checkpoint to ``dest`` (loadable by ``PeftModel.from_pretrained``)."""
+    with checkpoint.as_directory() as d:
+        src = Path(d) / "adapter"
+        if not src.is_dir():
+            raise FileNotFoundError(f"checkpoint {checkpoint.path} has no adapter/")
+        tmp = dest.with_name(dest.name + ".partial")
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(src, tmp)
+        shutil.rmtree(dest, ignore_errors=True)
+        os.rename(tmp, dest)
+    return dest
+
+
+def best_checkpoint(best_checkpoints) -> Optional[tuple]:
+    """The ``(checkpoint, metrics)`` of ``Result.best_checkpoints`` with the lowest finite ``val/data_bpt`` (the
+    latest step on a tie); None when none has one. Ray keeps that list sorted by score, worst first, so its first
+    entry is the worst of the kept top-k: never pick by position."""
+    scored = [(m[BEST_METRIC], -int(m.get("step", 0)), i) for i, (_, m) in enumerate(best_checkpoints or [])
+              if isinstance(m.get(BEST_METRIC), (int, float)) and math.isfinite(m[BEST_METRIC])]
+    return best_checkpoints[min(scored)[2]] if scored else None
+
+
+def record_config_change(cfg: Config, run_id: Optional[str], resume_from: Optional[Path], notes: list) -> dict:
+    """A re-run of a run name under a changed config (``train.max_steps`` raised to extend it, ...): print the changed
+    keys and record them as the MLflow run's next config revision (its params keep their first values: MLflow never
+    changes a param). The previous config is the MLflow run's latest revision; with no MLflow run, the config.yaml of
+    ``resume_from``, the checkpoint the run resumes from. Returns ``{key: (old, new)}``."""
+    rev, previous = 0, None
+    if run_id:
+        try:
+            rev, previous = tracking.recorded_config(cfg, run_id)
+        except Exception as e:  # noqa: BLE001 - tracking never kills training
+            notes.append(f"config changes not checked: MLflow run {run_id} unreadable ({type(e).__name__}: "
+                         f"{redact_uri(str(e))[:200]})")
+            print(f"[raytrain_scu] warning: {notes[-1]}", file=sys.stderr, flush=True)
+            return {}
+    elif resume_from is not None:
+        previous = flatten_tree(yaml.safe_load((resume_from / "config.yaml").read_text()))
+    changes = tracking.config_changes(previous, flatten(cfg)) if previous else {}
+    if not changes:
+        return {}
+    from_step = read_meta(resume_from)["step"] if resume_from is not None else None
+    if run_id:
+        try:
+            tracking.record_config_revision(cfg, run_id, rev + 1, changes, from_step)
+            where = f"config revision {rev + 1} recorded in MLflow run {run_id}; its params keep the first values"
+        except Exception as e:  # noqa: BLE001
+            where = f"NOT recorded in MLflow: {type(e).__name__}: {redact_uri(str(e))[:200]}"
+            notes.append(f"config revision {rev + 1} {where}")
+    else:
+        where = "not recorded: " + ("tracking.enabled=false" if not cfg.tracking.enabled else "MLflow unreachable")
+    old_steps, new_steps = changes.get("train.max_steps", ("0", "0"))
+    what = "extended" if int(new_steps) > int(old_steps) else "resumed with a changed config"
+    print(f"[raytrain_scu] run {cfg.run.name} {what}: {tracking.format_changes(changes)}"
+          + (f" (from step {from_step})" if from_step is not None else "") + f"; {where}", flush=True)
+    return changes
+
+
+def run(cfg: Config, *, quiet: bool = False, verbose: bool = False) -> dict:
+    """Validate, train, export. Returns a summary dict (also printed unless ``quiet``).
+
+    The one owner of the run's MLflow run: opens it before launch (or finds it again on a re-run) and ends it,
+    FINISHED after the summary, FAILED when training or the summary fails, KILLED on Ctrl-C (``launch.fit``); the
+    workers only log into it. ``verbose``: Ray's and the workers' output on the console too."""
+    finished = finished_summary(cfg)
+    if finished is not None:  # before any check that loads the model or data, and before Ray
+        if not quiet:
+            print(f"[raytrain_scu] run {cfg.run.name} already finished at step {finished['steps']} "
+                  f"(raise train.max_steps to extend it)", flush=True)
+            print(format_summary(finished, title="finished earlier"), flush=True)
+        return finished
+    facts = preflight(cfg)
+    run_id, notes = None, []
+    if cfg.tracking.enabled:
+        try:
+            run_id = tracking.open_run(cfg)
+            tracking.remember_run_id(cfg, run_id)
+        except Exception as e:  # noqa: BLE001 - tracking never kills training; rank 0 retries
+            notes.append(f"MLflow unreachable at start ({type(e).__name__}); rank 0 will retry")
+            print(f"[raytrain_scu] warning: {notes[-1]}", file=sys.stderr)
+    status, ray_logs = "FAILED", None
+    try:
+        changes = record_config_change(cfg, run_id, facts["resume_from"], notes)
+        if facts["resume_from"] is not None:  # the workers say it too, in their log files
+            print(f"[raytrain_scu] resuming from {facts['resume_from'].name}", flush=True)
+        launch.init_ray(cfg, verbose=verbose)
+        # the cluster the run joined (RAY_ADDRESS, or a Ray already up), which preflight could not see: refused
+        # before any worker starts, rather than waited for forever
+        launch.check_capacity(cfg, use_gpu=facts["use_gpu"])
+        print(f"[raytrain_scu] run {cfg.run.name}: {facts['model']}, {cfg.scaling.num_workers} worker(s) "
+              f"({'GPU' if facts['use_gpu'] else 'CPU'}), {facts['train_blocks']} train / {facts['val_blocks']} val "
+              f"blocks, tokens_per_epoch={facts['tokens_per_epoch']}", flush=True)
+        ray_logs = launch.logs_dir()
+        if not verbose:
+            print(f"[raytrain_scu] Ray's and the workers' logs: {ray_logs} (--verbose shows them here)", flush=True)
+        sink = launch.Sink()
+        trainer = launch.build_trainer(cfg, use_gpu=facts["use_gpu"], run_id=run_id, callbacks=[sink])
+        result = launch.fit(trainer, cfg, sink, Progress(target_s=cfg.controller.target_s))  # raises on failure
+        summary = summarize(cfg, result, run_id, changes, notes, facts)
+        status = "FINISHED"
+    except (KeyboardInterrupt, Interrupted):
+        status = "KILLED"
+        raise
+    finally:
+        kept = launch.keep_logs(cfg, ray_logs)
+        if kept is not None:
+            print(f"[raytrain_scu] worker logs: {kept}", flush=True)
+        if run_id:
+            tracking.end_run(cfg, run_id, status)
+    if not quiet:
+        print(format_summary(summary), flush=True)
+    return summary
+
+
+def finished_summary(cfg: Config) -> Optional[dict]:
+    """The summary of this run name when it already reached train.max_steps with this very config (local storage): its
+    output/summary.json, if output/config.yaml is this config and the newest checkpoint on disk is that step. None
+    otherwise: a new run, an unfinished one, an extension, or a changed config (which preflight then checks)."""
+    path = output_dir(cfg) / "summary.json"
+    if RunPaths.of(cfg).remote or not path.is_file():
+        return None
+    saved = output_dir(cfg) / "config.yaml"
+    if not saved.is_file() or saved.read_text() != to_yaml(cfg, redact=True):
+        return None
+    try:
+        summary = json.loads(path.read_text())
+        newest, _ = newest_good_local(RunPaths.of(cfg).local)
+    except (ValueError, CheckpointError):
+        return None  # unreadable: preflight says what is wrong
+    steps = summary.get("steps")
+    if newest is None or steps is None or read_meta(newest)["step"] != steps or steps < cfg.train.max_steps:
+        return None
+    return summary
+
+
+def summarize(cfg: Config, result, run_id: Optional[str], changes: dict, notes: list, facts: dict) -> dict:
+    """After fit(): export the adapter, log the best checkpoint, write config.yaml, summary.json and base_model.json
+    (what rebuilds the base model: generate) to the output directory; returns the summary."""
+    out = output_dir(cfg)
+    out.mkdir(parents=True, exist_ok=True)
+    last = result.metrics or {}
+    summary = {"run": cfg.run.name, "steps": last.get("step"), "val_bpt_start": last.get("val/data_bpt_start"),
+               "val_bpt": last.get("val/data_bpt"),
+               "lambda": last.get("ctrl/lambda"), "s": last.get("ctrl/s"), "s_hat": last.get("ctrl/s_hat"),
+               "tokens_per_s": last.get("perf/tokens_per_s"), "run_dir": result.path, "mlflow_run_id": run_id,
+               "config_changes": changes or None, "notes": notes}
+    if cfg.tracking.enabled:
+        uri, ui = redact_uri(tracking.tracking_uri(cfg)), tracking.ui_command(cfg)
+        summary["tracking_uri"] = f"{uri} (experiment {cfg.tracking.experiment})"
+        if ui is not None:
+            needs = importlib.util.find_spec("flask") is None  # mlflow-skinny alone has no UI server
+            summary["ui_command"] = ui + ("   (needs the ui extra: pip install 'raytrain_scu[ui]')" if needs
+                                          else "   (or: make ui CONFIG=<this config>)")
+    if result.checkpoint is not None:
+        summary["adapter"] = str(export_adapter(result.checkpoint, out / "adapter"))
+    best = best_checkpoint(result.best_checkpoints)
+    if best is None and result.best_checkpoints:
+        notes.append(f"no checkpoint has a finite {BEST_METRIC}: no best checkpoint")
+    if best is not None:
+        summary["best_step"], summary["best_val_bpt"] = best[1].get("step"), best[1][BEST_METRIC]
+        if run_id and cfg.tracking.log_best_checkpoint:
+            with best[0].as_directory() as d:
+                warn = tracking.log_best_checkpoint(cfg, run_id, d, step=summary["best_step"],
+                                                    val_bpt=summary["best_val_bpt"])
+            if warn:
+                notes.append(warn)
+    (out / "config.yaml").write_text(to_yaml(cfg, redact=True))
+    (out / BASE_RECIPE).write_text(json.dumps(base_recipe(cfg, use_gpu=facts["use_gpu"],
+                                                          vocab_size=facts["vocab_size"]), indent=1))
+    (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    return summary
+
+
+def failure(error: BaseException) -> tuple[Optional[str], list[str]]:
+    """A failed run in words: ``Type: message`` of the worker's (or controller's) exception inside Ray Train's
+    wrapping (None if the error is not Ray's), and the notices rank 0 had not reported yet (its context)."""
+    return launch.root_cause(error), launch.failure_notices(error)

@@ -1,0 +1,101 @@
+"""The Ray edge, worker side: :func:`train_func` runs ``worker.loop.run_loop`` with :class:`RayHooks`, the handful of
+calls the loop makes into Ray Train (device, checkpoint to resume from, placement, report), and
+:func:`checkpoint_candidates` turns a Ray checkpoint into the plain ``(name, open)`` pairs
+``core.checkpoint.open_good_checkpoint`` verifies."""
+from __future__ import annotations
+
+from functools import partial
+from pathlib import Path
+from typing import Optional
+
+import pyarrow.fs as pafs
+import ray.train
+import ray.train.torch
+from ray.train import Checkpoint
+
+from raytrain_scu.config.load import build_config
+from raytrain_scu.console import NOTICES, relaying_warnings, take_notices
+from raytrain_scu.core.checkpoint import open_good_checkpoint
+from raytrain_scu.worker.faults import Faults
+from raytrain_scu.worker.loop import run_loop
+
+
+def train_func(config: dict) -> None:
+    """Ray Train per-worker entry point. ``config`` is ``asdict(Config)`` plus ``_mlflow_run_id``."""
+    config = dict(config)
+    run_id = config.pop("_mlflow_run_id", None)
+    with relaying_warnings():  # the package's warnings reach the driver's console with the reports
+        try:
+            run_loop(build_config(config), hooks=RayHooks(), run_id=run_id)
+        except Exception as e:
+            # what no report carried (a resume, a fallback) travels with the failure: its context (failure_notices)
+            setattr(e, NOTICES, take_notices())
+            raise
+
+
+def _name(path: str) -> str:
+    """``checkpoint_00000020`` of a Ray checkpoint's path: the same for every rank, wherever it downloads."""
+    return path.rstrip("/").rsplit("/", 1)[-1]
+
+
+def _materialise(checkpoint: Checkpoint, stack) -> Path:
+    local = Path(stack.enter_context(checkpoint.as_directory()))
+    return local / "ckpt" if (local / "ckpt").is_dir() else local
+
+
+def checkpoint_candidates(ray_checkpoint: Checkpoint, stack) -> list[tuple[str, object]]:
+    """``(name, open)`` of every ``checkpoint_*`` in the run directory of the given Ray checkpoint, newest first;
+    ``open()`` downloads one (if remote) into ``stack`` and returns its local directory.
+
+    Newest on disk, not Ray's latest: a checkpoint written and copied just before the driver or the controller died
+    (Ctrl-C, a lost head) is on disk but was never registered, and Ray would resume from the one before it."""
+    fs, path = ray_checkpoint.filesystem, ray_checkpoint.path.rstrip("/")
+    parent = path.rsplit("/", 1)[0]
+    try:
+        infos = fs.get_file_info(pafs.FileSelector(parent, recursive=False))
+    except OSError:
+        infos = []
+    # names carry the zero-padded step, so name order is step order (a `_fromNNN` suffix sorts after its step)
+    found = sorted((i.path.rstrip("/") for i in infos if i.type == pafs.FileType.Directory
+                    and i.base_name.startswith("checkpoint_") and not i.base_name.endswith(".partial")), reverse=True)
+    if path not in found:  # Ray's own is always a candidate
+        found = sorted([*found, path], reverse=True)
+    return [(_name(p), partial(_materialise, Checkpoint(path=p, filesystem=fs), stack)) for p in found]
+
+
+def open_checkpoint(ray_checkpoint: Checkpoint, stack) -> tuple[Path, list[str]]:
+    """The newest good checkpoint from ``ray_checkpoint`` back, the same on every rank
+    (``checkpoint.open_good_checkpoint``); its local directory lives as long as ``stack``."""
+    return open_good_checkpoint(checkpoint_candidates(ray_checkpoint, stack))
+
+
+class RayHooks:
+    """The handful of calls the loop makes into Ray Train; ``loop.LocalHooks`` stands in for them without Ray."""
+
+    def __init__(self):
+        self.faults = Faults.from_env()
+
+    @staticmethod
+    def get_device():
+        return ray.train.torch.get_device()
+
+    @staticmethod
+    def open_checkpoint(stack) -> Optional[tuple[Path, list[str]]]:
+        """The checkpoint Ray Train hands this attempt (a restart, a re-run of the run name), opened and verified;
+        None on a fresh start."""
+        latest = ray.train.get_checkpoint()
+        return None if latest is None else open_checkpoint(latest, stack)
+
+    @staticmethod
+    def prepare_model(model, move_to_device: bool):
+        # no DDP wrapper: the loop averages the adapters' gradients itself (dist.average_gradients says why)
+        return ray.train.torch.prepare_model(model, move_to_device=move_to_device, parallel_strategy=None)
+
+    @staticmethod
+    def report(metrics: dict, checkpoint_dir, checkpoint_dir_name):
+        checkpoint = Checkpoint.from_directory(str(checkpoint_dir)) if checkpoint_dir else None
+        ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=checkpoint_dir_name)
+        if checkpoint is not None:
+            # wait until the controller has registered it: a worker lost from here on restarts from this checkpoint
+            # (Ray registers reports asynchronously, one health-check poll at a time)
+            ray.train.get_all_reported_checkpoints(consistency_mode=ray.train.CheckpointConsistencyMode.COMMITTED)

@@ -1,0 +1,264 @@
+"""The Ray edge, driver side: :func:`init_ray`, :func:`build_trainer` (one ``TorchTrainer`` per run or sweep trial),
+the workers' environment (:func:`scu_env`), the reports relayed to the driver's console and Ctrl-C (:func:`fit`),
+Ray's log files (:func:`logs_dir`, :func:`keep_logs`), a failure's root cause and context (:func:`root_cause`,
+:func:`failure_notices`), and the Ray runs of evaluate (:func:`run_tasks`) and bench (:func:`fit_and_collect`).
+The worker side is :mod:`raytrain_scu.ray.hooks`.
+"""
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Optional
+
+import ray
+import ray.train
+import ray.train.torch
+from ray.exceptions import RayTaskError
+from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig, TrainingFailedError, UserCallback
+from ray.train.torch import TorchTrainer
+
+from raytrain_scu.config.paths import RunPaths
+from raytrain_scu.config.schema import Config
+from raytrain_scu.console import NOTICES
+from raytrain_scu.core.checkpoint import BEST_METRIC
+from raytrain_scu.errors import Interrupted, NotEnoughResources
+from raytrain_scu.ray.hooks import train_func
+
+
+def _no_colour_reset_at_exit() -> None:
+    """Importing Ray runs its CLI logger's ``colorama.init(strip=False)``, which registers an atexit hook that writes
+    ``\x1b[0m`` to stdout when that is a terminal: a stray colour reset after the driver's last line. Unregister it
+    (colorama registers it once per process, so it does not come back)."""
+    colorama = sys.modules.get("colorama")  # Ray's copy (ray/thirdparty_files), imported with ray.train
+    if colorama is not None:
+        atexit.unregister(colorama.initialise.reset_all)
+
+
+_no_colour_reset_at_exit()
+
+
+# ---------------------------------------------------------------- driver side
+
+def scu_env() -> dict[str, str]:
+    """This process's RAYTRAIN_SCU_* variables (fault injection, cache location): what every worker gets."""
+    return {k: v for k, v in os.environ.items() if k.startswith("RAYTRAIN_SCU_")}
+
+
+def init_ray(cfg: Config, *, verbose: bool = True) -> None:
+    """Join the cluster at ``RAY_ADDRESS`` (``ray job submit``), else start a local Ray; nothing if Ray is up.
+
+    ``verbose`` false: the workers' and the controller's output stays in Ray's log files (:func:`logs_dir`) and the
+    driver logs Ray's warnings and errors only, so the console holds the package's own lines."""
+    if ray.is_initialized():
+        return
+    quiet = {} if verbose else {"log_to_driver": False, "logging_level": logging.WARNING}
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(address=os.environ["RAY_ADDRESS"], **{"log_to_driver": True, **quiet})
+    else:
+        ray.init(**{"log_to_driver": True, **quiet})
+
+
+def logs_dir() -> Optional[Path]:
+    """This Ray session's log directory on the driver's node (where the controller and, locally, the workers
+    write); None when Ray is not up."""
+    node = getattr(ray._private.worker, "_global_node", None)
+    return Path(node.get_logs_dir_path()) if ray.is_initialized() and node is not None else None
+
+
+def keep_logs(cfg: Config, source: Optional[Path]) -> Optional[Path]:
+    """Copy this job's worker logs (the train workers', the controller's: ``worker-*-<job id>-*.out/err``) from
+    ``source`` into ``<run dir>/logs/`` (local storage); returns that folder, None with nothing copied."""
+    dest = RunPaths.of(cfg).logs
+    if source is None or dest is None or not ray.is_initialized():
+        return None
+    job = ray.get_runtime_context().get_job_id()
+    files = [f for f in source.glob(f"worker-*-{job}-*") if f.suffix in (".out", ".err")]
+    if not files:
+        return None
+    dest.mkdir(parents=True, exist_ok=True)
+    for f in files:
+        shutil.copyfile(f, dest / f.name)
+    return dest
+
+
+def root_cause(error: BaseException) -> Optional[str]:
+    """``Type: message`` of the worker (or controller) exception inside Ray Train's wrapping; None if not Ray's."""
+    if not isinstance(error, TrainingFailedError):
+        return None
+    failures = getattr(error, "worker_failures", None) or {}
+    cause = failures[min(failures)] if failures else getattr(error, "controller_failure", error)
+    return f"{type(cause).__name__}: {cause}".strip()
+
+
+def failure_notices(error: BaseException) -> list[str]:
+    """The notices rank 0 had not reported yet when it failed (a resume, a fallback: the failure's context), carried
+    on its exception by :func:`train_func`; [] for any other error."""
+    failures = getattr(error, "worker_failures", None) or {}
+    return list(getattr(failures.get(0), NOTICES, None) or [])
+
+
+class Sink(UserCallback):
+    """Runs in the Ray Train controller (always on the driver's node): appends each report's rank-0 metrics and
+    whether it carried a checkpoint to a JSON-lines file the driver reads (:meth:`read`)."""
+
+    def __init__(self):
+        self.path = Path(tempfile.mkdtemp(prefix="raytrain_scu-")) / "reports.jsonl"
+        self.path.touch()
+        self.offset = 0
+
+    def after_report(self, run_context, metrics, checkpoint):
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"metrics": metrics[0], "checkpoint": checkpoint is not None}) + "\n")
+
+    def read(self) -> list[dict]:
+        """The driver side: the reports written since the last call, whole lines only."""
+        with open(self.path) as f:
+            f.seek(self.offset)
+            text = f.read()
+        done = text[:text.rfind("\n") + 1]
+        self.offset += len(done.encode())
+        return [json.loads(line) for line in done.splitlines()]
+
+
+def fit(trainer: TorchTrainer, cfg: Config, sink: Sink, progress):
+    """``trainer.fit()`` with each report shown by ``progress`` (``console.Progress``) on the driver, the workers'
+    notices it carries (``console.notice``) above it, and Ctrl-C.
+
+    fit() runs in a thread, so Ray Train installs no SIGINT handler of its own. The first SIGINT writes the stop
+    flag (local storage): every rank stops after its next step, rank 0 checkpoints it, and this raises
+    :class:`Interrupted` once fit() returns. A second SIGINT (or the first with remote storage, which has no flag)
+    raises it at once."""
+    flag = RunPaths.of(cfg).stop_flag
+    if flag is not None:
+        flag.unlink(missing_ok=True)  # a leftover from a run killed hard would stop this one at its first step
+    box, last, sigints = {}, {"step": None, "checkpoint": False}, []
+
+    def target():
+        try:
+            box["result"] = trainer.fit()
+        except BaseException as e:  # noqa: BLE001 - re-raised in the driver's main thread
+            box["error"] = e
+
+    def on_sigint(signum, frame):
+        sigints.append(time.time())
+        if len(sigints) > 1 or flag is None:
+            raise Interrupted(last["step"], checkpointed=False)
+        flag.parent.mkdir(parents=True, exist_ok=True)
+        flag.write_text("stop\n")
+        progress.close()
+        print("[raytrain_scu] Ctrl-C: stopping after this step and writing its checkpoint (Ctrl-C again aborts "
+              "without one)", flush=True)
+
+    def show():
+        for r in sink.read():
+            for text in r["metrics"].get(NOTICES, "").splitlines():  # rank 0's notices since its previous report
+                progress.note(text)
+            last.update(step=int(r["metrics"]["step"]), checkpoint=r["checkpoint"])
+            progress.update(r["metrics"], checkpoint=r["checkpoint"])
+
+    thread = threading.Thread(target=target, name="raytrain_scu-fit", daemon=True)
+    # only the main thread may handle signals: run() called from another thread (a test, a notebook's worker) shows
+    # progress but leaves Ctrl-C to whoever owns the main thread
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, on_sigint) if main else None
+    try:
+        thread.start()
+        while thread.is_alive():
+            thread.join(timeout=0.2)
+            show()
+        show()
+    finally:
+        if main:
+            signal.signal(signal.SIGINT, previous)
+        progress.close()
+        if flag is not None:
+            flag.unlink(missing_ok=True)
+    if "error" in box:
+        raise box["error"]
+    if sigints and last["step"] != cfg.train.max_steps:
+        raise Interrupted(last["step"], checkpointed=last["checkpoint"])
+    return box["result"]
+
+
+def build_trainer(cfg: Config, *, use_gpu: bool, run_id: Optional[str], callbacks=(), extra_config=None,
+                  env: Optional[dict[str, str]] = None) -> TorchTrainer:
+    """The TorchTrainer for one run (the sweep builds one per trial with this too). ``env``: the workers'
+    RAYTRAIN_SCU_* variables (default: this process's, :func:`scu_env`)."""
+    s = cfg.scaling
+    resources = {"CPU": s.cpus_per_worker}
+    if use_gpu:
+        resources["GPU"] = s.gpus_per_worker
+    loop_config = {**asdict(cfg), "_mlflow_run_id": run_id, **(extra_config or {})}
+    # read from this process's environment when fit() starts the controller (Ray propagates it): a worker holds one
+    # unconsumed report and blocks on the next until the controller polls, so Ray's 2 s default caps a fast loop
+    os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = str(s.poll_interval_s)
+    return TorchTrainer(
+        train_func,
+        train_loop_config=loop_config,
+        scaling_config=ScalingConfig(num_workers=s.num_workers, use_gpu=use_gpu, resources_per_worker=resources,
+                                     placement_strategy=s.placement_strategy),
+        run_config=RunConfig(
+            name=cfg.run.name, storage_path=RunPaths.of(cfg).storage,
+            failure_config=FailureConfig(max_failures=cfg.run.max_failures),
+            checkpoint_config=CheckpointConfig(num_to_keep=cfg.run.num_to_keep,
+                                               checkpoint_score_attribute=BEST_METRIC,
+                                               checkpoint_score_order="min"),
+            callbacks=list(callbacks),
+            # RAYTRAIN_SCU_* variables (fault injection, cache location) reach every worker, on any node
+            worker_runtime_env={"env_vars": scu_env() if env is None else env}),
+    )
+
+
+def check_capacity(cfg: Config, *, use_gpu: bool) -> None:
+    """Refuse, before any worker starts, ``scaling.num_workers`` workers that need more GPUs (with ``use_gpu``) or
+    CPUs than the Ray cluster has now."""
+    s, have = cfg.scaling, ray.cluster_resources()
+    for key, each in (("GPU", s.gpus_per_worker if use_gpu else 0.0), ("CPU", s.cpus_per_worker)):
+        need = s.num_workers * each
+        if need > have.get(key, 0.0):
+            raise NotEnoughResources(f"scaling.num_workers={s.num_workers}: {s.num_workers} workers x {each:g} {key} "
+                                     f"need {need:g} {key}s, but the Ray cluster has {have.get(key, 0.0):g}")
+
+
+def fit_and_collect(cfg: Config, *, use_gpu: bool) -> list[dict]:
+    """Run ``cfg`` on Ray Train with no MLflow run and return rank 0's reports, in order (bench's Ray parts). Refuses
+    more workers than the cluster can place (:func:`check_capacity`) before starting any."""
+    sink = Sink()
+    init_ray(cfg)
+    check_capacity(cfg, use_gpu=use_gpu)
+    build_trainer(cfg, use_gpu=use_gpu, run_id=None, callbacks=[sink]).fit()  # raises on a failed run
+    return [r["metrics"] for r in sink.read()]
+
+
+def run_tasks(cfg: Config, fn, calls: list[tuple], *, gpus_per_worker: Optional[float],
+              plain_errors: tuple = ()) -> list:
+    """``fn(*args)`` for each ``args`` of ``calls``, each in its own Ray task; the results in order.
+
+    ``gpus_per_worker`` None: ``scaling.gpus_per_worker`` when ``scaling.use_gpu`` is true, or is auto and the
+    cluster has GPUs; else CPU tasks of ``scaling.cpus_per_worker``. A task's exception of a ``plain_errors`` type is
+    raised as itself, without the remote traceback."""
+    init_ray(cfg)
+    s = cfg.scaling
+    if gpus_per_worker is None:
+        use_gpu = s.use_gpu if s.use_gpu is not None else ray.cluster_resources().get("GPU", 0) > 0
+        gpus_per_worker = s.gpus_per_worker if use_gpu else 0.0
+    env = scu_env()
+    task = ray.remote(fn).options(num_cpus=s.cpus_per_worker, num_gpus=gpus_per_worker,
+                                  runtime_env={"env_vars": env} if env else None)
+    refs = [task.remote(*args) for args in calls]
+    try:
+        return ray.get(refs)
+    except RayTaskError as e:
+        if isinstance(e.cause, plain_errors):
+            raise e.cause from None
+        raise

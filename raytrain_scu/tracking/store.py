@@ -1,0 +1,178 @@
+"""MLflow tracking: a real client on rank 0, a no-op elsewhere, so the loop never branches on rank to log.
+
+- Default store ``sqlite:///<storage_path>/mlflow.db`` with artifacts in ``<storage_path>/mlartifacts`` (MLflow >= 3.13
+  refuses the ``file:`` store); ``tracking.uri`` may be an ``http(s)://`` tracking server for clusters.
+- One MLflow run per training run, found again by its tag ``raytrain_scu.run_key`` (storage path + run name) and
+  kept in ``<storage_path>/<name>/mlflow_run.json``: a worker restart or re-running the same run name continues the
+  SAME run; steps already logged are not logged again.
+- Metrics are buffered and sent with ``log_batch`` at each report, never one call per scalar.
+- Tracking never kills training: a failed call warns, keeps the buffer and retries at the next flush; the run ends
+  with what could be recorded and says what was not.
+- Params are logged once and MLflow never changes one: a re-run of the run name whose config changed (say
+  ``train.max_steps`` raised to extend it) is recorded as a config revision instead, the tag
+  ``raytrain_scu.config_revision`` = N, the artifact ``config_revisions/rev_N.yaml`` and the tag
+  ``raytrain_scu.config_changes`` (``key: old -> new``); revision 0 is the params.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shlex
+import warnings
+from pathlib import Path
+from typing import Optional
+
+from raytrain_scu.config.io import redact_uri
+from raytrain_scu.config.paths import RunPaths, storage_dir
+from raytrain_scu.config.schema import Config
+
+RUN_KEY_TAG = "raytrain_scu.run_key"
+PARENT_TAG = "mlflow.parentRunId"
+REVISION_TAG = "raytrain_scu.config_revision"  # N: the config changed N times after the params were logged
+CHANGES_TAG = "raytrain_scu.config_changes"  # the last revision's changes, "key: old -> new; ..."
+BEST_STEP_TAG = "raytrain_scu.best_checkpoint_step"  # the step of the best_checkpoint artifact
+BEST_VAL_TAG = "raytrain_scu.best_checkpoint_val_bpt"  # and its val/data_bpt
+MAX_BUFFER = 2_000_000
+
+
+def default_uri(storage_path: str) -> str:
+    """The sqlite store beside the run directories of ``run.storage_path``: what runs use without ``tracking.uri``."""
+    return f"sqlite:///{storage_dir(storage_path)}/mlflow.db"
+
+
+def tracking_uri(cfg: Config) -> str:
+    return cfg.tracking.uri or RunPaths.of(cfg).default_tracking_uri
+
+
+def ui_command(cfg: Config) -> Optional[str]:
+    """The command that opens the MLflow UI on the store this config's runs use, as the run's summary prints it (``make
+    ui`` runs the same); it needs the ``ui`` extra (the full mlflow package: its server and flask). None for an http(s)
+    tracking server, which serves the UI at its own address."""
+    uri = redact_uri(tracking_uri(cfg))
+    if uri.startswith(("http://", "https://")):
+        return None
+    return shlex.join(["mlflow", "ui", "--backend-store-uri", uri])
+
+
+def run_key(cfg: Config) -> str:
+    """The tag value that finds a training run's MLflow run again: its run directory."""
+    return RunPaths.of(cfg).run
+
+
+def _quiet_http() -> None:
+    # a dead server must cost seconds, not MLflow's default minutes of retries, per attempt
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+    # a new sqlite store's schema set-up is MLflow's business, not a line on the user's console
+    for name in ("mlflow.store.db.utils", "alembic.runtime.migration"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def client_for(uri: str):
+    _quiet_http()
+    from mlflow.tracking import MlflowClient
+
+    if uri.startswith("sqlite:///"):
+        Path(uri[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
+    return MlflowClient(tracking_uri=uri)
+
+
+def experiment_id(client, name: str, uri: str) -> str:
+    exp = client.get_experiment_by_name(name)
+    if exp is not None:
+        return exp.experiment_id
+    location = None
+    if uri.startswith("sqlite:///"):  # an explicit artifact location beside the database
+        location = Path(Path(uri[len("sqlite:///"):]).parent, "mlartifacts").resolve().as_uri()
+    try:
+        return client.create_experiment(name, artifact_location=location)
+    except Exception:  # noqa: BLE001 - another process created it first
+        return client.get_experiment_by_name(name).experiment_id
+
+
+def _find_or_create_run(cfg: Config, parent_run_id: Optional[str] = None) -> str:
+    """The MLflow run id for this training run: found by its run-key tag, else created."""
+    uri = tracking_uri(cfg)
+    client = client_for(uri)
+    exp_id = experiment_id(client, cfg.tracking.experiment or cfg.run.name, uri)
+    key = run_key(cfg)
+    found = client.search_runs([exp_id], filter_string=f"tags.`{RUN_KEY_TAG}` = '{key}'", max_results=1)
+    if found:
+        return found[0].info.run_id
+    tags = {RUN_KEY_TAG: key, "mlflow.runName": cfg.run.name}
+    if parent_run_id:
+        tags[PARENT_TAG] = parent_run_id
+    return client.create_run(exp_id, tags=tags, run_name=cfg.run.name).info.run_id
+
+
+# ---------------------------------------------------------------- the run's lifecycle: one owner opens and ends it
+
+def open_run(cfg: Config, parent_run_id: Optional[str] = None) -> str:
+    """Open this training run's MLflow run: found again by its run key (a restart, a re-run of the run name, a resumed
+    sweep) or created, a child of ``parent_run_id`` when given; its status RUNNING. Whoever opens a run ends it with
+    :func:`end_run` (the driver, the sweep; rank 0's tracker only when nobody else could open it); the workers only
+    log into it. Raises on an unreachable store."""
+    run_id = _find_or_create_run(cfg, parent_run_id)
+    client_for(tracking_uri(cfg)).set_terminated(run_id, status="RUNNING")
+    return run_id
+
+
+def end_run(cfg: Config, run_id: str, status: str) -> None:
+    """End the run :func:`open_run` opened: FINISHED, FAILED or KILLED. Warns instead of raising (tracking never
+    kills training)."""
+    try:
+        client_for(tracking_uri(cfg)).set_terminated(run_id, status=status)
+    except Exception as e:  # noqa: BLE001
+        warnings.warn(f"MLflow run {run_id} not marked {status}: {type(e).__name__}: {redact_uri(str(e))[:200]}")
+
+
+def remember_run_id(cfg: Config, run_id: str) -> None:
+    """Keep the run id with the Ray run directory (local storage) so people and tools can find it."""
+    p = RunPaths.of(cfg).local
+    if p is None:
+        return
+    p.mkdir(parents=True, exist_ok=True)
+    (p / "mlflow_run.json").write_text(json.dumps({"run_id": run_id, "tracking_uri": redact_uri(tracking_uri(cfg))}))
+
+
+def param_text(value) -> str:
+    """A value as MLflow keeps it in a param (text, at most 6000 characters)."""
+    return str(value)[:6000]
+
+
+def log_params_once(client, run_id: str, params: dict) -> None:
+    """Log the params ``run_id`` does not have yet: MLflow refuses to change a param, and a resumed sweep re-logs."""
+    from mlflow.entities import Param
+
+    existing = client.get_run(run_id).data.params
+    new = [Param(k, param_text(v)) for k, v in params.items() if k not in existing]
+    for i in range(0, len(new), 100):
+        client.log_batch(run_id, params=new[i:i + 100])
+
+
+def log_best_checkpoint(cfg: Config, run_id: str, ckpt_dir: str, *, step: int, val_bpt: float) -> Optional[str]:
+    """Driver side, after fit(): the best checkpoint (lowest val/data_bpt) as an artifact, its step and val/data_bpt
+    as tags. Returns a warning text on failure."""
+    try:
+        client = client_for(tracking_uri(cfg))
+        client.log_artifacts(run_id, ckpt_dir, artifact_path="best_checkpoint")
+        client.set_tag(run_id, BEST_STEP_TAG, str(step))
+        client.set_tag(run_id, BEST_VAL_TAG, repr(float(val_bpt)))
+        return None
+    except Exception as e:  # noqa: BLE001
+        return f"best checkpoint not logged to MLflow: {type(e).__name__}: {redact_uri(str(e))[:200]}"
+
+
+# ---------------------------------------------------------------- sweeps: one parent run, one child run per trial
+
+SWEEP_TAG = "raytrain_scu.sweep"  # the sweep's name, on the parent and on every child
+TRIAL_TAG = "raytrain_scu.trial_id"  # the Tune trial id, on each child
+
+
+def child_runs(cfg: Config, parent_run_id: str) -> list:
+    """The runs whose ``mlflow.parentRunId`` tag is ``parent_run_id`` (a sweep's trials), in cfg's experiment."""
+    uri = tracking_uri(cfg)
+    client = client_for(uri)
+    exp_id = experiment_id(client, cfg.tracking.experiment or cfg.run.name, uri)
+    return client.search_runs([exp_id], filter_string=f"tags.`{PARENT_TAG}` = '{parent_run_id}'", max_results=5000)

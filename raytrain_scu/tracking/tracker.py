@@ -1,0 +1,198 @@
+"""Rank 0's MLflow tracker (a retrying metric buffer) and the no-op every other rank gets, so the loop never
+branches on rank to log."""
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Optional
+
+from raytrain_scu.config.io import flatten, redact_uri, to_yaml
+from raytrain_scu.config.schema import Config, global_batch_tokens
+from raytrain_scu.tracking.store import MAX_BUFFER, client_for, log_params_once, open_run, tracking_uri
+
+
+def derived_params(cfg: Config, *, tokens_per_epoch: int, world: int, device) -> dict:
+    """Flattened resolved config plus the values derived at run time."""
+    from importlib.metadata import version
+
+    import peft
+    import torch
+    import transformers
+
+    gpu_name, gpu_count = "none", 0
+    if device.type == "cuda":
+        gpu_name, gpu_count = torch.cuda.get_device_name(device), world
+    out = flatten(cfg, redact=True)
+    out.update({"derived.tokens_per_epoch": tokens_per_epoch, "derived.world_size": world,
+                "derived.global_batch_tokens": global_batch_tokens(cfg, world),
+                "derived.gpu_name": gpu_name, "derived.gpu_count": gpu_count,
+                "version.torch": torch.__version__, "version.transformers": transformers.__version__,
+                "version.peft": peft.__version__, "version.ray": version("ray")})
+    return out
+
+
+class NullTracker:
+    """What ranks other than 0 (and runs with tracking off) get."""
+
+    run_id = None
+
+    def start(self, params: dict, resumed_at: int = 0) -> None:
+        pass
+
+    def log_step(self, row: dict, step: Optional[int] = None) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+    def finish(self, history: list, model=None, status: str = "FINISHED") -> None:
+        pass
+
+
+class MlflowTracker(NullTracker):
+    """Rank 0's MLflow client with a retrying metric buffer. It logs into the run its driver opened (``run_id``); only
+    with none (no driver, or MLflow was unreachable when the driver tried) does it open the run itself, and then it
+    also ends it in :meth:`finish`."""
+
+    def __init__(self, cfg: Config, run_id: Optional[str] = None, parent_run_id: Optional[str] = None):
+        self.cfg, self.run_id, self.parent_run_id = cfg, run_id, parent_run_id
+        self.owns_run = False  # True once this tracker opened the run: then it ends it too
+        self.uri = tracking_uri(cfg)
+        self.client = None
+        self.buffer: list = []
+        self.logged_through = -1  # steps <= this are already in MLflow (a resumed run)
+        self.params: dict = {}
+        self.params_logged = False
+        self.failures = 0
+        self.dropped = 0
+        self.sysmon = None
+
+    def _connect(self) -> bool:
+        if self.client is not None and self.run_id is not None:
+            return True
+        try:
+            self.client = client_for(self.uri)
+            if self.run_id is None:
+                self.run_id, self.owns_run = open_run(self.cfg, self.parent_run_id), True
+            hist = self.client.get_metric_history(self.run_id, "ctrl/lambda")
+            self.logged_through = max((m.step for m in hist), default=-1)
+            return True
+        except Exception as e:  # noqa: BLE001 - tracking must never kill training
+            self._warn("connect", e)
+            self.client = None if self.run_id is None else self.client
+            return False
+
+    def _warn(self, what: str, e: Exception) -> None:
+        self.failures += 1
+        if self.failures <= 3 or self.failures % 50 == 0:
+            warnings.warn(f"MLflow {what} failed ({redact_uri(self.uri)}): {type(e).__name__}: "
+                          f"{redact_uri(str(e))[:200]}; "
+                          f"buffering {len(self.buffer)} metric points and retrying at the next report")
+
+    def start(self, params: dict, resumed_at: int = 0) -> None:
+        self.params = params
+        if self._connect():
+            self._log_params()
+            self._start_system_metrics()
+
+    def _log_params(self) -> None:
+        if self.params_logged:
+            return
+        try:
+            log_params_once(self.client, self.run_id, self.params)
+            self.params_logged = True
+        except Exception as e:  # noqa: BLE001
+            self._warn("log params", e)
+
+    def _start_system_metrics(self) -> None:
+        on = self.cfg.tracking.system_metrics
+        if on is None:
+            import torch
+
+            on = torch.cuda.is_available()
+        if not on or self.sysmon is not None:
+            return
+        try:
+            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+            self.sysmon = SystemMetricsMonitor(self.run_id, sampling_interval=10, resume_logging=True,
+                                               tracking_uri=self.uri)
+            self.sysmon.start()
+        except Exception as e:  # noqa: BLE001
+            self._warn("system metrics", e)
+
+    def log_step(self, row: dict, step: Optional[int] = None) -> None:
+        from mlflow.entities import Metric
+
+        step = int(row["step"] if step is None else step)
+        if step <= self.logged_through:
+            return  # already recorded before a restart: no duplicate steps
+        ts = int(time.time() * 1000)
+        self.buffer.extend(Metric(k, float(v), ts, step) for k, v in row.items()
+                           if k != "step" and isinstance(v, (int, float)))
+        if len(self.buffer) > MAX_BUFFER:
+            self.dropped += len(self.buffer) - MAX_BUFFER
+            del self.buffer[:len(self.buffer) - MAX_BUFFER]
+
+    def flush(self) -> None:
+        if not self.buffer or not self._connect():
+            return
+        self._log_params()
+        try:
+            while self.buffer:
+                self.client.log_batch(self.run_id, metrics=self.buffer[:1000])
+                del self.buffer[:1000]
+        except Exception as e:  # noqa: BLE001
+            self._warn("log metrics", e)
+
+    def finish(self, history: list, model=None, status: str = "FINISHED") -> None:
+        """The last metrics and the artifacts; ``status`` ends the run only if this tracker opened it."""
+        self.flush()
+        if self.sysmon is not None:
+            try:
+                self.sysmon.finish()
+            except Exception as e:  # noqa: BLE001
+                self._warn("system metrics", e)
+        unrecorded = []
+        if self.client is None or self.run_id is None:
+            unrecorded.append("everything (no connection to the tracking server)")
+        else:
+            try:
+                self._log_artifacts(history, model)
+                if self.owns_run:
+                    self.client.set_terminated(self.run_id, status=status)
+            except Exception as e:  # noqa: BLE001
+                self._warn("log artifacts", e)
+                unrecorded.append("artifacts (config, history, plots, adapter)")
+        if self.buffer:
+            unrecorded.append(f"{len(self.buffer)} metric points")
+        if self.dropped:
+            unrecorded.append(f"{self.dropped} metric points dropped from a full buffer")
+        if unrecorded:
+            warnings.warn(f"MLflow ({redact_uri(self.uri)}) did not record: " + "; ".join(unrecorded))
+
+    def _log_artifacts(self, history: list, model) -> None:
+        from raytrain_scu.plots import plot_history
+
+        with tempfile.TemporaryDirectory() as tmp:
+            t = Path(tmp)
+            (t / "config.yaml").write_text(to_yaml(self.cfg, redact=True))
+            (t / "scu_history.json").write_text(json.dumps(history))
+            self.client.log_artifact(self.run_id, str(t / "config.yaml"))
+            self.client.log_artifact(self.run_id, str(t / "scu_history.json"))
+            plots = t / "plots"
+            plot_history(history, plots, target_s=self.cfg.controller.target_s, title=self.cfg.run.name)
+            self.client.log_artifacts(self.run_id, str(plots), artifact_path="plots")
+            if model is not None:
+                model.save_pretrained(str(t / "adapter"), safe_serialization=True)
+                self.client.log_artifacts(self.run_id, str(t / "adapter"), artifact_path="adapter")
+
+
+def for_rank(cfg: Config, rank: int, run_id: Optional[str] = None, parent_run_id: Optional[str] = None):
+    """A real tracker on rank 0 when tracking is on, else a no-op."""
+    if rank != 0 or not cfg.tracking.enabled:
+        return NullTracker()
+    return MlflowTracker(cfg, run_id=run_id, parent_run_id=parent_run_id)

@@ -1,0 +1,134 @@
+"""``train.profile_steps``: torch.profiler over a run's last steps, and what its record says: the operators and kernels
+by time, and on a GPU where the device sat idle and what the host was doing then. No ray or mlflow.
+
+The idle account reads the profiler's own Chrome trace (``rank<k>.trace.json.gz`` beside the table). The device is
+busy while any kernel, copy or memset runs; every stretch with none, inside the profiled steps, is idle. Each idle
+stretch is charged to what ended it: the host operator that launched the next device work (the innermost operator
+around its launch call) and the longest operator around that one (the phase: the optimizer step, a compiled layer's
+backward, ...). A stretch that ends right after a host wait (a synchronize, a device-to-host copy) is charged to
+that wait: the device ran dry while the host waited for it, then waited for the host.
+"""
+from __future__ import annotations
+
+import bisect
+import contextlib
+import gzip
+import json
+from collections import defaultdict
+from pathlib import Path
+
+from raytrain_scu.core.dist import notice0, print0, rank
+
+DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")  # device work in a Chrome trace; annotations are not
+MIN_GAP_US = 20.0  # shorter idle stretches are launch latency between back-to-back kernels, not a cause
+
+
+@contextlib.contextmanager
+def profiled(*, steps: int, left: int, cuda: bool, out_dir: Path):
+    """All ranks. With ``steps`` = N > 0, torch.profiler records the last N of the ``left`` steps still to run (each
+    from the end of the step before, so the reports and evals between them count) and every rank writes its table of
+    operators and kernels by self time on the device (the CPU on a CPU run) to ``out_dir/rank<k>.txt``, on a GPU
+    followed by :func:`idle_account` (and the trace beside it). Yields what the loop calls after each step (a no-op
+    when off). Fewer than 2 steps left, or a run that stops before the window ends (Ctrl-C, stop_on_saturation): a
+    notice says so and no table is written."""
+    if steps == 0 or left < 2:
+        if steps:
+            notice0(f"train.profile_steps: {left} step(s) left to run, none profiled (one warms the profiler up)")
+        yield lambda: None
+        return
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    active = min(steps, left - 1)  # one step before the window warms the profiler up
+    when = schedule(wait=left - active - 1, warmup=1, active=active, repeat=1)
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []), schedule=when) as prof:
+        yield prof.step
+    if prof.step_num < left:  # after the last report: the worker's log, not the console
+        print0(f"[raytrain_scu] train.profile_steps: the run stopped after {prof.step_num} of {left} steps, before "
+               f"the profiled window ended; no profile written")
+        return
+    out_dir.mkdir(parents=True, exist_ok=True)
+    text = profile_table(prof.key_averages(), steps=active, device="cuda" if cuda else "cpu")
+    if cuda:
+        trace = out_dir / f"rank{rank()}.trace.json.gz"
+        prof.export_chrome_trace(str(trace))
+        with gzip.open(trace, "rt") as f:
+            text += "\n" + idle_account(json.load(f), steps=active)
+    (out_dir / f"rank{rank()}.txt").write_text(text)
+    print0(f"[raytrain_scu] profile of the last {active} step(s): {out_dir}/rank<k>.txt")
+
+
+def profile_table(events, *, steps: int, device: str) -> str:
+    """A profiler's averages as text: the wall time per step and the busy time on ``device`` (on a GPU the sum of its
+    kernels' time, so overlapping streams count twice; the operators that launched them and the annotated regions
+    around them, DDP's or NCCL's, are not added again), then the top 40 operators and kernels by self time."""
+    from torch.autograd import DeviceType
+
+    key = "self_device_time_total" if device == "cuda" else "self_cpu_time_total"
+    walls = [e.cpu_time_total for e in events if e.key.startswith("ProfilerStep")]
+    # is_user_annotation: not on every torch this package accepts (>= 2.4); without it, no annotation is left out
+    busy = sum(getattr(e, key) for e in events if not e.key.startswith("ProfilerStep")
+               and not getattr(e, "is_user_annotation", False)
+               and (device != "cuda" or e.device_type == DeviceType.CUDA))
+    head = (f"steps profiled: {steps}; wall per step: {sum(walls) / 1e3 / max(1, steps):.2f} ms; {device} busy per "
+            f"step (self time): {busy / 1e3 / max(1, steps):.2f} ms\n")
+    return head + events.table(sort_by=key, row_limit=40, max_name_column_width=70)
+
+
+def idle_account(trace: dict, *, steps: int, top: int = 15) -> str:
+    """Where the device sat idle in a Chrome trace (torch.profiler's ``export_chrome_trace``), per profiled step, and
+    what ended each idle stretch (see the module's docstring), the largest first."""
+    ev = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "ts" in e and "dur" in e]
+    marks = [e for e in ev if e.get("name", "").startswith("ProfilerStep#") and e.get("cat") != "gpu_user_annotation"]
+    if not marks:
+        return "device idle: no ProfilerStep in the trace\n"
+    t0, t1 = min(e["ts"] for e in marks), max(e["ts"] + e["dur"] for e in marks)
+    device = sorted((e for e in ev if e.get("cat") in DEVICE_CATS and t0 <= e["ts"] < t1), key=lambda e: e["ts"])
+    launches = {e["args"]["correlation"]: e for e in ev if e.get("cat") in ("cuda_runtime", "cuda_driver")
+                and "correlation" in e.get("args", {})}
+    host = defaultdict(list)  # thread -> its operators, by start
+    for e in ev:
+        if e.get("cat") in ("cpu_op", "user_annotation") and not e["name"].startswith("ProfilerStep#"):
+            host[(e["pid"], e["tid"])].append(e)
+    for ops in host.values():
+        ops.sort(key=lambda e: e["ts"])
+    waits = sorted((e["ts"] + e["dur"], e["name"]) for e in launches.values()
+                   if "Synchronize" in e["name"] or "MemcpyDtoH" in e["name"]
+                   or ("Memcpy" in e["name"] and "Async" not in e["name"]))
+    idle, causes, busy_to = 0.0, defaultdict(lambda: [0.0, 0]), t0
+    for e in device:
+        gap = e["ts"] - busy_to
+        if gap >= MIN_GAP_US:
+            idle += gap
+            cause = _cause(e, launches, host, waits, busy_to)
+            causes[cause][0] += gap
+            causes[cause][1] += 1
+        busy_to = max(busy_to, e["ts"] + e["dur"])
+    idle += max(0.0, t1 - busy_to)
+    wall = (t1 - t0) / 1e3 / steps
+    lines = [f"device idle per step: {idle / 1e3 / steps:.2f} ms of {wall:.2f} ms wall (stretches >= {MIN_GAP_US:g} "
+             f"us); what ended them, per step:", f"{'ms/step':>8}  {'count/step':>10}  phase | launching operator"]
+    for (phase, op), (us, n) in sorted(causes.items(), key=lambda kv: -kv[1][0])[:top]:
+        lines.append(f"{us / 1e3 / steps:8.2f}  {n / steps:10.1f}  {phase} | {op}")
+    return "\n".join(lines) + "\n"
+
+
+def _cause(kernel: dict, launches: dict, host: dict, waits: list, gap_start: float) -> tuple[str, str]:
+    """(phase, operator) that ended the idle stretch before ``kernel``: a host wait that ended inside the stretch,
+    else the operators around the launch call of ``kernel``."""
+    i = bisect.bisect_left(waits, (gap_start, ""))
+    if i < len(waits) and waits[i][0] <= kernel["ts"]:
+        return "host waited for the device", waits[i][1]
+    launch = launches.get(kernel.get("args", {}).get("correlation"))
+    if launch is None:
+        return "-", "launch not in the trace"
+    ops = host.get((launch["pid"], launch["tid"]), [])
+    t = launch["ts"]
+    j = bisect.bisect_right(ops, t, key=lambda o: o["ts"])
+    # the operators open at the launch: the innermost among the last few thousand, the longest among all long ones
+    around = [o for o in ops[max(0, j - 4000):j] if o["ts"] + o["dur"] >= t]
+    around += [o for o in ops[:max(0, j - 4000)] if o["dur"] >= 1000.0 and o["ts"] + o["dur"] >= t]
+    if not around:
+        return "-", launch["name"]
+    inner = min(around, key=lambda o: o["dur"])["name"]
+    outer = max(around, key=lambda o: o["dur"])["name"]
+    return outer, inner
