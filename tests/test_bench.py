@@ -171,10 +171,10 @@ def test_bench_8b_and_granite_parts_train_on_cpu(tmp_path):
     assert off["embedding"] == 0.0 and off["embedding_offloaded"] == e8["embedding"] and off["lm_head"] == e8["lm_head"]
     assert {p["preset"] for n, p in res["parts"].items() if n.endswith("_8b")} == {"tiny-llama-3.1-8b"}
     g = res["parts"]["granite_h1b"]
-    assert g["preset"] == "tiny-granite-4.0-h" and g["mamba"]["path"] == "torch"  # no mamba_ssm on this box
+    assert g["preset"] == "tiny-granite-4.0-h" and g["mamba"]["path"] == "torch path"  # no mamba_ssm on this box
     assert g["mamba"]["mamba_ssm"].startswith("not importable") and g["gradient_checkpointing"] is True
     assert "| qlora_8b (tiny-llama-3.1-8b) |" in r.stdout
-    assert "| granite_h1b (tiny-granite-4.0-h; LoRA on all linear layers; Mamba: torch, checkpointing) |" in r.stdout
+    assert "| granite_h1b (tiny-granite-4.0-h; LoRA on all linear layers; Mamba: torch path, checkpointing) |" in r.stdout
     assert "| 8B: ours / ref_8b without FP8, same run |" in r.stdout and "| target (issues #17, #19) |" in r.stdout
     assert "Granite-4.0-H-1B shape: tokens/s and MFU reported | " in r.stdout
 

@@ -186,7 +186,8 @@ def test_bf16_autocast_eager_compiled_and_the_loop_on_cuda(tmp_path):
     against the bf16 model. Then the compiled loop itself a few steps with and without model.base_fp8: both train and
     end within 0.05 bits of each other."""
     from raytrain_scu.studies.bench.run import _proof_from_reports, bench_config
-    from raytrain_scu.worker.loop import LocalHooks, run_loop
+    from raytrain_scu.worker.hooks import LocalHooks
+    from raytrain_scu.worker.loop import run_loop
 
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("FP8 needs compute capability >= 8.9")

@@ -14,7 +14,8 @@ from conftest import TINY
 from raytrain_scu.config import load_config
 from raytrain_scu.core import loss as loss_mod
 from raytrain_scu.errors import NotLearningError
-from raytrain_scu.worker.loop import LocalHooks, run_loop
+from raytrain_scu.worker.hooks import LocalHooks
+from raytrain_scu.worker.loop import run_loop
 
 
 def _cfg(tmp_path, *overrides, path=TINY):

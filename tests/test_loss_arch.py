@@ -12,8 +12,9 @@ import transformers
 
 from raytrain_scu.core import embed_quant
 from raytrain_scu.core.fused_lora import fuse_lora_projections
-from raytrain_scu.core.loss import FUSED_HEADS, CausalLMLoss, HeadTransform, chunked_ce_sum
+from raytrain_scu.core.loss import CausalLMLoss, HeadTransform, chunked_ce_sum
 from raytrain_scu.core.model import apply_lora
+from raytrain_scu.core.model.families import FAMILIES as MODEL_FAMILIES
 from raytrain_scu.core.regularizer import adapter_params
 
 VOCAB = 96
@@ -176,7 +177,16 @@ def test_chunked_kernel_applies_the_transform_and_its_derivative(transform, comp
 
 
 def test_every_known_head_is_tested_here():
-    assert set(FUSED_HEADS) <= set(FAMILIES)
+    known = {name for family in MODEL_FAMILIES.values() for name in family.classes}
+    assert known and known <= set(FAMILIES), known - set(FAMILIES)
+
+
+def test_each_family_is_keyed_by_its_classes_model_type():
+    """model-family lookups go by the config's model_type: a family filed under another key would never be found."""
+    for model_type, family in MODEL_FAMILIES.items():
+        for name in family.classes:
+            if hasattr(transformers, name):
+                assert getattr(transformers, name).config_class.model_type == model_type, (name, model_type)
 
 
 def test_the_knobs_matter():

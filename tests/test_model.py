@@ -177,7 +177,7 @@ def test_quantised_preset_cache_follows_the_presets_dimensions(tmp_path, monkeyp
     shape, never the old one (the cache used to be keyed by name, vocabulary and seed only)."""
     import json as _json
 
-    from raytrain_scu.core import model as M
+    from raytrain_scu.core.model import build as M
 
     first = M._preset_on_disk("tiny", 2048, 0, str(tmp_path))
     monkeypatch.setitem(M.PRESETS, "tiny", {**M.PRESETS["tiny"], "intermediate_size": 192})

@@ -392,7 +392,7 @@ def test_sigkill_worker_mid_run_recovers_exactly(ray_local, tmp_path, monkeypatc
     (3.0, float("inf"), 1.0, True, "skipped"), (float("inf"), 0.1, 1.0, False, "skipped")])
 def test_step_outcome_tells_an_fp16_overflow_from_a_nonfinite_loss(data_bpt, param_bpt, grad_norm, loss_scaling,
                                                                    outcome):
-    from raytrain_scu.worker.loop import step_outcome
+    from raytrain_scu.worker.state import step_outcome
 
     assert step_outcome(data_bpt, param_bpt, grad_norm, loss_scaling=loss_scaling) == outcome
 
@@ -400,7 +400,7 @@ def test_step_outcome_tells_an_fp16_overflow_from_a_nonfinite_loss(data_bpt, par
 def test_a_real_grad_scaler_overflow_is_an_overflow_not_a_skipped_step():
     """The loop's optimizer step with a real GradScaler (on CPU; fp16 runs need CUDA): an inf gradient under a
     finite loss is skipped by the scaler, which halves its scale; a NaN loss is skipped by us and also backs off."""
-    from raytrain_scu.worker.loop import optimizer_step
+    from raytrain_scu.worker.state import optimizer_step
 
     torch.manual_seed(0)
     layer = torch.nn.Linear(4, 4)

@@ -80,7 +80,8 @@ def test_micro_batch_is_scored_on_speed_never_on_a_loss(tmp_path):
 def test_micro_batch_changes_the_loss_only_by_float_noise(tmp_path):
     # the premise of the rule above, on the real loop (one process, no Ray): 4 x 2 and 8 x 1 sequences per step train
     # on the same stream and score the same fixed validation blocks (eval at batch 4 and at batch 8)
-    from raytrain_scu.worker.loop import LocalHooks, run_loop
+    from raytrain_scu.worker.hooks import LocalHooks
+    from raytrain_scu.worker.loop import run_loop
 
     runs = {}
     for batch, accum in ((4, 2), (8, 1)):

@@ -166,16 +166,17 @@ def test_loop_logs_mfu_where_the_card_peak_is_known_and_leaves_it_out_elsewhere(
 
     from raytrain_scu.core.model import flops_per_token, load_tokenizer, preset_config
     from raytrain_scu.worker import loop
+    from raytrain_scu.worker.hooks import LocalHooks
 
     common = ["scaling.num_workers=1", "train.max_steps=4", "train.report_every=2", "train.checkpoint_every=4"]
     fpt = flops_per_token(preset_config("tiny", len(load_tokenizer("tiny"))), 64)  # tiny-cpu.yaml: block 64
-    cpu = loop.LocalHooks(device=torch.device("cpu"))
+    cpu = LocalHooks(device=torch.device("cpu"))
     loop.run_loop(tiny_cfg(tmp_path, "no_peak", "tracking.enabled=false", *common), hooks=cpu)
     assert len(cpu.reports) == 2 and all("perf/tokens_per_s" in r and "perf/mfu" not in r for r in cpu.reports)
     assert capfd.readouterr().out.count("perf/mfu is not logged: no dense bf16 peak FLOP/s is known for cpu") == 1
 
     monkeypatch.setattr(loop, "device_peak_flops", lambda device: 989e12)  # as on an H100
-    hooks = loop.LocalHooks(device=torch.device("cpu"))
+    hooks = LocalHooks(device=torch.device("cpu"))
     loop.run_loop(tiny_cfg(tmp_path, "peak", *common), hooks=hooks)
     assert [r["step"] for r in hooks.reports] == [2, 4]
     for r in hooks.reports:

@@ -27,6 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from raytrain_scu.config import FUSED_LORA_TARGETS
+from raytrain_scu.core.model.families import family_of
 from raytrain_scu.errors import ModelError
 
 
@@ -146,8 +147,9 @@ _CLASSES: dict = {}
 
 
 def check_fusable_config(hf_config) -> None:
-    """Preflight, on the model's config alone: a Llama (``model_type`` llama). Raises ModelError naming the key."""
-    if getattr(hf_config, "model_type", "") != "llama":
+    """Preflight, on the model's config alone: a family whose q/k/v and gate/up fuse (Llama). Raises ModelError naming
+    the key."""
+    if not family_of(hf_config).fusable:
         raise ModelError(f"model.fuse_lora=true: fused LoRA projections are built for Llama-style models "
                          f"(model_type llama), this one is {getattr(hf_config, 'model_type', '?')!r}; "
                          f"set model.fuse_lora=false")

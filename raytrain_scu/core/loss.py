@@ -4,7 +4,6 @@ compiling it for training. No ray, mlflow or torch.distributed.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -13,49 +12,7 @@ import torch.nn.functional as F
 
 from raytrain_scu.console import notice
 from raytrain_scu.core.embed_quant import Int8Head, int8_grad_input, int8_logits
-
-
-@dataclass(frozen=True)
-class HeadTransform:
-    """What a causal LM does to its LM head's output ``z = h @ W.T (+ b)``: ``logits = scale·z``, then, with a
-    ``softcap``, ``logits = softcap·tanh(logits / softcap)``. The identity (1.0, 0.0) is a plain head."""
-    scale: float = 1.0
-    softcap: float = 0.0
-
-    def __str__(self) -> str:
-        z = "z" if self.scale == 1.0 else f"{self.scale:g}*z"
-        return f"{self.softcap:g}*tanh({z}/{self.softcap:g})" if self.softcap else z
-
-
-def _plain(c) -> HeadTransform:
-    return HeadTransform()
-
-
-def _granite(c) -> HeadTransform:  # logits / logits_scaling
-    return HeadTransform(scale=1.0 / float(c.logits_scaling))
-
-
-def _gemma(c) -> HeadTransform:  # cap * tanh(logits / cap), or a plain head when final_logit_softcapping is None
-    return HeadTransform(softcap=float(c.final_logit_softcapping or 0.0))
-
-
-def _cohere(c) -> HeadTransform:  # logits * logit_scale
-    return HeadTransform(scale=float(c.logit_scale))
-
-
-# The LM heads the fused loss reproduces: transformers class name -> its transform, read from the model's config.
-# A model qualifies only if its class IS that transformers class (not a subclass, not remote code); anything else
-# uses the model's own logits. tests/test_loss_arch.py checks every entry against model(input_ids).logits.
-FUSED_HEADS = {
-    **dict.fromkeys(["LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM",
-                     "Qwen2MoeForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "GemmaForCausalLM",
-                     "PhiForCausalLM", "Phi3ForCausalLM", "OlmoForCausalLM", "Olmo2ForCausalLM",
-                     "SmolLM3ForCausalLM", "StableLmForCausalLM", "Starcoder2ForCausalLM"], _plain),
-    **dict.fromkeys(["GraniteForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM",
-                     "GraniteMoeHybridForCausalLM"], _granite),
-    **dict.fromkeys(["Gemma2ForCausalLM", "Gemma3ForCausalLM"], _gemma),
-    **dict.fromkeys(["CohereForCausalLM", "Cohere2ForCausalLM"], _cohere),
-}
+from raytrain_scu.core.model.families import HeadTransform, head_of_class
 
 
 def fused_head(model) -> tuple[Optional[HeadTransform], str]:
@@ -64,9 +21,9 @@ def fused_head(model) -> tuple[Optional[HeadTransform], str]:
 
     lm = model.get_base_model() if hasattr(model, "get_base_model") else model
     cls = type(lm)
-    make = FUSED_HEADS.get(cls.__name__)
+    make = head_of_class(cls.__name__)
     if make is None or getattr(transformers, cls.__name__, None) is not cls:
-        return None, f"{cls.__module__}.{cls.__name__} is not in the fused loss's table of known LM heads"
+        return None, f"{cls.__module__}.{cls.__name__} is not in the model-family table's known LM heads"
     head = lm.get_output_embeddings()
     if not isinstance(head, (nn.Linear, Int8Head)):
         return None, f"{cls.__name__}'s lm_head is a {type(head).__name__}, not a plain Linear (LoRA on lm_head?)"
@@ -212,7 +169,7 @@ class CausalLMLoss(nn.Module):
     """forward(x, y) -> (Σ CE nats, number of target tokens). What torch.compile wraps.
 
     With ``fused`` the LM head and the cross-entropy are computed chunk by chunk (``_ChunkedLinearCE``), with the
-    model's own logit transform (:data:`FUSED_HEADS`); a model whose head is not known there, or whose lm_head
+    model's own logit transform (``core.model.families``); a model whose head is not known there, or whose lm_head
     is not a frozen Linear, uses its own logits in float32 instead, with a one-line note. ``self.fused`` says
     which path runs and ``self.fused_reason`` why.
     """

@@ -258,25 +258,3 @@ def run_checks(cfg: Optional[Config] = None, require_gpu: bool = False,
     rows.append(check_ray_cluster(os.environ.get("RAY_ADDRESS")))
     rows.append(check_preset(gpus, cfg))
     return rows
-
-
-def mamba_kernels() -> dict:
-    """Which Mamba-2 code transformers' GraniteMoeHybrid runs: ``mamba_ssm`` and ``causal_conv1d`` when they import,
-    else its torch path, fp32 einsums keeping each chunk's Q x Q scores for the backward (~0.4 MB per token per layer
-    at the 1B shape: more than a card holds at batch 32 x 1024 without checkpointing). The bench's Granite row
-    records it."""
-    import torch
-
-    out = {}
-    for module, dist in (("mamba_ssm", "mamba-ssm"), ("causal_conv1d", "causal-conv1d")):
-        try:
-            importlib.import_module(module)
-            try:
-                out[module] = md.version(dist)
-            except md.PackageNotFoundError:
-                out[module] = "importable"
-        except Exception as e:  # noqa: BLE001 - transformers treats any import failure as "not installed" too
-            out[module] = f"not importable ({type(e).__name__})"
-    kernels = torch.cuda.is_available() and not out["mamba_ssm"].startswith("not importable")
-    out["path"] = "mamba_ssm CUDA kernels" if kernels else "torch"
-    return out

@@ -70,7 +70,7 @@ def open_checkpoint(ray_checkpoint: Checkpoint, stack) -> tuple[Path, list[str]]
 
 
 class RayHooks:
-    """The handful of calls the loop makes into Ray Train; ``loop.LocalHooks`` stands in for them without Ray."""
+    """The handful of calls the loop makes into Ray Train; ``worker.hooks.LocalHooks`` stands in for them without Ray."""
 
     def __init__(self):
         self.faults = Faults.from_env()

@@ -52,8 +52,8 @@ from pathlib import Path
 
 import torch
 
+from raytrain_scu.core.model.families import mamba_kernels
 from raytrain_scu.errors import DidNotTrain
-from raytrain_scu.hardware.envcheck import mamba_kernels
 from raytrain_scu.hardware.gpus import measured_memory_gib, mfu, peak_flops
 from raytrain_scu.studies.bench.report import RAY_PART
 
@@ -328,7 +328,8 @@ def _rates(reports: list[dict]) -> list[float]:
 def ours_bare(cfg, warmup_reports: int) -> dict:
     """The loop in this process (``train.profile_steps`` writes its profile under the run directory); with what the
     built model held on the GPU before its first step, by kind (``hardware.measured_memory_gib``)."""
-    from raytrain_scu.worker.loop import LocalHooks, run_loop
+    from raytrain_scu.worker.hooks import LocalHooks
+    from raytrain_scu.worker.loop import run_loop
 
     class Measuring(LocalHooks):
         def prepare_model(self, model, move_to_device: bool):
@@ -447,8 +448,8 @@ def run_parts(args) -> dict:
             elif base == "granite_h1b":
                 kernels = mamba_kernels()
                 r = ours_bare(cfg(batch=args.granite_batch, block=block, targets=("all-linear",),
-                                  checkpointing=kernels["path"] == "torch"), args.warmup_reports)
-                r.update(mamba=kernels, gradient_checkpointing=kernels["path"] == "torch")
+                                  checkpointing=kernels["path"] == "torch path"), args.warmup_reports)
+                r.update(mamba=kernels, gradient_checkpointing=kernels["path"] == "torch path")
             elif base == "attn":
                 r = attention_bench(preset=pre, batch=args.batch, block=args.block)
             else:

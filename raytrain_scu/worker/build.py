@@ -1,0 +1,139 @@
+"""A worker's setup, all ranks: device, data, model with adapters, optimizer, control law, tracker (:func:`build`),
+then the checkpoint a restart resumes from (:func:`resume`)."""
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Optional
+
+import torch
+
+from raytrain_scu import tracking
+from raytrain_scu.config.paths import RunPaths
+from raytrain_scu.config.schema import Config, sequences_per_step
+from raytrain_scu.core import checkpoint as ckpt
+from raytrain_scu.core.data import prepare_data
+from raytrain_scu.core.dist import broadcast_params, notice0, rank, world_size
+from raytrain_scu.core.fp8 import convert_base_to_fp8
+from raytrain_scu.core.fused_lora import fuse_lora_projections
+from raytrain_scu.core.laws import build_law
+from raytrain_scu.core.loss import CausalLMLoss, compile_for_training
+from raytrain_scu.core.model import (
+    apply_lora,
+    build_model,
+    flops_per_token,
+    load_tokenizer,
+    resolve_dtype,
+    structure_of,
+)
+from raytrain_scu.core.regularizer import adapter_params, centers_fingerprint, initial_centers
+from raytrain_scu.errors import CheckpointError
+from raytrain_scu.worker.state import Control, Metering, Optimisation, Position, Record, State
+
+
+def _model(cfg: Config, *, vocab_size: int, dtype, device):
+    """The base model with LoRA adapters, fused and FP8 as configured, seeded so every rank builds the same one."""
+    m, q = cfg.model, cfg.quant
+    # frozen base weights are stored in the compute dtype; LoRA adapters stay float32 (peft's default)
+    base = build_model(m.name, gguf_file=m.gguf_file, vocab_size=vocab_size, dtype=dtype, device=device,
+                       attn_implementation=m.attn_implementation, gradient_checkpointing=m.gradient_checkpointing,
+                       load_in_4bit=q.load_in_4bit, quant_type=q.quant_type, double_quant=q.double_quant,
+                       embedding_int8=q.embedding_int8, offload_embedding=q.offload_embedding, cache_dir=m.cache_dir,
+                       trust_remote_code=m.trust_remote_code, seed=cfg.seed)
+    torch.manual_seed(cfg.seed)  # identical LoRA init on every rank
+    model = apply_lora(base, r=cfg.lora.r, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout,
+                       targets=cfg.lora.target_modules, quantized=q.load_in_4bit,
+                       gradient_checkpointing=m.gradient_checkpointing)
+    if m.fuse_lora:  # on the device already: the base weights become views into the fused ones, not copies
+        fuse_lora_projections(model)
+    if m.base_fp8:  # on the device already: the weights are quantised there, once
+        convert_base_to_fp8(model)
+    return base, model
+
+
+def _optimisation(cfg: Config, hooks, model, *, device, dtype) -> Optimisation:
+    """The loss module (compiled and placed by the hooks), AdamW over the adapters, the fp16 scaler, autocast."""
+    m, o = cfg.model, cfg.optim
+    params = adapter_params(model)
+    loss_model = CausalLMLoss(model, fused=m.fused_loss, chunk_size=m.loss_chunk_size)
+    if m.compile:
+        loss_model = compile_for_training(loss_model, scope=m.compile_scope, mode=m.compile_mode)
+    # a quantized model is placed by device_map and must never be moved with .to()
+    loss_model = hooks.prepare_model(loss_model, move_to_device=not cfg.quant.load_in_4bit)
+    broadcast_params(params)  # all ranks start from rank 0's adapters (the seeded init makes them equal already)
+    use_amp = device.type == "cuda" and dtype != torch.float32
+    optimizer = torch.optim.AdamW(params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
+                                  fused=device.type == "cuda")
+    # on the adapters' device, before a resume loads the checkpoint: the seeded build's initial A factors
+    return Optimisation(model=model, params=params, loss_model=loss_model, optimizer=optimizer,
+                        scaler=torch.amp.GradScaler(device.type, enabled=use_amp and dtype == torch.float16),
+                        autocast=torch.autocast(device_type=device.type, dtype=dtype, enabled=use_amp),
+                        centers=initial_centers(model))
+
+
+def build(cfg: Config, hooks, run_id: Optional[str] = None) -> State:
+    """All ranks: device, data, model with adapters, optimizer, control law, tracker (rank 0's is real)."""
+    m, d = cfg.model, cfg.data
+    device = hooks.get_device()
+    torch.manual_seed(cfg.seed + rank())
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    dtype = resolve_dtype(m.precision, device)
+    tok = load_tokenizer(m.name, m.gguf_file, m.tokenizer, m.cache_dir)
+    data = prepare_data(tok, source=d.source, path=d.path, text_field=d.text_field, max_documents=d.max_documents,
+                        block_size=d.block_size, val_fraction=d.val_fraction, seed=cfg.seed, cache_dir=d.cache_dir)
+    base, model = _model(cfg, vocab_size=len(tok), dtype=dtype, device=device)
+    ckpt.seed_all(ckpt.rank_seed(cfg.seed, rank()))  # then each rank its own stream: distinct dropout masks
+    opt = _optimisation(cfg, hooks, model, device=device, dtype=dtype)
+    control = Control(law=build_law(cfg.controller), every=cfg.controller.control_every,
+                      tokens_per_epoch=cfg.controller.tokens_per_epoch or data.tokens_per_epoch)
+    # get_text_config: a nested text config too
+    metering = Metering(meter=None, flops_per_token=flops_per_token(base.config.get_text_config(), d.block_size))
+    return State(cfg=cfg, hooks=hooks, device=device, tracker=tracking.for_rank(cfg, rank(), run_id=run_id),
+                 structure=structure_of(cfg), opt=opt, ctrl=control, rec=Record(), metering=metering,
+                 pos=Position(data=data, seqs_per_step=sequences_per_step(cfg, world_size()), block_size=d.block_size),
+                 stop_path=RunPaths.of(cfg).stop_flag)
+
+
+def resume(s: State) -> None:
+    """All ranks: rank 0 picks the checkpoint the hooks hand over, every rank loads that one; nothing on a fresh
+    start."""
+    c = s.cfg.controller
+    with contextlib.ExitStack() as stack:
+        opened = s.hooks.open_checkpoint(stack)  # a bad latest falls back to an older one
+        if opened is None:
+            return
+        local, problems = opened
+        saved = ckpt.read_meta(local)
+        ckpt.check_structure(saved, s.structure)
+        note = ckpt.check_tokens_per_epoch(saved, measured=s.pos.data.tokens_per_epoch, override=c.tokens_per_epoch)
+        meta = ckpt.load_training_state(local, model=s.opt.model, optimizer=s.opt.optimizer, scaler=s.opt.scaler,
+                                        rank=rank(), world_size=world_size())
+    check_centers(s, meta.get("centers_sq"))
+    s.ctrl.law.load_state_dict(meta["controller"])
+    s.rec.restore(meta, problems=problems)
+    s.pos.position = meta["position"]
+    s.opt.restore(meta)
+    notice0(f"resumed at step {s.rec.start_step}"
+            + (f" after skipping {len(problems)} bad checkpoint(s)" if problems else ""))
+    if note:
+        notice0(f"warning: {note}")
+    if meta["rng_ranks"] != world_size():  # else each rank's RNG goes on where it stopped
+        notice0(f"warning: the checkpoint holds the RNG state of {meta['rng_ranks']} rank(s), this "
+                f"run has {world_size()}: dropout draws restart from a seed of (seed, rank, step "
+                f"{s.rec.start_step}), so the run no longer matches an uninterrupted one")
+        ckpt.seed_all(ckpt.rank_seed(s.cfg.seed, rank(), s.rec.start_step))
+
+
+def check_centers(s: State, saved_sq: Optional[float]) -> None:
+    """The initial A factors, rebuilt from the seed, must be the checkpoint's: under controller.prior_center=init they
+    are the prior's centre (a refusal), otherwise only train/param_bpt_update's reference (a warning)."""
+    now = centers_fingerprint(s.opt.centers)
+    if saved_sq is None or math.isclose(now, saved_sq, rel_tol=1e-6):
+        return
+    what = (f"the initial adapter rebuilt from seed {s.cfg.seed} differs from the checkpoint's (Σw² of the A factors "
+            f"{now:.9g}, saved {saved_sq:.9g}): another torch or peft initialises LoRA differently")
+    if s.cfg.controller.prior_center == "init":
+        raise CheckpointError(f"{what}; controller.prior_center=init centres the prior there, so the run cannot "
+                              f"go on with the same loss. Resume with the torch/peft versions that started it")
+    notice0(f"warning: {what}; train/param_bpt_update now measures from the new values")

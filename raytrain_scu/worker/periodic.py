@@ -1,0 +1,113 @@
+"""The loop's "once in a while" blocks: the held-out evaluation (all ranks), the report with its throughput figures
+(all ranks) and the checkpoint (rank 0 writes it)."""
+from __future__ import annotations
+
+import math
+import shutil
+
+import torch
+
+from raytrain_scu.config.io import to_yaml
+from raytrain_scu.console import NOTICES, take_notices
+from raytrain_scu.core import checkpoint as ckpt
+from raytrain_scu.core.data import val_batches
+from raytrain_scu.core.dist import all_gather_object, all_reduce_sum, rank, world_size
+from raytrain_scu.core.regularizer import centers_fingerprint, lora_b_norm
+from raytrain_scu.errors import NotLearningError
+from raytrain_scu.hardware.gpus import mfu
+from raytrain_scu.worker.state import State
+
+LN2 = math.log(2.0)
+
+
+@torch.no_grad()
+def evaluate(loss_model, data, *, device, batch_size: int, max_blocks: int, autocast) -> float:
+    """Held-out DataBPT of one fixed set of validation blocks (``max_blocks``, 0 = all; see ``val_block_indices``),
+    token-weighted over all ranks: the same number for any ``batch_size`` and world size, up to float noise (every
+    rank runs the same number of batches)."""
+    loss_model.eval()
+    stats = torch.zeros(2, dtype=torch.float64, device=device)
+    for x, y in val_batches(data, rank=rank(), world_size=world_size(), batch_size=batch_size,
+                            max_blocks=max_blocks):
+        with autocast:
+            nats, n = loss_model(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
+        stats += torch.stack([nats.double(), n.double()])
+    loss_model.train()
+    nats, n = all_reduce_sum(stats).tolist()
+    return nats / n / LN2 if n > 0 else float("nan")
+
+
+def evaluate_now(s: State) -> float:
+    """All ranks: the held-out DataBPT of the fixed validation blocks."""
+    return evaluate(s.opt.loss_model, s.pos.data, device=s.device, batch_size=s.cfg.data.batch_size,
+                    max_blocks=s.cfg.train.eval_blocks, autocast=s.opt.autocast)
+
+
+def perf_metrics(s: State, step: int) -> dict:
+    """At a report (all ranks): throughput, memory, the adapters' norm, MFU where the card's peak is known. Refuses
+    to report a loop whose LoRA B matrices never left zero."""
+    meter = s.metering.meter
+    tokens_per_s = meter.lap()
+    b_norm = lora_b_norm(s.opt.model).item()
+    if b_norm == 0.0 and step + 1 - s.rec.start_step > s.opt.skipped_total:
+        # B starts at zero and any data gradient moves it at the first step: a loop whose B is still exactly zero
+        # trains nothing (a zero gradient through a compiled loss looks like this), so it is refused
+        m = s.cfg.model
+        raise NotLearningError(f"after {step + 1 - s.rec.start_step} optimizer step(s) every LoRA B matrix is still "
+                               f"exactly zero: no gradient reached the adapters (model.compile={m.compile}, "
+                               f"model.fused_loss={m.fused_loss}, model.precision={m.precision})")
+    perf = {"perf/tokens_per_s": tokens_per_s, "train/lora_b_norm": b_norm, "perf/max_mem_gib": meter.max_mem_gib(),
+            "perf/report_wait_s": meter.report_wait}  # time the previous report (and checkpoint) took
+    # perf/mfu as docs/benchmarks.md defines it: tokens/s per GPU x FLOPs/token of the frozen base / the card's peak
+    util = mfu(tokens_per_s / world_size(), s.metering.flops_per_token, s.metering.peak_flops)
+    if util is not None:  # no peak for this device: perf/mfu is left out (said once in setup)
+        perf["perf/mfu"] = util
+    return perf
+
+
+def save_checkpoint(s: State, step: int, rng_states: list):
+    """Rank 0: write the checkpoint of step ``step + 1`` to a fresh local directory; returns that directory."""
+    local = ckpt.new_local_dir()
+    ckpt.write_checkpoint(local / "ckpt", model=s.opt.model, optimizer=s.opt.optimizer, scaler=s.opt.scaler,
+                          controller_state=s.ctrl.law.state_dict(), step=step + 1, position=s.pos.position,
+                          structure=s.structure, tokens_per_epoch=s.ctrl.tokens_per_epoch,
+                          config_yaml=to_yaml(s.cfg, redact=True), history=s.rec.history, rng_states=rng_states,
+                          extra={**s.rec.saved(), **s.opt.saved(), "centers_sq": centers_fingerprint(s.opt.centers)})
+    return local
+
+
+def report(s: State, step: int, row: dict, is_ckpt: bool) -> None:
+    """All ranks report the same number of times; rank 0 writes the checkpoint and passes it, the others None."""
+    perf = perf_metrics(s, step)
+    row.update(perf)
+    s.tracker.log_step(perf, step=step + 1)
+    metrics = {**row, "val/data_bpt": s.rec.val_bpt, "val/data_bpt_start": s.rec.val_bpt_start,
+               "tokens_seen": s.pos.tokens_seen, "tokens_per_epoch": s.ctrl.tokens_per_epoch,
+               "max_steps": s.cfg.train.max_steps, "world_size": world_size()}
+    notices = take_notices()  # rank 0's reach the driver's console (ray.launch.fit)
+    if notices:  # one text, not a list: Tune's TensorBoard logger warns about a list it cannot plot (sweeps)
+        metrics[NOTICES] = "\n".join(notices)
+    rng_states = all_gather_object(ckpt.rng_state()) if is_ckpt else None  # all ranks: each rank's RNG
+    local = save_checkpoint(s, step, rng_states) if is_ckpt and rank() == 0 else None
+    s.tracker.flush()
+    with s.metering.meter.reporting(warn=not is_ckpt):
+        s.hooks.report(metrics, local / "ckpt" if local else None,
+                       f"checkpoint_{step + 1:08d}{s.rec.ckpt_suffix}" if is_ckpt else None)
+    if local is not None:
+        shutil.rmtree(local, ignore_errors=True)
+
+
+def after_step(s: State, step: int, row: dict) -> bool:
+    """Once in a while: eval (all ranks), report (all ranks), checkpoint (rank 0 writes). True when the run is done."""
+    t = s.cfg.train
+    done = step + 1 == t.max_steps or (t.stop_on_saturation and s.ctrl.law.saturated) or s.stopping
+    is_ckpt = (step + 1) % t.checkpoint_every == 0 or done
+    if (step + 1) % t.eval_every == 0 or is_ckpt:
+        with s.metering.meter.excluded():  # throughput counts training time only
+            s.rec.evaluated(evaluate_now(s))
+        row["val/data_bpt"] = s.rec.val_bpt
+    s.rec.history.append(row)
+    s.tracker.log_step(row)
+    if (step + 1) % t.report_every == 0 or done:
+        report(s, step, row, is_ckpt)
+    return done

@@ -1,0 +1,182 @@
+"""What one worker's loop carries from step to step, as a few typed parts. Each part says what it is in the metrics
+row (:meth:`row`) and in a checkpoint (:meth:`saved` / :meth:`restore`)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from raytrain_scu.config.schema import Config
+from raytrain_scu.core.data import TokenData
+from raytrain_scu.worker.meter import Meter
+
+
+def step_outcome(data_bpt: float, param_bpt: float, grad_norm: float, *, loss_scaling: bool) -> str:
+    """What becomes of one optimizer step, from its global DataBPT, ParamBPT and (unscaled) gradient norm.
+
+    ``"skipped"``: a non-finite loss, or non-finite gradients with no loss scaling to recover from them; no
+    optimizer step, counted in train/skipped_steps and toward train.max_consecutive_skips. ``"overflow"``: under
+    fp16 loss scaling, a finite loss with inf/NaN gradients, the ordinary way GradScaler finds its scale too high;
+    it skips the step and lowers the scale, counted apart in train/scaler_overflows, never as a failure.
+    ``"ok"``: the optimizer steps.
+    """
+    if not (math.isfinite(data_bpt) and math.isfinite(param_bpt)):
+        return "skipped"
+    if math.isfinite(grad_norm):
+        return "ok"
+    return "overflow" if loss_scaling else "skipped"
+
+
+def optimizer_step(optimizer, scaler, *, data_bpt: float, param_bpt: float, grad_norm: float) -> str:
+    """Step (or skip) after ``scaler.unscale_(optimizer)``, update the scaler, zero the gradients; returns
+    :func:`step_outcome`."""
+    outcome = step_outcome(data_bpt, param_bpt, grad_norm, loss_scaling=scaler.is_enabled())
+    if outcome != "skipped":
+        scaler.step(optimizer)  # on an "overflow" GradScaler skips the step by itself
+    # unscale_ recorded whether the gradients were finite: the scale backs off after inf/NaN gradients even when we
+    # skipped the step ourselves, and the scaler is ready for the next unscale_
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    return outcome
+
+
+@dataclass
+class Optimisation:
+    """The adapters and what steps them: the peft model, its trainable tensors, the loss module the hooks prepared,
+    AdamW, the fp16 loss scaler, autocast, and the count of skipped steps."""
+
+    model: Any  # the peft model: adapters, save_pretrained
+    params: list  # its trainable (adapter) tensors
+    loss_model: torch.nn.Module  # the loss module (compiled, on the device)
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    autocast: Any  # torch.autocast context for the forward passes
+    centers: list  # per adapter tensor: its initial value (A), or None (B, from 0)
+    skipped_total: int = 0
+    skipped_in_a_row: int = 0
+    overflows_total: int = 0
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def step(self, *, data_bpt: float, param_bpt: float, grad_norm: float) -> str:
+        """The optimizer step (or a counted skip) after the backward passes; returns its outcome."""
+        outcome = optimizer_step(self.optimizer, self.scaler, data_bpt=data_bpt, param_bpt=param_bpt,
+                                 grad_norm=grad_norm)
+        self.skipped_in_a_row = self.skipped_in_a_row + 1 if outcome == "skipped" else 0
+        self.skipped_total += outcome == "skipped"
+        self.overflows_total += outcome == "overflow"  # fp16 only: GradScaler's own skip, not a failure
+        return outcome
+
+    def row(self) -> dict:
+        return {"train/skipped_steps": self.skipped_total, "train/scaler_overflows": self.overflows_total}
+
+    def saved(self) -> dict:
+        return {"skipped_steps": self.skipped_total, "skipped_in_a_row": self.skipped_in_a_row,
+                "scaler_overflows": self.overflows_total}
+
+    def restore(self, meta: dict) -> None:
+        self.skipped_total, self.skipped_in_a_row = meta.get("skipped_steps", 0), meta.get("skipped_in_a_row", 0)
+        self.overflows_total = meta.get("scaler_overflows", 0)
+
+
+@dataclass
+class Control:
+    """The control law on λ (``controller.law``, any law of ``core.laws``) and what its inputs are measured against:
+    the tokens of one epoch (N of ParamBPT)."""
+
+    law: Any
+    tokens_per_epoch: int
+    every: int  # controller.control_every
+
+    def update(self, step: int, *, data_bpt: float, param_bpt: float, lr_factor: float) -> None:
+        """After optimizer step ``step`` (from 1), on the control cadence. A non-finite input is counted in
+        ctrl/skipped by the law and changes nothing else."""
+        if step % self.every == 0:
+            self.law.update(data_bpt, param_bpt, step=step, lr_factor=lr_factor)
+
+    def row(self) -> dict:
+        law = self.law
+        row = {"ctrl/s": law.s, "ctrl/s_hat": law.s_hat, "ctrl/error": law.error, "ctrl/lambda": law.lam,
+               "ctrl/integral": law.integral, "ctrl/skipped": law.n_skipped, **law.telemetry()}
+        if law.saturated_step is not None:
+            row["ctrl/saturated_step"] = law.saturated_step
+        return row
+
+
+@dataclass
+class Position:
+    """Where the loop is in the data: sequences consumed over all ranks (the resume point) and per step."""
+
+    data: TokenData
+    seqs_per_step: int  # sequences per optimizer step, over all ranks
+    block_size: int
+    position: int = 0
+
+    def advance(self) -> None:
+        self.position += self.seqs_per_step
+
+    @property
+    def tokens_seen(self) -> int:
+        """Training tokens so far: the sweep's ASHA time axis, exact across resumes."""
+        return self.position * self.block_size
+
+
+@dataclass
+class Record:
+    """The run's own history: the rows so far, held-out BPT (at the start, last and best), where it resumed and which
+    steps the loop runs."""
+
+    history: list = field(default_factory=list)
+    val_bpt: float = float("nan")
+    best_val: float = float("inf")
+    val_bpt_start: float = float("nan")
+    start_step: int = 0
+    fresh: bool = True  # no checkpoint to resume from (fault injection acts on fresh starts only)
+    resumed_at: list = field(default_factory=list)
+    ckpt_suffix: str = ""  # after a fallback: checkpoints never reuse the name of a skipped bad one
+
+    def saved(self) -> dict:
+        return {"val_bpt": self.val_bpt, "best_val": self.best_val, "resumed_at": self.resumed_at}
+
+    def restore(self, meta: dict, *, problems: list) -> None:
+        self.fresh = False
+        self.start_step, self.history = meta["step"], meta["history"]
+        self.val_bpt, self.best_val = meta.get("val_bpt", float("nan")), meta.get("best_val", float("inf"))
+        self.resumed_at = meta.get("resumed_at", []) + [self.start_step]
+        self.ckpt_suffix = f"_from{self.start_step:08d}" if problems else ""
+
+    def evaluated(self, val_bpt: float) -> None:
+        self.val_bpt, self.best_val = val_bpt, min(self.best_val, val_bpt)
+
+
+@dataclass
+class Metering:
+    """Throughput and MFU: the meter between reports, FLOPs per token of the frozen base and the card's peak."""
+
+    meter: Optional[Meter]
+    flops_per_token: float
+    peak_flops: float = 0.0  # the card's dense bf16 peak; 0: unknown, no perf/mfu
+
+
+@dataclass
+class State:
+    """One worker's loop state: the run's config and the hooks into Ray (or their local stand-ins), the device, rank
+    0's tracker, the checkpoint structure, and the parts above."""
+
+    cfg: Config
+    hooks: Any
+    device: torch.device
+    tracker: Any
+    structure: dict
+    opt: Optimisation
+    ctrl: Control
+    pos: Position
+    rec: Record
+    metering: Metering
+    stop_path: Optional[Path] = None  # rank 0 stops the run (all ranks, after a checkpoint) when this file exists
+    stopping: bool = False

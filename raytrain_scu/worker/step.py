@@ -1,0 +1,104 @@
+"""One optimizer step, all ranks: the learning rate, the micro-steps, one all-reduce of (nats, tokens, stop), one host
+sync, the optimizer step or a counted skip, the control update. Returns the step's metrics row."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from raytrain_scu.core.data import train_batch
+from raytrain_scu.core.dist import all_reduce_sum, average_gradients, barrier, rank, world_size
+from raytrain_scu.core.regularizer import param_bpt, param_bpt_parts
+from raytrain_scu.errors import NonFiniteError
+from raytrain_scu.worker.state import State
+
+LN2 = math.log(2.0)
+
+
+def lr_at(step: int, *, lr: float, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:
+    """Linear warmup to ``lr``, then cosine decay to ``lr * min_lr_ratio`` at ``max_steps``."""
+    if step < warmup_steps:
+        return lr * (step + 1) / warmup_steps
+    progress = (step - warmup_steps) / max(1, max_steps - warmup_steps)
+    return lr * (min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress))))
+
+
+def loss_step(s: State, x, y, *, step: int, lam: float, last: bool):
+    """One micro-batch's forward and backward; returns (nats, tokens, ParamBPT or None). The penalty's gradient enters
+    on the last micro-step only, with full weight."""
+    c, accum = s.cfg.controller, s.cfg.data.grad_accum
+    pbpt = None
+    with s.opt.autocast:
+        nats, n = s.opt.loss_model(x, y)
+        nats = s.hooks.faults.poison(step + 1, nats)
+        loss = nats / n / accum
+        if last:
+            pbpt = param_bpt(s.opt.params, sigma=c.prior_sigma, tokens_per_epoch=s.ctrl.tokens_per_epoch,
+                             center=s.opt.centers if c.prior_center == "init" else None)
+            loss = loss + lam * LN2 * pbpt
+    s.opt.scaler.scale(loss).backward()
+    return nats.detach().float(), n.float(), pbpt
+
+
+def micro_steps(s: State, step: int, lam: float):
+    """All ranks: the ``data.grad_accum`` micro-batches; returns this rank's summed nats and tokens, and ParamBPT."""
+    d = s.cfg.data
+    nats_sum = torch.zeros((), dtype=torch.float32, device=s.device)
+    tokens = torch.zeros((), dtype=torch.float32, device=s.device)
+    for micro in range(d.grad_accum):
+        x, y = train_batch(s.pos.data, position=s.pos.position, micro_step=micro, rank=rank(), world_size=world_size(),
+                           batch_size=d.batch_size, seed=s.cfg.seed, pin_memory=s.device.type == "cuda")
+        x, y = x.to(s.device, non_blocking=True), y.to(s.device, non_blocking=True)
+        nats, n, pbpt = loss_step(s, x, y, step=step, lam=lam, last=micro == d.grad_accum - 1)
+        nats_sum += nats
+        tokens += n
+    return nats_sum, tokens, pbpt
+
+
+def global_sums(s: State, nats_sum, tokens, pbpt, grad_norm) -> dict:
+    """All ranks: one all-reduce of (nats, tokens, stop), then the one host sync of the step. Rank 0 adds whether a stop
+    was asked for (Ctrl-C), so every rank agrees without another collective."""
+    # a fill on the device, not torch.tensor(): a host->device copy from pageable memory would sync mid-step
+    stop = tokens.new_full((), float(rank() == 0 and s.stop_path is not None and s.stop_path.exists()))
+    stats = all_reduce_sum(torch.stack([nats_sum, tokens, stop]))
+    parts = param_bpt_parts(s.opt.params, s.opt.centers, sigma=s.cfg.controller.prior_sigma,
+                            tokens_per_epoch=s.ctrl.tokens_per_epoch)  # telemetry: ParamBPT's A and B parts
+    nats, n, stop_f, pbpt_f, norm, pa, pb, pu = torch.cat(
+        [stats, pbpt.detach().float().reshape(1), grad_norm.float().reshape(1), parts]).tolist()
+    return {"data_bpt": nats / n / LN2, "param_bpt": pbpt_f, "grad_norm": norm, "stop": stop_f > 0,
+            "param_bpt_a": pa, "param_bpt_b": pb, "param_bpt_update": pu}
+
+
+def _refuse_repeated_skips(s: State, step: int) -> None:
+    if s.opt.skipped_in_a_row < s.cfg.train.max_consecutive_skips:
+        return
+    s.tracker.finish(history=s.rec.history, status="FAILED")
+    barrier()  # all ranks: rank 0's final MLflow flush lands before any rank raises and Ray stops the group
+    raise NonFiniteError(f"{s.opt.skipped_in_a_row} optimizer steps in a row had a non-finite loss or gradient "
+                         f"(last at step {step + 1}); the last good checkpoint is kept. Lower optim.lr, use bf16 "
+                         f"instead of fp16, or check the data.")
+
+
+def train_step(s: State, step: int) -> dict:
+    """All ranks: optimizer step ``step + 1``. Returns its row."""
+    cfg = s.cfg
+    lr = lr_at(step, lr=cfg.optim.lr, warmup_steps=cfg.optim.warmup_steps, max_steps=cfg.train.max_steps,
+               min_lr_ratio=cfg.optim.min_lr_ratio)
+    s.opt.set_lr(lr)
+    lam = s.ctrl.law.lam  # constant within the step: the last control update's value
+    nats_sum, tokens, pbpt = micro_steps(s, step, lam)
+    s.pos.advance()
+    average_gradients(s.opt.params)  # all ranks: one all-reduce of the adapters' gradients, their data-parallel mean
+    s.opt.scaler.unscale_(s.opt.optimizer)
+    grad_norm = torch.nn.utils.clip_grad_norm_(s.opt.params, cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else 1e30)
+    g = global_sums(s, nats_sum, tokens, pbpt, grad_norm)
+    s.stopping = g["stop"]
+    s.opt.step(data_bpt=g["data_bpt"], param_bpt=g["param_bpt"], grad_norm=g["grad_norm"])
+    _refuse_repeated_skips(s, step)
+    s.ctrl.update(step + 1, data_bpt=g["data_bpt"], param_bpt=g["param_bpt"], lr_factor=lr / cfg.optim.lr)
+    s.metering.meter.steps += 1
+    s.hooks.faults.after_step(step + 1, fresh=s.rec.fresh)
+    return {"step": step + 1, "train/data_bpt": g["data_bpt"], "train/param_bpt": g["param_bpt"], **s.ctrl.row(),
+            **s.opt.row(), "train/lr": lr, "train/grad_norm": g["grad_norm"], "ctrl/lambda_applied": lam,
+            "train/param_bpt_a": g["param_bpt_a"], "train/param_bpt_b": g["param_bpt_b"],
+            "train/param_bpt_update": g["param_bpt_update"]}
