@@ -19,27 +19,35 @@ def plot_history(history: list, out_dir: str | Path, *, target_s: float, title: 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = []
-
-    def save(fig, name):
+    for name, draw in (("s_tracking.png", _s_tracking), ("lambda.png", _lambda), ("bpt.png", _bpt),
+                       ("val_bpt.png", _val_bpt), ("tokens_per_s.png", _throughput)):
+        fig = draw(plt, history, target_s=target_s, title=title)
         fig.tight_layout()
         fig.savefig(out / name, dpi=110)
         plt.close(fig)
         paths.append(out / name)
+    return paths
 
-    fig, ax = plt.subplots(figsize=(7, 4))
+
+def _s_and_target(ax, history: list, target_s: float) -> None:
     ax.plot(*_series(history, "ctrl/s"), label="S", alpha=0.5, lw=1)
     ax.plot(*_series(history, "ctrl/s_hat"), label="Ŝ (EMA)", lw=2)
     ax.axhline(target_s, color="k", ls="--", label=f"S* = {target_s:g}")
+
+
+def _s_tracking(plt, history: list, *, target_s: float, title: str):
+    fig, ax = plt.subplots(figsize=(7, 4))
+    _s_and_target(ax, history, target_s)
     ax.set(xlabel="optimizer step", ylabel="S = ParamBPT / (DataBPT + ParamBPT)", title=f"{title}: S and Ŝ vs S*")
     ax.legend()
-    save(fig, "s_tracking.png")
+    return fig
 
+
+def _lambda(plt, history: list, *, target_s: float, title: str):
     # λ the loss used in step t (ctrl/lambda_applied) under the S of that step; ctrl/lambda is the value after
     # step t's update, i.e. step t+1's, and would sit one step off
     fig, (ax_s, ax) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
-    ax_s.plot(*_series(history, "ctrl/s"), label="S", alpha=0.5, lw=1)
-    ax_s.plot(*_series(history, "ctrl/s_hat"), label="Ŝ (EMA)", lw=2)
-    ax_s.axhline(target_s, color="k", ls="--", label=f"S* = {target_s:g}")
+    _s_and_target(ax_s, history, target_s)
     ax_s.set(ylabel="S", title=f"{title}: λ the loss used at each step, beside that step's S")
     ax_s.legend()
     steps, lams = _series(history, "ctrl/lambda_applied")
@@ -48,8 +56,10 @@ def plot_history(history: list, out_dir: str | Path, *, target_s: float, title: 
         ax.set_yscale("log")
     ax.set(xlabel="optimizer step", ylabel="λ applied")
     ax.legend()
-    save(fig, "lambda.png")
+    return fig
 
+
+def _bpt(plt, history: list, *, target_s: float, title: str):
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(*_series(history, "train/data_bpt"), label="DataBPT (train)")
     ax2 = ax.twinx()
@@ -58,15 +68,18 @@ def plot_history(history: list, out_dir: str | Path, *, target_s: float, title: 
     ax2.set_ylabel("ParamBPT (bits/token)", color="tab:red")
     ax.legend(loc="upper left")
     ax2.legend(loc="upper right")
-    save(fig, "bpt.png")
+    return fig
 
+
+def _val_bpt(plt, history: list, *, target_s: float, title: str):
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(*_series(history, "val/data_bpt"), marker="o")
     ax.set(xlabel="optimizer step", ylabel="held-out DataBPT (bits/token)", title=f"{title}: validation BPT")
-    save(fig, "val_bpt.png")
+    return fig
 
+
+def _throughput(plt, history: list, *, target_s: float, title: str):
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(*_series(history, "perf/tokens_per_s"), marker=".")
     ax.set(xlabel="optimizer step", ylabel="tokens/s (all workers)", title=f"{title}: throughput")
-    save(fig, "tokens_per_s.png")
-    return paths
+    return fig

@@ -231,3 +231,25 @@ def test_make_ui_opens_the_store_the_config_uses(tmp_path):
     make = subprocess.run(["make", "-n", "ui", f"CONFIG={TINY}"], capture_output=True, text=True, cwd=ROOT,
                           env={k: v for k, v in __import__("os").environ.items() if not k.startswith("MAKE")})
     assert f"raytrain_scu.tracking uri {TINY}" in make.stdout
+
+
+def test_the_config_names_exactly_the_tables_entries():
+    """The config checks names without importing the tables (it sits below them): each list must be its table's keys,
+    so a new data source, preset or control law is one table entry plus one word here, and this test says which."""
+    import re
+    from pathlib import Path
+
+    from raytrain_scu.core.data import SOURCES
+    from raytrain_scu.core.laws import LAWS
+    from raytrain_scu.hardware.presets import PRESETS
+
+    text = (Path(__file__).parents[1] / "raytrain_scu" / "config" / "checks.py").read_text()
+
+    def choices(key: str) -> set[str]:
+        m = re.search(rf'_one_of\("{re.escape(key)}", [^,]+, \(([^)]*)\)', text)
+        assert m, key
+        return set(re.findall(r'"([^"]+)"', m.group(1)))
+
+    assert choices("data.source") == set(SOURCES) | {"auto"}
+    assert choices("hardware.preset") == set(PRESETS) | {"none", "auto"}
+    assert choices("controller.law") == set(LAWS)

@@ -185,7 +185,7 @@ def test_bf16_autocast_eager_compiled_and_the_loop_on_cuda(tmp_path):
     """As the loop runs on a GPU: a bf16 base, float32 adapters, bf16 autocast; FP8 eager and FP8 compiled per layer
     against the bf16 model. Then the compiled loop itself a few steps with and without model.base_fp8: both train and
     end within 0.05 bits of each other."""
-    from raytrain_scu.studies.bench.run import _proof_from_reports, bench_config
+    from raytrain_scu.studies.bench.ours import bench_config, proof_from_reports
     from raytrain_scu.worker.hooks import LocalHooks
     from raytrain_scu.worker.loop import run_loop
 
@@ -213,7 +213,7 @@ def test_bf16_autocast_eager_compiled_and_the_loop_on_cuda(tmp_path):
                            name=f"fp8-{on}", compile=True, base_fp8=on)
         hooks = LocalHooks()
         run_loop(cfg, hooks=hooks)
-        proofs[on] = _proof_from_reports(hooks.reports)  # raises unless it trained
+        proofs[on] = proof_from_reports(hooks.reports)  # raises unless it trained
     assert proofs[True]["bpt_after"] == pytest.approx(proofs[False]["bpt_after"], abs=0.05)
 
 
@@ -304,9 +304,9 @@ def test_bench_part_ours_fp8_trains(tmp_path):
     assert parts["ours_fp8"]["tokens_per_s"] > 0 and parts["ours_fp8"]["lora_b_norm"] > 0
     assert parts["ours_fp8"]["bpt_after"] < parts["ours_fp8"]["bpt_before"]
     assert parts["ours_fp8"]["bpt_after"] == pytest.approx(parts["ours"]["bpt_after"], abs=0.05)
-    from raytrain_scu.studies.bench.run import part_shape
+    from raytrain_scu.studies.bench.parts import shape_of
 
-    assert part_shape("ours_fp8_8b", "1b") == "8b" and part_shape("ours_fp8", "1b") == "1b"
+    assert shape_of("ours_fp8_8b", "1b") == "8b" and shape_of("ours_fp8", "1b") == "1b"
 
 
 # ---------------------------------------------------------------- the real loop, on Ray, with MLflow

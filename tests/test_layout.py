@@ -41,6 +41,8 @@ def modules() -> dict[str, Path]:
 def layer_of(name: str) -> int:
     if name.endswith("__main__"):  # `python -m raytrain_scu.<package>`: a shim over cli/
         return SHIM_LAYER
+    if name == "":  # the package's own __init__: empty
+        return 0
     best, rank = -1, SHIM_LAYER
     for i, group in enumerate(LAYERS):
         for prefix in group:

@@ -31,6 +31,7 @@ def check_controller(c: ControllerConfig) -> None:
     """The controller's checks, the only copy: ``validate`` runs them on a config and ``SCUController`` on its keyword
     arguments (both raise ConfigError naming the key)."""
     _one_of("controller.mode", c.mode, ("scu", "fixed", "none"))
+    _one_of("controller.law", c.law, ("spec",))
     _check(0.0 < c.target_s < 1.0, "controller.target_s", f"must be in (0, 1), got {c.target_s}")
     _check(c.kp >= 0, "controller.kp", f"must be >= 0, got {c.kp}")
     _check(c.ki >= 0, "controller.ki", f"must be >= 0, got {c.ki}")

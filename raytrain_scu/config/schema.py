@@ -109,6 +109,7 @@ class TrainConfig:
 @dataclass
 class ControllerConfig:
     mode: str = "scu"  # scu | fixed | none
+    law: str = "spec"  # the control law under mode=scu (core.laws.LAWS): spec = SCU_SPEC.md's PI law, exactly
     target_s: float = 0.01  # S*: the information ratio ParamBPT / (DataBPT + ParamBPT) to hold
     kp: float = 0.8  # proportional gain
     ki: float = 0.15  # integral gain

@@ -9,7 +9,7 @@ The frozen weight W [N, K] never gets a gradient, so a base layer has two produc
 W is quantised once, into two e4m3 copies (one per product, each scaled along the axis its product reduces over):
 2 bytes per weight, as much again as the bf16 base. Only activations and output-gradients are quantised per step;
 under torch.compile inductor fuses that (amax, scale, cast) into the neighbouring kernels, where eager it costs more
-than the FP8 GEMM saves (issue #17: 10.0 ms/layer eager vs 2.77 fused vs 5.09 bf16 at the 1B shape). The forward
+than the FP8 GEMM saves (docs/benchmarks.md: 10.0 ms/layer eager vs 2.77 fused vs 5.09 bf16 at the 1B shape). The forward
 saves nothing for the backward but the weight's second copy, which the module holds anyway.
 
 Both copies and their scales are frozen Parameters on the base Linear (``fp8_weight``, ``fp8_weight_t`` and their

@@ -11,7 +11,7 @@ LAWS = {"spec": from_config}
 
 def build_law(c: ControllerConfig):
     """The law ``controller.law`` names, built from its config section."""
-    return LAWS[getattr(c, "law", "spec")](c)
+    return LAWS[c.law](c)
 
 
 __all__ = ["LAWS", "SCUController", "build_law"]

@@ -144,10 +144,10 @@ def chunked_ce_sum(h: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, chunk
                    compiled: bool = False, weight_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Σ CE nats of the logits ``transform(h @ weight.T + bias)`` against ``y`` (-100 ignored), chunk by chunk.
 
-    Never traced by the model's compile, on purpose: traced by dynamo/inductor on CUDA (torch 2.11, H200) this
-    autograd.Function returned an exactly zero gradient for ``h``, so under ``model.compile=true`` the LoRA B matrices
-    never left zero and nothing trained (issue #14, item 0; the CPU build compiled it correctly); the decoder before
-    it stays compiled (one graph break). With ``compiled`` only the float32 softmax between each chunk's two GEMMs
+    Never traced by the model's compile, on purpose: traced by dynamo/inductor on CUDA (torch 2.11) this
+    autograd.Function returns an exactly zero gradient for ``h``, so under ``model.compile=true`` the LoRA B matrices
+    would never leave zero (the CPU build compiles it correctly); the decoder before it stays compiled (one graph
+    break). With ``compiled`` only the float32 softmax between each chunk's two GEMMs
     runs compiled, as a function with no autograd in it (:func:`_chunk_ce_fused`). With ``weight_scale`` the weight is
     an int8 table with those row scales (``quant.embedding_int8``, embed_quant.py).
     """

@@ -92,6 +92,18 @@ PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e1
                    "3090": 71e12, "A10": 125e12, "T4": 65e12}
 
 
+# dense FP8 (e4m3) tensor-core peak of the cards that have FP8 GEMMs: what an FP8 run's own MFU divides by
+PEAK_FP8_FLOPS = {"H100": 1979e12, "H200": 1979e12, "L40S": 733e12, "4090": 330e12}
+
+
+def peak_fp8_flops(device_name: str) -> float:
+    """Dense FP8 peak FLOP/s of a card, from its name (0 when unknown or without FP8 GEMMs)."""
+    for key, flops in PEAK_FP8_FLOPS.items():
+        if key in device_name:
+            return flops
+    return 0.0
+
+
 def peak_flops(device_name: str) -> float:
     """Dense bf16 peak FLOP/s of a card, from its name (0 when unknown, e.g. a CPU)."""
     for key, flops in PEAK_BF16_FLOPS.items():

@@ -1,5 +1,39 @@
 """A memory estimator for LoRA/QLoRA fine-tuning of a decoder-only transformer (:func:`estimate_peak_memory_gib`)
-and the largest device batch that fits a card (:func:`fit_batch_size`). Pure arithmetic on the model's shape."""
+and the largest device batch that fits a card (:func:`fit_batch_size`). Pure arithmetic on the model's shape.
+
+The estimate of :func:`estimate_peak_memory_gib`, by part:
+
+With ``a`` = bytes of the compute dtype (4 for fp32, else 2), ``tokens = batch_size * block_size``,
+``H`` hidden, ``F`` ffn, ``L`` layers, ``V`` vocab::
+
+    weights      = linear * (0.52 if 4-bit else a) + (n_params - linear) * a
+                   linear = L * (2*H*q_out + 2*H*kv_out + 3*H*F): the projections bitsandbytes quantises;
+                   embeddings, lm_head and norms stay in the compute dtype; with embedding_int8 the
+                   V x H tables (one when tied, else two) take 1 byte + a 4-byte scale per row, and with
+                   offload_embedding an untied model's input table is in CPU memory (0 here)
+    adapters     = lora_params * 16   (fp32 weight, grad, AdamW exp_avg and exp_avg_sq)
+                   lora_params = L * sum over targets of r * (in + out)
+    per layer    = tokens * (a * (7H + 4F + n_targets*r) + 8H + 4 * sum of the targets' in-features)
+                   7H: the two norm outputs, q/k/v/out kept by SDPA (GQA k/v repeated to all heads),
+                   the o_proj input; 4F: gate, up, SiLU(gate) and the product; n_targets*r: LoRA A
+                   outputs; 8H: the fp32 copies inside the two RMSNorms; the last term: the input copy
+                   each adapted layer's LoRA matmul saves, a bytes under autocast (absent when a = 4 and
+                   under torch.compile, which fuses it away). SDPA keeps no T x T matrix.
+    activations  = L * per layer                      without checkpointing
+                 = tokens * L * H * a + per layer     with it (layer inputs + one layer recomputed)
+                   torch.compile: a * (7H + 3F + n_targets*r) per token and layer (measured: no fp32 norm
+                   copies, the SwiGLU product recomputed), and 2 GiB more overhead
+    logits       = min(chunk, tokens) * V * (4 + a) + tokens * H * a
+                                                      fused chunked loss (loss.CausalLMLoss): one
+                                                      chunk's fp32 logits, their softmax-grad in the
+                                                      compute dtype, and the saved grad wrt the hidden
+                 = tokens * V * (a + 8)               otherwise (logits, fp32 copy, fp32 log-softmax)
+    overhead     = 1 GiB (+ 2 GiB with torch.compile, + one dequantised projection with 4-bit)
+    total        = the sum
+
+The backward pass goes through the frozen base too, so activations are those of full fine-tuning;
+only the weight gradients and optimizer states shrink to the adapters'.
+"""
 from __future__ import annotations
 
 from typing import Any
@@ -41,39 +75,8 @@ def estimate_peak_memory_gib(*, n_params: int, hidden: int, layers: int, heads: 
                              gradient_checkpointing: bool, compile: bool, fused_loss: bool = True,
                              loss_chunk_tokens: int = 4096, head_dim: int = 0, embedding_int8: bool = False,
                              offload_embedding: bool = False) -> dict[str, float]:
-    """Peak GPU memory (GiB) of one training step of LoRA/QLoRA on a Llama-style decoder, by part.
-
-    With ``a`` = bytes of the compute dtype (4 for fp32, else 2), ``tokens = batch_size * block_size``,
-    ``H`` hidden, ``F`` ffn, ``L`` layers, ``V`` vocab::
-
-        weights      = linear * (0.52 if 4-bit else a) + (n_params - linear) * a
-                       linear = L * (2*H*q_out + 2*H*kv_out + 3*H*F): the projections bitsandbytes quantises;
-                       embeddings, lm_head and norms stay in the compute dtype; with embedding_int8 the
-                       V x H tables (one when tied, else two) take 1 byte + a 4-byte scale per row, and with
-                       offload_embedding an untied model's input table is in CPU memory (0 here)
-        adapters     = lora_params * 16   (fp32 weight, grad, AdamW exp_avg and exp_avg_sq)
-                       lora_params = L * sum over targets of r * (in + out)
-        per layer    = tokens * (a * (7H + 4F + n_targets*r) + 8H + 4 * sum of the targets' in-features)
-                       7H: the two norm outputs, q/k/v/out kept by SDPA (GQA k/v repeated to all heads),
-                       the o_proj input; 4F: gate, up, SiLU(gate) and the product; n_targets*r: LoRA A
-                       outputs; 8H: the fp32 copies inside the two RMSNorms; the last term: the input copy
-                       each adapted layer's LoRA matmul saves, a bytes under autocast (absent when a = 4 and
-                       under torch.compile, which fuses it away). SDPA keeps no T x T matrix.
-        activations  = L * per layer                      without checkpointing
-                     = tokens * L * H * a + per layer     with it (layer inputs + one layer recomputed)
-                       torch.compile: a * (7H + 3F + n_targets*r) per token and layer (measured: no fp32 norm
-                       copies, the SwiGLU product recomputed), and 2 GiB more overhead
-        logits       = min(chunk, tokens) * V * (4 + a) + tokens * H * a
-                                                          fused chunked loss (loss.CausalLMLoss): one
-                                                          chunk's fp32 logits, their softmax-grad in the
-                                                          compute dtype, and the saved grad wrt the hidden
-                     = tokens * V * (a + 8)               otherwise (logits, fp32 copy, fp32 log-softmax)
-        overhead     = 1 GiB (+ 2 GiB with torch.compile, + one dequantised projection with 4-bit)
-        total        = the sum
-
-    The backward pass goes through the frozen base too, so activations are those of full fine-tuning;
-    only the weight gradients and optimizer states shrink to the adapters'.
-    """
+    """Peak GPU memory (GiB) of one training step of LoRA/QLoRA on a Llama-style decoder, by part: the formula is in
+    the module docstring."""
     a = _dtype_bytes(precision)
     head_dim = head_dim or hidden // heads
     tokens = batch_size * block_size
@@ -87,19 +90,9 @@ def estimate_peak_memory_gib(*, n_params: int, hidden: int, layers: int, heads: 
     lora_params = layers * sum(lora_r * sum(dims[t]) for t in targets)
     adapters = lora_params * ADAPTER_BYTES_PER_PARAM
 
-    # the copy of each adapted layer's input that the LoRA matmuls save: bf16 under the loop's autocast (peft's
-    # fp32 cast is cast back); torch.compile fuses it away (measured at block 2048, see the constants above)
-    adapter_inputs = 0 if (a == 4 or compile) else a * sum(dims[t][0] for t in targets)
-    if compile:  # measured: inductor fuses the norms' fp32 copies and recomputes the SwiGLU product
-        per_layer = tokens * a * (7 * hidden + 3 * ffn + len(targets) * lora_r)
-    else:
-        per_layer = tokens * (a * (7 * hidden + 4 * ffn + len(targets) * lora_r) + 8 * hidden + adapter_inputs)
-    if gradient_checkpointing:
-        activations = tokens * layers * hidden * a + per_layer
-    else:
-        activations = layers * per_layer
-    activations += tokens * (3 * hidden * a + 4 * hidden)  # embeddings out, final norm, lm_head input
-
+    per_layer, activations = _activation_bytes(tokens=tokens, a=a, hidden=hidden, ffn=ffn, layers=layers,
+                                               lora_r=lora_r, targets=targets, dims=dims, compile=compile,
+                                               gradient_checkpointing=gradient_checkpointing)
     if fused_loss:
         logits = min(loss_chunk_tokens, tokens) * vocab * (4 + a) + tokens * hidden * a
     else:
@@ -115,6 +108,25 @@ def estimate_peak_memory_gib(*, n_params: int, hidden: int, layers: int, heads: 
     out["total_gib"] = sum(parts.values()) / GIB
     out["lora_params"] = float(lora_params)
     return out
+
+
+def _activation_bytes(*, tokens: int, a: int, hidden: int, ffn: int, layers: int, lora_r: int, targets: list,
+                      dims: dict, compile: bool, gradient_checkpointing: bool) -> tuple[float, float]:
+    """(one layer's, all) activations kept for the backward: :func:`estimate_peak_memory_gib`'s per layer and
+    activations terms."""
+    # the copy of each adapted layer's input that the LoRA matmuls save: bf16 under the loop's autocast (peft's
+    # fp32 cast is cast back); torch.compile fuses it away (see the constants above)
+    adapter_inputs = 0 if (a == 4 or compile) else a * sum(dims[t][0] for t in targets)
+    if compile:  # inductor fuses the norms' fp32 copies and recomputes the SwiGLU product
+        per_layer = tokens * a * (7 * hidden + 3 * ffn + len(targets) * lora_r)
+    else:
+        per_layer = tokens * (a * (7 * hidden + 4 * ffn + len(targets) * lora_r) + 8 * hidden + adapter_inputs)
+    if gradient_checkpointing:
+        activations = tokens * layers * hidden * a + per_layer
+    else:
+        activations = layers * per_layer
+    activations += tokens * (3 * hidden * a + 4 * hidden)  # embeddings out, final norm, lm_head input
+    return per_layer, activations
 
 
 def _weight_bytes(linear_params: int, other_params: int, *, a: int, load_in_4bit: bool, layers: int, hidden: int,

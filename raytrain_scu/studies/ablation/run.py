@@ -242,10 +242,10 @@ def run_sweep_stage(config_path: str, overrides: list[str], choice: dict, seed: 
 
 def setting(cfg: Config, a) -> dict:
     """What the results were measured on: the config, the stage rules' arguments, the card and the versions."""
-    from raytrain_scu.studies.bench.run import _versions, device_name
+    from raytrain_scu.studies.bench.measure import device_name, versions
 
     return {"config_yaml": to_yaml(cfg, redact=True), "args": {k: v for k, v in vars(a).items() if k != "out"},
-            "device": device_name(), "gpus": torch.cuda.device_count(), "versions": _versions(),
+            "device": device_name(), "gpus": torch.cuda.device_count(), "versions": versions(),
             "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
 
 
@@ -269,7 +269,7 @@ def run_stage(name: str, results: dict, a) -> None:
         st[name] = {"trials": trials, "units": units}
         if name == "fixed":
             st[name]["choice"] = choose_targets(trials, a.target_factors)
-    from raytrain_scu.studies.bench.run import device_name
+    from raytrain_scu.studies.bench.measure import device_name
 
     # each stage may run on another machine, and with GPUs shared between trials (scaling.gpus_per_worker < 1)
     st[name].update(wall_s=time.time() - t0, device=device_name(), gpus=torch.cuda.device_count(),

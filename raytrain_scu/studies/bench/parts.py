@@ -1,0 +1,163 @@
+"""The bench's parts, one table entry each: what a part runs, at which model shape, and whether it is a peer (its speed
+counts toward the best peer) or must run in a process of its own (Liger patches transformers for the rest of its
+process; Unsloth's part starts its own). A part named ``<base>_8b`` runs ``<base>`` at the Llama-3.1-8B shape; ``granite_*`` parts
+run at the Granite-4.0-H-1B shape; the others at ``--shape``."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Callable
+
+from raytrain_scu.core.model.families import mamba_kernels
+from raytrain_scu.studies.bench.attention import attention_bench
+from raytrain_scu.studies.bench.ours import ours_bare, ours_ray
+from raytrain_scu.studies.bench.reference import reference_loop
+from raytrain_scu.studies.bench.unsloth import unsloth_loop
+
+RAY_PART = re.compile(r"ray([1-9][0-9]*)")  # the Ray parts: rayN, N workers with one GPU each
+
+
+@dataclass
+class Ctx:
+    """What a part is given: the CLI's arguments, its model preset and block, the training blocks the peers read,
+    the timed step count, and ``cfg(**kw)``, our loop's config for this part (``ours.bench_config``)."""
+
+    args: object
+    preset: str
+    block: int
+    blocks: object
+    steps: int
+    compile: bool  # on a GPU unless --no-compile
+    cfg: Callable = field(repr=False)
+
+
+@dataclass(frozen=True)
+class Part:
+    run: Callable[[Ctx], dict]
+    peer: bool = False  # a peer in its strongest configuration: the fastest of these is the best peer
+    isolated: bool = False  # patches transformers: runs in a subprocess
+    loop: bool = False  # our loop: profile_<part> profiles it
+
+
+def _ref(**kw) -> Callable[[Ctx], dict]:
+    def run(c: Ctx) -> dict:
+        a = c.args
+        return reference_loop(preset=c.preset, batch=a.batch, block=c.block, steps=a.steps,
+                              warmup=max(3, a.warmup_reports), blocks=c.blocks, **kw)
+    return run
+
+
+def _unsloth(load_in_4bit: bool) -> Callable[[Ctx], dict]:
+    def run(c: Ctx) -> dict:
+        a = c.args
+        return unsloth_loop(preset=c.preset, batch=a.mem_batch if load_in_4bit else a.batch, block=c.block,
+                            steps=a.steps, warmup=max(3, a.warmup_reports), blocks=c.blocks,
+                            load_in_4bit=load_in_4bit)
+    return run
+
+
+def _ours(**kw) -> Callable[[Ctx], dict]:
+    return lambda c: ours_bare(c.cfg(**kw), c.args.warmup_reports)
+
+
+def _mem(load_in_4bit: bool, int8: bool = False, offload: bool = False) -> Callable[[Ctx], dict]:
+    """Peak memory at --mem-batch: eager, gradient checkpointing, a small loss chunk."""
+    return lambda c: ours_bare(c.cfg(batch=c.args.mem_batch, compile=False, checkpointing=True,
+                                     chunk=c.args.mem_chunk, load_in_4bit=load_in_4bit, embedding_int8=int8 or offload,
+                                     offload_embedding=offload), c.args.warmup_reports)
+
+
+def _granite(load_in_4bit: bool, eager: bool = False) -> Callable[[Ctx], dict]:
+    """Ours at the Granite shape, LoRA on all linear layers; checkpointing where the torch path's scan needs it."""
+    def run(c: Ctx) -> dict:
+        kernels = mamba_kernels()
+        torch_path = kernels["path"] == "torch path"
+        a = c.args
+        batch = a.mem_batch * 2 if load_in_4bit else a.granite_batch
+        r = ours_bare(c.cfg(batch=batch, block=c.block, targets=("all-linear",), load_in_4bit=load_in_4bit,
+                            compile=c.compile and not load_in_4bit and not eager,
+                            checkpointing=torch_path or load_in_4bit), a.warmup_reports)
+        return {**r, "mamba": kernels, "gradient_checkpointing": torch_path or load_in_4bit,
+                "compiled": c.compile and not load_in_4bit and not eager}
+    return run
+
+
+def _ray(c: Ctx, n: int) -> dict:
+    return ours_ray(c.cfg(workers=n), c.args.warmup_reports)
+
+
+PEERS_AT_EVERY_SHAPE = {
+    "ref_compile": Part(_ref(compile_scope="model", attention="causal"), peer=True),
+    "ref_compile_default": Part(_ref(compile_scope="model", attention="default")),
+    "ref_liger": Part(_ref(compile_scope="model", attention="causal", liger=True), peer=True, isolated=True),
+    "ref_liger_layers": Part(_ref(compile_scope="layers", attention="causal", liger=True), peer=True, isolated=True),
+    # unsloth_loop runs each in a fresh process of its own: Unsloth must be imported before transformers
+    "ref_unsloth": Part(_unsloth(load_in_4bit=False), peer=True),
+    "ref_unsloth_qlora": Part(_unsloth(load_in_4bit=True)),
+    "ours": Part(_ours(), loop=True),
+    "ours_fp8": Part(_ours(base_fp8=True), loop=True),
+    "ours_fused": Part(_ours(fuse_lora=True), loop=True),
+}
+PARTS: dict[str, Part] = {
+    **PEERS_AT_EVERY_SHAPE,
+    **{f"{name}_8b": part for name, part in PEERS_AT_EVERY_SHAPE.items()},
+    "attn": Part(lambda c: attention_bench(preset=c.preset, batch=c.args.batch, block=c.block)),
+    "ref_eager": Part(_ref(compile_scope="none", attention="default")),
+    "ours_best": Part(lambda c: ours_bare(c.cfg(batch=c.args.best_batch), c.args.warmup_reports), loop=True),
+    "ours_compile_model": Part(_ours(compile_scope="model"), loop=True),
+    "scu_none": Part(_ours(mode="none"), loop=True),
+    "mem_bf16": Part(_mem(load_in_4bit=False), loop=True),
+    "mem_qlora": Part(_mem(load_in_4bit=True), loop=True),
+    "mem_qlora_emb8": Part(_mem(load_in_4bit=True, int8=True), loop=True),
+    "mem_bf16_8b": Part(_mem(load_in_4bit=False), loop=True),
+    "qlora_8b": Part(_mem(load_in_4bit=True), loop=True),
+    "qlora_emb8_8b": Part(_mem(load_in_4bit=True, int8=True), loop=True),
+    "qlora_offload_8b": Part(_mem(load_in_4bit=True, offload=True), loop=True),
+    "granite_h1b": Part(_granite(load_in_4bit=False), loop=True),
+    "granite_h1b_eager": Part(_granite(load_in_4bit=False, eager=True), loop=True),
+    "granite_qlora": Part(_granite(load_in_4bit=True), loop=True),
+}
+SCALE_NS = (2, 4, 8)  # the `scale` group: ray1 and rayN for these N up to the GPUs here
+# named sets of parts; each fits one 10-minute call on one H100 or H200 (docs/benchmarks.md has the measured times)
+GROUPS = {"1b": "attn,ref_eager,ref_compile_default,ref_compile,ours,ours_fp8,scu_none,ray1,mem_bf16,mem_qlora_emb8,"
+                "ref_liger,ref_liger_layers",
+          "8b": "ref_compile_8b,ours_8b,ours_fp8_8b,mem_bf16_8b,qlora_offload_8b,ref_liger_8b",
+          "unsloth": "ref_unsloth,ref_unsloth_8b,ref_unsloth_qlora_8b",
+          "scale": "ray1,rayN",  # rayN: see expand_parts
+          "granite": "granite_h1b,granite_h1b_eager,granite_qlora"}
+
+
+def shape_of(part: str, shape: str) -> str:
+    """The --shape key a part runs at: the 8B and Granite parts name theirs, the others take ``shape``."""
+    base = part.removeprefix("profile_")
+    return "8b" if base.endswith("_8b") else "granite" if base.startswith("granite") else shape
+
+
+def lookup(part: str) -> tuple[Part, int]:
+    """(the table entry, Ray workers or 0) of a part name; ``profile_<part>`` is that part."""
+    base = "ours" if part == "profile" else part.removeprefix("profile_")
+    ray = RAY_PART.fullmatch(base)
+    if ray:
+        n = int(ray.group(1))
+        return Part(lambda c: _ray(c, n), loop=True), n
+    return PARTS[base], 0
+
+
+def expand_parts(groups: str, parts: str, gpus: int) -> list[str]:
+    """The parts to run, in order, without repeats: the groups' (``rayN`` in ``scale``: ray2, ray4, ray8 up to
+    ``gpus``, or ray2 with no GPU: CPU workers), then ``parts``'. Raises ValueError naming an unknown group or part."""
+    most = gpus if gpus else 2
+    names = []
+    for g in filter(None, groups.split(",")):
+        if g not in GROUPS:
+            raise ValueError(f"--group: unknown group {g!r}, expected one of {', '.join(GROUPS)}")
+        for p in GROUPS[g].split(","):
+            names += [f"ray{n}" for n in SCALE_NS if n <= most] if p == "rayN" else [p]
+    loops = [n for n, p in PARTS.items() if p.loop]
+    for p in filter(None, parts.split(",")):
+        base = p.removeprefix("profile_")
+        if not (p in PARTS or p == "profile" or RAY_PART.fullmatch(base) or base != p and base in loops):
+            raise ValueError(f"--parts: unknown part {p!r}, expected rayN (N >= 1), one of {', '.join(PARTS)}, "
+                             f"or profile_ before rayN or one of {', '.join(loops)}")
+        names.append(p)
+    return list(dict.fromkeys(names))
