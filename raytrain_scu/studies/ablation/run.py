@@ -127,12 +127,12 @@ def tuned_arms(seeds, choice: dict, best: dict) -> list[dict]:
 
 def run_grid(config_path: str, overrides: list[str], name: str, arms: list[dict]) -> tuple[Config, list[dict]]:
     """One Tune grid over ``arms`` (each a ``tune.space.arm`` bundle): the sweep's config and its trial rows."""
-    from raytrain_scu.ray.tune.sweep import run_sweep
+    from raytrain_scu.driver.sweep import sweep  # Ray is imported when a stage runs, not when the CLI checks its input
 
     cfg = resolve(config_path, [*overrides, "tune.search=grid", "tune.scheduler=none"])
     cfg.tune.space = {"arm": {"grid": arms}}
     cfg.run.name = f"{cfg.run.name}-{name}"
-    rows = run_sweep(cfg)["rows"]
+    rows = sweep(cfg)["rows"]
     unfinished = [f"{r['trial']} ({r['status']})" for r in rows if r["status"] != "FINISHED"]
     if unfinished:
         raise AblationError(f"sweep {cfg.run.name}: {len(unfinished)} trial(s) did not reach train.max_steps: "
@@ -218,7 +218,7 @@ def collect(stage: str, family_cfg: Config, rows: list[dict]) -> tuple[list[dict
 
 def run_sweep_stage(config_path: str, overrides: list[str], choice: dict, seed: int, a) -> dict:
     """The PI-gain sweep: random search with ASHA on held-out BPT at equal tokens; its rows and best trial."""
-    from raytrain_scu.ray.tune.sweep import run_sweep
+    from raytrain_scu.driver.sweep import sweep  # Ray is imported when a stage runs, not when the CLI checks its input
 
     base = resolve(config_path, overrides)
     t = base.train  # ASHA's first rung after --sweep-grace-steps: early on, the weakest penalty scores best (none's
@@ -229,7 +229,7 @@ def run_sweep_stage(config_path: str, overrides: list[str], choice: dict, seed: 
                                 f"tune.num_samples={a.sweep_samples}", f"tune.grace_period={grace}"])
     cfg.tune.space = sweep_space_for(choice, a.kp_range, a.ki_range)
     cfg.run.name = f"{cfg.run.name}-sweep"
-    out = run_sweep(cfg)
+    out = sweep(cfg)
     rows = [{k: r[k] for k in ("trial", "params", "metric", "steps", "tokens_seen", "status", "time_s") if k in r}
             for r in out["rows"]]
     best = next((r for r in rows if r["status"] == "FINISHED" and math.isfinite(r["metric"])), None)
