@@ -11,6 +11,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -244,6 +245,17 @@ def test_make_cluster_up_and_down(make):
     up = make("cluster-up", "CLUSTER=cluster/h100.yaml")
     assert "ray get-auth-token --generate" in up and ".venv/bin/ray up -y cluster/h100.yaml" in up
     assert ".venv/bin/ray down -y cluster/a100.yaml" in make("cluster-down")
+
+
+def test_make_cluster_up_installs_boto3_for_aws_files_only(make):
+    """The launcher's AWS provider needs boto3 in .venv; local.yaml's does not, so make leaves the venv alone."""
+    up = make("cluster-up", "CLUSTER=cluster/local.yaml").replace("\\\n", " ")
+    guard = re.search(r"if (\S+)/python (-c '[^']*')\s+cluster/local\.yaml; "
+                      r"then \1/python -m pip install -q 'boto3>=1\.28'; fi", up)
+    assert guard, up
+    for path in CLUSTER_FILES:
+        out = subprocess.run([sys.executable, *shlex.split(guard.group(2)), str(path)], capture_output=True, timeout=60)
+        assert out.returncode == (0 if load(path)["provider"]["type"] == "aws" else 1), (path.name, out.stderr)
 
 
 def test_make_submit(make):
