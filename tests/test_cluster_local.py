@@ -275,6 +275,9 @@ def test_local_cluster_file_runs_a_job_over_ssh():
         wait_for(lambda: answers(f"{address}/api/version"), 120, "ray dashboard's tunnel",
                  alive=lambda: tunnel.poll() is None)
         phase("tunnel")
+        with pytest.raises(urllib.error.HTTPError) as refused:  # the head enforces token auth
+            urllib.request.urlopen(f"{address}/api/jobs/", timeout=30)
+        assert refused.value.code in (401, 403), refused.value
         args = "run.name=cluster train.max_steps=6 train.report_every=3 train.checkpoint_every=3 scaling.num_workers=1"
         submit = [*make, "submit", "CONFIG=experiments/tiny-cpu.yaml", f"ARGS={args}", f"RAY_ADDRESS_SUBMIT={address}"]
         for attempt in range(40):  # the dashboard answers before its job agent is ready ("No available agent")
@@ -302,6 +305,7 @@ def test_local_cluster_file_runs_a_job_over_ssh():
         assert record.data.metrics and record.data.params
 
         # ---- `make cluster-down`: the head's Ray goes, nothing outside the test's namespace was stopped
+        assert any(" raylet:" in p for p in processes_in(ns)), processes_in(ns)  # the head ran in there
         os.killpg(tunnel.pid, signal.SIGTERM)
         tunnel.wait(timeout=30)
         rc, out = run("down", [*make, "cluster-down", f"CLUSTER={cluster_file}"], timeout=600)
