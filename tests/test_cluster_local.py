@@ -67,11 +67,14 @@ def install_tools_or_skip():
     if os.geteuid() != 0 or shutil.which("apt-get") is None:
         pytest.skip(f"sshd cannot be installed here ({how} needs root and apt-get)")
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", *missing]
-    out = subprocess.run(install, capture_output=True, text=True, env=env, timeout=600)
+    # openssh-server may upgrade openssh-client: keep its config files without asking
+    install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", "-o", "Dpkg::Options::=--force-confdef",
+               "-o", "Dpkg::Options::=--force-confold", *missing]
+    apt = dict(capture_output=True, text=True, env=env, stdin=subprocess.DEVNULL, timeout=600)
+    out = subprocess.run(install, **apt)
     if out.returncode != 0:  # stale or absent package lists
-        subprocess.run(["apt-get", "update", "-q"], capture_output=True, text=True, env=env, timeout=600)
-        out = subprocess.run(install, capture_output=True, text=True, env=env, timeout=600)
+        subprocess.run(["apt-get", "update", "-q"], **apt)
+        out = subprocess.run(install, **apt)
     if missing_packages():
         pytest.skip(f"sshd cannot be installed here: {how} failed: {(out.stdout + out.stderr)[-1500:]}")
 
