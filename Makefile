@@ -55,8 +55,10 @@ clean:
 
 # ---- cluster (docs/deploy.md). Token auth: the token in ~/.ray/auth_token goes to every node
 # (cluster/*.yaml file_mounts) and every client; `ray get-auth-token --generate` makes it once.
+# boto3: the AWS provider of `ray up`/`ray dashboard` needs it, the local one (cluster/local.yaml) does not
 cluster-up: setup
-	$(BIN)/python -m pip install -q 'boto3>=1.28'  # the AWS provider of `ray up`/`ray dashboard`
+	if $(BIN)/python -c 'import sys, yaml; sys.exit(yaml.safe_load(open(sys.argv[1]))["provider"]["type"] != "aws")' \
+		$(CLUSTER); then $(BIN)/python -m pip install -q 'boto3>=1.28'; fi
 	(umask 077; $(BIN)/ray get-auth-token --generate >/dev/null)
 	$(BIN)/ray up -y $(CLUSTER)
 
