@@ -38,7 +38,10 @@ if [ ! -f $SITE/.ok ]; then
     BUILD_ONLY=causal_conv1d bash "$K"/build_mamba_wheels.sh "$K"/sdist /tmp/wheels $SITE >>"$OUT"/build.log 2>&1 \
       || { tail -60 "$OUT"/build.log; exit 1; }
     grep -E "^built|^-rw" "$OUT"/build.log
-    cp /tmp/wheels/*.whl "$OUT"/
+    # $OUT takes files of at most 16 MiB named in [A-Za-z0-9._-] only: the causal-conv1d wheel is 24.7 MiB and wheel
+    # names carry a '+' (local version), so both travel back as one tar in 15 MiB parts. Here:
+    #   mkdir -p .carry-kernels/wheels && cat FILES_AT/kernel_wheels.tar.part_* | tar -xf - -C .carry-kernels/wheels
+    (cd /tmp/wheels && sha256sum ./*.whl && tar -cf - ./*.whl | split -b 15m - "$OUT"/kernel_wheels.tar.part_)
     say "waiting for the warm-up"
     wait $warm
     grep -E "RESULT|Error|error" "$OUT"/warm.log | cut -c1-300

@@ -392,6 +392,7 @@ def phase_bench(a):
     if a.ckpt:
         m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     pm = add_lora(m)
+    pm.train()  # the fused kernel is the training branch (self.training and no cache)
     base = pm.get_base_model()
     use(a.path, a.outproj, count=a.compile == "none", disable_fused=a.compile == "layers_nokernel")
     CALLS.clear()
@@ -422,24 +423,25 @@ def phase_bench(a):
 def phase_qlora(a):
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
     load_modeling()
-    d = "/tmp/granite-h1b-shape-bf16"
+    d = f"/tmp/granite-{a.shape}-shape-bf16"
     if not os.path.isfile(os.path.join(d, "config.json")):
         m = build(a.shape, torch.bfloat16)
-        m.save_pretrained(d, safe_serialization=True)
+        m.save_pretrained(d)
         del m
         torch.cuda.empty_cache()
     m = AutoModelForCausalLM.from_pretrained(
         d, quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
                                                   bnb_4bit_use_double_quant=True,
                                                   bnb_4bit_compute_dtype=torch.bfloat16),
-        dtype=torch.bfloat16, device_map={"": 0}, attn_implementation="sdpa")
+        dtype=torch.bfloat16, device_map={"": 0 if DEV == "cuda" else DEV}, attn_implementation="sdpa")
     m.requires_grad_(False)
     m.config.use_cache = False
     if a.ckpt:
         m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     pm = add_lora(m)
+    pm.train()  # from_pretrained returns eval mode: no fused kernel, no checkpointing
     base = pm.get_base_model()
-    static = torch.cuda.memory_allocated()
+    static = torch.cuda.memory_allocated() if DEV == "cuda" else 0
     g = torch.Generator(device=DEV).manual_seed(0)
     ids = torch.randint(0, base.config.vocab_size, (a.batch, a.block), device=DEV, generator=g)
     for outproj in a.outproj.split(","):
