@@ -23,6 +23,7 @@ from raytrain_scu.core.embed_quant import (
     embedding_targets,
     shrink_embeddings,
 )
+from raytrain_scu.core.model.families import family_of
 from raytrain_scu.core.model.presets import PRESETS, is_preset, preset_config
 from raytrain_scu.core.model.source import default_cache_dir, file_lock, gguf_cache, resolve_name
 from raytrain_scu.errors import ModelError
@@ -103,6 +104,9 @@ def build_model(name: str, *, gguf_file: str = "", vocab_size: int = 0, dtype: t
         if not load_in_4bit:  # what follows (FP8 quantisation, fused projections) works on the device's weights
             model = model.to(device)
     model.requires_grad_(False)
+    prepare = family_of(model.config).prepare
+    if prepare is not None:
+        prepare(model)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()

@@ -11,6 +11,7 @@ from typing import Callable, Optional
 
 import torch
 
+from raytrain_scu.core.model.mamba import keep_out_proj_a_module
 from raytrain_scu.errors import ModelError
 
 
@@ -98,13 +99,15 @@ class Family:
     """One model family. ``classes``: the transformers CausalLM classes whose head the fused loss reproduces (the
     class must BE transformers' own, not a subclass or remote code); ``head``: its transform, read from the config;
     ``fusable``: ``model.fuse_lora`` applies; ``layers``: per-layer (matmul parameters, mixer FLOPs per token) where
-    the Llama count does not hold; ``kernels``: the optional fast kernels and which path runs."""
+    the Llama count does not hold; ``kernels``: the optional fast kernels and which path runs; ``prepare``: what a base
+model of the family needs before training (Granite-4.0-H: its Mamba mixers keep out_proj a module, ``mamba.py``)."""
 
     classes: tuple[str, ...]
     head: Callable = plain_head
     fusable: bool = False
     layers: Optional[Callable] = None
     kernels: Optional[Callable[[], dict]] = None
+    prepare: Optional[Callable] = None  # run on every base model of the family as it is built
 
 
 def _plain(*classes: str, **kw) -> Family:
@@ -124,7 +127,7 @@ FAMILIES: dict[str, Family] = {
     "granitemoe": Family(("GraniteMoeForCausalLM",), head=granite_head),
     "granitemoeshared": Family(("GraniteMoeSharedForCausalLM",), head=granite_head),
     "granitemoehybrid": Family(("GraniteMoeHybridForCausalLM",), head=granite_head, layers=granite_hybrid_layers,
-                               kernels=mamba_kernels),
+                               kernels=mamba_kernels, prepare=keep_out_proj_a_module),
     "gemma2": Family(("Gemma2ForCausalLM",), head=gemma_head),
     "gemma3_text": Family(("Gemma3ForCausalLM",), head=gemma_head),
     "cohere": Family(("CohereForCausalLM",), head=cohere_head),

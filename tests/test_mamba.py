@@ -1,0 +1,96 @@
+"""Granite-4.0-H's Mamba-2 mixers with the field's kernels: a LoRA adapter on out_proj takes part in training (the
+fused kernel would otherwise apply out_proj's base weight itself), and the kernel path computes what the torch path
+does (GPU-marked: the kernels need CUDA)."""
+import pytest
+import torch
+from transformers.models.granitemoehybrid import modeling_granitemoehybrid as modeling
+
+from raytrain_scu.core.model import apply_lora, build_model, load_tokenizer
+from raytrain_scu.core.model.mamba import keep_out_proj_a_module
+from raytrain_scu.core.regularizer import adapter_params
+
+KERNELS = ("mamba2_split_conv1d_scan_combined", "causal_conv1d_fn", "causal_conv1d_update",
+           "mamba2_chunk_scan", "mamba2_selective_state_update")
+
+
+def tiny_granite(device="cpu", dtype=torch.float32, prepared=True):
+    base = build_model("tiny-granite-4.0-h", vocab_size=len(load_tokenizer("tiny-granite-4.0-h")), dtype=dtype,
+                       device=torch.device(device))
+    if not prepared:  # transformers' own forward on every mixer, as without the family's prepare hook
+        for module in base.modules():
+            module.__dict__.pop("forward", None)
+    torch.manual_seed(0)
+    model = apply_lora(base, targets=["all-linear"])
+    for n, p in model.named_parameters():  # every adapter in play: B at random instead of zero
+        if "lora_B" in n:
+            torch.nn.init.normal_(p, std=0.02)
+    return model
+
+
+def out_proj_grads(model, x) -> list:
+    model.train()
+    logits = model(input_ids=x).logits
+    logits.float().pow(2).mean().backward()
+    return [p.grad for n, p in model.named_parameters() if "mamba.out_proj.lora_B" in n]
+
+
+def test_the_out_proj_adapter_takes_part_where_the_fused_kernel_runs(monkeypatch):
+    calls = []
+    x = torch.randint(0, 2000, (2, 16))
+    model = tiny_granite()
+    width = model.get_base_model().model.layers[0].mamba.intermediate_size
+    monkeypatch.setattr(modeling, "mamba2_split_conv1d_scan_combined",
+                        lambda z, *a, outproj_weight=None, **k: _kernel(z, width, outproj_weight, calls))
+    grads = out_proj_grads(model, x)
+    assert calls and all(w is None for w in calls)  # the kernel never saw out_proj's weight
+    assert grads and all(g is not None and g.abs().sum() > 0 for g in grads)
+
+    calls.clear()
+    stock = tiny_granite(prepared=False)  # transformers' forward: the kernel applies out_proj's base weight itself
+    grads = out_proj_grads(stock, x)
+    assert calls and all(w is not None for w in calls)
+    assert all(g is None or g.abs().sum() == 0 for g in grads)
+
+
+def _kernel(zxbcdt, width, outproj_weight, calls):
+    """The fused kernel's contract in plain torch: it records what the mixer hands it and returns a differentiable
+    output of the intermediate width, with ``outproj_weight`` the out projection applied inside, as the kernel does."""
+    calls.append(outproj_weight)
+    out = torch.tanh(zxbcdt[..., :width])
+    return out @ outproj_weight.T if outproj_weight is not None else out
+
+
+def test_without_the_kernels_evaluation_and_training_are_transformers_own():
+    """No mamba_ssm here: the prepared mixer falls back to transformers' torch path, computing the same numbers."""
+    x = torch.randint(0, 2000, (2, 16))
+    a, b = tiny_granite(), tiny_granite(prepared=False)
+    for train in (False, True):
+        a.train(train)
+        b.train(train)
+        assert torch.allclose(a(input_ids=x).logits, b(input_ids=x).logits, atol=1e-6)
+    assert keep_out_proj_a_module(torch.nn.Linear(2, 2)) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU and the mamba_ssm / causal_conv1d kernels")
+def test_the_kernel_path_matches_the_torch_path(monkeypatch):
+    """Loss within 1e-3 (fp32) and every adapter's gradient within 1e-3 relative, kernel path against torch path."""
+    pytest.importorskip("mamba_ssm")
+    pytest.importorskip("causal_conv1d")
+    x = torch.randint(0, 2000, (2, 64), device="cuda")
+
+    def loss_and_grads():
+        model = tiny_granite("cuda")
+        model.train()
+        loss = torch.nn.functional.cross_entropy(model(input_ids=x).logits[:, :-1].flatten(0, 1).float(),
+                                                 x[:, 1:].flatten())
+        loss.backward()
+        return loss.item(), [p.grad.detach().clone() for p in adapter_params(model)]
+
+    kernel_loss, kernel_grads = loss_and_grads()
+    for name in KERNELS:  # transformers' own torch functions, under the kernels' names
+        monkeypatch.setattr(modeling, name, getattr(modeling, name).__wrapped__)
+    torch_loss, torch_grads = loss_and_grads()
+    assert abs(kernel_loss - torch_loss) < 1e-3
+    for k, t in zip(kernel_grads, torch_grads):
+        assert (k - t).norm() <= 1e-3 * t.norm() + 1e-8
