@@ -41,16 +41,20 @@ def _register_causal() -> str:
     return CAUSAL_ATTENTION
 
 
-def attention_kernels(step) -> str:
-    """The attention kernels one call of ``step`` ran on the GPU (what says which SDPA path a loop took)."""
+def kernel_profile(step, top: int = 12) -> dict:
+    """One call of ``step`` under the profiler: the device time of its kernels, the ``top`` kernels by device time, and
+    the attention kernels it ran (what says which SDPA path a loop took)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         step()
         sync()
-    names = {e.key for e in prof.key_averages() if e.device_time_total > 0
-             and any(w in e.key.lower() for w in ("flash", "fmha", "attention", "cudnn", "sdpa", "softmax"))}
-    return "; ".join(sorted(n[:70] for n in names)) or "-"
+    kernels = sorted((e for e in prof.key_averages() if e.device_time_total > 0), key=lambda e: -e.device_time_total)
+    attention = sorted({e.key[:70] for e in kernels if any(w in e.key.lower() for w in
+                                                            ("flash", "fmha", "attention", "cudnn", "sdpa"))})
+    return {"device_ms": round(sum(e.device_time_total for e in kernels) / 1e3, 2),
+            "top": [f"{e.key[:70]} {e.device_time_total / 1e3:.2f}ms" for e in kernels[:top]],
+            "attention": "; ".join(attention) or "-"}
 
 
 def _model(preset: str, *, dev, dtype, attention: str, lora_r: int):
@@ -124,5 +128,5 @@ def _timed(*, preset, batch, block, steps, warmup, blocks, compile_scope, attent
         if i >= warmup:
             times.append(time.perf_counter() - t0)
     return {"tokens_per_s": batch * block / statistics.median(times), "peak_mem_gib": peak_mem(), "batch": batch,
-            "sdpa_kernels": attention_kernels(lambda: train_step(0)) if dev.type == "cuda" else "-",
+            "kernels": kernel_profile(lambda: train_step(0)) if dev.type == "cuda" else "-",
             **proof_of_training(loss_before, fixed_batch_loss(), lora_b_norm(model).item())}

@@ -54,6 +54,8 @@ def _variant(name: str, r: dict) -> str:
     notes = [f"{r['preset']}, block {r['block']}"] if "preset" in r else []
     if "attention" in r:
         notes.append(f"attention {r['attention']}, compile {r['compile_scope']}")
+    if isinstance(r.get("kernels"), dict):
+        notes.append(f"SDPA kernels: {r['kernels']['attention'][:80]}")
     if "mamba" in r:
         notes.append(f"LoRA on all linear layers; Mamba: {r['mamba']['path']}"
                      + (", checkpointing" if r["gradient_checkpointing"] else "")
