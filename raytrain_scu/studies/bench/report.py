@@ -93,7 +93,8 @@ def _vs_peer(res: dict, label: str, ours: str, shape: str, bound: float, mfu_bou
     peer, v = best_peer(res, shape)
     target = f">= {bound:g}x best peer" + (f", MFU >= {100 * mfu_bound:g}%" if mfu_bound else "")
     if "tokens_per_s" not in r or not peer or not v:
-        return label, "-", target, _missing(res, [ours, *(n for n in PARTS if PARTS[n].peer)])
+        peers = [n for n in PARTS if PARTS[n].peer and shape_of(n, shape) == shape]
+        return label, "-", target, _missing(res, [ours, *peers])
     x = r["tokens_per_s"] / v
     met = x >= bound and (not mfu_bound or r["mfu"] >= mfu_bound)
     mfu = f", MFU {100 * r['mfu']:.1f}%" if mfu_bound else ""
