@@ -1,6 +1,8 @@
 """Granite-4.0-H's Mamba-2 mixers with the field's kernels: a LoRA adapter on out_proj takes part in training (the
 fused kernel would otherwise apply out_proj's base weight itself), and the kernel path computes what the torch path
 does (GPU-marked: the kernels need CUDA)."""
+import importlib.util
+
 import pytest
 import torch
 from transformers.models.granitemoehybrid import modeling_granitemoehybrid as modeling
@@ -60,6 +62,7 @@ def _kernel(zxbcdt, width, outproj_weight, calls):
     return out @ outproj_weight.T if outproj_weight is not None else out
 
 
+@pytest.mark.skipif(importlib.util.find_spec("mamba_ssm") is not None, reason="the kernels are installed here")
 def test_without_the_kernels_evaluation_and_training_are_transformers_own():
     """No mamba_ssm here: the prepared mixer falls back to transformers' torch path, computing the same numbers."""
     x = torch.randint(0, 2000, (2, 16))
@@ -94,3 +97,28 @@ def test_the_kernel_path_matches_the_torch_path(monkeypatch):
     assert abs(kernel_loss - torch_loss) < 1e-3
     for k, t in zip(kernel_grads, torch_grads):
         assert (k - t).norm() <= 1e-3 * t.norm() + 1e-8
+
+
+def test_the_mixer_forward_passes_both_transformers_call_conventions_through():
+    """transformers 5.17 calls the mixer with ``cache_params=``, 5.24 with ``cache=``: outside the kernel's training
+    branch the class's own forward gets exactly what the caller passed."""
+    import types
+
+    from raytrain_scu.core.model import mamba
+
+    class Old(torch.nn.Module):  # 5.17's signature
+        def forward(self, hidden_states, cache_params=None, attention_mask=None, **kwargs):
+            return ("old", cache_params, attention_mask, kwargs)
+
+    class New(torch.nn.Module):  # 5.24's
+        def forward(self, hidden_states, cache=None, attention_mask=None, **kwargs):
+            return ("new", cache, attention_mask, kwargs)
+
+    for cls, key in ((Old, "cache_params"), (New, "cache")):
+        layer = cls().eval()
+        layer.forward = types.MethodType(mamba._forward, layer)
+        x = torch.zeros(1, 2, 3)
+        got = layer.forward(hidden_states=x, **{key: "c"}, attention_mask="m", output_attentions=None)
+        assert got[1:] == ("c", "m", {"output_attentions": None}), got
+        layer.train()  # training with a cache: transformers' path too
+        assert layer.forward(x, **{key: "c"})[1] == "c"
