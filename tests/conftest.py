@@ -37,6 +37,26 @@ def ray_local():
     ray.shutdown()
 
 
+# the plain run the fused-LoRA and FP8 tests compare against: the same config but for the key they switch on
+PLAIN_RUN = ["train.max_steps=6", "train.report_every=3", "train.checkpoint_every=6", "train.eval_every=6"]
+
+
+@pytest.fixture(scope="session")
+def plain_run(ray_local, tmp_path_factory):
+    """(storage, summary) of one plain 2-worker tiny run with MLflow (PLAIN_RUN), trained once per session."""
+    from raytrain_scu.driver.run import run
+
+    storage = tmp_path_factory.mktemp("plain")
+    return storage, run(tiny_cfg(storage, "plain", *PLAIN_RUN), quiet=True)
+
+
+def metric_history(storage, run_name: str, key: str) -> list[float]:
+    """Every logged value of ``key`` of the MLflow run ``run_name``, in step order."""
+    client, runs = mlflow_runs(storage, run_name)
+    assert len(runs) == 1, runs
+    return [m.value for m in sorted(client.get_metric_history(runs[0].info.run_id, key), key=lambda m: m.step)]
+
+
 def tiny_cfg(tmp_path, name, *overrides):
     from raytrain_scu.config import load_config
 

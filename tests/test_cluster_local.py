@@ -41,7 +41,6 @@ from pathlib import Path
 import psutil
 import pytest
 import yaml
-
 from conftest import ROOT, free_port
 
 pytestmark = [pytest.mark.slow,

@@ -13,7 +13,17 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import transformers
-from conftest import TINY, adapter_grads, autograd_nodes, mlflow_runs, rel, tiny_cfg, token_batch
+from conftest import (
+    PLAIN_RUN,
+    TINY,
+    adapter_grads,
+    autograd_nodes,
+    metric_history,
+    mlflow_runs,
+    rel,
+    tiny_cfg,
+    token_batch,
+)
 
 from raytrain_scu.config import load_config
 from raytrain_scu.core.fp8 import E4M3, check_fp8_device, convert_base_to_fp8, to_fp8
@@ -313,7 +323,7 @@ def test_bench_part_ours_fp8_trains(tmp_path):
 
 @pytest.mark.slow
 @cpu_fp8
-def test_an_fp8_run_on_ray_trains_and_exports_a_plain_adapter(ray_local, tmp_path):
+def test_an_fp8_run_on_ray_trains_and_exports_a_plain_adapter(plain_run, tmp_path):
     """Two CPU workers (gloo: each rank builds its own FP8 copies, the adapters' gradients are averaged),
     a real MLflow sqlite store, real checkpoints: the run trains, MLflow records the key, DataBPT follows the
     full-precision run's within FP8's noise, and the exported adapter loads into a plain peft model."""
@@ -322,17 +332,13 @@ def test_an_fp8_run_on_ray_trains_and_exports_a_plain_adapter(ray_local, tmp_pat
     from raytrain_scu.core.model import load_tokenizer
     from raytrain_scu.driver.run import run
 
-    common = ["train.max_steps=4", "train.report_every=2", "train.checkpoint_every=4", "train.eval_every=4",
-              "scaling.num_workers=2"]
-    summaries = {f: run(tiny_cfg(tmp_path, f"fp8-{f}", f"model.base_fp8={f}", *common), quiet=True)
-                 for f in ("false", "true")}
-    bpt = {}
-    for f in summaries:
-        client, runs = mlflow_runs(tmp_path, f"fp8-{f}")
-        assert len(runs) == 1 and runs[0].data.params["model.base_fp8"] == f.capitalize()
-        bpt[f] = [m.value for m in sorted(client.get_metric_history(runs[0].info.run_id, "train/data_bpt"),
-                                          key=lambda m: m.step)]
-    assert len(bpt["true"]) >= 4 and bpt["true"] == pytest.approx(bpt["false"], rel=2e-2)
+    plain_storage, _ = plain_run
+    summaries = {"true": run(tiny_cfg(tmp_path, "fp8-true", "model.base_fp8=true", *PLAIN_RUN), quiet=True)}
+    client, runs = mlflow_runs(tmp_path, "fp8-true")
+    assert len(runs) == 1 and runs[0].data.params["model.base_fp8"] == "True"
+    bpt = {"false": metric_history(plain_storage, "plain", "train/data_bpt"),
+           "true": metric_history(tmp_path, "fp8-true", "train/data_bpt")}
+    assert len(bpt["true"]) >= 6 and bpt["true"] == pytest.approx(bpt["false"], rel=2e-2)
     assert bpt["true"] != bpt["false"]  # the FP8 workers did round
     tok = load_tokenizer("tiny")
     x = torch.randint(0, len(tok), (1, 16))

@@ -10,7 +10,17 @@ from functools import partial
 import pytest
 import torch
 import transformers
-from conftest import TINY, adapter_grads, autograd_nodes, mlflow_runs, rel, tiny_cfg, token_batch
+from conftest import (
+    PLAIN_RUN,
+    TINY,
+    adapter_grads,
+    autograd_nodes,
+    metric_history,
+    mlflow_runs,
+    rel,
+    tiny_cfg,
+    token_batch,
+)
 
 from raytrain_scu.config import load_config
 from raytrain_scu.core import loss as loss_mod
@@ -309,7 +319,7 @@ def test_bench_part_ours_fused_trains_like_ours(tmp_path):
 # ---------------------------------------------------------------- the real loop, on Ray, with MLflow
 
 @pytest.mark.slow
-def test_a_fused_run_on_ray_tracks_the_plain_run(ray_local, tmp_path):
+def test_a_fused_run_on_ray_tracks_the_plain_run(plain_run, tmp_path):
     """Two CPU workers (gloo), a real MLflow sqlite store, real checkpoints: a fused run's DataBPT and λ
     follow the plain run's step by step, its exported adapter equals the plain run's, and MLflow records the key."""
     from peft import PeftModel
@@ -318,16 +328,13 @@ def test_a_fused_run_on_ray_tracks_the_plain_run(ray_local, tmp_path):
     from raytrain_scu.core.model import load_tokenizer
     from raytrain_scu.driver.run import run
 
-    common = ["train.max_steps=6", "train.report_every=3", "train.checkpoint_every=6", "train.eval_every=6"]
-    summaries = {f: run(tiny_cfg(tmp_path, f"fuse-{f}", f"model.fuse_lora={f}", *common), quiet=True)
-                 for f in ("false", "true")}
-    histories = {}
-    for f in summaries:
-        client, runs = mlflow_runs(tmp_path, f"fuse-{f}")
-        assert len(runs) == 1 and runs[0].data.params["model.fuse_lora"] == f.capitalize()
-        histories[f] = {k: [m.value for m in sorted(client.get_metric_history(runs[0].info.run_id, k),
-                                                    key=lambda m: m.step)]
-                        for k in ("train/data_bpt", "ctrl/lambda")}
+    plain_storage, plain = plain_run
+    summaries = {"false": plain, "true": run(tiny_cfg(tmp_path, "fuse-true", "model.fuse_lora=true", *PLAIN_RUN),
+                                             quiet=True)}
+    client, runs = mlflow_runs(tmp_path, "fuse-true")
+    assert len(runs) == 1 and runs[0].data.params["model.fuse_lora"] == "True"
+    histories = {f: {k: metric_history(where, name, k) for k in ("train/data_bpt", "ctrl/lambda")}
+                 for f, where, name in (("false", plain_storage, "plain"), ("true", tmp_path, "fuse-true"))}
     for k, want in histories["false"].items():
         assert len(want) >= 6 and histories["true"][k] == pytest.approx(want, rel=1e-4), k
     adapters = {f: load_file(f"{s['adapter']}/adapter_model.safetensors") for f, s in summaries.items()}

@@ -12,11 +12,6 @@ from raytrain_scu.ray.launch import build_trainer
 pytestmark = pytest.mark.slow
 
 
-def adapter_norm(adapter_dir):
-    sd = load_file(f"{adapter_dir}/adapter_model.safetensors")
-    return float(torch.sqrt(sum((v.float() ** 2).sum() for v in sd.values())))
-
-
 def history_of(summary):
     """The per-step control trace of the final checkpoint."""
     import glob
@@ -86,14 +81,26 @@ def test_resume_by_rerunning_same_name_matches_uninterrupted(ray_local, tmp_path
     assert all(torch.equal(adapters[0][k], adapters[1][k]) for k in adapters[0])  # bitwise
 
 
-def test_fixed_large_lambda_shrinks_adapter(ray_local, tmp_path):
+def in_process(cfg) -> dict:
+    """The loop in this process (one rank, no Ray: what it computes does not depend on Ray); its last report."""
+    from raytrain_scu.worker.hooks import LocalHooks
+    from raytrain_scu.worker.loop import run_loop
+
+    hooks = LocalHooks(device=torch.device("cpu"))
+    run_loop(cfg, hooks=hooks)
+    return hooks.reports[-1]
+
+
+def test_fixed_large_lambda_shrinks_adapter(tmp_path):
+    """The penalty reaches the adapters: a large fixed λ leaves Σw² (ParamBPT, at one N) under 0.64 of no penalty's,
+    an adapter norm under 0.8 of it."""
     common = ["tracking.enabled=false", "scaling.num_workers=1", "train.max_steps=15", "optim.lr=0.01",
               "train.checkpoint_every=15", "controller.tokens_per_epoch=2000"]
-    none = run(tiny_cfg(tmp_path, "none", "controller.mode=none", *common), quiet=True)
-    fixed = run(tiny_cfg(tmp_path, "fixed", "controller.mode=fixed", "controller.lambda_init=10",
-                         *common), quiet=True)
-    assert adapter_norm(fixed["adapter"]) < 0.8 * adapter_norm(none["adapter"])
-    assert none["lambda"] == 0.0 and fixed["lambda"] == 10.0
+    none = in_process(tiny_cfg(tmp_path, "none", "controller.mode=none", *common))
+    fixed = in_process(tiny_cfg(tmp_path, "fixed", "controller.mode=fixed", "controller.lambda_init=10", *common))
+    assert none["step"] == fixed["step"] == 15
+    assert fixed["train/param_bpt"] < 0.64 * none["train/param_bpt"]
+    assert none["ctrl/lambda"] == 0.0 and fixed["ctrl/lambda"] == 10.0
 
 
 def test_exported_adapter_loads_with_peft(finished_run):
@@ -146,10 +153,11 @@ def test_finished_run_is_reported_before_ray_and_its_adapter_generates(finished_
     assert r.returncode == 2 and "run directory not found" in r.stderr
 
 
-def test_qlora_4bit_runs_on_cpu(ray_local, tmp_path):
-    s = run(tiny_cfg(tmp_path, "qlora", "tracking.enabled=false", "scaling.num_workers=1", "quant.load_in_4bit=true",
-                     "train.max_steps=4", "train.report_every=2", "train.checkpoint_every=4"), quiet=True)
-    assert s["steps"] == 4 and s["val_bpt"] == s["val_bpt"]  # finite
+def test_qlora_4bit_runs_on_cpu(tmp_path):
+    last = in_process(tiny_cfg(tmp_path, "qlora", "tracking.enabled=false", "scaling.num_workers=1",
+                               "quant.load_in_4bit=true", "train.max_steps=4", "train.report_every=2",
+                               "train.checkpoint_every=4"))
+    assert last["step"] == 4 and last["val/data_bpt"] == last["val/data_bpt"] and last["train/lora_b_norm"] > 0
 
 
 def test_cli_rejects_bad_config_before_ray(tmp_path):
