@@ -9,7 +9,6 @@ import torch
 from raytrain_scu.config.resolve import resolve
 from raytrain_scu.config.schema import ALL_LINEAR as PROJ
 from raytrain_scu.hardware.gpus import measured_memory_gib
-from raytrain_scu.ray.launch import fit_and_collect
 from raytrain_scu.studies.bench.measure import free, proof_of_training, reset_mem
 from raytrain_scu.worker.hooks import LocalHooks
 from raytrain_scu.worker.loop import run_loop
@@ -74,6 +73,8 @@ def ours_bare(cfg, warmup_reports: int) -> dict:
 
 def ours_ray(cfg, warmup_reports: int) -> dict:
     """The loop on Ray Train (``launch.fit_and_collect``); tokens/s per worker from rank 0's reports."""
+    from raytrain_scu.ray.launch import fit_and_collect  # only the Ray parts need Ray installed
+
     reports = fit_and_collect(cfg, use_gpu=torch.cuda.is_available())
     world = cfg.scaling.num_workers
     return {"tokens_per_s": _median_rate(reports, warmup_reports) / world,
