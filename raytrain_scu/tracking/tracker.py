@@ -14,10 +14,17 @@ from raytrain_scu.config.schema import Config, global_batch_tokens
 from raytrain_scu.tracking.store import MAX_BUFFER, client_for, log_params_once, open_run, tracking_uri
 
 
+def _version_of(dist: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:  # the loop runs without Ray in one bare process (worker.hooks.LocalHooks)
+        return "-"
+
+
 def derived_params(cfg: Config, *, tokens_per_epoch: int, world: int, device) -> dict:
     """Flattened resolved config plus the values derived at run time."""
-    from importlib.metadata import version
-
     import peft
     import torch
     import transformers
@@ -30,7 +37,7 @@ def derived_params(cfg: Config, *, tokens_per_epoch: int, world: int, device) ->
                 "derived.global_batch_tokens": global_batch_tokens(cfg, world),
                 "derived.gpu_name": gpu_name, "derived.gpu_count": gpu_count,
                 "version.torch": torch.__version__, "version.transformers": transformers.__version__,
-                "version.peft": peft.__version__, "version.ray": version("ray")})
+                "version.peft": peft.__version__, "version.ray": _version_of("ray")})
     return out
 
 
