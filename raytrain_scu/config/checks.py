@@ -31,7 +31,7 @@ def check_controller(c: ControllerConfig) -> None:
     """The controller's checks, the only copy: ``validate`` runs them on a config and ``SCUController`` on its keyword
     arguments (both raise ConfigError naming the key)."""
     _one_of("controller.mode", c.mode, ("scu", "fixed", "none"))
-    _one_of("controller.law", c.law, ("spec",))
+    _one_of("controller.law", c.law, ("spec", "logodds"))
     _check(0.0 < c.target_s < 1.0, "controller.target_s", f"must be in (0, 1), got {c.target_s}")
     _check(c.kp >= 0, "controller.kp", f"must be >= 0, got {c.kp}")
     _check(c.ki >= 0, "controller.ki", f"must be >= 0, got {c.ki}")
@@ -55,6 +55,12 @@ def check_controller(c: ControllerConfig) -> None:
     _check(c.saturation_window >= 1, "controller.saturation_window", f"must be >= 1, got {c.saturation_window}")
     _check(c.saturation_rel_tol > 0, "controller.saturation_rel_tol", f"must be > 0, got {c.saturation_rel_tol}")
     _check(c.tokens_per_epoch >= 0, "controller.tokens_per_epoch", f"must be >= 0, got {c.tokens_per_epoch}")
+    for key in ("logodds_kp", "logodds_ki"):
+        _check(getattr(c, key) >= 0, f"controller.{key}", f"must be >= 0, got {getattr(c, key)}")
+    _check(0.0 < c.logodds_data_alpha <= 1.0, "controller.logodds_data_alpha",
+           f"must be in (0, 1], got {c.logodds_data_alpha}")
+    for key in ("logodds_max_error", "logodds_max_step", "logodds_hold_error"):
+        _check(getattr(c, key) > 0, f"controller.{key}", f"must be > 0, got {getattr(c, key)}")
 
 
 def validate(cfg: Config) -> None:

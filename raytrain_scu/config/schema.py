@@ -109,7 +109,8 @@ class TrainConfig:
 @dataclass
 class ControllerConfig:
     mode: str = "scu"  # scu | fixed | none
-    law: str = "spec"  # the control law under mode=scu (core.laws.LAWS): spec = SCU_SPEC.md's PI law, exactly
+    # the update law under scu (core.laws.LAWS): spec (SCU_SPEC.md, exact) | logodds (PI on ln λ, log-odds error)
+    law: str = "spec"
     target_s: float = 0.01  # S*: the information ratio ParamBPT / (DataBPT + ParamBPT) to hold
     kp: float = 0.8  # proportional gain
     ki: float = 0.15  # integral gain
@@ -125,6 +126,12 @@ class ControllerConfig:
     control_every: int = 1  # optimizer steps between controller updates
     saturation_window: int = 100  # updates over which λ must stay flat to count as settled
     saturation_rel_tol: float = 0.01  # max(λ)/min(λ) − 1 below this over the window = settled
+    logodds_kp: float = 2.0  # logodds law: proportional gain on ln λ per unit of log-odds error
+    logodds_ki: float = 0.2  # logodds law: integral gain per update at the peak learning rate (scaled by lr/peak)
+    logodds_data_alpha: float = 0.1  # logodds law: EMA weight of DataBPT (ParamBPT is used unfiltered)
+    logodds_max_error: float = 1.0  # logodds law: the log-odds error is clipped to ± this
+    logodds_max_step: float = 0.25  # logodds law: ln λ moves by at most this per update
+    logodds_hold_error: float = 1.0  # logodds law: beyond this log-odds error, no integration while it is closing
     # 0 = measured from the training split. A resume refuses a checkpoint whose tokens_per_epoch differs from the
     # measured one (changed data would rescale ParamBPT and S silently); set here, it wins over both.
     tokens_per_epoch: int = 0

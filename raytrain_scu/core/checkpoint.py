@@ -132,7 +132,7 @@ def read_meta(ckpt_dir: str | Path) -> dict:
 
 
 # structure keys newer than some checkpoints: what a checkpoint without one was made with
-STRUCTURE_ADDED = {"quant.embedding_int8": False}
+STRUCTURE_ADDED = {"quant.embedding_int8": False, "controller.law": "spec"}
 
 
 def check_structure(meta: dict, structure: dict) -> None:

@@ -29,7 +29,8 @@ import math
 from collections import deque
 from typing import Optional
 
-from raytrain_scu.config import ControllerConfig, check_controller
+from raytrain_scu.config.checks import check_controller
+from raytrain_scu.config.schema import ControllerConfig
 
 MODES = ("scu", "fixed", "none")
 _D = ControllerConfig()  # the keyword defaults of SCUController (SCU_SPEC's public API) are the config's
@@ -112,12 +113,10 @@ class SCUController:
     def saturated(self) -> bool:
         return self._saturated_step is not None
 
-    def update(self, data_bpt: float, param_bpt: float, step: Optional[int] = None, *,
-               lr_factor: float = 1.0) -> float:
+    def update(self, data_bpt: float, param_bpt: float, step: Optional[int] = None) -> float:
         """One control update from the optimizer step's global DataBPT and ParamBPT; returns the new λ.
 
         ``step`` (the optimizer step) is what the saturation detector records; it defaults to the update count.
-        ``lr_factor`` (the step's learning rate over its peak) is what every law is given; this one does not use it.
         """
         data_bpt, param_bpt = float(data_bpt), float(param_bpt)
         # 1. non-finite input: change nothing
@@ -165,10 +164,6 @@ class SCUController:
         near = abs(self._s_hat - self.target_s) <= max(self.deadband, 0.05 * self.target_s)
         if flat and near:
             self._saturated_step = step
-
-    def telemetry(self) -> dict:
-        """Metrics of this law beyond the spec's common ones (ctrl/s, ctrl/s_hat, ...): none."""
-        return {}
 
     def state_dict(self) -> dict:
         """JSON-serialisable state; ``load_state_dict`` of it continues identically."""

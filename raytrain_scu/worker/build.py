@@ -12,11 +12,11 @@ from raytrain_scu import tracking
 from raytrain_scu.config.paths import RunPaths
 from raytrain_scu.config.schema import Config, sequences_per_step
 from raytrain_scu.core import checkpoint as ckpt
+from raytrain_scu.core import laws
 from raytrain_scu.core.data import prepare_data
 from raytrain_scu.core.dist import broadcast_params, notice0, rank, world_size
 from raytrain_scu.core.fp8 import convert_base_to_fp8
 from raytrain_scu.core.fused_lora import fuse_lora_projections
-from raytrain_scu.core.laws import build_law
 from raytrain_scu.core.loss import CausalLMLoss, compile_for_training
 from raytrain_scu.core.model import (
     apply_lora,
@@ -85,7 +85,7 @@ def build(cfg: Config, hooks, run_id: Optional[str] = None) -> State:
     base, model = _model(cfg, vocab_size=len(tok), dtype=dtype, device=device)
     ckpt.seed_all(ckpt.rank_seed(cfg.seed, rank()))  # then each rank its own stream: distinct dropout masks
     opt = _optimisation(cfg, hooks, model, device=device, dtype=dtype)
-    control = Control(law=build_law(cfg.controller), every=cfg.controller.control_every,
+    control = Control(law=laws.build(cfg.controller), every=cfg.controller.control_every,
                       tokens_per_epoch=cfg.controller.tokens_per_epoch or data.tokens_per_epoch)
     # get_text_config: a nested text config too
     metering = Metering(meter=None, flops_per_token=flops_per_token(base.config.get_text_config(), d.block_size))

@@ -10,6 +10,7 @@ from typing import Any, Optional
 import torch
 
 from raytrain_scu.config.schema import Config
+from raytrain_scu.core import laws
 from raytrain_scu.core.data import TokenData
 from raytrain_scu.worker.meter import Meter
 
@@ -94,15 +95,16 @@ class Control:
     every: int  # controller.control_every
 
     def update(self, step: int, *, data_bpt: float, param_bpt: float, lr_factor: float) -> None:
-        """After optimizer step ``step`` (from 1), on the control cadence. A non-finite input is counted in
-        ctrl/skipped by the law and changes nothing else."""
+        """After optimizer step ``step`` (from 1), on the control cadence, with the step's learning rate over its
+        peak (the laws that scale a gain by it take it). A non-finite input is counted in ctrl/skipped by the law and
+        changes nothing else."""
         if step % self.every == 0:
-            self.law.update(data_bpt, param_bpt, step=step, lr_factor=lr_factor)
+            laws.update(self.law, data_bpt, param_bpt, step=step, lr_factor=lr_factor)
 
     def row(self) -> dict:
         law = self.law
         row = {"ctrl/s": law.s, "ctrl/s_hat": law.s_hat, "ctrl/error": law.error, "ctrl/lambda": law.lam,
-               "ctrl/integral": law.integral, "ctrl/skipped": law.n_skipped, **law.telemetry()}
+               "ctrl/integral": law.integral, "ctrl/skipped": law.n_skipped, **laws.telemetry(law)}
         if law.saturated_step is not None:
             row["ctrl/saturated_step"] = law.saturated_step
         return row

@@ -181,12 +181,14 @@ def structure_of(cfg) -> dict:
     m = cfg.model
     return structure_signature(name=m.name, gguf_file=m.gguf_file, r=cfg.lora.r, alpha=cfg.lora.alpha,
                                targets=cfg.lora.target_modules, block_size=cfg.data.block_size,
-                               load_in_4bit=cfg.quant.load_in_4bit, embedding_int8=cfg.quant.embedding_int8)
+                               load_in_4bit=cfg.quant.load_in_4bit, embedding_int8=cfg.quant.embedding_int8,
+                               law=cfg.controller.law)
 
 
 def structure_signature(*, name: str, gguf_file: str, r: int, alpha: int, targets, block_size: int,
-                        load_in_4bit: bool, embedding_int8: bool = False) -> dict:
-    """What a checkpoint must match to be resumed (base model, LoRA shape, block size)."""
+                        load_in_4bit: bool, embedding_int8: bool = False, law: str = "spec") -> dict:
+    """What a checkpoint must match to be resumed (base model, LoRA shape, block size, the control law whose state it
+    holds)."""
     return {"model.name": name, "model.gguf_file": gguf_file, "lora.r": r, "lora.alpha": alpha,
             "lora.target_modules": list(targets), "data.block_size": block_size, "quant.load_in_4bit": load_in_4bit,
-            "quant.embedding_int8": embedding_int8}
+            "quant.embedding_int8": embedding_int8, "controller.law": law}
