@@ -253,3 +253,17 @@ def test_the_config_names_exactly_the_tables_entries():
     assert choices("data.source") == set(SOURCES) | {"auto"}
     assert choices("hardware.preset") == set(PRESETS) | {"none", "auto"}
     assert choices("controller.law") == set(LAWS)
+
+
+def test_a_bad_config_is_refused_without_importing_torch():
+    """The CLIs check the config before anything heavy loads: a bad key is an error in a fraction of a second."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from raytrain_scu.cli.train import main; "
+            "rc = main(['experiments/tiny-cpu.yaml', 'controller.target_s=2']); "
+            "print(rc, 'torch' in sys.modules, 'ray' in sys.modules)")
+    from conftest import ROOT
+
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert r.stdout.split() == ["2", "False", "False"], r.stdout + r.stderr

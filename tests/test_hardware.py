@@ -399,3 +399,21 @@ def test_measured_memory_splits_the_built_model_by_kind(preset):
     assert (got["lm_head"] == 0.0) == tied, (preset, tied)
     lora = sum(p.numel() * 4 for n, p in model.named_parameters() if "lora_" in n) / 2**30
     assert got["adapters"] == pytest.approx(lora, abs=1e-6) and got["allocated"] == 0.0  # nothing on a GPU here
+
+
+def test_the_granite_family_adds_checkpointing_on_the_torch_path_only(monkeypatch):
+    """A hardware preset on a Granite-4.0-H model adds the family's values: gradient checkpointing where transformers'
+    torch path runs the Mamba scan (no kernels here), none with the kernels; an explicit value still wins, and a Llama
+    gets the card's values alone."""
+    from raytrain_scu.core.model import families
+
+    granite = ["model.name=tiny-granite-4.0-h", "hardware.preset=auto"]
+    cfg, changes = resolve_mod.resolve_config(None, granite, gpus=[H100])
+    assert cfg.model.gradient_checkpointing is True and changes["model.gradient_checkpointing"] == (False, True)
+    cfg, _ = resolve_mod.resolve_config(None, [*granite, "model.gradient_checkpointing=false"], gpus=[H100])
+    assert cfg.model.gradient_checkpointing is False
+    monkeypatch.setattr(families, "mamba_kernels", lambda: {"path": "kernels"})
+    cfg, changes = resolve_mod.resolve_config(None, granite, gpus=[H100])
+    assert cfg.model.gradient_checkpointing is False and "model.gradient_checkpointing" not in changes
+    cfg, changes = resolve_mod.resolve_config(None, ["model.name=tiny", "hardware.preset=auto"], gpus=[H100])
+    assert cfg.model.gradient_checkpointing is False and "model.gradient_checkpointing" not in changes

@@ -15,7 +15,6 @@ from raytrain_scu.config.checks import validate
 from raytrain_scu.config.io import default_run_name, explicit_keys, get_dotted, load_raw
 from raytrain_scu.config.load import build_config
 from raytrain_scu.config.schema import Config
-from raytrain_scu.core.model import model_config
 from raytrain_scu.errors import ConfigError, MemoryFitError
 from raytrain_scu.hardware.gpus import GpuInfo, detect_gpus
 from raytrain_scu.hardware.memory import (
@@ -65,6 +64,26 @@ def apply_preset(cfg: Config, preset_name: str, explicit: set[str],
     return changes
 
 
+def _family_preset(cfg: Config, explicit: set[str]) -> dict[str, tuple[Any, Any]]:
+    """The model family's own preset values (``core.model.families``, e.g. Granite-4.0-H's checkpointing on the torch
+    path) on top of the card's, except explicit keys; {} where the model's config cannot be read here."""
+    from raytrain_scu.core.model import family_of, model_config  # torch and transformers: only with a card to fit
+
+    m = cfg.model
+    try:
+        family = family_of(model_config(m.name, gguf_file=m.gguf_file, cache_dir=m.cache_dir,
+                                        trust_remote_code=m.trust_remote_code))
+    except Exception:  # noqa: BLE001 - a missing model is reported by the pre-flight check, with its reason
+        return {}
+    changes = {}
+    for key, value in (family.preset() if family.preset else {}).items():
+        old = get_dotted(cfg, key)
+        if key not in explicit and old != value:
+            _set(cfg, key, value)
+            changes[key] = (old, value)
+    return changes
+
+
 def resolve_config(path: Optional[str | Path], overrides: list[str] | tuple[str, ...] = (),
                    gpus: Optional[list[GpuInfo]] = None) -> tuple[Config, dict[str, tuple[Any, Any]]]:
     """Load a config like :func:`config.load_config`, then apply ``hardware.preset`` under the keys the
@@ -76,6 +95,7 @@ def resolve_config(path: Optional[str | Path], overrides: list[str] | tuple[str,
     found = [] if cfg.scaling.use_gpu is False else (detect_gpus() if gpus is None else gpus)
     if cfg.hardware.preset != "none":  # (no preset sets scaling.use_gpu: `found` stays right)
         changes = apply_preset(cfg, cfg.hardware.preset, explicit, gpus=found)
+        changes.update(_family_preset(cfg, explicit) if found else {})
         validate(cfg)
     shape = model_shape(cfg) if found else None
     if shape is not None:  # before launch: lower a default/preset batch, or refuse an explicit one that can't fit
@@ -100,6 +120,10 @@ def resolve(path: Optional[str | Path], overrides: list[str] | tuple[str, ...] =
 def model_shape(cfg: Config) -> Optional[dict[str, int]]:
     """The estimator's shape of the config's model, or None when its config cannot be read here (the run's own
     pre-flight check then says why)."""
+    # core.model imports torch and transformers (seconds): only when there is a card to fit, so that a bad config
+    # still fails within a fraction of a second
+    from raytrain_scu.core.model import model_config
+
     try:
         m = cfg.model
         return shape_from_hf_config(model_config(m.name, gguf_file=m.gguf_file, cache_dir=m.cache_dir,

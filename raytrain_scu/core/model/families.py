@@ -75,6 +75,13 @@ def granite_hybrid_layers(c) -> list[tuple[int, float]]:
     return out
 
 
+def granite_hybrid_preset() -> dict:
+    """Granite-4.0-H on a card: gradient checkpointing only on transformers' torch path (its scan keeps each chunk's
+    Q x Q scores for the backward); with the kernels none (measured: 8 x 2048 compiled peaks at 42.6 GiB on an
+    H200). Each decoder layer compiles around the Mamba mixer (``mamba.py``), so the card's compile choice stands."""
+    return {"model.gradient_checkpointing": mamba_kernels()["path"] == "torch path"}
+
+
 def mamba_kernels() -> dict:
     """Which Mamba-2 code transformers' GraniteMoeHybrid runs: ``mamba_ssm`` and ``causal_conv1d`` when they import
     (the ``mamba`` extra), else its torch path, fp32 einsums keeping each chunk's Q x Q scores for the backward
@@ -100,7 +107,8 @@ class Family:
     class must BE transformers' own, not a subclass or remote code); ``head``: its transform, read from the config;
     ``fusable``: ``model.fuse_lora`` applies; ``layers``: per-layer (matmul parameters, mixer FLOPs per token) where
     the Llama count does not hold; ``kernels``: the optional fast kernels and which path runs; ``prepare``: what a base
-model of the family needs before training (Granite-4.0-H: its Mamba mixers keep out_proj a module, ``mamba.py``)."""
+model of the family needs before training (Granite-4.0-H: its Mamba mixers keep out_proj a module, ``mamba.py``);
+``preset``: the values a hardware preset sets for the family on top of the card's (config.resolve)."""
 
     classes: tuple[str, ...]
     head: Callable = plain_head
@@ -108,6 +116,7 @@ model of the family needs before training (Granite-4.0-H: its Mamba mixers keep 
     layers: Optional[Callable] = None
     kernels: Optional[Callable[[], dict]] = None
     prepare: Optional[Callable] = None  # run on every base model of the family as it is built
+    preset: Optional[Callable[[], dict]] = None  # config values a hardware preset adds for the family
 
 
 def _plain(*classes: str, **kw) -> Family:
@@ -127,7 +136,7 @@ FAMILIES: dict[str, Family] = {
     "granitemoe": Family(("GraniteMoeForCausalLM",), head=granite_head),
     "granitemoeshared": Family(("GraniteMoeSharedForCausalLM",), head=granite_head),
     "granitemoehybrid": Family(("GraniteMoeHybridForCausalLM",), head=granite_head, layers=granite_hybrid_layers,
-                               kernels=mamba_kernels, prepare=keep_out_proj_a_module),
+                               kernels=mamba_kernels, prepare=keep_out_proj_a_module, preset=granite_hybrid_preset),
     "gemma2": Family(("Gemma2ForCausalLM",), head=gemma_head),
     "gemma3_text": Family(("Gemma3ForCausalLM",), head=gemma_head),
     "cohere": Family(("CohereForCausalLM",), head=cohere_head),
