@@ -20,6 +20,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from raytrain_scu.errors import ModelError
+
 INT8_MAX = 127.0
 SLICE_BYTES = 64 << 20  # the largest dequantised slice of a table a head product makes (bytes, compute dtype)
 
@@ -161,8 +163,6 @@ def shrink_embeddings(model, *, int8: bool = False, offload: bool = False) -> No
     with ``int8`` both by :class:`Int8Embedding` / :class:`Int8Head` (one table when tied), with ``offload`` the
     input embedding by an :class:`OffloadedEmbedding`. Forward hooks on the old embedding (gradient checkpointing's
     input-requires-grad hook) move to the new one. Errors name the quant.* key."""
-    from raytrain_scu.errors import ModelError
-
     if not (int8 or offload):
         return
     lm = model.get_base_model() if hasattr(model, "get_base_model") else model

@@ -11,6 +11,7 @@ from typing import Optional
 
 from raytrain_scu.config.io import flatten, redact_uri, to_yaml
 from raytrain_scu.config.schema import Config, global_batch_tokens
+from raytrain_scu.plots import plot_history
 from raytrain_scu.tracking.store import MAX_BUFFER, client_for, log_params_once, open_run, tracking_uri
 
 
@@ -182,8 +183,6 @@ class MlflowTracker(NullTracker):
             warnings.warn(f"MLflow ({redact_uri(self.uri)}) did not record: " + "; ".join(unrecorded))
 
     def _log_artifacts(self, history: list, model) -> None:
-        from raytrain_scu.plots import plot_history
-
         with tempfile.TemporaryDirectory() as tmp:
             t = Path(tmp)
             (t / "config.yaml").write_text(to_yaml(self.cfg, redact=True))
