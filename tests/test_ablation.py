@@ -25,7 +25,7 @@ LN2 = math.log(2.0)
 
 def hist(s_hat, lam, data=4.0, upd=0.1):
     n = len(s_hat)
-    return {"step": list(range(1, n + 1)), "ctrl/s_hat": list(s_hat), "ctrl/lambda": list(lam),
+    return {"step": list(range(1, n + 1)), "ctrl/s": list(s_hat), "ctrl/s_hat": list(s_hat), "ctrl/lambda": list(lam),
             "train/data_bpt": [data] * n, "train/param_bpt_update": [upd] * n, "ctrl/saturated_step": [None] * n,
             "train/param_bpt_a": [1.0] * n, "train/param_bpt_b": [0.5] * n, "val/data_bpt": [None] * n}
 
@@ -66,16 +66,21 @@ def test_arms_are_valid_grids_and_their_family_reads_back(tmp_path):
 
 # ---------------------------------------------------------------- statistics of known traces
 
-def test_settling_and_lambda_behaviour_of_known_traces():
-    steps = np.arange(1, 11)
-    s_hat = np.array([0.5, 0.3, 0.25, 0.19, 0.21, 0.3, 0.205, 0.2, 0.195, 0.2])
-    st = ablation_report.settling(steps, s_hat, target=0.2, deadband=0.002)  # band: 0.1 x 0.2 = 0.02
-    assert st["settle_step"] == 7 and st["error_after"] == pytest.approx(np.mean([0.005, 0, 0.005, 0]))
-    never = ablation_report.settling(steps, np.full(10, 0.5), 0.2, 0.002)
-    assert never["settle_step"] is None and never["error_after"] == pytest.approx(0.3)
-    lam = np.array([1.0, 2.0, 4.0, 4.0, 3.0, 10.0, 10.0, 10.0, 5.0, 10.0])
-    b = ablation_report.lambda_behaviour(lam, 1e-4, 10.0)
-    assert b == {"reversals": 4, "steps_at_bound": 4, "bound_hits": 2}  # up, down, up, down, up; two stays at 10
+def test_tracking_is_core_settlings_on_known_traces():
+    # Ŝ at S* from step 31 on; λ at its upper bound for 10 steps, then falls, then jitters by x1.2 (ln 0.18 < 0.5)
+    s_hat = [0.5] * 30 + [0.2] * 120
+    lam = [1000.0] * 10 + [3.0] * 20 + [0.1, 0.12] * 60
+    t = {"history": hist(s_hat, lam), "target_s": 0.2, "lambda_min": 1e-4, "lambda_max": 1000.0}
+    out = ablation_report.tracking(t)
+    assert (out["settled_step"], out["settled_step_raw"]) == (31, 31)
+    assert (out["steps_at_bound"], out["last_bound_step"], out["bound_hits"], out["reversals"]) == (10, 10, 1, 0)
+    assert out["second_half_error"] == 0.0
+    t["history"]["ctrl/s"] = [0.5] * 30 + [0.2, 0.3] * 60  # raw S leaves the band every other step
+    t["history"]["ctrl/lambda"] = lam[:-1] + [1000.0]  # and λ meets its bound at the last step
+    out = ablation_report.tracking(t)
+    assert (out["settled_step"], out["settled_step_raw"], out["last_bound_step"]) == (None, None, 150)
+    swings = [1.0, 2.0] * 5  # ln 2 = 0.69 each way: 8 reversals after the first move
+    assert ablation_report.tracking({**t, "history": hist([0.2] * 10, swings)})["reversals"] == 8
 
 
 def test_scoring_units_cut_whole_sections_and_keep_all_text():
@@ -121,7 +126,8 @@ def test_summary_pairs_each_arm_with_none_and_the_best_fixed_lambda(results):
     assert rows["fixed λ=1"]["gap_none"] == pytest.approx(-10 / 100 / LN2)  # nats per unit of 100 tokens → bits
     assert rows["scu S*=0.2"]["gap_best_fixed"] == pytest.approx(-2 / 100 / LN2)
     assert rows["fixed λ=1"]["gap_best_fixed"] == 0.0 and rows["none"]["gap_none"] == 0.0
-    assert rows["scu S*=0.2"]["reversals"] == 8 and rows["scu S*=0.2"]["settle_step"] == [1, 1, 1]
+    assert rows["scu S*=0.2"]["reversals"] == 8  # λ 1, 2, 1, 2 ...: ln λ moves by 0.69 each step
+    assert rows["scu S*=0.2"]["settled_step"] == [None] * 3  # 10 steps: fewer than the 100 a settled run needs
     assert "reversals" not in rows["none"]  # no tracking for a run without a controller
     assert rows["none"]["seeds"] == [0, 1, 2] and math.isfinite(rows["none"]["val_bpt_ci95"])
 
@@ -129,7 +135,7 @@ def test_summary_pairs_each_arm_with_none_and_the_best_fixed_lambda(results):
 def test_report_tables_have_no_nan_and_the_json_is_valid(results, tmp_path):
     text = ablation_report.write(results, tmp_path, n_boot=100)
     assert "nan" not in text.lower()
-    assert "| scu S*=0.2 | 3 | 0.2 | 1, 1, 1 |" in text  # the tracking table
+    assert "| scu S*=0.2 | 3 | 0.2 | -, -, - | -, -, - | 0 | 8.0 | 0.0 | -, -, - |" in text  # the tracking table
     assert (tmp_path / "plots" / "regime.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     json.loads((tmp_path / "summary.json").read_text())
 
