@@ -1,5 +1,5 @@
 """``python -m raytrain_scu.ablation_report DIR [--doc FILE]``: a study's report from its ``results.json``, without
-running anything (``report``)."""
+running anything: v1's (``report``) or the study v2's (``v2.report``), as the file says."""
 from __future__ import annotations
 
 import argparse
@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from raytrain_scu.studies.ablation import report as v1_report
+from raytrain_scu.studies.ablation.v2 import report as v2_report
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -21,5 +22,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: no {path}", file=sys.stderr)
         return 2
     results = json.loads(path.read_text())
-    print(v1_report.write(results, Path(a.dir), n_boot=a.bootstrap, doc=Path(a.doc) if a.doc else None))
+    writer = v2_report if results.get("protocol") == "v2" else v1_report
+    print(writer.write(results, Path(a.dir), n_boot=a.bootstrap, doc=Path(a.doc) if a.doc else None))
     return 0
