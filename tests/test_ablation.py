@@ -1,6 +1,7 @@
-"""The ablation (issue #18): the stage rules, the statistics of known traces, the tables without NaN, the held-out
-units, the arms as valid sweeps, checkpoints refused; then the whole staged runner on CPU with real Ray, MLflow and
-checkpoints (the smoke test)."""
+"""The first GPU study's ablation: the stage rules, tracking of known traces, the tables without NaN, the held-out
+units, the arms as valid sweeps, checkpoints refused, and the whole staged runner on hand-made trials (real
+checkpoints and results file, no training). Ray Tune and real training run in test_ablation_v2's tiny stage, through
+the same run_grid, checkpoint and scoring code."""
 import json
 import math
 from pathlib import Path
@@ -188,35 +189,62 @@ def test_bad_stage_and_bad_config_exit_2_before_ray(capsys):
     assert "controller.kp" in capsys.readouterr().err
 
 
-# ---------------------------------------------------------------- the staged runner, end to end on CPU
+# ---------------------------------------------------------------- the staged runner on hand-made trials
 
-@pytest.mark.slow
-def test_staged_ablation_runs_every_stage_and_resumes_from_its_file(tmp_path, capsys):
-    import ray
+def fake_grid(calls):
+    """``run.run_grid`` without Ray: each arm's trial gets a real checkpoint (stand-in weights) of a flat history."""
+    from raytrain_scu.config import run_dir
+    from raytrain_scu.config.resolve import resolve
 
+    def grid(config_path, overrides, name, arms):
+        calls.append(name)
+        cfg = resolve(config_path, [*overrides, "tune.search=grid", "tune.scheduler=none"])
+        cfg.tune.space = {"arm": {"grid": arms}}
+        cfg.run.name = f"{cfg.run.name}-{name}"
+        rows = []
+        for i, arm in enumerate(arms):
+            row = {"trial": f"{name}_{i:05d}", "params": {"arm": arm}, "status": "FINISHED", "time_s": 1.0}
+            tcfg = sweep_space.trial_config(cfg, row["params"], row["trial"])
+            lam = tcfg.controller.lambda_init
+            steps = [{"step": s, "train/data_bpt": 4.0, "train/param_bpt": 1.0, "train/param_bpt_a": 0.6,
+                      "train/param_bpt_b": 0.4, "train/param_bpt_update": 0.1, "ctrl/s": 0.2, "ctrl/s_hat": 0.2,
+                      "ctrl/lambda": lam, "ctrl/lambda_applied": lam, "val/data_bpt": 5.0}
+                     for s in range(1, tcfg.train.max_steps + 1)]
+            fake_checkpoint(Path(run_dir(tcfg)) / "checkpoint_000000", tcfg.train.max_steps, steps)
+            rows.append(row)
+        return cfg, rows
+    return grid
+
+
+def test_staged_ablation_runs_every_stage_in_order_and_resumes_from_its_file(tmp_path, capsys, monkeypatch):
+    from raytrain_scu.driver import evaluate
+
+    grids = []
+    monkeypatch.setattr(ablation, "run_grid", fake_grid(grids))
+    monkeypatch.setattr(evaluate, "score_shard", lambda config, adapters, docs: {  # adapter k scores 300 + k nats
+        "tokens": np.full(len(docs), 100), "nats": {a: np.full(len(docs), 300.0 + k) for k, a in enumerate(adapters)}})
+    best = {"controller.kp": 0.3, "controller.ki": 0.01, "controller.target_s": 0.2}
+    monkeypatch.setattr(ablation, "run_sweep_stage", lambda *_: {"rows": [
+        {"trial": "s0", "params": best, "metric": 4.7, "steps": 4, "status": "FINISHED"}], "best": best,
+        "metric": "val/data_bpt"})
     out = tmp_path / "out"
-    # 3 documents: one held-out play (56 scoring units) instead of two; the adapters are scored 9 times in all
-    args = [TINY, "scaling.num_workers=1", "scaling.cpus_per_worker=0.49", f"run.storage_path={tmp_path}/runs",
-            "data.max_documents=3", "run.name=abl", "train.max_steps=4", "train.report_every=2", "train.eval_every=2",
-            "train.checkpoint_every=4", "--out", str(out), "--seeds", "0", "--lambdas", "1",
-            "--target-factors", "1", "--gains", "0.2:0.04", "--sweep-samples", "1", "--bootstrap", "50"]
-    ray_was_up = ray.is_initialized()  # an earlier test's ray_local in this process: left up for the tests after
-    try:
-        assert ablation_cli.main(args) == 0
-    finally:
-        if not ray_was_up:
-            ray.shutdown()  # the runner started Ray in this process: later tests expect none
+    args = [TINY, f"run.storage_path={tmp_path}/runs", "data.max_documents=3", "run.name=abl", "train.max_steps=4",
+            "train.report_every=2", "train.eval_every=2", "train.checkpoint_every=4", "--out", str(out), "--seeds",
+            "0,1", "--lambdas", "0.1,1", "--target-factors", "1", "--gains", "0.2:0.04", "--bootstrap", "50"]
+    assert ablation_cli.main(args) == 0
+    assert grids == ["fixed", "scu", "tuned"]  # and the sweep between scu and tuned
     res = json.loads((out / "results.json").read_text())
     assert list(res["stages"]) == list(ablation.STAGES)
     families = sorted(t["family"] for st in res["stages"].values() for t in st.get("trials", []))
-    assert families == ["fixed", "gains", "none", "scu", "scu_init", "tuned"]
+    assert families == ["fixed"] * 4 + ["gains"] + ["none"] * 2 + ["scu"] * 2 + ["scu_init"] * 2 + ["tuned"] * 2
+    fixed = res["stages"]["fixed"]
+    assert fixed["choice"]["best_lambda"] == 0.1 and fixed["choice"]["targets"] == [0.2]  # the lower scores win
     for st in ("fixed", "scu", "tuned"):
         for t in res["stages"][st]["trials"]:
-            assert len(t["unit_nats"]) == len(res["stages"][st]["units"]["0"]["tokens"]) > 1
-            assert t["history"]["step"][-1] == 4 and t["history"]["train/param_bpt_a"][-1] > 0
-    tuned, = res["stages"]["tuned"]["trials"]
-    assert tuned["kp"] == pytest.approx(res["stages"]["sweep"]["best"]["controller.kp"])
+            assert len(t["unit_nats"]) == len(res["stages"][st]["units"][str(t["seed"])]["tokens"]) > 1
+            assert t["history"]["step"][-1] == 4 and t["history"]["ctrl/s_hat"][-1] == 0.2
+    assert {t["kp"] for t in res["stages"]["tuned"]["trials"]} == {0.3}  # the sweep's best gains
     assert "### Tracking and λ" in (out / "table.md").read_text()
     capsys.readouterr()
     assert ablation_cli.main(args) == 0  # everything recorded: no stage runs again
-    assert capsys.readouterr().out.count("already in") == 4
+    assert capsys.readouterr().out.count("already in") == 4 and grids == ["fixed", "scu", "tuned"]
