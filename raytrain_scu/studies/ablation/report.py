@@ -313,7 +313,8 @@ def markdown(results: dict, rows: list[dict], plot_paths: list[Path], rel: str) 
     choice = results["stages"]["fixed"]["choice"]
     parts = [setting_text(results),
              f"**From the fixed stage** (the rule picks): best fixed λ = {choice['best_lambda']:g}; its runs end at "
-             f"S = {choice['s_best']:.4g} (mean Ŝ over the last 20% of steps) (update-centred S = {choice['s_update_best']:.4g}); SCU targets "
+             f"S = {choice['s_best']:.4g} (mean Ŝ over the last 20% of steps; update-centred S = "
+             f"{choice['s_update_best']:.4g}); SCU targets "
              f"{choice['targets']}, update-centred targets {choice['targets_init']}.",
              "### Held-out BPT\n\n" + outcome_table(rows),
              "### Tracking and λ\n\nSettled (`core.settling`): from some step to the end, at least 100 steps with "
