@@ -32,7 +32,7 @@ def model_run(t: dict, plant: str, steps: int) -> dict:
     model = Plant(**m["knobs"], p_scale=param[0] / (R_REF * m["init_per_r16"]),
                   data_bpt0=float(np.mean(data[:5])))
     c = ControllerConfig(mode="scu", law=t["law"], target_s=t["target_s"], lambda_min=t["lambda_min"],
-                         lambda_max=t["lambda_max"], lambda_init=1.0)
+                         lambda_max=t["lambda_max"], lambda_init=t.get("lambda_init", 1.0))
     return simulate(laws.build(c), model, steps, lr=m["lr"])
 
 

@@ -112,7 +112,7 @@ def collect(plant: str, stage: str, family_cfg: Config, rows: list[dict], splits
         adapters = {"base": ""}
         for i, g in enumerate(group):
             adapters[f"t{i}"] = str(g["final"] / "adapter")
-            adapters.update({f"t{i}@{step}": str(ck / "adapter") for step, ck in g["evals"]})
+            adapters.update({f"t{i}@{step}": str(ck / "adapter") for step, ck in g["evals"] if ck != g["final"]})
         scores = score_shard(asdict(group[0]["cfg"]), adapters, select + report)
         n, tokens = len(select), scores["tokens"]
         part = {k: (v[:n], v[n:]) for k, v in scores["nats"].items()}
@@ -124,13 +124,13 @@ def collect(plant: str, stage: str, family_cfg: Config, rows: list[dict], splits
             c = g["cfg"].controller
             trial = {"plant": plant, "stage": stage, "family": p.family_of(g["params"]), "arm": p.label(g["params"]),
                      "seed": seed, "trial": g["row"]["trial"], "params": g["params"], "law": c.law,
-                     "target_s": c.target_s if c.mode == "scu" else None, "lambda_min": c.lambda_min,
-                     "lambda_max": c.lambda_max, "time_s": g["row"].get("time_s"),
+                     "target_s": c.target_s if c.mode == "scu" else None, "lambda_init": c.lambda_init,
+                     "lambda_min": c.lambda_min, "lambda_max": c.lambda_max, "time_s": g["row"].get("time_s"),
                      "select_bpt": _bpt(sel, tokens[:n]), "report_bpt": _bpt(rep, tokens[n:]),
                      "select_nats": _round(sel), "report_nats": _round(rep),
                      "history": columns(history(g["final"]), V2_HISTORY_KEYS)}
             if g["evals"]:
-                keys = ["base"] + [f"t{i}@{step}" for step, _ in g["evals"]]
+                keys = ["base"] + [f"t{i}" if ck == g["final"] else f"t{i}@{step}" for step, ck in g["evals"]]
                 trial["evals"] = [{"step": step, "select_bpt": _bpt(part[k][0], tokens[:n]),
                                    "report_bpt": _bpt(part[k][1], tokens[n:]), "report_nats": _round(part[k][1])}
                                   for step, k in zip([0] + [s for s, _ in g["evals"]], keys)]
