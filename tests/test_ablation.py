@@ -1,6 +1,7 @@
-"""The ablation (issue #18): the stage rules, the statistics of known traces, the tables without NaN, the held-out
-units, the arms as valid sweeps, checkpoints refused; then the whole staged runner on CPU with real Ray, MLflow and
-checkpoints (the smoke test)."""
+"""The first GPU study's ablation: the stage rules, tracking of known traces, the tables without NaN, the held-out
+units, the arms as valid sweeps, checkpoints refused, and the whole staged runner on hand-made trials (real
+checkpoints and results file, no training). Ray Tune and real training run in test_ablation_v2's tiny stage, through
+the same run_grid, checkpoint and scoring code."""
 import json
 import math
 from pathlib import Path
@@ -25,7 +26,7 @@ LN2 = math.log(2.0)
 
 def hist(s_hat, lam, data=4.0, upd=0.1):
     n = len(s_hat)
-    return {"step": list(range(1, n + 1)), "ctrl/s_hat": list(s_hat), "ctrl/lambda": list(lam),
+    return {"step": list(range(1, n + 1)), "ctrl/s": list(s_hat), "ctrl/s_hat": list(s_hat), "ctrl/lambda": list(lam),
             "train/data_bpt": [data] * n, "train/param_bpt_update": [upd] * n, "ctrl/saturated_step": [None] * n,
             "train/param_bpt_a": [1.0] * n, "train/param_bpt_b": [0.5] * n, "val/data_bpt": [None] * n}
 
@@ -66,16 +67,21 @@ def test_arms_are_valid_grids_and_their_family_reads_back(tmp_path):
 
 # ---------------------------------------------------------------- statistics of known traces
 
-def test_settling_and_lambda_behaviour_of_known_traces():
-    steps = np.arange(1, 11)
-    s_hat = np.array([0.5, 0.3, 0.25, 0.19, 0.21, 0.3, 0.205, 0.2, 0.195, 0.2])
-    st = ablation_report.settling(steps, s_hat, target=0.2, deadband=0.002)  # band: 0.1 x 0.2 = 0.02
-    assert st["settle_step"] == 7 and st["error_after"] == pytest.approx(np.mean([0.005, 0, 0.005, 0]))
-    never = ablation_report.settling(steps, np.full(10, 0.5), 0.2, 0.002)
-    assert never["settle_step"] is None and never["error_after"] == pytest.approx(0.3)
-    lam = np.array([1.0, 2.0, 4.0, 4.0, 3.0, 10.0, 10.0, 10.0, 5.0, 10.0])
-    b = ablation_report.lambda_behaviour(lam, 1e-4, 10.0)
-    assert b == {"reversals": 4, "steps_at_bound": 4, "bound_hits": 2}  # up, down, up, down, up; two stays at 10
+def test_tracking_is_core_settlings_on_known_traces():
+    # Ŝ at S* from step 31 on; λ at its upper bound for 10 steps, then falls, then jitters by x1.2 (ln 0.18 < 0.5)
+    s_hat = [0.5] * 30 + [0.2] * 120
+    lam = [1000.0] * 10 + [3.0] * 20 + [0.1, 0.12] * 60
+    t = {"history": hist(s_hat, lam), "target_s": 0.2, "lambda_min": 1e-4, "lambda_max": 1000.0}
+    out = ablation_report.tracking(t)
+    assert (out["settled_step"], out["settled_step_raw"]) == (31, 31)
+    assert (out["steps_at_bound"], out["last_bound_step"], out["bound_hits"], out["reversals"]) == (10, 10, 1, 0)
+    assert out["second_half_error"] == 0.0
+    t["history"]["ctrl/s"] = [0.5] * 30 + [0.2, 0.3] * 60  # raw S leaves the band every other step
+    t["history"]["ctrl/lambda"] = lam[:-1] + [1000.0]  # and λ meets its bound at the last step
+    out = ablation_report.tracking(t)
+    assert (out["settled_step"], out["settled_step_raw"], out["last_bound_step"]) == (None, None, 150)
+    swings = [1.0, 2.0] * 5  # ln 2 = 0.69 each way: 8 reversals after the first move
+    assert ablation_report.tracking({**t, "history": hist([0.2] * 10, swings)})["reversals"] == 8
 
 
 def test_scoring_units_cut_whole_sections_and_keep_all_text():
@@ -121,7 +127,8 @@ def test_summary_pairs_each_arm_with_none_and_the_best_fixed_lambda(results):
     assert rows["fixed λ=1"]["gap_none"] == pytest.approx(-10 / 100 / LN2)  # nats per unit of 100 tokens → bits
     assert rows["scu S*=0.2"]["gap_best_fixed"] == pytest.approx(-2 / 100 / LN2)
     assert rows["fixed λ=1"]["gap_best_fixed"] == 0.0 and rows["none"]["gap_none"] == 0.0
-    assert rows["scu S*=0.2"]["reversals"] == 8 and rows["scu S*=0.2"]["settle_step"] == [1, 1, 1]
+    assert rows["scu S*=0.2"]["reversals"] == 8  # λ 1, 2, 1, 2 ...: ln λ moves by 0.69 each step
+    assert rows["scu S*=0.2"]["settled_step"] == [None] * 3  # 10 steps: fewer than the 100 a settled run needs
     assert "reversals" not in rows["none"]  # no tracking for a run without a controller
     assert rows["none"]["seeds"] == [0, 1, 2] and math.isfinite(rows["none"]["val_bpt_ci95"])
 
@@ -129,7 +136,7 @@ def test_summary_pairs_each_arm_with_none_and_the_best_fixed_lambda(results):
 def test_report_tables_have_no_nan_and_the_json_is_valid(results, tmp_path):
     text = ablation_report.write(results, tmp_path, n_boot=100)
     assert "nan" not in text.lower()
-    assert "| scu S*=0.2 | 3 | 0.2 | 1, 1, 1 |" in text  # the tracking table
+    assert "| scu S*=0.2 | 3 | 0.2 | -, -, - | -, -, - | 0 | 8.0 | 0.0 | -, -, - |" in text  # the tracking table
     assert (tmp_path / "plots" / "regime.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     json.loads((tmp_path / "summary.json").read_text())
 
@@ -182,35 +189,62 @@ def test_bad_stage_and_bad_config_exit_2_before_ray(capsys):
     assert "controller.kp" in capsys.readouterr().err
 
 
-# ---------------------------------------------------------------- the staged runner, end to end on CPU
+# ---------------------------------------------------------------- the staged runner on hand-made trials
 
-@pytest.mark.slow
-def test_staged_ablation_runs_every_stage_and_resumes_from_its_file(tmp_path, capsys):
-    import ray
+def fake_grid(calls):
+    """``run.run_grid`` without Ray: each arm's trial gets a real checkpoint (stand-in weights) of a flat history."""
+    from raytrain_scu.config import run_dir
+    from raytrain_scu.config.resolve import resolve
 
+    def grid(config_path, overrides, name, arms):
+        calls.append(name)
+        cfg = resolve(config_path, [*overrides, "tune.search=grid", "tune.scheduler=none"])
+        cfg.tune.space = {"arm": {"grid": arms}}
+        cfg.run.name = f"{cfg.run.name}-{name}"
+        rows = []
+        for i, arm in enumerate(arms):
+            row = {"trial": f"{name}_{i:05d}", "params": {"arm": arm}, "status": "FINISHED", "time_s": 1.0}
+            tcfg = sweep_space.trial_config(cfg, row["params"], row["trial"])
+            lam = tcfg.controller.lambda_init
+            steps = [{"step": s, "train/data_bpt": 4.0, "train/param_bpt": 1.0, "train/param_bpt_a": 0.6,
+                      "train/param_bpt_b": 0.4, "train/param_bpt_update": 0.1, "ctrl/s": 0.2, "ctrl/s_hat": 0.2,
+                      "ctrl/lambda": lam, "ctrl/lambda_applied": lam, "val/data_bpt": 5.0}
+                     for s in range(1, tcfg.train.max_steps + 1)]
+            fake_checkpoint(Path(run_dir(tcfg)) / "checkpoint_000000", tcfg.train.max_steps, steps)
+            rows.append(row)
+        return cfg, rows
+    return grid
+
+
+def test_staged_ablation_runs_every_stage_in_order_and_resumes_from_its_file(tmp_path, capsys, monkeypatch):
+    from raytrain_scu.driver import evaluate
+
+    grids = []
+    monkeypatch.setattr(ablation, "run_grid", fake_grid(grids))
+    monkeypatch.setattr(evaluate, "score_shard", lambda config, adapters, docs: {  # adapter k scores 300 + k nats
+        "tokens": np.full(len(docs), 100), "nats": {a: np.full(len(docs), 300.0 + k) for k, a in enumerate(adapters)}})
+    best = {"controller.kp": 0.3, "controller.ki": 0.01, "controller.target_s": 0.2}
+    monkeypatch.setattr(ablation, "run_sweep_stage", lambda *_: {"rows": [
+        {"trial": "s0", "params": best, "metric": 4.7, "steps": 4, "status": "FINISHED"}], "best": best,
+        "metric": "val/data_bpt"})
     out = tmp_path / "out"
-    # 3 documents: one held-out play (56 scoring units) instead of two; the adapters are scored 9 times in all
-    args = [TINY, "scaling.num_workers=1", "scaling.cpus_per_worker=0.49", f"run.storage_path={tmp_path}/runs",
-            "data.max_documents=3", "run.name=abl", "train.max_steps=4", "train.report_every=2", "train.eval_every=2",
-            "train.checkpoint_every=4", "--out", str(out), "--seeds", "0", "--lambdas", "1",
-            "--target-factors", "1", "--gains", "0.2:0.04", "--sweep-samples", "1", "--bootstrap", "50"]
-    ray_was_up = ray.is_initialized()  # an earlier test's ray_local in this process: left up for the tests after
-    try:
-        assert ablation_cli.main(args) == 0
-    finally:
-        if not ray_was_up:
-            ray.shutdown()  # the runner started Ray in this process: later tests expect none
+    args = [TINY, f"run.storage_path={tmp_path}/runs", "data.max_documents=3", "run.name=abl", "train.max_steps=4",
+            "train.report_every=2", "train.eval_every=2", "train.checkpoint_every=4", "--out", str(out), "--seeds",
+            "0,1", "--lambdas", "0.1,1", "--target-factors", "1", "--gains", "0.2:0.04", "--bootstrap", "50"]
+    assert ablation_cli.main(args) == 0
+    assert grids == ["fixed", "scu", "tuned"]  # and the sweep between scu and tuned
     res = json.loads((out / "results.json").read_text())
     assert list(res["stages"]) == list(ablation.STAGES)
     families = sorted(t["family"] for st in res["stages"].values() for t in st.get("trials", []))
-    assert families == ["fixed", "gains", "none", "scu", "scu_init", "tuned"]
+    assert families == ["fixed"] * 4 + ["gains"] + ["none"] * 2 + ["scu"] * 2 + ["scu_init"] * 2 + ["tuned"] * 2
+    fixed = res["stages"]["fixed"]
+    assert fixed["choice"]["best_lambda"] == 0.1 and fixed["choice"]["targets"] == [0.2]  # the lower scores win
     for st in ("fixed", "scu", "tuned"):
         for t in res["stages"][st]["trials"]:
-            assert len(t["unit_nats"]) == len(res["stages"][st]["units"]["0"]["tokens"]) > 1
-            assert t["history"]["step"][-1] == 4 and t["history"]["train/param_bpt_a"][-1] > 0
-    tuned, = res["stages"]["tuned"]["trials"]
-    assert tuned["kp"] == pytest.approx(res["stages"]["sweep"]["best"]["controller.kp"])
+            assert len(t["unit_nats"]) == len(res["stages"][st]["units"][str(t["seed"])]["tokens"]) > 1
+            assert t["history"]["step"][-1] == 4 and t["history"]["ctrl/s_hat"][-1] == 0.2
+    assert {t["kp"] for t in res["stages"]["tuned"]["trials"]} == {0.3}  # the sweep's best gains
     assert "### Tracking and λ" in (out / "table.md").read_text()
     capsys.readouterr()
     assert ablation_cli.main(args) == 0  # everything recorded: no stage runs again
-    assert capsys.readouterr().out.count("already in") == 4
+    assert capsys.readouterr().out.count("already in") == 4 and grids == ["fixed", "scu", "tuned"]

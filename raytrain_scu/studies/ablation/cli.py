@@ -1,4 +1,5 @@
-"""``python -m raytrain_scu.ablation``."""
+"""``python -m raytrain_scu.ablation``: the first GPU study's staged runner, or with ``--protocol v2`` the study v2's
+(:mod:`raytrain_scu.studies.ablation.v2.cli`)."""
 from __future__ import annotations
 
 import argparse
@@ -31,11 +32,23 @@ def parse_args(argv):
     p.add_argument("--sweep-samples", default=8, type=int)
     p.add_argument("--sweep-grace-steps", default=100, type=int, help="steps before ASHA may stop a sweep trial")
     p.add_argument("--bootstrap", type=int, default=2000)
+    p.add_argument("--protocol", default="v1", choices=["v1", "v2"], help="v2: the study of docs/control.md §7")
     return p.parse_args(argv)
+
+
+def protocol_of(argv: list[str]) -> str:
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--protocol", default="v1")
+    return p.parse_known_args(argv)[0].protocol
 
 
 def main(argv: list[str] | None = None) -> int:
     """CLI: 0 with results written, 1 when a trial cannot be compared (re-run to resume), 2 for a bad config."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if protocol_of(argv) == "v2":
+        from raytrain_scu.studies.ablation.v2.cli import main as v2_main
+
+        return v2_main(argv)
     a = parse_args(argv)
     stages = [s for s in a.stages.split(",") if s]
     bad = [s for s in stages if s not in STAGES]

@@ -1,20 +1,22 @@
 """The ablation's numbers, tables and plots from its ``results.json`` (``raytrain_scu.ablation`` writes it).
 
-``python -m raytrain_scu.ablation_report DIR [--doc docs/ablation.md]`` rebuilds them without running anything.
+``python -m raytrain_scu.ablation_report DIR [--doc docs/ablation.md]`` rebuilds them without running anything
+(``report_cli``).
 Per arm: held-out BPT (mean over seeds, 95% t-interval), its gap to ``none`` and to the best fixed λ (the mean over
 seeds of each seed's paired difference, with a bootstrap that resamples units within each seed); for SCU
-arms, tracking (settling step, mean |Ŝ − S*| after it) and λ's behaviour (direction reversals, steps at a bound,
-bound hits, the saturation detector's step); cost in GPU seconds.
+arms, tracking as ``core.settling`` defines it (the settled step on Ŝ and on raw S, the mean |Ŝ − S*| over the second
+half, λ reversals of at least 0.5 in ln λ, steps at a bound and the last of them, bound hits, the saturation
+detector's step); cost in GPU seconds.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import sys
 from pathlib import Path
 
 import numpy as np
+
+from raytrain_scu.core import settling
 
 # Student's t, two-sided 95%, by degrees of freedom (beyond 30: 1.96)
 T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
@@ -22,7 +24,7 @@ T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8
         25: 2.060, 30: 2.042}
 ORDER = ("none", "fixed", "scu", "scu_init", "tuned", "gains")
 SCU_FAMILIES = ("scu", "scu_init", "tuned", "gains")
-SETTLE_BAND = 0.1  # settled: |Ŝ − S*| within max(deadband, this x S*) from some step to the end
+PER_SEED = ("settled_step", "settled_step_raw", "last_bound_step", "saturated_step")  # listed per seed, not averaged
 
 
 # ---------------------------------------------------------------- per trial
@@ -48,12 +50,12 @@ def series(t: dict, key: str) -> tuple[np.ndarray, np.ndarray]:
     return np.asarray(s), np.asarray(v, dtype=np.float64)
 
 
-SETTLE_FRAC = 0.2  # the S a run settles at: the mean over this last share of its steps
+SETTLE_FRAC = 0.2  # the S a run ends at: the mean over this last share of its steps
 
 
-def settled(history: dict, key: str) -> float:
+def end_level(history: dict, key: str) -> float:
     """Mean of ``key`` over the last SETTLE_FRAC of the steps (``s_update``: the update-centred S of each step): the
-    S a fixed-λ run settles at, which sets the SCU arms' S*, and the table's "S settled"."""
+    S a fixed-λ run ends at, which sets the SCU arms' S*. A level, not a claim that the run settled."""
     if key == "s_update":
         _, upd = series({"history": history}, "train/param_bpt_update")
         _, data = series({"history": history}, "train/data_bpt")
@@ -63,40 +65,34 @@ def settled(history: dict, key: str) -> float:
     return float(vals[-max(1, int(len(vals) * SETTLE_FRAC)):].mean()) if len(vals) else math.nan
 
 
-def settling(steps: np.ndarray, s_hat: np.ndarray, target: float, deadband: float) -> dict:
-    """The first step from which |Ŝ − S*| stays within the band to the end (None: never), and the mean |Ŝ − S*|
-    after it (never settled: over the second half of the run, flagged)."""
-    band = max(deadband, SETTLE_BAND * target)
-    err = np.abs(s_hat - target)
-    outside = np.nonzero(err > band)[0]
-    first = 0 if len(outside) == 0 else outside[-1] + 1
-    if first >= len(err):
-        return {"settle_step": None, "error_after": float(err[len(err) // 2:].mean()), "band": band}
-    return {"settle_step": int(steps[first]), "error_after": float(err[first:].mean()), "band": band}
+def aligned(t: dict, keys: tuple) -> tuple[list, ...]:
+    """(steps, then one list per key) over the steps >= 1 where every key has a value."""
+    h = t["history"]
+    rows = [(s, *vals) for s, *vals in zip(h["step"], *(h[k] for k in keys))
+            if s >= 1 and all(v is not None for v in vals)]
+    return tuple(list(c) for c in zip(*rows)) if rows else tuple([] for _ in range(len(keys) + 1))
 
 
-def lambda_behaviour(lam: np.ndarray, lo: float, hi: float) -> dict:
-    """Direction reversals of λ, steps at a bound, and entries into a bound."""
-    d = np.sign(np.diff(np.log(lam))) if len(lam) > 1 else np.zeros(0)
-    d = d[d != 0]
-    at = (lam <= lo * (1 + 1e-6)) | (lam >= hi * (1 - 1e-6))
-    hits = int(at[0]) + int(np.sum(at[1:] & ~at[:-1])) if len(at) else 0
-    return {"reversals": int(np.sum(d[1:] != d[:-1])) if len(d) > 1 else 0, "steps_at_bound": int(at.sum()),
-            "bound_hits": hits}
+def tracking(t: dict) -> dict:
+    """``core.settling.summary`` of one controlled run (settled step on Ŝ and on raw S, λ reversals of at least 0.5
+    in ln λ, second-half error, steps at a bound, the last of them), and how often λ entered a bound."""
+    steps, s, s_hat, lam = aligned(t, ("ctrl/s", "ctrl/s_hat", "ctrl/lambda"))
+    out = settling.summary(s, s_hat, lam, t["target_s"], t["lambda_min"], t["lambda_max"], steps)
+    at = settling.at_bound(lam, t["lambda_min"], t["lambda_max"])
+    out["bound_hits"] = sum(1 for i, b in enumerate(at) if b and (i == 0 or not at[i - 1]))
+    return out
 
 
 def trial_stats(t: dict) -> dict:
-    steps, s_hat = series(t, "ctrl/s_hat")
     _, lam = series(t, "ctrl/lambda")
-    out = {"s_settled": settled(t["history"], "ctrl/s_hat"),
+    out = {"s_end": end_level(t["history"], "ctrl/s_hat"),
            "final_lambda": float(lam[-1]) if len(lam) else math.nan,
            "saturated_step": next((int(v) for v in t["history"]["ctrl/saturated_step"] if v is not None), None)}
     for key in ("train/param_bpt_a", "train/param_bpt_b", "train/param_bpt_update"):
         _, v = series(t, key)
         out[key.split("/")[1]] = float(v[-1]) if len(v) else math.nan
-    if t["family"] in SCU_FAMILIES and len(s_hat):
-        out.update(settling(steps, s_hat, t["target_s"], t["deadband"]))
-        out.update(lambda_behaviour(lam, t["lambda_min"], t["lambda_max"]))
+    if t["family"] in SCU_FAMILIES and len(lam):
+        out.update(tracking(t))
     return out
 
 
@@ -168,7 +164,7 @@ def summarize(results: dict, n_boot: int) -> list[dict]:
                "sort": [ts[0]["params"].get("controller.lambda_init", 0), ts[0]["target_s"], ts[0]["kp"], ts[0]["ki"]]}
         for key in stats[0]:
             vals = [s.get(key) for s in stats]
-            if key in ("settle_step", "saturated_step"):
+            if key in PER_SEED:
                 row[key] = vals
             elif all(isinstance(v, (int, float)) for v in vals):
                 row[key] = float(np.mean(vals))
@@ -192,25 +188,29 @@ def _steps(vals) -> str:
 
 def outcome_table(rows: list[dict]) -> str:
     lines = ["| arm | seeds | held-out BPT (mean ± 95% CI) | gap to none [95% CI] | gap to best fixed λ [95% CI] | "
-             "S settled (Ŝ, last 20%) | final λ | Tune wall s / trial |", "|---|---|---|---|---|---|---|---|"]
+             "Ŝ at the end (mean, last 20%) | final λ | Tune wall s / trial |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ci = _num(r["val_bpt_ci95"], ".4f")
         lines.append(f"| {r['arm']} | {len(r['seeds'])} | {_num(r['val_bpt'], '.4f')}{'' if ci == '-' else ' ± ' + ci} | "
                      f"{_gap(r['gap_none'], r['gap_none_ci'])} | {_gap(r['gap_best_fixed'], r['gap_best_fixed_ci'])} | "
-                     f"{_num(r['s_settled'], '.4g')} | {_num(r['final_lambda'], '.3g')} | {_num(r['time_s'], '.0f')} |")
+                     f"{_num(r['s_end'], '.4g')} | {_num(r['final_lambda'], '.3g')} | {_num(r['time_s'], '.0f')} |")
     return "\n".join(lines)
 
 
 def control_table(rows: list[dict]) -> str:
-    lines = ["| arm | seeds | S* | settled at step (per seed) | mean abs(Ŝ − S*) after settling | λ reversals | "
-             "steps at a bound | bound hits | saturation step (per seed) | ParamBPT A / B at the end |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    """Tracking as ``core.settling`` defines it: settled = at least 100 steps to the end with |logit Ŝ − logit S*|
+    ≤ 0.1, λ strictly inside its bounds and max λ / min λ ≤ 1.5."""
+    lines = ["| arm | seeds | S* | settled on Ŝ at step (per seed) | settled on raw S at step (per seed) | "
+             "mean abs(Ŝ − S*), second half | λ reversals (≥ 0.5 in ln λ) | steps at a bound | last step at a bound "
+             "(per seed) | bound hits | saturation step (per seed) | ParamBPT A / B at the end |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["family"] not in SCU_FAMILIES:
             continue
-        lines.append(f"| {r['arm']} | {len(r['seeds'])} | {_num(r['target_s'], '.3g')} | {_steps(r['settle_step'])} | "
-                     f"{_num(r.get('error_after'), '.4g')} | {_num(r.get('reversals'), '.1f')} | "
-                     f"{_num(r.get('steps_at_bound'), '.1f')} | {_num(r.get('bound_hits'), '.1f')} | "
+        lines.append(f"| {r['arm']} | {len(r['seeds'])} | {_num(r['target_s'], '.3g')} | {_steps(r['settled_step'])} | "
+                     f"{_steps(r['settled_step_raw'])} | {_num(r.get('second_half_error'), '.4g')} | "
+                     f"{_num(r.get('reversals'), '.1f')} | {_num(r.get('steps_at_bound'), '.1f')} | "
+                     f"{_steps(r['last_bound_step'])} | {_num(r.get('bound_hits'), '.1f')} | "
                      f"{_steps(r['saturated_step'])} | {_num(r.get('param_bpt_a'), '.3g')} / "
                      f"{_num(r.get('param_bpt_b'), '.3g')} |")
     return "\n".join(lines)
@@ -312,11 +312,14 @@ def setting_text(results: dict) -> str:
 def markdown(results: dict, rows: list[dict], plot_paths: list[Path], rel: str) -> str:
     choice = results["stages"]["fixed"]["choice"]
     parts = [setting_text(results),
-             f"**From the fixed stage** (the rule picks): best fixed λ = {choice['best_lambda']:g}; its runs settle at "
-             f"S = {choice['s_best']:.4g} (update-centred S = {choice['s_update_best']:.4g}); SCU targets "
+             f"**From the fixed stage** (the rule picks): best fixed λ = {choice['best_lambda']:g}; its runs end at "
+             f"S = {choice['s_best']:.4g} (mean Ŝ over the last 20% of steps; update-centred S = "
+             f"{choice['s_update_best']:.4g}); SCU targets "
              f"{choice['targets']}, update-centred targets {choice['targets_init']}.",
              "### Held-out BPT\n\n" + outcome_table(rows),
-             "### Tracking and λ\n\n" + control_table(rows)]
+             "### Tracking and λ\n\nSettled (`core.settling`): from some step to the end, at least 100 steps with "
+             "abs(logit Ŝ − logit S*) ≤ 0.1, λ strictly inside its bounds and max λ / min λ ≤ 1.5; '-' = never. "
+             "Reversals count only moves of ln λ by at least 0.5.\n\n" + control_table(rows)]
     if "sweep" in results["stages"]:
         sw = results["stages"]["sweep"]
         parts.append(f"### PI-gain sweep (ASHA on {sw['metric']} at equal tokens)\n\nBest: "
@@ -349,19 +352,3 @@ def write(results: dict, out: Path, *, n_boot: int = 2000, doc: Path | None = No
                        f"## The numbers (generated from {out}/results.json by "
                        f"`python -m raytrain_scu.ablation_report {out} --doc {doc}`)\n\n" + generated + "\n")
     return text
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m raytrain_scu.studies.ablation.report", description=__doc__.split("\n\n")[0])
-    p.add_argument("dir", help="the ablation's --out directory (holds results.json)")
-    p.add_argument("--bootstrap", type=int, default=2000)
-    p.add_argument("--doc", default="", help="also write this document: DIR/notes.md, then the generated tables")
-    a = p.parse_args(argv)
-    path = Path(a.dir) / "results.json"
-    if not path.exists():
-        print(f"error: no {path}", file=sys.stderr)
-        return 2
-    print(write(json.loads(path.read_text()), Path(a.dir), n_boot=a.bootstrap, doc=Path(a.doc) if a.doc else None))
-    return 0
-
-

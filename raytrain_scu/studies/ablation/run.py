@@ -6,7 +6,7 @@ later call (another machine) goes on from the file. The settings of every stage 
 fixed here, before any SCU result comes in:
 
 1. ``fixed``: ``none`` and fixed λ on the ``--lambdas`` grid, over ``--seeds``. The best fixed λ is the one with the
-   lowest held-out BPT (mean over seeds); S* for the SCU arms is the S it settles at (mean Ŝ over the last 20% of
+   lowest held-out BPT (mean over seeds); S* for the SCU arms is the S it ends at (mean Ŝ over the last 20% of
    steps, mean over seeds) with its odds S/(1 − S) times each ``--target-factors``, and likewise for the prior
    centred on the update (the same S*).
 2. ``scu``: SCU at those targets (default gains) and with ``controller.prior_center=init`` at its targets, over the
@@ -36,7 +36,7 @@ from raytrain_scu.core.checkpoint import newest_good_local, read_meta
 from raytrain_scu.core.model import bits_per_token
 from raytrain_scu.errors import AblationError
 from raytrain_scu.ray.tune.space import flat_params, trial_config
-from raytrain_scu.studies.ablation.report import settled
+from raytrain_scu.studies.ablation.report import end_level
 
 STAGES = ("fixed", "scu", "sweep", "tuned")
 NEEDS = {"fixed": (), "scu": ("fixed",), "sweep": ("fixed",), "tuned": ("fixed", "sweep")}  # whose results a stage uses
@@ -73,7 +73,7 @@ def fixed_arms(seeds, lambdas) -> list[dict]:
 
 def choose_targets(trials: list[dict], factors) -> dict:
     """The rule from the fixed stage to the SCU targets: the best fixed λ (lowest mean held-out BPT), the S (and, for
-    the record, the update-centred S) its runs settle at, and S* from that S and each factor (:func:`scaled_target`),
+    the record, the update-centred S) its runs end at, and S* from that S and each factor (:func:`scaled_target`),
     for both prior centres."""
     by_lam: dict[float, list[dict]] = {}
     for t in trials:
@@ -82,8 +82,8 @@ def choose_targets(trials: list[dict], factors) -> dict:
     if not by_lam:
         raise AblationError("the fixed stage has no fixed-λ trial: give --lambdas")
     best = min(by_lam, key=lambda lam: np.mean([t["val_bpt"] for t in by_lam[lam]]))
-    s_best = float(np.mean([settled(t["history"], "ctrl/s_hat") for t in by_lam[best]]))
-    s_upd = float(np.mean([settled(t["history"], "s_update") for t in by_lam[best]]))
+    s_best = float(np.mean([end_level(t["history"], "ctrl/s_hat") for t in by_lam[best]]))
+    s_upd = float(np.mean([end_level(t["history"], "s_update") for t in by_lam[best]]))
     targets = [scaled_target(s_best, f) for f in factors]
     # the update-centred arms take the same S*: the best fixed λ's update-centred S is no guide (under the zero-centred
     # penalty the A factors shrink towards 0, so w − w_init ≈ −w_init and that S is near the init's)
@@ -92,7 +92,7 @@ def choose_targets(trials: list[dict], factors) -> dict:
 
 
 def scaled_target(s: float, factor: float) -> float:
-    """S* from a settled S: its odds S/(1 − S) times ``factor``, back to a ratio (3 significant digits). The odds
+    """S* from an S a run ends at: its odds S/(1 − S) times ``factor``, back to a ratio (3 significant digits). The odds
     keep S* inside (0, 1) (a plain 2·S would pass 1 for S above 0.5); for small S it is about factor·S."""
     odds = s / (1.0 - s) * factor
     return float(f"{odds / (1.0 + odds):.3g}")
@@ -158,11 +158,11 @@ def history(ckpt: Path) -> list[dict]:
     return torch.load(ckpt / "state.pt", map_location="cpu", weights_only=False)["history"]
 
 
-def columns(rows: list[dict]) -> dict:
-    """History rows as compact columns of HISTORY_KEYS (None where a row lacks the key), 6 significant digits."""
+def columns(rows: list[dict], keys: tuple = HISTORY_KEYS) -> dict:
+    """History rows as compact columns of ``keys`` (None where a row lacks the key), 6 significant digits."""
     def num(v):
         return None if v is None or not math.isfinite(v) else float(f"{v:.6g}")
-    return {k: [num(r.get(k)) if k != "step" else r["step"] for r in rows] for k in HISTORY_KEYS}
+    return {k: [num(r.get(k)) if k != "step" else r["step"] for r in rows] for k in keys}
 
 
 def scoring_units(docs: list[str], min_chars: int = UNIT_CHARS) -> list[str]:
