@@ -317,19 +317,40 @@ def figures(**kw) -> None:
     print("RELIABILITY " + json.dumps(kw))
 
 
-# ---------------------------------------------------------------- worker killed with SIGKILL (Ray restarts it)
+# ---------------------------------------------------------------- workers killed (SIGKILL) or hung (SIGSTOP)
+
+FAULT_RUN = ["train.max_steps=20", "train.checkpoint_every=10", "train.report_every=5", "run.max_failures=2"]
+
+
+@pytest.fixture(scope="module")
+def clean_run(ray_local, tmp_path_factory):
+    """(summary, seconds) of one uninterrupted 2-worker run of FAULT_RUN: the run the killed and the hung runs must
+    end equal to."""
+    from raytrain_scu.driver.run import run
+
+    t0 = time.time()
+    clean = run(tiny_cfg(tmp_path_factory.mktemp("clean"), "clean", "tracking.enabled=false", *FAULT_RUN),
+                quiet=True)
+    return clean, time.time() - t0
+
+
+def assert_same_end(clean: dict, faulty: dict) -> float:
+    """The faulty run ended where the uninterrupted one did: final adapter and controller state within 1e-6; returns
+    the adapter's max |Δ|."""
+    diff = max_abs_diff(adapter(clean["adapter"]), adapter(faulty["adapter"]))
+    assert diff <= 1e-6
+    ends = [checkpoint_dirs(s["run_dir"])[-1] for s in (clean, faulty)]
+    assert_close_tree(*(json.loads((d / "controller.json").read_text()) for d in ends))
+    return diff
+
 
 @pytest.mark.slow
-def test_sigkill_worker_mid_run_recovers_exactly(ray_local, tmp_path, monkeypatch):
+def test_sigkill_worker_mid_run_recovers_exactly(clean_run, tmp_path, monkeypatch):
     import psutil
 
     from raytrain_scu.driver.run import run
 
-    common = ["train.max_steps=30", "train.checkpoint_every=10", "train.report_every=5", "run.max_failures=2"]
-    t0 = time.time()
-    clean = run(tiny_cfg(tmp_path, "clean", "tracking.enabled=false", *common), quiet=True)
-    clean_s = time.time() - t0
-
+    clean, clean_s = clean_run
     hold = tmp_path / "hold"
     monkeypatch.setenv("RAYTRAIN_SCU_HOLD_AT_STEP", "15")  # both ranks stop after step 15 and wait to be killed
     monkeypatch.setenv("RAYTRAIN_SCU_HOLD_DIR", str(hold))
@@ -348,37 +369,86 @@ def test_sigkill_worker_mid_run_recovers_exactly(ray_local, tmp_path, monkeypatc
 
     threading.Thread(target=killer, daemon=True).start()
     t0 = time.time()
-    cut = run(tiny_cfg(tmp_path, "cut", *common), quiet=True)
+    cut = run(tiny_cfg(tmp_path, "cut", *FAULT_RUN), quiet=True)
     cut_s = time.time() - t0
     assert "error" not in kill and "RayTrainWorker" in kill["cmdline"]
     assert held_pids(hold, 2)[0] == kill["pid"]  # the restart did not start over: nobody reached step 15 again
     assert not psutil.pid_exists(kill["pid"]) or psutil.Process(kill["pid"]).status() == psutil.STATUS_ZOMBIE
 
     # it completed, from the checkpoint that existed when the worker died
-    assert cut["steps"] == 30 and kill["ckpts"] == ["checkpoint_00000010"]
+    assert cut["steps"] == 20 and kill["ckpts"] == ["checkpoint_00000010"]
     last = checkpoint_dirs(tmp_path / "cut")[-1]
-    assert last.name == "checkpoint_00000030"
+    assert last.name == "checkpoint_00000020"
     meta = ckpt.read_meta(last)
     assert meta["resumed_at"] == [10]
     steps_lost = kill["step"] - meta["resumed_at"][0]  # steps done before the kill and redone after it
     assert steps_lost == 5  # killed after step 15, last checkpoint at 10 (bound: train.checkpoint_every)
 
     # same final adapter and controller state as the uninterrupted run, within 1e-6 (figures() prints the max |Δ|)
-    diff = max_abs_diff(adapter(clean["adapter"]), adapter(cut["adapter"]))
-    assert diff <= 1e-6
-    clean_last = checkpoint_dirs(tmp_path / "clean")[-1]
-    assert_close_tree(json.loads((clean_last / "controller.json").read_text()),
-                      json.loads((last / "controller.json").read_text()))
+    diff = assert_same_end(clean, cut)
 
     # one MLflow run; every step logged exactly once
     mrun, client = mlflow_run(tmp_path, "cut")
     assert mrun.info.status == "FINISHED"
     for key in ("ctrl/lambda", "train/data_bpt"):
         steps = [m.step for m in client.get_metric_history(mrun.info.run_id, key)]
-        assert sorted(steps) == list(range(0 if key == "ctrl/lambda" else 1, 31)), key
+        assert sorted(steps) == list(range(0 if key == "ctrl/lambda" else 1, 21)), key
     figures(test="sigkill", kill_step=15, resumed_at=meta["resumed_at"], steps_lost=steps_lost,
             adapter_max_abs_diff=diff, clean_s=round(clean_s, 1), killed_run_s=round(cut_s, 1),
             recovery_s=round(time.time() - kill["t"], 1))
+
+
+def stop_one_worker(hold: Path, out: dict, rank: int = 1) -> None:
+    """Once both workers paused after step 10 (RAYTRAIN_SCU_PAUSE_AT_STEP): SIGSTOP rank ``rank``, let the other go on
+    (into the next step's all-reduce, where it waits for the stopped one), and wait for the watchdog to kill the
+    stopped process. A watchdog that never fires fails the test instead of hanging it: after 300 s this kills it."""
+    import psutil
+
+    try:
+        pids = wait_for(lambda: held_pids(hold, 2), 300, "both workers to pause after step 10")
+        out.update(pid=pids[rank], cmdline=" ".join(psutil.Process(pids[rank]).cmdline()), t=time.time())
+        os.kill(pids[rank], signal.SIGSTOP)
+        (hold / "go").touch()
+        t0 = time.time()
+        while psutil.pid_exists(pids[rank]) and psutil.Process(pids[rank]).status() != psutil.STATUS_ZOMBIE:
+            if time.time() - t0 > 300:
+                out["error"] = "the stopped worker was never killed"
+                os.kill(pids[rank], signal.SIGKILL)
+                return
+            time.sleep(0.5)
+        out["killed_after_s"] = time.time() - out["t"]
+    except Exception as e:  # noqa: BLE001 - reported by the test body
+        out["error"] = repr(e)
+
+
+@pytest.mark.slow
+def test_hung_worker_is_killed_by_the_watchdog_and_the_run_recovers_exactly(clean_run, tmp_path, monkeypatch,
+                                                                          capsys):
+    from raytrain_scu.driver.run import run
+
+    clean, _ = clean_run
+    hold = tmp_path / "hold"
+    monkeypatch.setenv("RAYTRAIN_SCU_PAUSE_AT_STEP", "10")  # after step 10 and its checkpoint, until hold/go
+    monkeypatch.setenv("RAYTRAIN_SCU_HOLD_DIR", str(hold))
+    stop = {}
+    threading.Thread(target=stop_one_worker, args=(hold, stop), daemon=True).start()
+    t0 = time.time()
+    hung = run(tiny_cfg(tmp_path, "hung", *FAULT_RUN, "train.hang_timeout_s=30", "tracking.enabled=false"),
+               quiet=True)
+    hung_s = time.time() - t0
+    out = capsys.readouterr().out
+    assert "error" not in stop and "RayTrainWorker" in stop["cmdline"], stop
+    # found from outside after the timeout (the stopped process runs nothing), not much later
+    assert 30 <= stop["killed_after_s"] < 30 + 60, stop
+    notice = [line for line in out.splitlines() if "no step completed in" in line]
+    assert len(notice) == 1 and "train.hang_timeout_s=30" in notice[0] and str(stop["pid"]) in notice[0], out
+    assert "killed the worker group" in notice[0] and "last completed step 10" in notice[0]
+    last = checkpoint_dirs(tmp_path / "hung")[-1]
+    assert hung["steps"] == 20 and last.name == "checkpoint_00000020"
+    assert ckpt.read_meta(last)["resumed_at"] == [10]  # paused right after checkpoint 10: no step lost
+    diff = assert_same_end(clean, hung)
+    figures(test="sigstop", stop_step=10, resumed_at=[10], steps_lost=0, adapter_max_abs_diff=diff,
+            killed_after_s=round(stop["killed_after_s"], 1), hung_run_s=round(hung_s, 1))
 
 
 # ---------------------------------------------------------------- non-finite loss or gradients
