@@ -11,10 +11,11 @@ Layout of one checkpoint directory::
 
 A directory is written under ``<dir>.partial``, each file synced (a full disk under delayed allocation says so at the
 sync, not after the rename), and renamed when complete; a write that fails (a full disk: :class:`DiskFullError`,
-naming the path and the free space) removes its partial directory and leaves every earlier checkpoint as it was. Ray then copies it into the run directory
-file by file (not atomic there), so a checkpoint counts as complete only when every file matches ``manifest.json``.
-Loading verifies the manifest; a corrupt or truncated latest checkpoint falls back to the newest older good one with a
-warning; none good is a :class:`CheckpointError`. Rank 0 picks and every rank loads that same one.
+naming the path and the free space) removes its partial directory and leaves every earlier checkpoint as it was.
+Ray then copies it into the run directory file by file (not atomic there), so a checkpoint counts as complete only
+when every file matches ``manifest.json``. Loading verifies the manifest; a corrupt or truncated latest checkpoint
+falls back to the newest older good one with a warning; none good is a :class:`CheckpointError`. Rank 0 picks and
+every rank loads that same one.
 """
 from __future__ import annotations
 

@@ -78,6 +78,7 @@ def run_loop(cfg: Config, *, hooks, run_id: Optional[str] = None) -> None:
         s = setup(cfg, hooks, run_id, phase)
         train(s)
     except torch.cuda.OutOfMemoryError as e:
+        hooks.faults.ballast = None  # an injected fill of the card goes with the error
         raise out_of_memory(cfg, phase, hooks.get_device(), e) from e
     hooks.heartbeat(None)  # done stepping: what follows (the tracker's artifacts) may take long and is no hang
     s.tracker.finish(history=s.rec.history, model=s.opt.model, status="KILLED" if s.stopping else "FINISHED")

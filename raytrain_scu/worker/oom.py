@@ -52,10 +52,10 @@ def _fit_advice(cfg: Config, card_gib: Optional[float], kwargs: dict) -> str:
         return no_fit_message(b, card_gib, USABLE_FRACTION, kwargs).split(". ", 1)[-1]
     if best >= b:  # the estimate says it fits: something else holds memory (another process, fragmentation)
         best = max(1, b // 2)
-        why = "the estimate says it fits, so something else holds card memory; try "
+        why = "The estimate says it fits, so something else holds card memory; try "
     else:
         est = estimate_peak_memory_gib(batch_size=best, **kwargs)["total_gib"]
-        why = f"data.batch_size={best} fits by the estimate (~{est:.1f} GiB): "
+        why = f"data.batch_size={best} fits by the estimate (~{est:.1f} GiB), e.g. "
     if b == 1:
         return why + "model.gradient_checkpointing=true or quant.load_in_4bit=true, or a shorter data.block_size"
     return why + f"data.batch_size={best} data.grad_accum={math.ceil(b * accum / best)} (the same global batch)"
@@ -65,7 +65,7 @@ def out_of_memory(cfg: Config, phase: Phase, device, error: BaseException) -> De
     """The one-line error of ``error``, an out-of-memory error raised in ``phase``."""
     d = cfg.data
     card_gib = device_memory_gib(device)
-    card = f"a {card_gib:.0f} GiB card" if card_gib else f"the {device.type} device"
+    card = f"a {card_gib:.1f} GiB card" if card_gib else f"the {device.type} device"
     micro = f"micro-batch data.batch_size={d.batch_size} x data.block_size={d.block_size}"
     shape = model_shape(cfg)
     kwargs = {**shape, **memory_kwargs(cfg)} if shape else None
