@@ -21,11 +21,9 @@ import os
 from pathlib import Path
 from typing import Iterator
 
-from mlflow.entities import Metric
-
 
 class MetricSpool:
-    """The on-disk buffer of one run's metric points (:mod:`this module's <raytrain_scu.tracking.spool>` format)."""
+    """The on-disk buffer of one run's metric points, in the files this module's docstring describes."""
 
     def __init__(self, path: Path, max_points: int):
         self.path, self.state_path, self.max_points = path, path.with_suffix(".json"), max_points
@@ -45,7 +43,7 @@ class MetricSpool:
         tmp.write_text(json.dumps({"sent": self.sent, "through": self.through, "dropped": self.dropped}))
         os.replace(tmp, self.state_path)
 
-    def append(self, points: list[Metric]) -> None:
+    def append(self, points: list) -> None:
         """Put ``points`` on disk (synced), then drop the oldest waiting ones past ``max_points``."""
         if not points:
             return
@@ -80,8 +78,10 @@ class MetricSpool:
                 if limit and count >= limit:
                     return
 
-    def batches(self, size: int = 1000) -> Iterator[tuple[int, list[Metric]]]:
-        """``(offset after the batch, its points)`` of the waiting points, oldest first."""
+    def batches(self, size: int = 1000) -> Iterator[tuple[int, list]]:
+        """``(offset after the batch, its points as MLflow Metrics)`` of the waiting points, oldest first."""
+        from mlflow.entities import Metric  # imported on the first send: importing mlflow takes seconds
+
         batch, offset = [], self.sent
         for offset, p in self._lines():
             batch.append(Metric(p["k"], p["v"], p["t"], p["s"]))
