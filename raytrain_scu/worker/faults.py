@@ -110,6 +110,7 @@ class Faults:
         if f"{phase}:{step}" not in self.oom_at:
             return
         if device.type == "cuda":
+            torch.cuda.empty_cache()  # blocks the allocator keeps would serve the phase: the driver gets them back
             free, _ = torch.cuda.mem_get_info(device)
             self.ballast = torch.empty(max(0, free - (32 << 20)), dtype=torch.uint8, device=device)
             return

@@ -18,7 +18,7 @@ from raytrain_scu.config.schema import Config
 from raytrain_scu.errors import DeviceOutOfMemory
 from raytrain_scu.hardware.memory import GIB, USABLE_FRACTION, estimate_peak_memory_gib, largest_batch, no_fit_message
 
-PHASES = {"setup": "building the model", "train": "a training step", "eval": "an evaluation",
+PHASES = {"setup": "setting up (the model, the data, a resume)", "train": "a training step", "eval": "an evaluation",
           "checkpoint": "writing a checkpoint"}
 
 
@@ -81,6 +81,10 @@ def out_of_memory(cfg: Config, phase: Phase, device, error: BaseException) -> De
         advice = _fit_advice(cfg, card_gib, kwargs) if kwargs else "lower data.batch_size"
         return DeviceOutOfMemory(f"out of memory on {card} in the first training step (step {phase.step}): {micro}"
                                  f"{estimate}. {advice}")
-    where = f"{PHASES.get(phase.name, phase.name)} at step {phase.step}"
+    where = PHASES.get(phase.name, phase.name)
+    if phase.name == "eval" and phase.step == 0:
+        where = "the evaluation before the first step"
+    elif phase.name != "setup":
+        where += f" at step {phase.step}"
     return DeviceOutOfMemory(f"out of memory on {card} in {where} ({micro}{estimate}); {kept}. "
                              f"{type(error).__name__}: {str(error).splitlines()[0][:200]}")
