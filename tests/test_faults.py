@@ -94,38 +94,38 @@ def fill(path: Path) -> Path:
 @pytest.mark.slow
 def test_a_disk_that_fills_during_a_checkpoint_stops_the_run_and_a_rerun_resumes(ray_local, tmp_path, monkeypatch,
                                                                                  capsys):
-    """Checkpoint 10 written, then the storage fills: the checkpoint of step 20 cannot be written. One `error:` line
-    naming the path and the free space, exit 1, checkpoint 10 intact, the MLflow run FAILED with the reason; once
-    space is freed the same command resumes from checkpoint 10 and finishes."""
+    """Checkpoint 2 written, then the storage fills: the checkpoint of step 4 cannot be written. One `error:` line
+    naming the path and the free space, exit 1, checkpoint 2 intact, the MLflow run FAILED with the reason; once
+    space is freed the same command resumes from checkpoint 2 and finishes."""
     from raytrain_scu.cli.train import main
     from raytrain_scu.tracking import FAILURE_TAG
 
     hold, storage = tmp_path / "hold", tmp_path / "small"
-    args = [TINY, f"run.storage_path={storage}", "run.name=full", "scaling.num_workers=1", "train.max_steps=20",
-            "train.checkpoint_every=10", "train.report_every=5", "run.max_failures=0",
+    args = [TINY, f"run.storage_path={storage}", "run.name=full", "scaling.num_workers=1", "train.max_steps=4",
+            "train.checkpoint_every=2", "train.report_every=2", "run.max_failures=0",
             f"tracking.uri=sqlite:///{tmp_path}/mlflow.db"]  # the MLflow store is elsewhere, as on a cluster
     with small_filesystem(storage) as mounted:
-        if mounted:  # a real ENOSPC: filled once checkpoint 10 is in, so Ray's copy of checkpoint 20 finds no room
-            monkeypatch.setenv("RAYTRAIN_SCU_PAUSE_AT_STEP", "10")
+        if mounted:  # a real ENOSPC: filled once checkpoint 2 is in, so Ray's copy of checkpoint 4 finds no room
+            monkeypatch.setenv("RAYTRAIN_SCU_PAUSE_AT_STEP", "2")
             monkeypatch.setenv("RAYTRAIN_SCU_HOLD_DIR", str(hold))
             box = {}
 
             def filler():
-                wait_for(lambda: (hold / "rank0.pid").exists(), 300, "the pause after step 10")
+                wait_for(lambda: (hold / "rank0.pid").exists(), 300, "the pause after step 2")
                 box["filler"] = fill(storage)
                 (hold / "go").touch()
             threading.Thread(target=filler, daemon=True).start()
         else:  # injected at the writer's fsync, as a full disk under delayed allocation reports it
-            monkeypatch.setenv("RAYTRAIN_SCU_ENOSPC_AT_STEP", "20")
+            monkeypatch.setenv("RAYTRAIN_SCU_ENOSPC_AT_STEP", "4")
         code = main(args)
         err = capsys.readouterr().err
         errors = [line for line in err.splitlines() if line.startswith("error: ")]
         assert code == 1 and len(errors) == 1, err[-3000:]
-        where = f"{storage}/full/checkpoint_00000020 (0 B free of 8.0 MiB)" if mounted else "checkpoint of step 20 to "
+        where = f"{storage}/full/checkpoint_00000004 (0 B free of 8.0 MiB)" if mounted else "checkpoint of step 4 to "
         assert errors[0].startswith("error: DiskFullError: no space left on device writing ") and where in errors[0]
         assert "the checkpoints written before it are intact" in errors[0]
         dirs = sorted(p.name for p in (storage / "full").glob("checkpoint_*") if p.is_dir())
-        assert dirs == ["checkpoint_00000010"] and ckpt.verify(storage / "full" / dirs[0]) is None
+        assert dirs == ["checkpoint_00000002"] and ckpt.verify(storage / "full" / dirs[0]) is None
         client, runs = mlflow_runs(tmp_path, "full")  # tracking.uri is the default store of storage tmp_path
         run = runs[0]
         assert len(runs) == 1 and run.info.status == "FAILED"
@@ -137,11 +137,11 @@ def test_a_disk_that_fills_during_a_checkpoint_stops_the_run_and_a_rerun_resumes
         monkeypatch.delenv("RAYTRAIN_SCU_ENOSPC_AT_STEP", raising=False)
         assert main(args) == 0, capsys.readouterr().err[-3000:]
         out = capsys.readouterr().out
-        assert "resuming from checkpoint_00000010" in out
-        assert ckpt.read_meta(storage / "full" / "checkpoint_00000020")["resumed_at"] == [10]
+        assert "resuming from checkpoint_00000002" in out
+        assert ckpt.read_meta(storage / "full" / "checkpoint_00000004")["resumed_at"] == [2]
         run = client.get_run(run.info.run_id)
         assert run.info.status == "FINISHED"
-    figures(test="enospc", real_tmpfs=mounted, message=errors[0], steps_lost=10)
+    figures(test="enospc", real_tmpfs=mounted, message=errors[0], steps_lost=2)
 
 
 # ---------------------------------------------------------------- S3-compatible storage (moto's server)

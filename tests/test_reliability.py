@@ -255,18 +255,19 @@ def resume_pick_worker(r: int, port: int, roots: list, out: str) -> None:
     from datetime import timedelta
 
     import torch.distributed as tdist
-    from ray.train import Checkpoint
 
-    from raytrain_scu.ray import hooks as launch
+    from raytrain_scu.worker.hooks import LocalHooks
 
     tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=r, world_size=2,
                              timeout=timedelta(seconds=60))
     results = {}
     for case in sorted(os.listdir(roots[r])):
-        latest = Checkpoint.from_directory(str(Path(roots[r]) / case / "checkpoint_00000020"))
+        # the run directory's checkpoints, newest first, as Ray's candidates are (without importing Ray in the two
+        # spawned processes: the candidates' listing is test_resume_considers_every_checkpoint_on_disk_newest_first)
+        hooks = LocalHooks(device=torch.device("cpu"), run_dir=Path(roots[r]) / case)
         try:
             with contextlib.ExitStack() as stack:
-                local, _ = launch.open_checkpoint(latest, stack)
+                local, _ = hooks.open_checkpoint(stack)
                 results[case] = ckpt.read_meta(local)["step"]
         except ckpt.CheckpointError as e:
             results[case] = str(e)

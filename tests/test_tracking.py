@@ -110,12 +110,29 @@ def test_extending_a_run_records_the_config_change(restarted, capsys):
     assert sorted(m.step for m in client.get_metric_history(r.info.run_id, "ctrl/lambda")) == list(range(0, 13))
 
 
-def test_unreachable_tracking_server_does_not_stop_training(ray_local, tmp_path):
+def test_unreachable_tracking_server_does_not_stop_training(tmp_path):
+    """Nothing listens at tracking.uri. The driver notes it and goes on without an MLflow run (every later MLflow call
+    of the driver needs one, so the rest of its path is a run with no run id); rank 0's loop (in this process, the
+    loop with LocalHooks) trains to the end, checkpoints, and keeps its points on disk for a later run of the name."""
+    import torch
+
+    from raytrain_scu.config.paths import RunPaths
+    from raytrain_scu.driver.run import open_tracking
+    from raytrain_scu.tracking.spool import MetricSpool
+    from raytrain_scu.worker.hooks import LocalHooks
+    from raytrain_scu.worker.loop import run_loop
+
     cfg = tiny_cfg(tmp_path, "offline", "scaling.num_workers=1", "train.max_steps=6", "train.report_every=3",
                    "train.checkpoint_every=3", f"tracking.uri=http://127.0.0.1:{free_port()}")  # nothing listens
-    summary = run(cfg, quiet=True)
-    assert summary["steps"] == 6 and summary["adapter"]
-    assert any("MLflow unreachable" in n for n in summary["notes"])
+    notes = []
+    assert open_tracking(cfg, notes) is None and any("MLflow unreachable" in n for n in notes)
+    hooks = LocalHooks(device=torch.device("cpu"), run_dir=tmp_path / "offline")
+    with pytest.warns(UserWarning, match="MLflow connect failed"):
+        run_loop(cfg, hooks=hooks)
+    assert [r["step"] for r in hooks.reports] == [3, 6]
+    assert (tmp_path / "offline" / "checkpoint_00000006" / "adapter" / "adapter_model.safetensors").is_file()
+    spool = MetricSpool(RunPaths.of(cfg).metric_buffer, cfg.tracking.buffer_max_points)
+    assert spool.waiting > 0 and spool.through == 6  # every step's points wait, on disk
 
 
 # ---------------------------------------------------------------- the tracking server goes away and comes back

@@ -122,7 +122,7 @@ def run(cfg: Config, *, quiet: bool = False, verbose: bool = False) -> dict:
     return summary
 
 
-def _open_tracking(cfg: Config, notes: list) -> Optional[str]:
+def open_tracking(cfg: Config, notes: list) -> Optional[str]:
     """The MLflow run this training run logs into (None with tracking off or the store unreachable)."""
     if not cfg.tracking.enabled:
         return None
@@ -139,7 +139,7 @@ def _open_tracking(cfg: Config, notes: list) -> Optional[str]:
 def _run(cfg: Config, facts: dict, *, verbose: bool) -> dict:
     """Open the MLflow run, train on Ray Train, summarize; end the MLflow run with how it went."""
     notes: list = []
-    run_id = _open_tracking(cfg, notes)
+    run_id = open_tracking(cfg, notes)
     status, reason, ray_logs = "FAILED", None, None
     try:
         changes = record_config_change(cfg, run_id, facts["resume_from"], notes)
