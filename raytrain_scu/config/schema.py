@@ -104,10 +104,10 @@ class TrainConfig:
     max_consecutive_skips: int = 10  # skipped steps in a row before the run stops (fp16 scaler overflows never count)
     stop_on_saturation: bool = False  # end the run once λ has settled (ctrl/saturated_step)
     profile_steps: int = 0  # the last N steps under torch.profiler, each rank's table in <run dir>/profile/ (0 = off)
-    # seconds without a completed step (on any rank) before the driver kills the worker group, which Ray Train then
-    # restarts from the last checkpoint within run.max_failures; the clock of each attempt starts at its first
-    # completed step, so model loading, a resume and the first step's compile never count. None = per device
-    # (HANG_TIMEOUT_S); 0 = off
+    # seconds without a completed step before the driver kills the worker group, which Ray Train restarts from the
+    # last checkpoint (within run.max_failures); null = per device (HANG_TIMEOUT_S: 300 on CPU, 1800 on GPU), 0 = off.
+    # The clock of each worker group starts at its first completed step: loading, resuming, the first compile never
+    # count
     hang_timeout_s: Optional[float] = None
 
 
