@@ -558,9 +558,9 @@ def test_consecutive_nonfinite_steps_stop_the_run_with_a_clear_error(ray_local, 
     from raytrain_scu.tracking import FAILURE_TAG
 
     monkeypatch.setenv("RAYTRAIN_SCU_NAN_AT_STEPS", "7,8,9")
-    code = main([TINY, f"run.storage_path={tmp_path}", "run.name=diverge", "train.max_steps=10",
-                 "train.checkpoint_every=2", "train.report_every=2", "train.max_consecutive_skips=3",
-                 "run.max_failures=0", "run.num_to_keep=10"])
+    code = main([TINY, f"run.storage_path={tmp_path}", "run.name=diverge", "scaling.num_workers=1",
+                 "train.max_steps=10", "train.checkpoint_every=2", "train.report_every=2",
+                 "train.max_consecutive_skips=3", "run.max_failures=0", "run.num_to_keep=10"])
     err = capsys.readouterr().err
     assert code == 1, err[-3000:]
     line = ("error: NonFiniteError: 3 optimizer steps in a row had a non-finite loss or gradient (last at step 9); "
@@ -620,11 +620,11 @@ def launch_cli(*overrides, env: dict, out: Path) -> subprocess.Popen:
 def secret_run(tmp_path_factory):
     """Two launches of one run name started at the same moment, each a real CLI in its own session with secrets in
     the environment of the driver, raylet and workers. The one that takes the run's lock trains it (its own Ray;
-    MLflow on sqlite; checkpoints at 2, 4, 6, 8 with run.num_to_keep=2); the other must exit 2 before Ray.
-    Returns (storage, the winner, the loser), each a dict of rc, pid, out, err and seconds."""
+    MLflow on sqlite; one worker; checkpoints at 2, 4, 6, 8 with run.num_to_keep=2); the other must exit 2 before
+    Ray. Returns (storage, the winner, the loser), each a dict of rc, pid, out, err and seconds."""
     storage, logs = tmp_path_factory.mktemp("secret"), tmp_path_factory.mktemp("secret-logs")
-    args = [f"run.storage_path={storage}", "run.name=sec", "train.max_steps=8", "train.checkpoint_every=2",
-            "train.report_every=2", "run.num_to_keep=2"]
+    args = [f"run.storage_path={storage}", "run.name=sec", "scaling.num_workers=1", "train.max_steps=8",
+            "train.checkpoint_every=2", "train.report_every=2", "run.num_to_keep=2"]
     t0 = time.time()
     procs = [launch_cli(*args, env=SECRETS, out=logs / f"launch{i}") for i in range(2)]
     runs = [{"pid": p.pid} for p in procs]
