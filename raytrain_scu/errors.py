@@ -67,6 +67,17 @@ class NotLearningError(RuntimeError):
     """The LoRA B matrices are still exactly zero after optimizer steps: no data gradient reached the adapters."""
 
 
+class DiskFullError(RuntimeError):
+    """No space was left for a write the run needs (a checkpoint, the exported adapter); the message names the path
+    and the free space there. The checkpoint before it stays intact, and a re-run resumes from it once space is
+    freed."""
+
+
+class DeviceOutOfMemory(RuntimeError):
+    """The accelerator ran out of memory; the message names the phase (a training step, an evaluation, a checkpoint),
+    the micro-batch and the memory estimate, and what would fit."""
+
+
 class InjectedFault(RuntimeError):
     """A failure raised on purpose by fault injection (tests and reliability drills)."""
 

@@ -224,7 +224,7 @@ def plant_param_bpt(lam, w2, data_bpt=2.0):
 
 
 def run_plant(c, steps, target_change=None):
-    w2, sats = 1.0, []
+    w2 = 1.0
     for t in range(steps):
         if target_change and t == target_change[0]:
             c.target_s = target_change[1]

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, cli, free_port, mlflow_runs, tiny_cfg
+from conftest import ROOT, TINY, free_port, mlflow_runs, tiny_cfg
 from safetensors.torch import load_file
 
 from raytrain_scu.core import checkpoint as ckpt
@@ -255,18 +255,19 @@ def resume_pick_worker(r: int, port: int, roots: list, out: str) -> None:
     from datetime import timedelta
 
     import torch.distributed as tdist
-    from ray.train import Checkpoint
 
-    from raytrain_scu.ray import hooks as launch
+    from raytrain_scu.worker.hooks import LocalHooks
 
     tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=r, world_size=2,
                              timeout=timedelta(seconds=60))
     results = {}
     for case in sorted(os.listdir(roots[r])):
-        latest = Checkpoint.from_directory(str(Path(roots[r]) / case / "checkpoint_00000020"))
+        # the run directory's checkpoints, newest first, as Ray's candidates are (without importing Ray in the two
+        # spawned processes: the candidates' listing is test_resume_considers_every_checkpoint_on_disk_newest_first)
+        hooks = LocalHooks(device=torch.device("cpu"), run_dir=Path(roots[r]) / case)
         try:
             with contextlib.ExitStack() as stack:
-                local, _ = launch.open_checkpoint(latest, stack)
+                local, _ = hooks.open_checkpoint(stack)
                 results[case] = ckpt.read_meta(local)["step"]
         except ckpt.CheckpointError as e:
             results[case] = str(e)
@@ -317,19 +318,40 @@ def figures(**kw) -> None:
     print("RELIABILITY " + json.dumps(kw))
 
 
-# ---------------------------------------------------------------- worker killed with SIGKILL (Ray restarts it)
+# ---------------------------------------------------------------- workers killed (SIGKILL) or hung (SIGSTOP)
+
+FAULT_RUN = ["train.max_steps=20", "train.checkpoint_every=10", "train.report_every=5", "run.max_failures=2"]
+
+
+@pytest.fixture(scope="module")
+def clean_run(ray_local, tmp_path_factory):
+    """(summary, seconds) of one uninterrupted 2-worker run of FAULT_RUN: the run the killed and the hung runs must
+    end equal to."""
+    from raytrain_scu.driver.run import run
+
+    t0 = time.time()
+    clean = run(tiny_cfg(tmp_path_factory.mktemp("clean"), "clean", "tracking.enabled=false", *FAULT_RUN),
+                quiet=True)
+    return clean, time.time() - t0
+
+
+def assert_same_end(clean: dict, faulty: dict) -> float:
+    """The faulty run ended where the uninterrupted one did: final adapter and controller state within 1e-6; returns
+    the adapter's max |Δ|."""
+    diff = max_abs_diff(adapter(clean["adapter"]), adapter(faulty["adapter"]))
+    assert diff <= 1e-6
+    ends = [checkpoint_dirs(s["run_dir"])[-1] for s in (clean, faulty)]
+    assert_close_tree(*(json.loads((d / "controller.json").read_text()) for d in ends))
+    return diff
+
 
 @pytest.mark.slow
-def test_sigkill_worker_mid_run_recovers_exactly(ray_local, tmp_path, monkeypatch):
+def test_sigkill_worker_mid_run_recovers_exactly(clean_run, tmp_path, monkeypatch):
     import psutil
 
     from raytrain_scu.driver.run import run
 
-    common = ["train.max_steps=30", "train.checkpoint_every=10", "train.report_every=5", "run.max_failures=2"]
-    t0 = time.time()
-    clean = run(tiny_cfg(tmp_path, "clean", "tracking.enabled=false", *common), quiet=True)
-    clean_s = time.time() - t0
-
+    clean, clean_s = clean_run
     hold = tmp_path / "hold"
     monkeypatch.setenv("RAYTRAIN_SCU_HOLD_AT_STEP", "15")  # both ranks stop after step 15 and wait to be killed
     monkeypatch.setenv("RAYTRAIN_SCU_HOLD_DIR", str(hold))
@@ -348,37 +370,88 @@ def test_sigkill_worker_mid_run_recovers_exactly(ray_local, tmp_path, monkeypatc
 
     threading.Thread(target=killer, daemon=True).start()
     t0 = time.time()
-    cut = run(tiny_cfg(tmp_path, "cut", *common), quiet=True)
+    cut = run(tiny_cfg(tmp_path, "cut", *FAULT_RUN), quiet=True)
     cut_s = time.time() - t0
     assert "error" not in kill and "RayTrainWorker" in kill["cmdline"]
     assert held_pids(hold, 2)[0] == kill["pid"]  # the restart did not start over: nobody reached step 15 again
     assert not psutil.pid_exists(kill["pid"]) or psutil.Process(kill["pid"]).status() == psutil.STATUS_ZOMBIE
 
     # it completed, from the checkpoint that existed when the worker died
-    assert cut["steps"] == 30 and kill["ckpts"] == ["checkpoint_00000010"]
+    assert cut["steps"] == 20 and kill["ckpts"] == ["checkpoint_00000010"]
     last = checkpoint_dirs(tmp_path / "cut")[-1]
-    assert last.name == "checkpoint_00000030"
+    assert last.name == "checkpoint_00000020"
     meta = ckpt.read_meta(last)
     assert meta["resumed_at"] == [10]
     steps_lost = kill["step"] - meta["resumed_at"][0]  # steps done before the kill and redone after it
     assert steps_lost == 5  # killed after step 15, last checkpoint at 10 (bound: train.checkpoint_every)
 
     # same final adapter and controller state as the uninterrupted run, within 1e-6 (figures() prints the max |Δ|)
-    diff = max_abs_diff(adapter(clean["adapter"]), adapter(cut["adapter"]))
-    assert diff <= 1e-6
-    clean_last = checkpoint_dirs(tmp_path / "clean")[-1]
-    assert_close_tree(json.loads((clean_last / "controller.json").read_text()),
-                      json.loads((last / "controller.json").read_text()))
+    diff = assert_same_end(clean, cut)
 
     # one MLflow run; every step logged exactly once
     mrun, client = mlflow_run(tmp_path, "cut")
     assert mrun.info.status == "FINISHED"
     for key in ("ctrl/lambda", "train/data_bpt"):
         steps = [m.step for m in client.get_metric_history(mrun.info.run_id, key)]
-        assert sorted(steps) == list(range(0 if key == "ctrl/lambda" else 1, 31)), key
+        assert sorted(steps) == list(range(0 if key == "ctrl/lambda" else 1, 21)), key
     figures(test="sigkill", kill_step=15, resumed_at=meta["resumed_at"], steps_lost=steps_lost,
             adapter_max_abs_diff=diff, clean_s=round(clean_s, 1), killed_run_s=round(cut_s, 1),
             recovery_s=round(time.time() - kill["t"], 1))
+
+
+def stop_one_worker(hold: Path, out: dict, rank: int = 1) -> None:
+    """Once both workers paused after step 10 (RAYTRAIN_SCU_PAUSE_AT_STEP): SIGSTOP rank ``rank``, let the other go on
+    (into the next step's all-reduce, where it waits for the stopped one), and wait for the watchdog to kill the
+    stopped process. A watchdog that never fires fails the test instead of hanging it: after 300 s this kills it."""
+    import psutil
+
+    try:
+        pids = wait_for(lambda: held_pids(hold, 2), 300, "both workers to pause after step 10")
+        # the clock: the later rank's pid file, written just after its heartbeat of step 10
+        out.update(pid=pids[rank], cmdline=" ".join(psutil.Process(pids[rank]).cmdline()),
+                   t=max(f.stat().st_mtime for f in hold.glob("rank*.pid")))
+        os.kill(pids[rank], signal.SIGSTOP)
+        (hold / "go").touch()
+        t0 = time.time()
+        while psutil.pid_exists(pids[rank]) and psutil.Process(pids[rank]).status() != psutil.STATUS_ZOMBIE:
+            if time.time() - t0 > 300:
+                out["error"] = "the stopped worker was never killed"
+                os.kill(pids[rank], signal.SIGKILL)
+                return
+            time.sleep(0.5)
+        out["killed_after_s"] = time.time() - out["t"]
+    except Exception as e:  # noqa: BLE001 - reported by the test body
+        out["error"] = repr(e)
+
+
+@pytest.mark.slow
+def test_hung_worker_is_killed_by_the_watchdog_and_the_run_recovers_exactly(clean_run, tmp_path, monkeypatch,
+                                                                          capsys):
+    from raytrain_scu.driver.run import run
+
+    clean, _ = clean_run
+    hold = tmp_path / "hold"
+    monkeypatch.setenv("RAYTRAIN_SCU_PAUSE_AT_STEP", "10")  # after step 10 and its checkpoint, until hold/go
+    monkeypatch.setenv("RAYTRAIN_SCU_HOLD_DIR", str(hold))
+    stop = {}
+    threading.Thread(target=stop_one_worker, args=(hold, stop), daemon=True).start()
+    t0 = time.time()
+    hung = run(tiny_cfg(tmp_path, "hung", *FAULT_RUN, "train.hang_timeout_s=30", "tracking.enabled=false"),
+               quiet=True)
+    hung_s = time.time() - t0
+    out = capsys.readouterr().out
+    assert "error" not in stop and "RayTrainWorker" in stop["cmdline"], stop
+    # found from outside after the timeout (the stopped process runs nothing), not much later
+    assert 29.5 <= stop["killed_after_s"] < 30 + 60, stop
+    notice = [line for line in out.splitlines() if "no step completed in" in line]
+    assert len(notice) == 1 and "train.hang_timeout_s=30" in notice[0] and str(stop["pid"]) in notice[0], out
+    assert "killed the worker group" in notice[0] and "last completed step 10" in notice[0]
+    last = checkpoint_dirs(tmp_path / "hung")[-1]
+    assert hung["steps"] == 20 and last.name == "checkpoint_00000020"
+    assert ckpt.read_meta(last)["resumed_at"] == [10]  # paused right after checkpoint 10: no step lost
+    diff = assert_same_end(clean, hung)
+    figures(test="sigstop", stop_step=10, resumed_at=[10], steps_lost=0, adapter_max_abs_diff=diff,
+            killed_after_s=round(stop["killed_after_s"], 1), hung_run_s=round(hung_s, 1))
 
 
 # ---------------------------------------------------------------- non-finite loss or gradients
@@ -437,14 +510,24 @@ def test_a_real_grad_scaler_overflow_is_an_overflow_not_a_skipped_step():
     assert torch.equal(layer.weight, w2) and layer.weight.grad is None
 
 
-@pytest.mark.slow
-def test_nonfinite_steps_are_skipped_and_counted(ray_local, tmp_path, monkeypatch):
-    from raytrain_scu.driver.run import run
+def local_run(tmp_path, name, *overrides):
+    """The loop in this process (no Ray), one worker, its checkpoints kept in ``<tmp_path>/<name>`` as Ray would keep
+    them, resuming from the newest good one there; returns its hooks (the reports)."""
+    from raytrain_scu.worker.hooks import LocalHooks
+    from raytrain_scu.worker.loop import run_loop
 
+    hooks = LocalHooks(device=torch.device("cpu"), run_dir=tmp_path / name)
+    run_loop(tiny_cfg(tmp_path, name, "scaling.num_workers=1", *overrides), hooks=hooks)
+    return hooks
+
+
+def test_nonfinite_steps_are_skipped_and_counted(tmp_path, monkeypatch):
+    # the loop in this process: what a skipped step leaves unchanged needs no Ray (the ranks agree on a skip
+    # because the skip is decided on all-reduced values: test_train.py's ranks-agree test)
     monkeypatch.setenv("RAYTRAIN_SCU_NAN_AT_STEPS", "5,6")  # the loss of steps 5 and 6 is multiplied by NaN
-    s = run(tiny_cfg(tmp_path, "nan", "tracking.enabled=false", "train.max_steps=8", "train.checkpoint_every=2",
-                     "train.report_every=2", "run.num_to_keep=10"), quiet=True)
-    assert s["steps"] == 8
+    hooks = local_run(tmp_path, "nan", "tracking.enabled=false", "train.max_steps=8", "train.checkpoint_every=2",
+                      "train.report_every=2")
+    assert [r["step"] for r in hooks.reports] == [2, 4, 6, 8]
     c = {int(d.name[-8:]): d for d in checkpoint_dirs(tmp_path / "nan")}
     assert sorted(c) == [2, 4, 6, 8]
     # no optimizer step and no controller update on the skipped steps: state after 6 == state after 4
@@ -466,73 +549,166 @@ def test_nonfinite_steps_are_skipped_and_counted(ray_local, tmp_path, monkeypatc
 
 
 @pytest.mark.slow
-def test_consecutive_nonfinite_steps_stop_the_run_with_a_clear_error(ray_local, tmp_path):
-    # the CLI, joined to the test's Ray instance: exit code and the one-line root cause, not Ray's wrapping
-    r = cli(f"run.storage_path={tmp_path}", "run.name=diverge", "train.max_steps=12", "train.checkpoint_every=2",
-            "train.report_every=2", "train.max_consecutive_skips=3", "run.max_failures=0", "run.num_to_keep=10",
-            env={"RAYTRAIN_SCU_NAN_AT_STEPS": "7,8,9", "RAY_ADDRESS": ray_local.get_runtime_context().gcs_address})
-    assert r.returncode == 1, r.stderr[-3000:]
-    assert ("error: NonFiniteError: 3 optimizer steps in a row had a non-finite loss or gradient (last at step 9); "
-            "the last good checkpoint is kept") in r.stderr
-    assert "_run_module_as_main" not in r.stderr  # no driver traceback
+def test_consecutive_nonfinite_steps_stop_the_run_with_a_clear_error(ray_local, tmp_path, monkeypatch, capsys):
+    # the CLI's main in this process, on the test's Ray instance: exit code and the one-line root cause, not Ray's
+    # wrapping
+    from conftest import TINY
+
+    from raytrain_scu.cli.train import main
+    from raytrain_scu.tracking import FAILURE_TAG
+
+    monkeypatch.setenv("RAYTRAIN_SCU_NAN_AT_STEPS", "7,8,9")
+    code = main([TINY, f"run.storage_path={tmp_path}", "run.name=diverge", "scaling.num_workers=1",
+                 "train.max_steps=10", "train.checkpoint_every=2", "train.report_every=2",
+                 "train.max_consecutive_skips=3", "run.max_failures=0", "run.num_to_keep=10"])
+    err = capsys.readouterr().err
+    assert code == 1, err[-3000:]
+    line = ("error: NonFiniteError: 3 optimizer steps in a row had a non-finite loss or gradient (last at step 9); "
+            "the last good checkpoint is kept")
+    assert line in err and "Traceback" not in err  # no driver traceback
     # the last good checkpoints stay on disk and verify; nothing was written after the stop
     dirs = checkpoint_dirs(tmp_path / "diverge")
     assert [d.name[-2:] for d in dirs] == ["02", "04", "06", "08"] and all(ckpt.verify(d) is None for d in dirs)
     assert max_abs_diff(adapter(dirs[2]), adapter(dirs[3])) == 0.0  # step 8 was skipped: same weights as step 6
     mrun, _ = mlflow_run(tmp_path, "diverge")
-    assert mrun.info.status == "FAILED"
+    assert mrun.info.status == "FAILED" and line[len("error: "):] in mrun.data.tags[FAILURE_TAG]
 
 
 # ---------------------------------------------------------------- corrupt or truncated checkpoints in a real run
 
-@pytest.mark.slow
-def test_corrupt_latest_checkpoint_falls_back_then_none_good_is_a_clear_error(ray_local, tmp_path, capfd):
+def test_corrupt_latest_checkpoint_falls_back_then_none_good_is_a_clear_error(tmp_path, capfd):
+    # the loop in this process resumes as under Ray (the newest good checkpoint in the run directory; Ray's own
+    # candidates: test_fallback_... and test_resume_considers_...); the driver's checks before Ray are the real ones
+    from raytrain_scu.driver.preflight import resume_point
     from raytrain_scu.driver.run import run
     from raytrain_scu.errors import PreflightError
 
     args = ["tracking.enabled=false", "train.max_steps=20", "train.checkpoint_every=10", "train.report_every=5"]
-    first = run(tiny_cfg(tmp_path, "c", *args), quiet=True)
+    local_run(tmp_path, "c", *args)
     run_dir = tmp_path / "c"
     assert [d.name for d in checkpoint_dirs(run_dir)] == ["checkpoint_00000010", "checkpoint_00000020"]
-    good_adapter = adapter(first["adapter"])
+    good_adapter = adapter(run_dir / "checkpoint_00000020")
     truncate(run_dir / "checkpoint_00000020" / "state.pt")
 
-    again = run(tiny_cfg(tmp_path, "c", *args), quiet=True)
+    capfd.readouterr()
+    assert resume_point(tiny_cfg(tmp_path, "c", *args))[0].name == "checkpoint_00000010"
     assert "bad checkpoint(s)" in capfd.readouterr().err  # the driver's warning, before any worker starts
+    again = local_run(tmp_path, "c", *args)
     redone = run_dir / "checkpoint_00000020_from00000010"  # resumed at 10, redid 11..20 under a new name
-    assert again["steps"] == 20 and ckpt.verify(redone) is None
+    assert again.reports[-1]["step"] == 20 and ckpt.verify(redone) is None
     assert ckpt.read_meta(redone)["resumed_at"] == [10]
     assert max_abs_diff(good_adapter, adapter(redone)) <= 1e-6
 
     for d in checkpoint_dirs(run_dir):
         flip_byte(d / "adapter" / "adapter_model.safetensors")
     with pytest.raises(PreflightError, match="no usable checkpoint in .*checksum mismatch.*use a new run.name"):
-        run(tiny_cfg(tmp_path, "c", *args), quiet=True)
+        run(tiny_cfg(tmp_path, "c", *args), quiet=True)  # before Ray: this process has none
 
 
 # ---------------------------------------------------------------- secrets, disk, a structurally different resume
 
+def launch_cli(*overrides, env: dict, out: Path) -> subprocess.Popen:
+    """``python -m raytrain_scu.train experiments/tiny-cpu.yaml *overrides`` in a session of its own (setsid), its own
+    Ray, stdout and stderr to ``out``.{out,err}."""
+    full_env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    full_env.update({"RAY_AUTH_MODE": "disabled", **env})
+    return subprocess.Popen([sys.executable, "-m", "raytrain_scu.train", TINY, *overrides], cwd=ROOT, env=full_env,
+                            stdout=open(f"{out}.out", "w"), stderr=open(f"{out}.err", "w"), start_new_session=True)
+
+
 @pytest.fixture(scope="module")
 def secret_run(tmp_path_factory):
-    """One real CLI run (its own Ray) with secrets in the environment of the driver, raylet and workers;
-    MLflow tracking on (sqlite), checkpoints at 5, 10, 15, 20 with run.num_to_keep=2."""
-    storage = tmp_path_factory.mktemp("secret")
+    """Two launches of one run name started at the same moment, each a real CLI in its own session with secrets in
+    the environment of the driver, raylet and workers. The one that takes the run's lock trains it (its own Ray;
+    MLflow on sqlite; one worker; checkpoints at 2, 4, 6, 8 with run.num_to_keep=2); the other must exit 2 before
+    Ray. Returns (storage, the winner, the loser), each a dict of rc, pid, out, err and seconds."""
+    storage, logs = tmp_path_factory.mktemp("secret"), tmp_path_factory.mktemp("secret-logs")
+    args = [f"run.storage_path={storage}", "run.name=sec", "scaling.num_workers=1", "train.max_steps=8",
+            "train.checkpoint_every=2", "train.report_every=2", "run.num_to_keep=2"]
     t0 = time.time()
-    r = cli(f"run.storage_path={storage}", "run.name=sec", "train.max_steps=20", "train.checkpoint_every=5",
-            "train.report_every=5", "run.num_to_keep=2", env={**SECRETS, "RAY_ADDRESS": ""})
-    assert r.returncode == 0, r.stderr[-3000:]
-    return storage, r, time.time() - t0
+    procs = [launch_cli(*args, env=SECRETS, out=logs / f"launch{i}") for i in range(2)]
+    runs = [{"pid": p.pid} for p in procs]
+    while any(p.poll() is None for p in procs) and time.time() - t0 < 900:
+        for r, p in zip(runs, procs):
+            if p.poll() is not None and "seconds" not in r:
+                r.update(seconds=time.time() - t0, others_running=[q.poll() is None for q in procs if q is not p])
+        time.sleep(0.2)
+    for i, (r, p) in enumerate(zip(runs, procs)):
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+        r.update(rc=p.wait(), out=(logs / f"launch{i}.out").read_text(), err=(logs / f"launch{i}.err").read_text())
+        r.setdefault("seconds", time.time() - t0)
+    winner, loser = sorted(runs, key=lambda r: r["rc"] != 0)
+    assert winner["rc"] == 0, winner["err"][-3000:]
+    return storage, winner, loser
+
+
+@pytest.mark.slow
+def test_two_launches_of_one_run_one_trains_and_the_other_exits_2_naming_it(secret_run):
+    import socket
+
+    storage, winner, loser = secret_run
+    assert loser["rc"] == 2, loser["err"][-3000:]
+    lock = storage / "sec" / ".lock"
+    errors = [line for line in loser["err"].splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and errors[0].startswith(
+        f"error: run sec is already being trained: its lock {lock} is held by pid {winner['pid']} on host "
+        f"{socket.gethostname()} since "), loser["err"]
+    assert "raytrain_scu/train.py" in errors[0] and "run.name=sec" in errors[0]  # and its command
+    # at once, before Ray: while the winner was still training
+    assert loser["others_running"] == [True] and loser["seconds"] < 60, loser
+    assert "Started a local Ray instance" not in loser["out"] + loser["err"]
+    mrun, _ = mlflow_run(storage, "sec")  # exactly one MLflow run, and it finished
+    assert mrun.info.status == "FINISHED" and "run sec" in winner["out"]
+    assert lock.read_text() == ""  # a clean end leaves no holder record to take over
+    figures(test="two_launches", loser_exit_s=round(loser["seconds"], 1), winner_s=round(winner["seconds"], 1))
+
+
+def test_a_held_run_lock_is_refused_and_a_stale_one_taken_over(tmp_path, capsys, monkeypatch):
+    """The lock alone (no training): a live holder in another process is named; once that process is killed (the
+    kernel drops its flock, its record stays), the next taker says whose lock it took over. Remote storage: the lock
+    lives on this machine, keyed by the run's URI."""
+    import socket
+
+    from raytrain_scu.driver.lock import run_lock
+    from raytrain_scu.errors import RunLocked
+
+    monkeypatch.setenv("RAYTRAIN_SCU_CACHE", str(tmp_path / "cache"))
+    for storage in (str(tmp_path / "runs"), "s3://bucket/runs?endpoint_override=http://127.0.0.1:1"):
+        holder = subprocess.Popen([sys.executable, "-c", (
+            "import sys, time; sys.path.insert(0, 'tests'); from conftest import tiny_cfg; "
+            "from raytrain_scu.driver.lock import acquire; "
+            f"acquire(tiny_cfg({storage!r}, 'x', 'tracking.enabled=false')); print('held', flush=True); "
+            "time.sleep(300)")], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+        try:
+            assert holder.stdout.readline().strip() == "held"
+            cfg = tiny_cfg(storage, "x", "tracking.enabled=false")
+            with pytest.raises(RunLocked, match=f"held by pid {holder.pid} on host {socket.gethostname()} since "):
+                with run_lock(cfg):
+                    pass
+        finally:
+            holder.kill()
+            holder.wait()
+        capsys.readouterr()
+        with run_lock(cfg):
+            with run_lock(cfg):  # nested in one process: no second flock, no refusal of itself
+                pass
+        err = capsys.readouterr().err
+        assert f"took over the stale lock of run x: its holder, pid {holder.pid} on host" in err and "is gone" in err
+        with run_lock(cfg):  # released cleanly: nothing stale to say
+            pass
+        assert "stale" not in capsys.readouterr().err
 
 
 @pytest.mark.slow
 def test_secrets_from_the_environment_are_never_logged_or_dumped(secret_run):
-    storage, r, _ = secret_run
+    storage, winner, loser = secret_run
     files = [p for p in storage.rglob("*") if p.is_file()]
     assert any(p.name == "mlflow.db" for p in files) and any(p.name == "config.yaml" for p in files)
     mrun, client = mlflow_run(storage, "sec")
     assert len(mrun.data.params) > 50  # the params were logged, just not the secrets
     for name, secret in SECRETS.items():
-        assert secret not in r.stdout + r.stderr, name
+        assert all(secret not in r["out"] + r["err"] for r in (winner, loser)), name
         leaks = [str(p) for p in files if secret.encode() in p.read_bytes()]  # MLflow db, artifacts, checkpoints
         assert not leaks, (name, leaks)
         assert not any(secret in str(v) for v in {**mrun.data.params, **mrun.data.tags}.values()), name
@@ -571,13 +747,15 @@ def test_tracking_uri_credentials_are_redacted_in_warnings(tmp_path):
 
 @pytest.mark.slow
 def test_old_checkpoints_beyond_num_to_keep_are_removed(secret_run):
-    storage, _, run_s = secret_run
+    storage, winner, _ = secret_run
+    run_s = winner["seconds"]
     dirs = checkpoint_dirs(storage / "sec")
-    # 4 checkpoints reported (5, 10, 15, 20); Ray keeps the 2 best by val/data_bpt plus always the latest
+    # 4 checkpoints reported (2, 4, 6, 8); Ray keeps the 2 best by val/data_bpt plus always the latest
     rows = torch.load(dirs[-1] / "state.pt", weights_only=False)["history"]
-    val_bpt = {r["step"]: r["val/data_bpt"] for r in rows if r["step"] in (5, 10, 15, 20)}
+    val_bpt = {r["step"]: r["val/data_bpt"] for r in rows if r["step"] in (2, 4, 6, 8)}
     best_two = sorted(val_bpt, key=val_bpt.get)[:2]
-    assert [int(d.name[-8:]) for d in dirs] == sorted({*best_two, 20}), (val_bpt, [d.name for d in dirs])
+    assert len(val_bpt) == 4 and [int(d.name[-8:]) for d in dirs] == sorted({*best_two, 8}), (
+        val_bpt, [d.name for d in dirs])
     assert all(ckpt.verify(d) is None for d in dirs)
     size = {d.name: sum(f.stat().st_size for f in d.rglob("*") if f.is_file()) for d in dirs}
     figures(test="disk", checkpoints_reported=4, checkpoints_left=len(dirs), checkpoint_bytes=size,
@@ -585,27 +763,39 @@ def test_old_checkpoints_beyond_num_to_keep_are_removed(secret_run):
             cli_run_s=round(run_s, 1))
 
 
+@pytest.fixture
+def no_ray(monkeypatch):
+    """The CLI's main in this process, where starting Ray fails the test (as in test_bad_inputs.py)."""
+    from raytrain_scu.cli.train import main
+    from raytrain_scu.ray import launch
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("Ray was about to start: the bad input was not caught early")
+
+    monkeypatch.setattr(launch, "init_ray", refuse)
+    return main
+
+
 @pytest.mark.slow
-def test_resuming_a_structurally_different_checkpoint_is_refused_before_ray(secret_run):
+def test_resuming_a_structurally_different_checkpoint_is_refused_before_ray(secret_run, no_ray, capsys):
     storage, _, _ = secret_run
-    r = cli(f"run.storage_path={storage}", "run.name=sec", "train.max_steps=20", "lora.r=8", env={"RAY_ADDRESS": ""})
-    assert r.returncode == 2, r.stderr[-2000:]
-    assert "lora.r: checkpoint has 4, config has 8" in r.stderr and "use a new run.name" in r.stderr.lower()
-    assert "Started a local Ray instance" not in r.stdout + r.stderr
-    print(f"BAD_INPUT {json.dumps({'case': 'resume with a different lora.r', 'message': r.stderr.strip()})}")
+    code = no_ray([TINY, f"run.storage_path={storage}", "run.name=sec", "train.max_steps=8", "lora.r=8"])
+    err = capsys.readouterr().err
+    assert code == 2, err[-2000:]
+    assert "lora.r: checkpoint has 4, config has 8" in err and "use a new run.name" in err.lower()
+    print(f"BAD_INPUT {json.dumps({'case': 'resume with a different lora.r', 'message': err.strip()})}")
 
 
 @pytest.mark.slow
-def test_resuming_with_changed_data_is_refused_before_ray(secret_run):
+def test_resuming_with_changed_data_is_refused_before_ray(secret_run, no_ray, capsys):
     # fewer documents: another tokens_per_epoch, which would rescale ParamBPT and S from the resumed step on
     storage, _, _ = secret_run
-    r = cli(f"run.storage_path={storage}", "run.name=sec", "train.max_steps=20", "data.max_documents=5",
-            env={"RAY_ADDRESS": ""})
-    assert r.returncode == 2, r.stderr[-2000:]
+    code = no_ray([TINY, f"run.storage_path={storage}", "run.name=sec", "train.max_steps=8", "data.max_documents=5"])
+    err = capsys.readouterr().err
+    assert code == 2, err[-2000:]
     assert ("the checkpoint was written with tokens_per_epoch=204544 but the data now gives tokens_per_epoch=140416"
-            in r.stderr and "set controller.tokens_per_epoch=204544" in r.stderr)
-    assert "Started a local Ray instance" not in r.stdout + r.stderr
-    print(f"BAD_INPUT {json.dumps({'case': 'resume with changed data', 'message': r.stderr.strip()})}")
+            in err and "set controller.tokens_per_epoch=204544" in err)
+    print(f"BAD_INPUT {json.dumps({'case': 'resume with changed data', 'message': err.strip()})}")
 
 
 # ---------------------------------------------------------------- a node lost from a two-node cluster
@@ -639,7 +829,7 @@ def two_node_scenario(storage: str) -> dict:
 
     def train():
         try:
-            cfg = tiny_cfg(storage, "two-node", "train.max_steps=30", "train.checkpoint_every=10",
+            cfg = tiny_cfg(storage, "two-node", "train.max_steps=20", "train.checkpoint_every=10",
                            "train.report_every=5", "scaling.placement_strategy=STRICT_SPREAD", "run.max_failures=3")
             out["summary"] = run(cfg, quiet=True)
         except Exception as e:  # noqa: BLE001 - reported in the output
@@ -695,7 +885,7 @@ def test_two_node_cluster_survives_losing_a_node(tmp_path):
     assert "error" not in out and r.returncode == 0, json.dumps(out) + r.stderr[-3000:]
     assert out["nodes_before"] == sorted([out["head"], out["worker_node"]])  # training spanned both nodes
     assert out["nodes_after"] == sorted([out["head"], out["replacement"]])  # and recovered onto the new one
-    assert out["steps"] == 30 and out["last_checkpoint"] == "checkpoint_00000030"
+    assert out["steps"] == 20 and out["last_checkpoint"] == "checkpoint_00000020"
     assert out["resumed_at"] == [10]  # from the checkpoint written before the node was lost: 5 steps redone
     figures(test="two_node", steps_lost=15 - out["resumed_at"][0], **{k: out[k] for k in (
         "cluster_start_s", "restarted_s", "recovered_s", "total_s")})

@@ -25,15 +25,18 @@ def artifact_paths(client, run_id, path=""):
     return out
 
 
+RESTARTED = ["scaling.num_workers=1", "train.checkpoint_every=5", "run.max_failures=1"]
+
+
 @pytest.fixture(scope="module")
 def restarted(ray_local, tmp_path_factory):
     """(storage, config, summary) of one 10-step run (1 worker, checkpoints at 5 and 10) whose worker died after step
-    8 and that Ray restarted from step 5. The two tests below read it; each Ray Train run costs ~20 s here."""
+    8 and that Ray restarted from step 5. The tests below read it, then the last one extends it; each Ray Train run
+    costs 20-60 s here."""
     import os
 
     storage = tmp_path_factory.mktemp("tracked")
-    cfg = tiny_cfg(storage, "tracked", "scaling.num_workers=1", "train.max_steps=10", "train.checkpoint_every=5",
-                   "run.max_failures=1")
+    cfg = tiny_cfg(storage, "tracked", *RESTARTED, "train.max_steps=10")
     os.environ["RAYTRAIN_SCU_FAULT_AT_STEP"] = "8"  # a worker dies after step 8; Ray restarts from step 5
     try:
         summary = run(cfg, quiet=True)
@@ -90,27 +93,209 @@ def test_restart_continues_the_same_run_without_duplicate_steps(restarted):
     assert REVISION_TAG not in runs[0].data.tags  # the same config: no config revision
 
 
-def test_extending_a_run_records_the_config_change(ray_local, tmp_path, capsys):
-    common = ["scaling.num_workers=1", "train.checkpoint_every=3", "train.report_every=3"]
-    first = run(tiny_cfg(tmp_path, "extended", *common, "train.max_steps=3"), quiet=True)
-    assert first["config_changes"] is None
+def test_extending_a_run_records_the_config_change(restarted, capsys):
+    # the finished run above, extended from 10 to 12 steps (after the tests that check it has no revision)
+    tmp_path, cfg, first = restarted
     capsys.readouterr()
-    longer = run(tiny_cfg(tmp_path, "extended", *common, "train.max_steps=6"), quiet=True)
+    longer = run(tiny_cfg(tmp_path, "tracked", *RESTARTED, "train.max_steps=12"), quiet=True)
     out = capsys.readouterr().out
-    assert "[raytrain_scu] run extended extended: train.max_steps 3 -> 6 (from step 3); config revision 1" in out
-    assert longer["steps"] == 6 and longer["mlflow_run_id"] == first["mlflow_run_id"]
-    client, runs = client_and_runs(tmp_path, tiny_cfg(tmp_path, "extended"))
+    assert "[raytrain_scu] run tracked extended: train.max_steps 10 -> 12 (from step 10); config revision 1" in out
+    assert longer["steps"] == 12 and longer["mlflow_run_id"] == first["mlflow_run_id"]
+    client, runs = client_and_runs(tmp_path, cfg)
     r = client.get_run(first["mlflow_run_id"])
-    assert len(runs) == 1 and r.data.params["train.max_steps"] == "3"  # MLflow never changes a param ...
-    assert r.data.tags[REVISION_TAG] == "1" and r.data.tags[CHANGES_TAG] == "train.max_steps 3 -> 6"  # ... so this
+    assert len(runs) == 1 and r.data.params["train.max_steps"] == "10"  # MLflow never changes a param ...
+    assert r.data.tags[REVISION_TAG] == "1" and r.data.tags[CHANGES_TAG] == "train.max_steps 10 -> 12"  # ... so this
     rev = Path(client.download_artifacts(r.info.run_id, "config_revisions/rev_1.yaml", str(tmp_path))).read_text()
-    assert "resuming at step 3" in rev and yaml.safe_load(rev)["train"]["max_steps"] == 6
-    assert sorted(m.step for m in client.get_metric_history(r.info.run_id, "ctrl/lambda")) == list(range(0, 7))
+    assert "resuming at step 10" in rev and yaml.safe_load(rev)["train"]["max_steps"] == 12
+    assert sorted(m.step for m in client.get_metric_history(r.info.run_id, "ctrl/lambda")) == list(range(0, 13))
 
 
-def test_unreachable_tracking_server_does_not_stop_training(ray_local, tmp_path):
+def test_unreachable_tracking_server_does_not_stop_training(tmp_path):
+    """Nothing listens at tracking.uri. The driver notes it and goes on without an MLflow run (every later MLflow call
+    of the driver needs one, so the rest of its path is a run with no run id); rank 0's loop (in this process, the
+    loop with LocalHooks) trains to the end, checkpoints, and keeps its points on disk for a later run of the name."""
+    import torch
+
+    from raytrain_scu.config.paths import RunPaths
+    from raytrain_scu.driver.run import open_tracking
+    from raytrain_scu.tracking.spool import MetricSpool
+    from raytrain_scu.worker.hooks import LocalHooks
+    from raytrain_scu.worker.loop import run_loop
+
     cfg = tiny_cfg(tmp_path, "offline", "scaling.num_workers=1", "train.max_steps=6", "train.report_every=3",
                    "train.checkpoint_every=3", f"tracking.uri=http://127.0.0.1:{free_port()}")  # nothing listens
-    summary = run(cfg, quiet=True)
-    assert summary["steps"] == 6 and summary["adapter"]
-    assert any("MLflow unreachable" in n for n in summary["notes"])
+    notes = []
+    assert open_tracking(cfg, notes) is None and any("MLflow unreachable" in n for n in notes)
+    hooks = LocalHooks(device=torch.device("cpu"), run_dir=tmp_path / "offline")
+    with pytest.warns(UserWarning, match="MLflow connect failed"):
+        run_loop(cfg, hooks=hooks)
+    assert [r["step"] for r in hooks.reports] == [3, 6]
+    assert (tmp_path / "offline" / "checkpoint_00000006" / "adapter" / "adapter_model.safetensors").is_file()
+    spool = MetricSpool(RunPaths.of(cfg).metric_buffer, cfg.tracking.buffer_max_points)
+    assert spool.waiting > 0 and spool.through == 6  # every step's points wait, on disk
+
+
+# ---------------------------------------------------------------- the tracking server goes away and comes back
+
+class MlflowServer:
+    """A real ``mlflow server`` on a sqlite store and a fixed port, in a session of its own, started and stopped by
+    the test (the same port each time)."""
+
+    def __init__(self, root: Path, port: int):
+        self.root, self.port, self.proc = root, port, None
+
+    def start(self) -> None:
+        import shutil
+        import subprocess
+        import sys
+
+        mlflow = shutil.which("mlflow", path=str(Path(sys.executable).parent))
+        self.proc = subprocess.Popen(
+            [mlflow, "server", "--backend-store-uri", f"sqlite:///{self.root}/server.db", "--artifacts-destination",
+             str(self.root / "artifacts"), "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1"],
+            cwd=self.root, stdout=open(self.root / "server.log", "a"), stderr=subprocess.STDOUT,
+            start_new_session=True)
+        wait(lambda: self.healthy() or self.proc.poll() is not None, 120, "the MLflow server")
+        assert self.proc.poll() is None, (self.root / "server.log").read_text()[-3000:]
+
+    def healthy(self) -> bool:
+        import urllib.request
+
+        try:
+            return urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2).status == 200
+        except OSError:
+            return False
+
+    def stop(self) -> None:
+        import os
+        import signal
+
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)  # the server and its uvicorn worker: this test started them
+            try:
+                self.proc.wait(timeout=30)
+            except Exception:  # noqa: BLE001
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        wait(lambda: not self.healthy(), 30, "the MLflow server to stop")
+
+
+def wait(predicate, timeout_s: float, what: str):
+    import time
+
+    t0 = time.time()
+    while time.time() - t0 < timeout_s:
+        if predicate():
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"waited {timeout_s:.0f} s for {what}")
+
+
+def test_an_mlflow_outage_loses_no_metric_and_doubles_none(tmp_path, monkeypatch):
+    """A real tracking server, stopped after step 10 and started again after step 20 of a 30-step run (the loop in
+    this process, as rank 0: the tracker is what is tested, Ray adds nothing to it). Every step's ctrl/lambda and
+    train/data_bpt is in the store exactly once, the outage's points with the time they were logged, not the time
+    they were sent."""
+    import threading
+    import time
+
+    import torch
+
+    from raytrain_scu.worker.hooks import LocalHooks
+    from raytrain_scu.worker.loop import run_loop
+
+    server = MlflowServer(tmp_path, free_port())
+    hold = tmp_path / "hold"
+    monkeypatch.setenv("RAYTRAIN_SCU_PAUSE_AT_STEP", "10")  # after step 10 and its report, until hold/go
+    monkeypatch.setenv("RAYTRAIN_SCU_HOLD_DIR", str(hold))
+    times, problems = {}, []
+
+    def outage():  # stop at step 10; start again once step 20 is reported (its flush found the server down)
+        try:
+            wait(lambda: (hold / "rank0.pid").exists(), 300, "the pause after step 10")
+            server.stop()
+            times["down"] = time.time()
+            (hold / "go").touch()
+            wait(lambda: any(r["step"] >= 20 for r in hooks.reports), 300, "the report of step 20")
+            server.start()
+            times["up"] = time.time()
+        except Exception as e:  # noqa: BLE001
+            problems.append(repr(e))
+    try:
+        server.start()
+        hooks = LocalHooks(device=torch.device("cpu"), run_dir=tmp_path / "out")
+        threading.Thread(target=outage, daemon=True).start()
+        cfg = tiny_cfg(tmp_path, "outage", "scaling.num_workers=1", "train.max_steps=30", "train.report_every=5",
+                       "train.checkpoint_every=10", f"tracking.uri=http://127.0.0.1:{server.port}")
+        original = hooks.report
+
+        def report(metrics, checkpoint_dir, name):  # step 25's flush must find the server up again
+            original(metrics, checkpoint_dir, name)
+            if metrics["step"] == 20:
+                wait(lambda: "up" in times or problems, 300, "the server to come back")
+        hooks.report = report
+        with pytest.warns(UserWarning, match="MLflow log metrics failed .* metric points wait in .*mlflow_buffer"):
+            run_loop(cfg, hooks=hooks)
+        assert not problems, problems
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(f"http://127.0.0.1:{server.port}")
+        run = client.search_runs([e.experiment_id for e in client.search_experiments()])[0]
+        assert run.info.status == "FINISHED"
+        for key, first in (("ctrl/lambda", 0), ("train/data_bpt", 1)):
+            points = client.get_metric_history(run.info.run_id, key)
+            assert sorted(m.step for m in points) == list(range(first, 31)), key  # each step once
+            late = [m for m in points if 10 < m.step <= 20]  # logged while the server was down
+            assert all(times["down"] * 1000 - 1000 <= m.timestamp <= times["up"] * 1000 for m in late), key
+        assert (tmp_path / "outage" / "mlflow_buffer.jsonl").read_bytes() == b""  # everything was delivered
+    finally:
+        server.stop()
+
+
+def test_a_restarted_rank0_sends_what_was_left_once_and_skips_what_it_redoes(tmp_path, monkeypatch):
+    """The disk buffer across a crash of rank 0 (no Ray: the tracker alone, a sqlite store). The first tracker's
+    last batch reached the store but the crash came before it was marked sent; the restarted tracker, resuming from
+    the checkpoint of step 4 with steps 5..6 buffered, sends that batch again (the store keeps it once), skips steps
+    5..6 as it redoes them, and logs 7..8. Bounded: past tracking.buffer_max_points the oldest are dropped, and
+    said."""
+    import warnings
+
+    from raytrain_scu.tracking import MlflowTracker
+    from raytrain_scu.tracking.spool import MetricSpool
+
+    def crash(self, offset, n):
+        raise SystemExit("rank 0 died here")
+
+    cfg = tiny_cfg(tmp_path, "crash")
+    first = MlflowTracker(cfg)
+    first.start({"seed": 0})
+    for step in range(0, 7):
+        first.log_step({"step": step, "ctrl/lambda": 1.0 + step, "train/data_bpt": 5.0 - step})
+        if step == 4:  # a report
+            first.flush()
+    monkeypatch.setattr(MetricSpool, "mark_sent", crash)  # the store takes the batch, then rank 0 dies
+    with pytest.raises(SystemExit):
+        first.flush()
+    monkeypatch.undo()
+    second = MlflowTracker(cfg, run_id=first.run_id)
+    assert second.logged_through == 6 and second.spool.waiting == 4  # steps 5, 6: two metrics each
+    second.start({"seed": 0})
+    for step in range(5, 9):  # resumed from the checkpoint of step 4
+        second.log_step({"step": step, "ctrl/lambda": 100.0 + step, "train/data_bpt": 0.5})
+    second.flush()
+    for key in ("ctrl/lambda", "train/data_bpt"):
+        points = second.client.get_metric_history(first.run_id, key)
+        assert sorted(m.step for m in points) == list(range(0, 9)), key
+    assert {m.step: m.value for m in second.client.get_metric_history(first.run_id, "ctrl/lambda")}[6] == 7.0
+
+    small = MlflowTracker(tiny_cfg(tmp_path, "small", "tracking.buffer_max_points=10",
+                                   "tracking.uri=http://127.0.0.1:9"))  # nothing listens: everything waits
+    for step in range(8):
+        small.log_step({"step": step, "ctrl/lambda": 1.0, "train/data_bpt": 1.0})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        small.flush()
+        small.finish([])
+    assert small.spool.waiting == 10 and small.spool.dropped == 6
+    said = " ".join(str(w.message) for w in caught)
+    assert "10 metric points (kept in" in said and "6 metric points dropped from a full buffer" in said

@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+from raytrain_scu.config.paths import split_query
 from raytrain_scu.config.resolve import resolve
 from raytrain_scu.config.schema import Config
 from raytrain_scu.driver.evaluate import DEFAULT_BOOTSTRAP, DEFAULT_CI, evaluate
@@ -24,8 +25,8 @@ def format_table(result: dict) -> str:
              f"{result['documents']} documents, {result['tokens']:,} tokens, block {result['block_size']}",
              f"  {'':5} {'adapter':<48} {'BPT':>9} {'tokens':>12} {'docs':>7}"]
     for label, m in result["models"].items():
-        lines.append(f"  {label:5} {(m['adapter'] or '(base)')[-48:]:<48} {m['bpt']:9.4f} {m['tokens']:12,} "
-                     f"{m['documents']:7}")
+        where = split_query(m["adapter"])[0] if m["adapter"] else "(base)"  # a remote URI without its options
+        lines.append(f"  {label:5} {where[-48:]:<48} {m['bpt']:9.4f} {m['tokens']:12,} {m['documents']:7}")
     c = result["comparison"]
     if c:
         lines.append(f"  A − B {c['diff_bpt']:+.4f} BPT, {c['ci']:.0%} CI [{c['ci_low']:+.4f}, {c['ci_high']:+.4f}], "

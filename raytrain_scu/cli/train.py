@@ -10,7 +10,7 @@ import sys
 
 from raytrain_scu.config.io import help_text
 from raytrain_scu.config.resolve import resolve
-from raytrain_scu.errors import USER_ERRORS, Interrupted
+from raytrain_scu.errors import USER_ERRORS, DeviceOutOfMemory, DiskFullError, Interrupted
 
 USAGE = "usage: python -m raytrain_scu.train [--verbose] CONFIG.yaml [key=value ...]"
 
@@ -46,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except Exception as e:  # noqa: BLE001 - a failed run: its root cause in one line, not Ray's wrapping
         cause, notices = driver.failure(e)
+        if cause is None and isinstance(e, (DiskFullError, DeviceOutOfMemory)):  # the driver's own write failed
+            cause = f"{type(e).__name__}: {e}"
         if cause is None:
             raise
         for text in notices:  # what rank 0 said that no report carried: the failure's context

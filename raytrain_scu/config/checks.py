@@ -134,6 +134,8 @@ def _check_run(cfg: Config) -> None:
     _check(t.profile_steps >= 0, "train.profile_steps", f"must be >= 0 (0 = off), got {t.profile_steps}")
     _check(not t.profile_steps or "://" not in cfg.run.storage_path, "train.profile_steps",
            f"writes its tables under the run directory, which must be a local path, not {cfg.run.storage_path!r}")
+    _check(t.hang_timeout_s is None or t.hang_timeout_s >= 0, "train.hang_timeout_s",
+           f"must be >= 0 seconds (0 = off; unset = per device), got {t.hang_timeout_s}")
     _check(t.max_consecutive_skips >= 1, "train.max_consecutive_skips",
            f"must be >= 1, got {t.max_consecutive_skips}")
     _check(t.checkpoint_every % t.report_every == 0, "train.checkpoint_every",
@@ -158,10 +160,7 @@ def _check_run(cfg: Config) -> None:
     _check(r.max_failures >= -1, "run.max_failures", f"must be >= -1 (-1 = unlimited), got {r.max_failures}")
     _check(r.num_to_keep >= 1, "run.num_to_keep", f"must be >= 1, got {r.num_to_keep}")
 
-    tr = cfg.tracking
-    _check(tr.uri == "" or tr.uri.startswith(("sqlite:///", "http://", "https://", "databricks", "postgresql",
-                                              "mysql")), "tracking.uri",
-           f"expected sqlite:///..., http(s)://... or a database URI, got {tr.uri!r}")
+    _check_tracking(cfg)
 
     tu = cfg.tune
     _one_of("tune.search", tu.search, ("random", "grid", "optuna"))
@@ -176,6 +175,19 @@ def _check_run(cfg: Config) -> None:
 
     _one_of("hardware.preset", cfg.hardware.preset, ("none", "auto", "a100", "h100", "h200", "4090", "3090", "t4",
                                                      "cpu"))
+
+
+def _check_tracking(cfg: Config) -> None:
+    """tracking."""
+    tr = cfg.tracking
+    _check(tr.uri == "" or tr.uri.startswith(("sqlite:///", "http://", "https://", "databricks", "postgresql",
+                                              "mysql")), "tracking.uri",
+           f"expected sqlite:///..., http(s)://... or a database URI, got {tr.uri!r}")
+    # the default store is a sqlite file beside the runs, which a bucket cannot hold
+    _check(not tr.enabled or bool(tr.uri) or "://" not in cfg.run.storage_path, "tracking.uri",
+           f"must be set (an MLflow server every node reaches, or a local sqlite:///... file) when run.storage_path "
+           f"is remote ({cfg.run.storage_path!r}), or set tracking.enabled=false")
+    _check(tr.buffer_max_points >= 1, "tracking.buffer_max_points", f"must be >= 1, got {tr.buffer_max_points}")
 
 
 def validate_space_entry(key: str, spec: Any) -> None:

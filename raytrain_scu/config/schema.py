@@ -104,6 +104,11 @@ class TrainConfig:
     max_consecutive_skips: int = 10  # skipped steps in a row before the run stops (fp16 scaler overflows never count)
     stop_on_saturation: bool = False  # end the run once λ has settled (ctrl/saturated_step)
     profile_steps: int = 0  # the last N steps under torch.profiler, each rank's table in <run dir>/profile/ (0 = off)
+    # seconds without a completed step before the driver kills the worker group, which Ray Train restarts from the
+    # last checkpoint (within run.max_failures); null = per device (HANG_TIMEOUT_S: 300 on CPU, 1800 on GPU), 0 = off.
+    # The clock of each worker group starts at its first completed step: loading, resuming, the first compile never
+    # count
+    hang_timeout_s: Optional[float] = None
 
 
 @dataclass
@@ -166,6 +171,9 @@ class TrackingConfig:
     experiment: str = ""  # "" = the config file's stem: one experiment per config, its runs side by side
     log_best_checkpoint: bool = True  # log the best checkpoint (lowest val/data_bpt) as an MLflow artifact
     system_metrics: Optional[bool] = None  # None = on for GPU runs
+    # metric points rank 0 keeps on disk (<run dir>/mlflow_buffer.jsonl) until the store has them: a tracking server
+    # that is down is caught up with when it is back; beyond this many the oldest are dropped, and counted
+    buffer_max_points: int = 1_000_000
 
 
 @dataclass
@@ -205,6 +213,15 @@ class Config:
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
 
 
+# train.hang_timeout_s when left None, by the workers' device. CPU: a step of the CPU configs here takes well under
+# a second to a few seconds, an evaluation or a checkpoint seconds, so 5 minutes of silence is a hang, and a hung
+# test run is noticed in minutes. GPU: 30 minutes covers a recompile for a new shape (an evaluation, a longer
+# block), a long evaluation and a checkpoint upload to object storage; the first step's compile does not count.
+HANG_TIMEOUT_S = {"cpu": 300.0, "gpu": 1800.0}
+# where derived data (converted models, tokenizers, token blocks) and a remote run's machine-local state live;
+# RAYTRAIN_SCU_CACHE overrides it
+CACHE_DIR = "~/.cache/raytrain_scu"
+
 TUNE_KINDS = ("choice", "grid", "uniform", "loguniform", "randint")
 # tune.space keys that are not config keys (sweep_space.apply_params maps them): global_batch_tokens, tokens per
 # optimizer step (the optimisation knob); a trial's data.grad_accum = it / (batch_size x num_workers x block_size)
@@ -243,3 +260,9 @@ def sequences_per_step(cfg: Config, world: Optional[int] = None) -> int:
 def global_batch_tokens(cfg: Config, world: Optional[int] = None) -> int:
     """Tokens per optimizer step over all workers: the global batch."""
     return sequences_per_step(cfg, world) * cfg.data.block_size
+
+
+def hang_timeout_s(cfg: Config, *, use_gpu: bool) -> float:
+    """``train.hang_timeout_s``, or its per-device default (:data:`HANG_TIMEOUT_S`); 0 = no hang watchdog."""
+    t = cfg.train.hang_timeout_s
+    return HANG_TIMEOUT_S["gpu" if use_gpu else "cpu"] if t is None else t

@@ -9,13 +9,17 @@ Layout of one checkpoint directory::
     config.yaml         the resolved config (secrets redacted)
     manifest.json       sha256 and size of every file above; written last
 
-A directory is written under ``<dir>.partial`` and renamed when complete. Ray then copies it into the run directory
-file by file (not atomic there), so a checkpoint counts as complete only when every file matches ``manifest.json``.
-Loading verifies the manifest; a corrupt or truncated latest checkpoint falls back to the newest older good one with a
-warning; none good is a :class:`CheckpointError`. Rank 0 picks and every rank loads that same one.
+A directory is written under ``<dir>.partial``, each file synced (a full disk under delayed allocation says so at the
+sync, not after the rename), and renamed when complete; a write that fails (a full disk: :class:`DiskFullError`,
+naming the path and the free space) removes its partial directory and leaves every earlier checkpoint as it was.
+Ray then copies it into the run directory file by file (not atomic there), so a checkpoint counts as complete only
+when every file matches ``manifest.json``. Loading verifies the manifest; a corrupt or truncated latest checkpoint
+falls back to the newest older good one with a warning; none good is a :class:`CheckpointError`. Rank 0 picks and
+every rank loads that same one.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -30,7 +34,7 @@ import numpy as np
 import torch
 
 from raytrain_scu.core.dist import all_gather_object, broadcast_object, rank
-from raytrain_scu.errors import CheckpointError
+from raytrain_scu.errors import CheckpointError, DiskFullError
 
 MANIFEST = "manifest.json"
 # what "best" means for a checkpoint (Ray's top-k, the MLflow best_checkpoint artifact): lowest held-out DataBPT
@@ -75,28 +79,89 @@ def seed_all(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def write_checkpoint(out_dir: str | Path, *, model, optimizer, scaler, controller_state: dict, step: int,
-                     position: int, structure: dict, tokens_per_epoch: int, config_yaml: str,
-                     history: list, extra: Optional[dict] = None, rng_states: Optional[list] = None) -> Path:
-    """Write a complete checkpoint to ``out_dir`` atomically (``out_dir.partial`` then rename).
+def is_disk_full(error: BaseException) -> bool:
+    """An OSError of a full disk (or quota): ENOSPC / EDQUOT, also as pyarrow words it."""
+    return isinstance(error, OSError) and (error.errno in (errno.ENOSPC, errno.EDQUOT)
+                                           or "No space left on device" in str(error))
 
-    ``rng_states``: every rank's :func:`rng_state`, in rank order (the writer gathers them); default: this process's
-    alone (a one-process run)."""
-    out = Path(out_dir)
-    tmp = out.with_name(out.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def free_space(path: str | Path) -> str:
+    """``"<free> free of <total>"`` on the filesystem holding ``path`` (its nearest existing parent); "unknown" for
+    a remote URI or an unreadable one."""
+    p = Path(path)
+    if "://" in str(path):
+        return "free space unknown (remote storage)"
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    try:
+        usage = shutil.disk_usage(p)
+    except OSError:
+        return "free space unknown"
+    return f"{_size(usage.free)} free of {_size(usage.total)}"
+
+
+def disk_full(path: str | Path, what: str) -> DiskFullError:
+    """The one-line error of a write that found no space: the path, the free space there, what is kept, what to do."""
+    return DiskFullError(f"no space left on device writing {what} to {path} ({free_space(path)}); the checkpoints "
+                         f"written before it are intact. Free space, then re-run the same command: it resumes from the "
+                         f"newest good checkpoint.")
+
+
+def _sync_tree(root: Path, fsync: Callable[[int], None]) -> None:
+    for p in sorted(root.rglob("*")):
+        if p.is_file():
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                fsync(fd)
+            finally:
+                os.close(fd)
+
+
+def _write_files(tmp: Path, *, model, optimizer, scaler, controller_state: dict, meta: dict, config_yaml: str,
+                 history: list, rng_states: Optional[list]) -> None:
     tmp.mkdir(parents=True)
     model.save_pretrained(str(tmp / "adapter"), safe_serialization=True)
     torch.save({"optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(), "history": history,
                 "rng": rng_states if rng_states is not None else [rng_state()]}, tmp / "state.pt")
     (tmp / "controller.json").write_text(json.dumps(controller_state, indent=1))
-    meta = {"step": step, "position": position, "structure": structure, "tokens_per_epoch": tokens_per_epoch,
-            **(extra or {})}
     (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
     (tmp / "config.yaml").write_text(config_yaml)
     files = sorted(p for p in tmp.rglob("*") if p.is_file())
     manifest = {str(p.relative_to(tmp)): {"sha256": _sha256(p), "size": p.stat().st_size} for p in files}
-    (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": manifest}, indent=1))
+    (tmp / MANIFEST).write_text(json.dumps({"step": meta["step"], "files": manifest}, indent=1))
+
+
+def write_checkpoint(out_dir: str | Path, *, model, optimizer, scaler, controller_state: dict, step: int,
+                     position: int, structure: dict, tokens_per_epoch: int, config_yaml: str,
+                     history: list, extra: Optional[dict] = None, rng_states: Optional[list] = None,
+                     fsync: Callable[[int], None] = os.fsync) -> Path:
+    """Write a complete checkpoint to ``out_dir`` atomically (``out_dir.partial``, synced, then renamed).
+
+    ``rng_states``: every rank's :func:`rng_state`, in rank order (the writer gathers them); default: this process's
+    alone (a one-process run). ``fsync``: syncs one file descriptor (fault injection replaces it). A write that fails
+    removes ``out_dir.partial``; a full disk raises :class:`DiskFullError`."""
+    out = Path(out_dir)
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    meta = {"step": step, "position": position, "structure": structure, "tokens_per_epoch": tokens_per_epoch,
+            **(extra or {})}
+    try:
+        _write_files(tmp, model=model, optimizer=optimizer, scaler=scaler, controller_state=controller_state,
+                     meta=meta, config_yaml=config_yaml, history=history, rng_states=rng_states)
+        _sync_tree(tmp, fsync)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)  # a failed write gives its space back
+        if is_disk_full(e):
+            raise disk_full(tmp, f"the checkpoint of step {step}") from e
+        raise
     shutil.rmtree(out, ignore_errors=True)
     os.rename(tmp, out)
     return out

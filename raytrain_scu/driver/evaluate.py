@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -34,6 +35,9 @@ import numpy as np
 import torch
 
 from raytrain_scu.config import Config, build_config
+from raytrain_scu.config.io import redact_uri
+from raytrain_scu.config.paths import is_remote
+from raytrain_scu.core import storage
 from raytrain_scu.core.data import IGNORE_INDEX, document_ids, load_documents, split_documents
 from raytrain_scu.core.loss import CausalLMLoss
 from raytrain_scu.core.model import bits_per_token, build_model, load_tokenizer, resolve_dtype
@@ -87,7 +91,14 @@ def score_documents(loss_model: CausalLMLoss, token_docs: list[list[int]], *, bl
 # ---------------------------------------------------------------- models and adapters
 
 def adapter_dir(path: str) -> str:
-    """A peft adapter directory: ``path`` itself, or its ``adapter/`` (a training checkpoint). Raises EvalError."""
+    """A peft adapter directory: ``path`` itself, or its ``adapter/`` (a training checkpoint). Raises EvalError. A
+    remote URI (``s3://...``, its filesystem options as a query) is checked there and kept: each scoring process
+    downloads it (:func:`local_adapter`)."""
+    if is_remote(path):
+        for candidate in (path, storage.join(path, "adapter")):
+            if storage.is_file(storage.join(candidate, "adapter_config.json")):
+                return candidate
+        raise EvalError(f"{redact_uri(path)} is not a peft adapter: no adapter_config.json in it or in its adapter/")
     p = Path(os.path.expanduser(path))
     if not p.is_dir():
         raise EvalError(f"adapter directory not found: {p}")
@@ -149,6 +160,14 @@ def use_adapter(model, label: str, path: str):
         yield
 
 
+def local_adapter(path: str, stack: contextlib.ExitStack) -> str:
+    """``path`` itself when local; a remote adapter downloaded to a directory that lives as long as ``stack``."""
+    if not is_remote(path):
+        return path
+    local = stack.enter_context(tempfile.TemporaryDirectory(prefix="raytrain_scu_adapter_"))
+    return str(storage.download_dir(path, local))
+
+
 def score_shard(config: dict, adapters: dict[str, str], docs: list[str]) -> dict:
     """Score ``docs`` under every ``{label: adapter_dir or ""}``: ``{"tokens": int64[n], "nats": {label: float64[n]}}``.
 
@@ -167,7 +186,9 @@ def score_shard(config: dict, adapters: dict[str, str], docs: list[str]) -> dict
                        quant_type=q.quant_type, double_quant=q.double_quant, embedding_int8=q.embedding_int8,
                        offload_embedding=q.offload_embedding, cache_dir=m.cache_dir,
                        trust_remote_code=m.trust_remote_code, seed=cfg.seed)
-    model = attach_adapters(base, adapters)
+    with contextlib.ExitStack() as stack:
+        model = attach_adapters(base, {label: local_adapter(path, stack) if path else path
+                                       for label, path in adapters.items()})
     loss_model = CausalLMLoss(model, fused=m.fused_loss, chunk_size=m.loss_chunk_size)
     token_docs = document_ids(tok, docs)
     out = {"tokens": None, "nats": {}}

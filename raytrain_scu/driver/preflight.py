@@ -61,7 +61,7 @@ def _skeleton(hf_config, trust_remote_code: bool):
         return None
 
 
-def _check_storage(cfg: Config) -> None:
+def check_storage(cfg: Config) -> None:
     """A local run.storage_path must be writable (remote URIs are checked by Ray)."""
     paths = RunPaths.of(cfg)
     if paths.remote:
@@ -80,7 +80,7 @@ def check_machine(cfg: Config) -> tuple[bool, int]:
     """GPUs and CPUs enough for a local Ray, precision and 4-bit supported; returns (use_gpu, visible GPUs)."""
     m, s = cfg.model, cfg.scaling
     local_ray = not os.environ.get("RAY_ADDRESS") and not ("ray" in sys.modules and sys.modules["ray"].is_initialized())
-    _check_storage(cfg)
+    check_storage(cfg)
     gpus = visible_gpus()
     use_gpu = s.use_gpu if s.use_gpu is not None else gpus > 0
     if use_gpu and gpus == 0 and local_ray:

@@ -8,14 +8,16 @@ them in MLflow as a config revision: the run's params keep their first values.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import math
 import os
 import shutil
 import sys
+import tempfile
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import yaml
 
@@ -24,9 +26,11 @@ from raytrain_scu.config.io import flatten, flatten_tree, redact_uri, to_yaml
 from raytrain_scu.config.paths import RunPaths
 from raytrain_scu.config.schema import Config
 from raytrain_scu.console import Progress, format_summary
-from raytrain_scu.core.checkpoint import BEST_METRIC, newest_good_local, read_meta
+from raytrain_scu.core import storage
+from raytrain_scu.core.checkpoint import BEST_METRIC, disk_full, is_disk_full, newest_good_local, read_meta
 from raytrain_scu.driver.generate import BASE_RECIPE, base_recipe
-from raytrain_scu.driver.preflight import preflight
+from raytrain_scu.driver.lock import run_lock
+from raytrain_scu.driver.preflight import check_storage, preflight
 from raytrain_scu.errors import CheckpointError, Interrupted
 from raytrain_scu.ray import launch
 
@@ -98,57 +102,86 @@ def record_config_change(cfg: Config, run_id: Optional[str], resume_from: Option
 def run(cfg: Config, *, quiet: bool = False, verbose: bool = False) -> dict:
     """Validate, train, export. Returns a summary dict (also printed unless ``quiet``).
 
-    The one owner of the run's MLflow run: opens it before launch (or finds it again on a re-run) and ends it,
-    FINISHED after the summary, FAILED when training or the summary fails, KILLED on Ctrl-C (``launch.fit``); the
-    workers only log into it. ``verbose``: Ray's and the workers' output on the console too."""
-    finished = finished_summary(cfg)
-    if finished is not None:  # before any check that loads the model or data, and before Ray
-        if not quiet:
-            print(f"[raytrain_scu] run {cfg.run.name} already finished at step {finished['steps']} "
-                  f"(raise train.max_steps to extend it)", flush=True)
-            print(format_summary(finished, title="finished earlier"), flush=True)
-        return finished
-    facts = preflight(cfg)
-    run_id, notes = None, []
-    if cfg.tracking.enabled:
-        try:
-            run_id = tracking.open_run(cfg)
-            tracking.remember_run_id(cfg, run_id)
-        except Exception as e:  # noqa: BLE001 - tracking never kills training; rank 0 retries
-            notes.append(f"MLflow unreachable at start ({type(e).__name__}); rank 0 will retry")
-            print(f"[raytrain_scu] warning: {notes[-1]}", file=sys.stderr)
-    status, ray_logs = "FAILED", None
+    Holds the run's lock (``driver.lock``) from before anything is read until the end: a second launch of the same
+    run exits at once naming this one. The one owner of the run's MLflow run: opens it before launch (or finds it
+    again on a re-run) and ends it, FINISHED after the summary, FAILED with the reason when training or the summary
+    fails, KILLED on Ctrl-C (``launch.fit``); the workers only log into it. ``verbose``: Ray's and the workers'
+    output on the console too."""
+    check_storage(cfg)  # where the lock goes must be writable: a bad storage path is said as such
+    with run_lock(cfg):
+        finished = finished_summary(cfg)
+        if finished is not None:  # before any check that loads the model or data, and before Ray
+            if not quiet:
+                print(f"[raytrain_scu] run {cfg.run.name} already finished at step {finished['steps']} "
+                      f"(raise train.max_steps to extend it)", flush=True)
+                print(format_summary(finished, title="finished earlier"), flush=True)
+            return finished
+        summary = _run(cfg, preflight(cfg), verbose=verbose)
+    if not quiet:
+        print(format_summary(summary), flush=True)
+    return summary
+
+
+def open_tracking(cfg: Config, notes: list) -> Optional[str]:
+    """The MLflow run this training run logs into (None with tracking off or the store unreachable)."""
+    if not cfg.tracking.enabled:
+        return None
+    try:
+        run_id = tracking.open_run(cfg)
+        tracking.remember_run_id(cfg, run_id)
+        return run_id
+    except Exception as e:  # noqa: BLE001 - tracking never kills training; rank 0 retries
+        notes.append(f"MLflow unreachable at start ({type(e).__name__}); rank 0 will retry")
+        print(f"[raytrain_scu] warning: {notes[-1]}", file=sys.stderr)
+        return None
+
+
+def _run(cfg: Config, facts: dict, *, verbose: bool) -> dict:
+    """Open the MLflow run, train on Ray Train, summarize; end the MLflow run with how it went."""
+    notes: list = []
+    run_id = open_tracking(cfg, notes)
+    status, reason, ray_logs = "FAILED", None, None
     try:
         changes = record_config_change(cfg, run_id, facts["resume_from"], notes)
         if facts["resume_from"] is not None:  # the workers say it too, in their log files
             print(f"[raytrain_scu] resuming from {facts['resume_from'].name}", flush=True)
-        launch.init_ray(cfg, verbose=verbose)
-        # the cluster the run joined (RAY_ADDRESS, or a Ray already up), which preflight could not see: refused
-        # before any worker starts, rather than waited for forever
-        launch.check_capacity(cfg, use_gpu=facts["use_gpu"])
-        print(f"[raytrain_scu] run {cfg.run.name}: {facts['model']}, {cfg.scaling.num_workers} worker(s) "
-              f"({'GPU' if facts['use_gpu'] else 'CPU'}), {facts['train_blocks']} train / {facts['val_blocks']} val "
-              f"blocks, tokens_per_epoch={facts['tokens_per_epoch']}", flush=True)
-        ray_logs = launch.logs_dir()
-        if not verbose:
-            print(f"[raytrain_scu] Ray's and the workers' logs: {ray_logs} (--verbose shows them here)", flush=True)
-        sink = launch.Sink()
-        trainer = launch.build_trainer(cfg, use_gpu=facts["use_gpu"], run_id=run_id, callbacks=[sink])
-        result = launch.fit(trainer, cfg, sink, Progress(target_s=cfg.controller.target_s))  # raises on failure
+        ray_logs, result = _launch(cfg, facts, run_id, verbose=verbose)
         summary = summarize(cfg, result, run_id, changes, notes, facts)
         status = "FINISHED"
     except (KeyboardInterrupt, Interrupted):
         status = "KILLED"
+        raise
+    except BaseException as e:
+        reason = launch.root_cause(e) or f"{type(e).__name__}: {e}"
         raise
     finally:
         kept = launch.keep_logs(cfg, ray_logs)
         if kept is not None:
             print(f"[raytrain_scu] worker logs: {kept}", flush=True)
         if run_id:
-            tracking.end_run(cfg, run_id, status)
-    if not quiet:
-        print(format_summary(summary), flush=True)
+            tracking.end_run(cfg, run_id, status, reason=reason)
     return summary
+
+
+def _launch(cfg: Config, facts: dict, run_id: Optional[str], *, verbose: bool):
+    """Ray up, the cluster's capacity checked, the trainer built and fitted with its progress on the console and the
+    hang watchdog running. Returns (Ray's log directory, Ray Train's result)."""
+    launch.init_ray(cfg, verbose=verbose)
+    # the cluster the run joined (RAY_ADDRESS, or a Ray already up), which preflight could not see: refused
+    # before any worker starts, rather than waited for forever
+    launch.check_capacity(cfg, use_gpu=facts["use_gpu"])
+    print(f"[raytrain_scu] run {cfg.run.name}: {facts['model']}, {cfg.scaling.num_workers} worker(s) "
+          f"({'GPU' if facts['use_gpu'] else 'CPU'}), {facts['train_blocks']} train / {facts['val_blocks']} val "
+          f"blocks, tokens_per_epoch={facts['tokens_per_epoch']}", flush=True)
+    ray_logs = launch.logs_dir()
+    if not verbose:
+        print(f"[raytrain_scu] Ray's and the workers' logs: {ray_logs} (--verbose shows them here)", flush=True)
+    sink = launch.Sink()
+    watchdog = launch.hang_watchdog(cfg, use_gpu=facts["use_gpu"])
+    trainer = launch.build_trainer(cfg, use_gpu=facts["use_gpu"], run_id=run_id, callbacks=[sink], watchdog=watchdog)
+    progress = Progress(target_s=cfg.controller.target_s)
+    with watchdog if watchdog is not None else contextlib.nullcontext():
+        return ray_logs, launch.fit(trainer, cfg, sink, progress, watchdog=watchdog)  # raises on failure
 
 
 def finished_summary(cfg: Config) -> Optional[dict]:
@@ -172,16 +205,53 @@ def finished_summary(cfg: Config) -> Optional[dict]:
     return summary
 
 
+@contextlib.contextmanager
+def _writing_output(cfg: Config) -> Iterator[Path]:
+    """The directory summarize writes into: the output directory when it is local; under remote storage a local
+    staging directory, uploaded whole at the end (core.storage: pyarrow's filesystem, as Ray's checkpoints). A full
+    disk is a :class:`~raytrain_scu.errors.DiskFullError` naming the output directory."""
+    paths = RunPaths.of(cfg)
+    out = Path(tempfile.mkdtemp(prefix="raytrain_scu_output_")) if paths.output_remote else Path(paths.output)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        yield out
+        if paths.output_remote:
+            storage.upload_dir(out, paths.uri(paths.output))
+    except OSError as e:
+        if is_disk_full(e):
+            raise disk_full(paths.output, "the run's output (adapter, config.yaml, summary.json)") from e
+        raise
+    finally:
+        if paths.output_remote:
+            shutil.rmtree(out, ignore_errors=True)
+
+
+def _log_best(cfg: Config, result, run_id: Optional[str], summary: dict, notes: list) -> None:
+    """The best checkpoint (lowest val/data_bpt) into the summary, and as an MLflow artifact."""
+    best = best_checkpoint(result.best_checkpoints)
+    if best is None and result.best_checkpoints:
+        notes.append(f"no checkpoint has a finite {BEST_METRIC}: no best checkpoint")
+    if best is None:
+        return
+    summary["best_step"], summary["best_val_bpt"] = best[1].get("step"), best[1][BEST_METRIC]
+    if run_id and cfg.tracking.log_best_checkpoint:
+        with best[0].as_directory() as d:  # downloaded first from remote storage
+            warn = tracking.log_best_checkpoint(cfg, run_id, d, step=summary["best_step"],
+                                                val_bpt=summary["best_val_bpt"])
+        if warn:
+            notes.append(warn)
+
+
 def summarize(cfg: Config, result, run_id: Optional[str], changes: dict, notes: list, facts: dict) -> dict:
     """After fit(): export the adapter, log the best checkpoint, write config.yaml, summary.json and base_model.json
-    (what rebuilds the base model: generate) to the output directory; returns the summary."""
-    out = output_dir(cfg)
-    out.mkdir(parents=True, exist_ok=True)
+    (what rebuilds the base model: generate) to the output directory (local, or on the remote storage); returns the
+    summary."""
+    paths = RunPaths.of(cfg)
     last = result.metrics or {}
     summary = {"run": cfg.run.name, "steps": last.get("step"), "val_bpt_start": last.get("val/data_bpt_start"),
                "val_bpt": last.get("val/data_bpt"),
                "lambda": last.get("ctrl/lambda"), "s": last.get("ctrl/s"), "s_hat": last.get("ctrl/s_hat"),
-               "tokens_per_s": last.get("perf/tokens_per_s"), "run_dir": result.path, "mlflow_run_id": run_id,
+               "tokens_per_s": last.get("perf/tokens_per_s"), "run_dir": paths.run, "mlflow_run_id": run_id,
                "config_changes": changes or None, "notes": notes}
     if cfg.tracking.enabled:
         uri, ui = redact_uri(tracking.tracking_uri(cfg)), tracking.ui_command(cfg)
@@ -190,23 +260,15 @@ def summarize(cfg: Config, result, run_id: Optional[str], changes: dict, notes: 
             needs = importlib.util.find_spec("flask") is None  # mlflow-skinny alone has no UI server
             summary["ui_command"] = ui + ("   (needs the ui extra: pip install 'raytrain_scu[ui]')" if needs
                                           else "   (or: make ui CONFIG=<this config>)")
-    if result.checkpoint is not None:
-        summary["adapter"] = str(export_adapter(result.checkpoint, out / "adapter"))
-    best = best_checkpoint(result.best_checkpoints)
-    if best is None and result.best_checkpoints:
-        notes.append(f"no checkpoint has a finite {BEST_METRIC}: no best checkpoint")
-    if best is not None:
-        summary["best_step"], summary["best_val_bpt"] = best[1].get("step"), best[1][BEST_METRIC]
-        if run_id and cfg.tracking.log_best_checkpoint:
-            with best[0].as_directory() as d:
-                warn = tracking.log_best_checkpoint(cfg, run_id, d, step=summary["best_step"],
-                                                    val_bpt=summary["best_val_bpt"])
-            if warn:
-                notes.append(warn)
-    (out / "config.yaml").write_text(to_yaml(cfg, redact=True))
-    (out / BASE_RECIPE).write_text(json.dumps(base_recipe(cfg, use_gpu=facts["use_gpu"],
-                                                          vocab_size=facts["vocab_size"]), indent=1))
-    (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    _log_best(cfg, result, run_id, summary, notes)
+    with _writing_output(cfg) as out:
+        if result.checkpoint is not None:
+            export_adapter(result.checkpoint, out / "adapter")
+            summary["adapter"] = f"{paths.output}/adapter"
+        (out / "config.yaml").write_text(to_yaml(cfg, redact=True))
+        (out / BASE_RECIPE).write_text(json.dumps(base_recipe(cfg, use_gpu=facts["use_gpu"],
+                                                              vocab_size=facts["vocab_size"]), indent=1))
+        (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     return summary
 
 

@@ -4,6 +4,8 @@ calls the loop makes into Ray Train (device, checkpoint to resume from, placemen
 ``core.checkpoint.open_good_checkpoint`` verifies."""
 from __future__ import annotations
 
+import os
+import shutil
 from functools import partial
 from pathlib import Path
 from typing import Optional
@@ -14,19 +16,22 @@ import ray.train.torch
 from ray.train import Checkpoint
 
 from raytrain_scu.config.load import build_config
+from raytrain_scu.config.paths import RunPaths
 from raytrain_scu.console import NOTICES, relaying_warnings, take_notices
-from raytrain_scu.core.checkpoint import open_good_checkpoint
+from raytrain_scu.core.checkpoint import disk_full, is_disk_full, open_good_checkpoint, verify
 from raytrain_scu.worker.faults import Faults
 from raytrain_scu.worker.loop import run_loop
 
 
 def train_func(config: dict) -> None:
-    """Ray Train per-worker entry point. ``config`` is ``asdict(Config)`` plus ``_mlflow_run_id``."""
+    """Ray Train per-worker entry point. ``config`` is ``asdict(Config)`` plus ``_mlflow_run_id`` and
+    ``_heartbeats`` (the hang watchdog's actor, or None)."""
     config = dict(config)
-    run_id = config.pop("_mlflow_run_id", None)
+    run_id, heartbeats = config.pop("_mlflow_run_id", None), config.pop("_heartbeats", None)
+    cfg = build_config(config)
     with relaying_warnings():  # the package's warnings reach the driver's console with the reports
         try:
-            run_loop(build_config(config), hooks=RayHooks(), run_id=run_id)
+            run_loop(cfg, hooks=RayHooks(heartbeats, run_dir=RunPaths.of(cfg).run), run_id=run_id)
         except Exception as e:
             # what no report carried (a resume, a fallback) travels with the failure: its context (failure_notices)
             setattr(e, NOTICES, take_notices())
@@ -70,10 +75,17 @@ def open_checkpoint(ray_checkpoint: Checkpoint, stack) -> tuple[Path, list[str]]
 
 
 class RayHooks:
-    """The handful of calls the loop makes into Ray Train; ``worker.hooks.LocalHooks`` stands in for them without Ray."""
+    """The handful of calls the loop makes into Ray Train; ``worker.hooks.LocalHooks`` stands in for them without Ray.
+    ``heartbeats``: the hang watchdog's actor (``ray.watchdog.Heartbeats``) or None; ``run_dir``: where Ray copies
+    checkpoints (named in a full disk's error)."""
 
-    def __init__(self):
+    def __init__(self, heartbeats=None, run_dir: str = ""):
         self.faults = Faults.from_env()
+        self.heartbeats, self.run_dir = heartbeats, run_dir
+        ctx = ray.train.get_context()
+        self.rank, self.node_id = ctx.get_world_rank(), ray.get_runtime_context().get_node_id()
+        if heartbeats is not None and self.rank == 0:  # a new worker group: the last attempt's beats no longer count
+            heartbeats.start_attempt.remote(ctx.get_world_size())
 
     @staticmethod
     def get_device():
@@ -91,10 +103,22 @@ class RayHooks:
         # no DDP wrapper: the loop averages the adapters' gradients itself (dist.average_gradients says why)
         return ray.train.torch.prepare_model(model, move_to_device=move_to_device, parallel_strategy=None)
 
-    @staticmethod
-    def report(metrics: dict, checkpoint_dir, checkpoint_dir_name):
+    def heartbeat(self, step: Optional[int]) -> None:
+        """A completed step (None: done stepping), sent without waiting."""
+        if self.heartbeats is not None:
+            self.heartbeats.beat.remote(self.rank, os.getpid(), self.node_id, step)
+
+    def report(self, metrics: dict, checkpoint_dir, checkpoint_dir_name):
         checkpoint = Checkpoint.from_directory(str(checkpoint_dir)) if checkpoint_dir else None
-        ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=checkpoint_dir_name)
+        try:
+            ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=checkpoint_dir_name)
+        except OSError as e:  # Ray's copy into the run directory found the storage full
+            if not is_disk_full(e):
+                raise
+            dest = f"{self.run_dir}/{checkpoint_dir_name}"
+            if "://" not in dest and Path(dest).is_dir() and verify(dest) is not None:
+                shutil.rmtree(dest, ignore_errors=True)  # the incomplete copy gives its space back
+            raise disk_full(dest, checkpoint_dir_name) from e
         if checkpoint is not None:
             # wait until the controller has registered it: a worker lost from here on restarts from this checkpoint
             # (Ray registers reports asynchronously, one health-check poll at a time)

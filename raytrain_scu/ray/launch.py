@@ -28,11 +28,12 @@ from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig,
 from ray.train.torch import TorchTrainer
 
 from raytrain_scu.config.paths import RunPaths
-from raytrain_scu.config.schema import Config
+from raytrain_scu.config.schema import Config, hang_timeout_s
 from raytrain_scu.console import NOTICES
 from raytrain_scu.core.checkpoint import BEST_METRIC
 from raytrain_scu.errors import Interrupted, NotEnoughResources
 from raytrain_scu.ray.hooks import train_func
+from raytrain_scu.ray.watchdog import HangWatchdog
 
 
 def _no_colour_reset_at_exit() -> None:
@@ -85,9 +86,12 @@ def keep_logs(cfg: Config, source: Optional[Path]) -> Optional[Path]:
     files = [f for f in source.glob(f"worker-*-{job}-*") if f.suffix in (".out", ".err")]
     if not files:
         return None
-    dest.mkdir(parents=True, exist_ok=True)
-    for f in files:
-        shutil.copyfile(f, dest / f.name)
+    try:
+        dest.mkdir(parents=True, exist_ok=True)
+        for f in files:
+            shutil.copyfile(f, dest / f.name)
+    except OSError:  # a full disk must not hide the run's own error: the logs stay in Ray's session directory
+        return None
     return dest
 
 
@@ -130,9 +134,9 @@ class Sink(UserCallback):
         return [json.loads(line) for line in done.splitlines()]
 
 
-def fit(trainer: TorchTrainer, cfg: Config, sink: Sink, progress):
+def fit(trainer: TorchTrainer, cfg: Config, sink: Sink, progress, watchdog: Optional[HangWatchdog] = None):
     """``trainer.fit()`` with each report shown by ``progress`` (``console.Progress``) on the driver, the workers'
-    notices it carries (``console.notice``) above it, and Ctrl-C.
+    notices it carries (``console.notice``) and the hang ``watchdog``'s (the caller runs it) above it, and Ctrl-C.
 
     fit() runs in a thread, so Ray Train installs no SIGINT handler of its own. The first SIGINT writes the stop
     flag (local storage): every rank stops after its next step, rank 0 checkpoints it, and this raises
@@ -160,6 +164,8 @@ def fit(trainer: TorchTrainer, cfg: Config, sink: Sink, progress):
               "without one)", flush=True)
 
     def show():
+        while watchdog is not None and watchdog.notices:
+            progress.note(watchdog.notices.pop(0))
         for r in sink.read():
             for text in r["metrics"].get(NOTICES, "").splitlines():  # rank 0's notices since its previous report
                 progress.note(text)
@@ -190,15 +196,23 @@ def fit(trainer: TorchTrainer, cfg: Config, sink: Sink, progress):
     return box["result"]
 
 
+def hang_watchdog(cfg: Config, *, use_gpu: bool) -> Optional[HangWatchdog]:
+    """The run's hang watchdog (``train.hang_timeout_s``, or its per-device default), None when it is 0 (off)."""
+    timeout = hang_timeout_s(cfg, use_gpu=use_gpu)
+    return HangWatchdog(timeout) if timeout > 0 else None
+
+
 def build_trainer(cfg: Config, *, use_gpu: bool, run_id: Optional[str], callbacks=(), extra_config=None,
-                  env: Optional[dict[str, str]] = None) -> TorchTrainer:
+                  env: Optional[dict[str, str]] = None, watchdog: Optional[HangWatchdog] = None) -> TorchTrainer:
     """The TorchTrainer for one run (the sweep builds one per trial with this too). ``env``: the workers'
-    RAYTRAIN_SCU_* variables (default: this process's, :func:`scu_env`)."""
+    RAYTRAIN_SCU_* variables (default: this process's, :func:`scu_env`); ``watchdog``: the hang watchdog whose
+    heartbeat actor the workers report their steps to (:func:`fit` runs it)."""
     s = cfg.scaling
     resources = {"CPU": s.cpus_per_worker}
     if use_gpu:
         resources["GPU"] = s.gpus_per_worker
-    loop_config = {**asdict(cfg), "_mlflow_run_id": run_id, **(extra_config or {})}
+    loop_config = {**asdict(cfg), "_mlflow_run_id": run_id,
+                   "_heartbeats": watchdog.actor if watchdog is not None else None, **(extra_config or {})}
     # read from this process's environment when fit() starts the controller (Ray propagates it): a worker holds one
     # unconsumed report and blocks on the next until the controller polls, so Ray's 2 s default caps a fast loop
     os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = str(s.poll_interval_s)
@@ -208,7 +222,7 @@ def build_trainer(cfg: Config, *, use_gpu: bool, run_id: Optional[str], callback
         scaling_config=ScalingConfig(num_workers=s.num_workers, use_gpu=use_gpu, resources_per_worker=resources,
                                      placement_strategy=s.placement_strategy),
         run_config=RunConfig(
-            name=cfg.run.name, storage_path=RunPaths.of(cfg).storage,
+            name=cfg.run.name, storage_path=RunPaths.of(cfg).ray_storage,
             failure_config=FailureConfig(max_failures=cfg.run.max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.run.num_to_keep,
                                                checkpoint_score_attribute=BEST_METRIC,

@@ -6,6 +6,7 @@ from raytrain_scu.tracking.store import (
                                          BEST_STEP_TAG,
                                          BEST_VAL_TAG,
                                          CHANGES_TAG,
+                                         FAILURE_TAG,
                                          PARENT_TAG,
                                          REVISION_TAG,
                                          RUN_KEY_TAG,
@@ -27,8 +28,8 @@ from raytrain_scu.tracking.store import (
 )
 from raytrain_scu.tracking.tracker import MlflowTracker, NullTracker, derived_params, for_rank
 
-__all__ = ["BEST_STEP_TAG", "BEST_VAL_TAG", "CHANGES_TAG", "PARENT_TAG", "REVISION_TAG", "RUN_KEY_TAG", "SWEEP_TAG",
-           "TRIAL_TAG", "MlflowTracker", "NullTracker", "child_runs", "client_for", "config_changes", "default_uri",
-           "derived_params", "end_run", "experiment_id", "for_rank", "format_changes", "log_best_checkpoint",
-           "log_params_once", "open_run", "param_text", "record_config_revision", "recorded_config",
-           "remember_run_id", "run_key", "tracking_uri", "ui_command"]
+__all__ = ["BEST_STEP_TAG", "BEST_VAL_TAG", "CHANGES_TAG", "FAILURE_TAG", "PARENT_TAG", "REVISION_TAG", "RUN_KEY_TAG",
+           "SWEEP_TAG", "TRIAL_TAG", "MlflowTracker", "NullTracker", "child_runs", "client_for", "config_changes",
+           "default_uri", "derived_params", "end_run", "experiment_id", "for_rank", "format_changes",
+           "log_best_checkpoint", "log_params_once", "open_run", "param_text", "record_config_revision",
+           "recorded_config", "remember_run_id", "run_key", "tracking_uri", "ui_command"]

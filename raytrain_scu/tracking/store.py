@@ -5,9 +5,10 @@
 - One MLflow run per training run, found again by its tag ``raytrain_scu.run_key`` (storage path + run name) and
   kept in ``<storage_path>/<name>/mlflow_run.json``: a worker restart or re-running the same run name continues the
   SAME run; steps already logged are not logged again.
-- Metrics are buffered and sent with ``log_batch`` at each report, never one call per scalar.
+- Metrics are buffered, on disk in the run directory (``tracker``, ``spool``), and sent with ``log_batch`` at each
+  report, never one call per scalar, with the steps and timestamps they were logged at.
 - Tracking never kills training: a failed call warns, keeps the buffer and retries at the next flush; the run ends
-  with what could be recorded and says what was not.
+  with what could be recorded and says what was not (a re-run of the run name sends what is left).
 - Params are logged once and MLflow never changes one: a re-run of the run name whose config changed (say
   ``train.max_steps`` raised to extend it) is recorded as a config revision instead, the tag
   ``raytrain_scu.config_revision`` = N, the artifact ``config_revisions/rev_N.yaml`` and the tag
@@ -33,7 +34,7 @@ REVISION_TAG = "raytrain_scu.config_revision"  # N: the config changed N times a
 CHANGES_TAG = "raytrain_scu.config_changes"  # the last revision's changes, "key: old -> new; ..."
 BEST_STEP_TAG = "raytrain_scu.best_checkpoint_step"  # the step of the best_checkpoint artifact
 BEST_VAL_TAG = "raytrain_scu.best_checkpoint_val_bpt"  # and its val/data_bpt
-MAX_BUFFER = 2_000_000
+FAILURE_TAG = "raytrain_scu.failure"  # why a FAILED run failed: the one line the CLI printed after `error:`
 
 
 def default_uri(storage_path: str) -> str:
@@ -118,11 +119,14 @@ def open_run(cfg: Config, parent_run_id: Optional[str] = None) -> str:
     return run_id
 
 
-def end_run(cfg: Config, run_id: str, status: str) -> None:
-    """End the run :func:`open_run` opened: FINISHED, FAILED or KILLED. Warns instead of raising (tracking never
-    kills training)."""
+def end_run(cfg: Config, run_id: str, status: str, reason: Optional[str] = None) -> None:
+    """End the run :func:`open_run` opened: FINISHED, FAILED or KILLED; a failure's ``reason`` becomes the tag
+    :data:`FAILURE_TAG`. Warns instead of raising (tracking never kills training)."""
     try:
-        client_for(tracking_uri(cfg)).set_terminated(run_id, status=status)
+        client = client_for(tracking_uri(cfg))
+        if reason:
+            client.set_tag(run_id, FAILURE_TAG, param_text(redact_uri(reason)))
+        client.set_terminated(run_id, status=status)
     except Exception as e:  # noqa: BLE001
         warnings.warn(f"MLflow run {run_id} not marked {status}: {type(e).__name__}: {redact_uri(str(e))[:200]}")
 

@@ -1,5 +1,5 @@
-"""Rank 0's MLflow tracker (a retrying metric buffer) and the no-op every other rank gets, so the loop never
-branches on rank to log."""
+"""Rank 0's MLflow tracker (its metric points buffered on disk until the store has them: :mod:`.spool`) and the no-op
+every other rank gets, so the loop never branches on rank to log."""
 from __future__ import annotations
 
 import json
@@ -10,9 +10,11 @@ from pathlib import Path
 from typing import Optional
 
 from raytrain_scu.config.io import flatten, redact_uri, to_yaml
+from raytrain_scu.config.paths import RunPaths
 from raytrain_scu.config.schema import Config, global_batch_tokens
 from raytrain_scu.plots import plot_history
-from raytrain_scu.tracking.store import MAX_BUFFER, client_for, log_params_once, open_run, tracking_uri
+from raytrain_scu.tracking.spool import MetricSpool
+from raytrain_scu.tracking.store import client_for, log_params_once, open_run, tracking_uri
 
 
 def _version_of(dist: str) -> str:
@@ -61,21 +63,24 @@ class NullTracker:
 
 
 class MlflowTracker(NullTracker):
-    """Rank 0's MLflow client with a retrying metric buffer. It logs into the run its driver opened (``run_id``); only
-    with none (no driver, or MLflow was unreachable when the driver tried) does it open the run itself, and then it
-    also ends it in :meth:`finish`."""
+    """Rank 0's MLflow client. Metric points wait in memory until the next report, then on disk
+    (:class:`~raytrain_scu.tracking.spool.MetricSpool`, in the run directory) until the store has them, with their
+    own steps and timestamps: a tracking server that is down is caught up with when it is back, and after a crash
+    the next rank 0 sends what is left. It logs into the run its driver opened (``run_id``); only with none (no
+    driver, or MLflow was unreachable when the driver tried) does it open the run itself, and then it also ends it in
+    :meth:`finish`."""
 
     def __init__(self, cfg: Config, run_id: Optional[str] = None, parent_run_id: Optional[str] = None):
         self.cfg, self.run_id, self.parent_run_id = cfg, run_id, parent_run_id
         self.owns_run = False  # True once this tracker opened the run: then it ends it too
         self.uri = tracking_uri(cfg)
         self.client = None
-        self.buffer: list = []
-        self.logged_through = -1  # steps <= this are already in MLflow (a resumed run)
+        self.pending: list = []  # logged since the last report, not on disk yet
+        self.spool = MetricSpool(RunPaths.of(cfg).metric_buffer, cfg.tracking.buffer_max_points)
+        self.logged_through = self.spool.through  # steps <= this are recorded already (a restarted rank 0)
         self.params: dict = {}
         self.params_logged = False
         self.failures = 0
-        self.dropped = 0
         self.sysmon = None
 
     def _connect(self) -> bool:
@@ -85,8 +90,9 @@ class MlflowTracker(NullTracker):
             self.client = client_for(self.uri)
             if self.run_id is None:
                 self.run_id, self.owns_run = open_run(self.cfg, self.parent_run_id), True
+            # a run logged before its metrics went through the buffer: what the store has counts too
             hist = self.client.get_metric_history(self.run_id, "ctrl/lambda")
-            self.logged_through = max((m.step for m in hist), default=-1)
+            self.logged_through = max([self.logged_through, *(m.step for m in hist)])
             return True
         except Exception as e:  # noqa: BLE001 - tracking must never kill training
             self._warn("connect", e)
@@ -97,8 +103,8 @@ class MlflowTracker(NullTracker):
         self.failures += 1
         if self.failures <= 3 or self.failures % 50 == 0:
             warnings.warn(f"MLflow {what} failed ({redact_uri(self.uri)}): {type(e).__name__}: "
-                          f"{redact_uri(str(e))[:200]}; "
-                          f"buffering {len(self.buffer)} metric points and retrying at the next report")
+                          f"{redact_uri(str(e))[:200]}; {self.spool.waiting + len(self.pending)} metric points wait "
+                          f"in {self.spool.path} and are sent at the next report")
 
     def start(self, params: dict, resumed_at: int = 0) -> None:
         self.params = params
@@ -139,20 +145,24 @@ class MlflowTracker(NullTracker):
         if step <= self.logged_through:
             return  # already recorded before a restart: no duplicate steps
         ts = int(time.time() * 1000)
-        self.buffer.extend(Metric(k, float(v), ts, step) for k, v in row.items()
-                           if k != "step" and isinstance(v, (int, float)))
-        if len(self.buffer) > MAX_BUFFER:
-            self.dropped += len(self.buffer) - MAX_BUFFER
-            del self.buffer[:len(self.buffer) - MAX_BUFFER]
+        self.pending.extend(Metric(k, float(v), ts, step) for k, v in row.items()
+                            if k != "step" and isinstance(v, (int, float)))
 
     def flush(self) -> None:
-        if not self.buffer or not self._connect():
+        """The points since the last report to disk, then every waiting point to the store, oldest first."""
+        try:
+            self.spool.append(self.pending)
+            self.pending = []
+        except OSError as e:  # no room for the buffer: they wait in memory (bounded) for the next report
+            del self.pending[:max(0, len(self.pending) - self.cfg.tracking.buffer_max_points)]
+            self._warn("buffer to disk", e)
+        if not self.spool.waiting or not self._connect():
             return
         self._log_params()
         try:
-            while self.buffer:
-                self.client.log_batch(self.run_id, metrics=self.buffer[:1000])
-                del self.buffer[:1000]
+            for offset, batch in self.spool.batches():
+                self.client.log_batch(self.run_id, metrics=batch)
+                self.spool.mark_sent(offset, len(batch))
         except Exception as e:  # noqa: BLE001
             self._warn("log metrics", e)
 
@@ -175,10 +185,12 @@ class MlflowTracker(NullTracker):
             except Exception as e:  # noqa: BLE001
                 self._warn("log artifacts", e)
                 unrecorded.append("artifacts (config, history, plots, adapter)")
-        if self.buffer:
-            unrecorded.append(f"{len(self.buffer)} metric points")
-        if self.dropped:
-            unrecorded.append(f"{self.dropped} metric points dropped from a full buffer")
+        if self.spool.waiting or self.pending:
+            unrecorded.append(f"{self.spool.waiting + len(self.pending)} metric points (kept in {self.spool.path}: "
+                              f"the next run of this name sends them)")
+        if self.spool.dropped:
+            unrecorded.append(f"{self.spool.dropped} metric points dropped from a full buffer "
+                              f"(tracking.buffer_max_points)")
         if unrecorded:
             warnings.warn(f"MLflow ({redact_uri(self.uri)}) did not record: " + "; ".join(unrecorded))
 

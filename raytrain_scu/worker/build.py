@@ -28,6 +28,7 @@ from raytrain_scu.core.model import (
 )
 from raytrain_scu.core.regularizer import adapter_params, centers_fingerprint, initial_centers
 from raytrain_scu.errors import CheckpointError
+from raytrain_scu.worker.oom import Phase
 from raytrain_scu.worker.state import Control, Metering, Optimisation, Position, Record, State
 
 
@@ -71,8 +72,9 @@ def _optimisation(cfg: Config, hooks, model, *, device, dtype) -> Optimisation:
                         centers=initial_centers(model))
 
 
-def build(cfg: Config, hooks, run_id: Optional[str] = None) -> State:
-    """All ranks: device, data, model with adapters, optimizer, control law, tracker (rank 0's is real)."""
+def build(cfg: Config, hooks, run_id: Optional[str] = None, phase: Optional[Phase] = None) -> State:
+    """All ranks: device, data, model with adapters, optimizer, control law, tracker (rank 0's is real). ``phase``: the
+    loop's phase record (:class:`~raytrain_scu.worker.oom.Phase`), new by default."""
     m, d = cfg.model, cfg.data
     device = hooks.get_device()
     torch.manual_seed(cfg.seed + rank())
@@ -92,7 +94,7 @@ def build(cfg: Config, hooks, run_id: Optional[str] = None) -> State:
     return State(cfg=cfg, hooks=hooks, device=device, tracker=tracking.for_rank(cfg, rank(), run_id=run_id),
                  structure=structure_of(cfg), opt=opt, ctrl=control, rec=Record(), metering=metering,
                  pos=Position(data=data, seqs_per_step=sequences_per_step(cfg, world_size()), block_size=d.block_size),
-                 stop_path=RunPaths.of(cfg).stop_flag)
+                 stop_path=RunPaths.of(cfg).stop_flag, phase=phase or Phase())
 
 
 def resume(s: State) -> None:
@@ -114,6 +116,7 @@ def resume(s: State) -> None:
     s.rec.restore(meta, problems=problems)
     s.pos.position = meta["position"]
     s.opt.restore(meta)
+    s.phase.first_step, s.phase.checkpoint_step = s.rec.start_step + 1, s.rec.start_step
     notice0(f"resumed at step {s.rec.start_step}"
             + (f" after skipping {len(problems)} bad checkpoint(s)" if problems else ""))
     if note:

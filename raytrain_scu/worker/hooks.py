@@ -5,34 +5,59 @@
 - ``prepare_model(model, move_to_device)``: the loss module placed on the device;
 - ``report(metrics, checkpoint_dir, checkpoint_dir_name)``: the same number of calls on every rank; rank 0 passes
   the checkpoint directory, the others None;
+- ``heartbeat(step)``: after every completed step (``None`` once the loop is done): what the driver's hang watchdog
+  reads;
 - ``faults``: fault injection (``worker.faults.Faults``).
 
 ``ray.hooks.RayHooks`` makes them Ray Train's calls; :class:`LocalHooks` runs the same loop in one bare process.
 """
 from __future__ import annotations
 
+import os
+import shutil
+from pathlib import Path
+from typing import Optional
+
 import torch
 
+from raytrain_scu.core import checkpoint as ckpt
 from raytrain_scu.worker.faults import Faults
 
 
 class LocalHooks:
-    """One process, no Ray: the same loop, for benchmarks (Ray overhead) and debugging. Reports are kept; there is
-    no checkpoint to resume from."""
+    """One process, no Ray: the same loop, for benchmarks (Ray overhead), debugging and fast tests. Reports are kept.
+    With ``run_dir``, each checkpoint is copied there as ``checkpoint_<step>`` (as Ray Train would) and a new loop
+    resumes from the newest good one; without, there is no checkpoint to resume from."""
 
-    def __init__(self, device=None):
+    def __init__(self, device=None, run_dir: Optional[str | Path] = None):
         self.device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.run_dir = Path(run_dir) if run_dir is not None else None
         self.reports: list[dict] = []
+        self.beats: list[Optional[int]] = []
         self.faults = Faults.from_env()
 
     def get_device(self):
         return self.device
 
     def open_checkpoint(self, stack):
-        return None
+        if self.run_dir is None:
+            return None
+        found = sorted((d for d in self.run_dir.glob("checkpoint_*") if d.is_dir() and not d.name.endswith(".partial")),
+                       reverse=True)
+        return ckpt.open_good_checkpoint([(d.name, lambda d=d: d) for d in found]) if found else None
 
     def prepare_model(self, model, move_to_device: bool):
         return model.to(self.device) if move_to_device else model
 
     def report(self, metrics: dict, checkpoint_dir, checkpoint_dir_name):
         self.reports.append(dict(metrics))
+        if checkpoint_dir is not None and self.run_dir is not None:
+            dest = self.run_dir / checkpoint_dir_name
+            tmp = dest.with_name(dest.name + ".partial")
+            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.copytree(checkpoint_dir, tmp)
+            shutil.rmtree(dest, ignore_errors=True)
+            os.rename(tmp, dest)
+
+    def heartbeat(self, step: Optional[int]) -> None:
+        self.beats.append(step)

@@ -14,6 +14,7 @@ from raytrain_scu.core.dist import notice0, print0, world_size
 from raytrain_scu.hardware.gpus import peak_flops
 from raytrain_scu.worker.build import build, resume
 from raytrain_scu.worker.meter import Meter
+from raytrain_scu.worker.oom import Phase, out_of_memory
 from raytrain_scu.worker.periodic import after_step, evaluate_now
 from raytrain_scu.worker.profiling import profiled
 from raytrain_scu.worker.state import State
@@ -35,14 +36,14 @@ def _say_no_mfu(device) -> None:
         print0(f"[raytrain_scu] {text}")
 
 
-def setup(cfg: Config, hooks, run_id: Optional[str] = None) -> State:
+def setup(cfg: Config, hooks, run_id: Optional[str] = None, phase: Optional[Phase] = None) -> State:
     """All ranks: build, resume, start tracking, and (on a fresh start) the untrained adapter's held-out BPT."""
-    s = build(cfg, hooks, run_id)
+    s = build(cfg, hooks, run_id, phase)
     resume(s)
     s.tracker.start(params=tracking.derived_params(cfg, tokens_per_epoch=s.ctrl.tokens_per_epoch, world=world_size(),
                                                    device=s.device), resumed_at=s.rec.start_step)
     if s.rec.start_step == 0:  # the baseline every later eval is compared with
-        s.rec.val_bpt = evaluate_now(s)
+        s.rec.val_bpt = evaluate_now(s, 0)
         s.rec.history.append({"step": 0, "val/data_bpt": s.rec.val_bpt, "ctrl/lambda": s.ctrl.law.lam})
         s.tracker.log_step(s.rec.history[-1])
     first = s.rec.history[0] if s.rec.history else {}
@@ -54,14 +55,30 @@ def setup(cfg: Config, hooks, run_id: Optional[str] = None) -> State:
     return s
 
 
-def run_loop(cfg: Config, *, hooks, run_id: Optional[str] = None) -> None:
-    """Setup, then the training loop; ``hooks`` are Ray Train's calls (or their local stand-ins)."""
-    s = setup(cfg, hooks, run_id)
-    with profiled(steps=cfg.train.profile_steps, left=cfg.train.max_steps - s.rec.start_step,
-                  cuda=s.device.type == "cuda", out_dir=RunPaths.of(cfg).profile) as tick:  # off unless asked
-        for step in range(s.rec.start_step, cfg.train.max_steps):
+def train(s: State) -> None:
+    """All ranks: the loop, from the resumed step to train.max_steps (or a stop). After each step: the heartbeat the
+    driver's hang watchdog reads, and a fault test's pause point."""
+    with profiled(steps=s.cfg.train.profile_steps, left=s.cfg.train.max_steps - s.rec.start_step,
+                  cuda=s.device.type == "cuda", out_dir=RunPaths.of(s.cfg).profile) as tick:  # off unless asked
+        for step in range(s.rec.start_step, s.cfg.train.max_steps):
             row = train_step(s, step)
             tick()
-            if after_step(s, step, row):
+            done = after_step(s, step, row)
+            s.hooks.heartbeat(step + 1)
+            s.hooks.faults.after_report(step + 1, fresh=s.rec.fresh)
+            if done:
                 break
+
+
+def run_loop(cfg: Config, *, hooks, run_id: Optional[str] = None) -> None:
+    """Setup, then the training loop; ``hooks`` are Ray Train's calls (or their local stand-ins). Running out of
+    device memory anywhere is a :class:`~raytrain_scu.errors.DeviceOutOfMemory` naming the phase."""
+    phase = Phase()
+    try:
+        s = setup(cfg, hooks, run_id, phase)
+        train(s)
+    except torch.cuda.OutOfMemoryError as e:
+        hooks.faults.ballast = None  # an injected fill of the card goes with the error
+        raise out_of_memory(cfg, phase, hooks.get_device(), e) from e
+    hooks.heartbeat(None)  # done stepping: what follows (the tracker's artifacts) may take long and is no hang
     s.tracker.finish(history=s.rec.history, model=s.opt.model, status="KILLED" if s.stopping else "FINISHED")

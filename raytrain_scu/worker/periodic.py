@@ -37,8 +37,10 @@ def evaluate(loss_model, data, *, device, batch_size: int, max_blocks: int, auto
     return nats / n / LN2 if n > 0 else float("nan")
 
 
-def evaluate_now(s: State) -> float:
-    """All ranks: the held-out DataBPT of the fixed validation blocks."""
+def evaluate_now(s: State, step: int) -> float:
+    """All ranks: the held-out DataBPT of the fixed validation blocks, after optimizer step ``step`` (0: before the
+    first)."""
+    s.phase.enter("eval", step, s.hooks.faults, s.device)
     return evaluate(s.opt.loss_model, s.pos.data, device=s.device, batch_size=s.cfg.data.batch_size,
                     max_blocks=s.cfg.train.eval_blocks, autocast=s.opt.autocast)
 
@@ -66,13 +68,20 @@ def perf_metrics(s: State, step: int) -> dict:
 
 
 def save_checkpoint(s: State, step: int, rng_states: list):
-    """Rank 0: write the checkpoint of step ``step + 1`` to a fresh local directory; returns that directory."""
+    """Rank 0: write the checkpoint of step ``step + 1`` to a fresh local directory; returns that directory (removed
+    again when the write fails)."""
+    s.phase.enter("checkpoint", step + 1, s.hooks.faults, s.device)
     local = ckpt.new_local_dir()
-    ckpt.write_checkpoint(local / "ckpt", model=s.opt.model, optimizer=s.opt.optimizer, scaler=s.opt.scaler,
-                          controller_state=s.ctrl.law.state_dict(), step=step + 1, position=s.pos.position,
-                          structure=s.structure, tokens_per_epoch=s.ctrl.tokens_per_epoch,
-                          config_yaml=to_yaml(s.cfg, redact=True), history=s.rec.history, rng_states=rng_states,
-                          extra={**s.rec.saved(), **s.opt.saved(), "centers_sq": centers_fingerprint(s.opt.centers)})
+    extra = {**s.rec.saved(), **s.opt.saved(), "centers_sq": centers_fingerprint(s.opt.centers)}
+    try:
+        ckpt.write_checkpoint(local / "ckpt", model=s.opt.model, optimizer=s.opt.optimizer, scaler=s.opt.scaler,
+                              controller_state=s.ctrl.law.state_dict(), step=step + 1, position=s.pos.position,
+                              structure=s.structure, tokens_per_epoch=s.ctrl.tokens_per_epoch,
+                              config_yaml=to_yaml(s.cfg, redact=True), history=s.rec.history, rng_states=rng_states,
+                              extra=extra, fsync=s.hooks.faults.fsync(step + 1))
+    except BaseException:
+        shutil.rmtree(local, ignore_errors=True)
+        raise
     return local
 
 
@@ -95,6 +104,8 @@ def report(s: State, step: int, row: dict, is_ckpt: bool) -> None:
                        f"checkpoint_{step + 1:08d}{s.rec.ckpt_suffix}" if is_ckpt else None)
     if local is not None:
         shutil.rmtree(local, ignore_errors=True)
+    if is_ckpt:  # all ranks: the newest checkpoint, which an out-of-memory error names as kept
+        s.phase.checkpoint_step = step + 1
 
 
 def after_step(s: State, step: int, row: dict) -> bool:
@@ -104,7 +115,7 @@ def after_step(s: State, step: int, row: dict) -> bool:
     is_ckpt = (step + 1) % t.checkpoint_every == 0 or done
     if (step + 1) % t.eval_every == 0 or is_ckpt:
         with s.metering.meter.excluded():  # throughput counts training time only
-            s.rec.evaluated(evaluate_now(s))
+            s.rec.evaluated(evaluate_now(s, step + 1))
         row["val/data_bpt"] = s.rec.val_bpt
     s.rec.history.append(row)
     s.tracker.log_step(row)

@@ -13,6 +13,7 @@ from raytrain_scu.config.schema import Config
 from raytrain_scu.core import laws
 from raytrain_scu.core.data import TokenData
 from raytrain_scu.worker.meter import Meter
+from raytrain_scu.worker.oom import Phase
 
 
 def step_outcome(data_bpt: float, param_bpt: float, grad_norm: float, *, loss_scaling: bool) -> str:
@@ -182,3 +183,4 @@ class State:
     metering: Metering
     stop_path: Optional[Path] = None  # rank 0 stops the run (all ranks, after a checkpoint) when this file exists
     stopping: bool = False
+    phase: Phase = field(default_factory=Phase)  # what an out-of-memory error names

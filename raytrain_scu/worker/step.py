@@ -82,6 +82,7 @@ def _refuse_repeated_skips(s: State, step: int) -> None:
 def train_step(s: State, step: int) -> dict:
     """All ranks: optimizer step ``step + 1``. Returns its row."""
     cfg = s.cfg
+    s.phase.enter("train", step + 1, s.hooks.faults, s.device)
     lr = lr_at(step, lr=cfg.optim.lr, warmup_steps=cfg.optim.warmup_steps, max_steps=cfg.train.max_steps,
                min_lr_ratio=cfg.optim.min_lr_ratio)
     s.opt.set_lr(lr)

@@ -27,12 +27,13 @@ from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
+from raytrain_scu.config.paths import cache_root
 from raytrain_scu.core.model.presets import PRESET_TOKENIZER_VOCAB, PRESETS, is_preset, preset_config
 from raytrain_scu.errors import ModelError
 
 
 def default_cache_dir(cache_dir: str = "") -> Path:
-    return Path(os.path.expanduser(cache_dir or os.environ.get("RAYTRAIN_SCU_CACHE", "~/.cache/raytrain_scu")))
+    return Path(os.path.expanduser(cache_dir)) if cache_dir else cache_root()
 
 
 def file_lock(path: Path):

@@ -1,0 +1,108 @@
+"""The hang watchdog: a rank that stops making progress (stopped with SIGSTOP, stuck in a collective) is seen from
+outside its process, since a stopped process runs no thread of its own.
+
+Every rank sends a heartbeat after each completed step to a small actor on the driver's node (:class:`Heartbeats`;
+the worker side is ``RayHooks.heartbeat``). The driver's :class:`HangWatchdog` reads it every few seconds; once every
+rank of the current attempt has completed a step, no step completing on any rank for ``train.hang_timeout_s`` is a
+hang. It then SIGKILLs every worker process of that attempt (a stopped process dies of SIGKILL too; one on another
+node through a task pinned to that node), and Ray Train restarts the group from the last checkpoint, exactly as after
+a worker crash, within ``run.max_failures``. The clock of an attempt starts at its first completed step: building the
+model, resuming and the first step's compile never count.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from typing import Optional
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+
+@ray.remote(num_cpus=0)
+class Heartbeats:
+    """The ranks' last completed steps of the current attempt: ``{rank: (pid, node id, step, seconds since)}``."""
+
+    def __init__(self):
+        self.attempt, self.world, self.beats = 0, 0, {}
+
+    def start_attempt(self, world: int) -> None:
+        """Rank 0, as a worker group starts: the previous attempt's beats no longer count."""
+        self.attempt, self.world, self.beats = self.attempt + 1, world, {}
+
+    def beat(self, rank: int, pid: int, node_id: str, step: Optional[int]) -> None:
+        """Rank ``rank`` completed ``step`` (None: it is done stepping)."""
+        self.beats[rank] = (pid, node_id, step, time.monotonic())
+
+    def read(self) -> tuple[int, int, dict]:
+        now = time.monotonic()
+        return self.attempt, self.world, {r: (pid, node, step, now - t) for r, (pid, node, step, t) in
+                                          self.beats.items()}
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def stalled(world: int, beats: dict, timeout_s: float) -> Optional[float]:
+    """Seconds since the last completed step on any rank when that exceeds ``timeout_s`` and every rank of the
+    attempt is stepping (each has completed a step, none is done); None otherwise."""
+    if world == 0 or len(beats) < world or any(step is None for _, _, step, _ in beats.values()):
+        return None
+    quiet = min(age for _, _, _, age in beats.values())
+    return quiet if quiet > timeout_s else None
+
+
+class HangWatchdog:
+    """Driver side: reads :class:`Heartbeats` from a thread, while in a ``with`` block, and kills a hung attempt's
+    workers. ``notices`` collects the lines the driver prints."""
+
+    def __init__(self, timeout_s: float, poll_s: Optional[float] = None):
+        self.timeout_s = timeout_s
+        self.poll_s = poll_s or min(5.0, max(0.5, timeout_s / 10))
+        here = ray.get_runtime_context().get_node_id()
+        self.actor = Heartbeats.options(scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=True)).remote()
+        self.node_id = here
+        self.notices: list[str] = []
+        self.handled: set[int] = set()  # attempts already killed
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="raytrain_scu-watchdog", daemon=True)
+
+    def __enter__(self) -> "HangWatchdog":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=self.poll_s + 5)
+        ray.kill(self.actor, no_restart=True)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            try:
+                attempt, world, beats = ray.get(self.actor.read.remote(), timeout=30)
+            except Exception:  # noqa: BLE001 - a busy cluster: look again at the next poll
+                continue
+            quiet = None if attempt in self.handled else stalled(world, beats, self.timeout_s)
+            if quiet is not None:
+                self.handled.add(attempt)
+                self._kill_attempt(beats, quiet)
+
+    def _kill_attempt(self, beats: dict, quiet: float) -> None:
+        steps = sorted({step for _, _, step, _ in beats.values()})
+        for rank, (pid, node, _, _) in sorted(beats.items()):
+            if node == self.node_id:
+                _kill(pid)
+            else:  # a process on another node: killed there, by a task pinned to its node
+                ray.remote(_kill).options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(
+                    node, soft=False)).remote(pid)
+        self.notices.append(
+            f"no step completed in {quiet:.0f} s (train.hang_timeout_s={self.timeout_s:g}; last completed step "
+            f"{'/'.join(map(str, steps))}): killed the worker group (pids "
+            f"{', '.join(str(b[0]) for _, b in sorted(beats.items()))}); Ray Train restarts it from the last "
+            f"checkpoint (run.max_failures)")

@@ -1,0 +1,103 @@
+"""Rank 0's metric points on disk until the MLflow store has them: an outage of the tracking server, or a crash of
+rank 0, loses none and records none twice.
+
+``<run dir>/mlflow_buffer.jsonl`` holds the points, one JSON line each, with their step and the time they were
+logged; ``mlflow_buffer.json`` beside it holds the byte offset up to which the store has them (``sent``), the highest
+step ever appended (``through``) and how many were dropped. Points are appended at each report and sent from
+``sent`` on; the offset moves after each batch the store accepted. Two properties make it exactly once:
+
+- a batch sent but not yet marked (a crash in between) is sent again after a restart, with the same keys, steps,
+  values and timestamps, which MLflow's SQL store keeps once (a metric's key, step, timestamp and value are its
+  primary key);
+- a restarted rank 0 skips the steps up to ``through``, which are on disk already: the steps it redoes after
+  resuming from an older checkpoint are not logged a second time.
+
+Bounded: past ``max_points`` waiting points the oldest are dropped, and counted.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Iterator
+
+
+class MetricSpool:
+    """The on-disk buffer of one run's metric points, in the files this module's docstring describes."""
+
+    def __init__(self, path: Path, max_points: int):
+        self.path, self.state_path, self.max_points = path, path.with_suffix(".json"), max_points
+        state = self._load_state()
+        self.sent, self.through, self.dropped = state["sent"], state["through"], state["dropped"]
+        self.waiting = sum(1 for _ in self._lines()) if self.path.exists() else 0
+
+    def _load_state(self) -> dict:
+        default = {"sent": 0, "through": -1, "dropped": 0}
+        try:
+            return {**default, **json.loads(self.state_path.read_text())}
+        except (OSError, ValueError):
+            return default
+
+    def _save_state(self) -> None:
+        tmp = self.state_path.with_name(self.state_path.name + ".tmp")
+        tmp.write_text(json.dumps({"sent": self.sent, "through": self.through, "dropped": self.dropped}))
+        os.replace(tmp, self.state_path)
+
+    def append(self, points: list) -> None:
+        """Put ``points`` on disk (synced), then drop the oldest waiting ones past ``max_points``."""
+        if not points:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "a") as f:
+            for m in points:
+                f.write(json.dumps({"k": m.key, "v": m.value, "t": m.timestamp, "s": m.step}) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        self.waiting += len(points)
+        self.through = max(self.through, max(m.step for m in points))
+        if self.waiting > self.max_points:
+            self._drop(self.waiting - self.max_points)
+        self._save_state()
+
+    def _drop(self, n: int) -> None:
+        for offset, _ in self._lines(limit=n):
+            self.sent = offset
+        self.waiting -= n
+        self.dropped += n
+
+    def _lines(self, limit: int = 0) -> Iterator[tuple[int, dict]]:
+        """``(offset after the line, point)`` of the waiting points, oldest first; a torn last line is left out."""
+        if not self.path.exists():
+            return
+        with open(self.path, "rb") as f:
+            f.seek(self.sent)
+            count = 0
+            while (line := f.readline()).endswith(b"\n"):  # a torn last line: written half as the process died
+                count += 1
+                yield f.tell(), json.loads(line)
+                if limit and count >= limit:
+                    return
+
+    def batches(self, size: int = 1000) -> Iterator[tuple[int, list]]:
+        """``(offset after the batch, its points as MLflow Metrics)`` of the waiting points, oldest first."""
+        from mlflow.entities import Metric  # imported on the first send: importing mlflow takes seconds
+
+        batch, offset = [], self.sent
+        for offset, p in self._lines():
+            batch.append(Metric(p["k"], p["v"], p["t"], p["s"]))
+            if len(batch) == size:
+                yield offset, batch
+                batch = []
+        if batch:
+            yield offset, batch
+
+    def mark_sent(self, offset: int, n: int) -> None:
+        """The store has the points up to ``offset`` (``n`` of them). With none left waiting the file starts over
+        (the state first: a crash between the two only resends what the store keeps once)."""
+        self.sent, self.waiting = offset, self.waiting - n
+        if self.waiting == 0:
+            self.sent = 0
+            self._save_state()
+            self.path.write_bytes(b"")
+            return
+        self._save_state()
