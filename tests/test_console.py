@@ -23,7 +23,7 @@ def test_a_report_is_one_plain_line_with_rounded_values():
     lines = out.getvalue().splitlines()
     assert len(lines) == 2 and not ANSI.search(out.getvalue())
     assert lines[0] == ("[raytrain_scu] step 10/40  DataBPT 4.863  val 5.15  Ŝ 0.01753/0.01  λ 1.134  tok/s 18,589"
-                        "  ETA ?")
+                        "  ETA unknown")
     assert lines[1].startswith("[raytrain_scu] step 20/40") and lines[1].endswith("[checkpoint]")
     assert "λ 1.134" in report_line(REPORT)  # the λ the step's loss used, not the next step's (1.405)
 
