@@ -55,6 +55,7 @@ def check_controller(c: ControllerConfig) -> None:
     _check(c.saturation_window >= 1, "controller.saturation_window", f"must be >= 1, got {c.saturation_window}")
     _check(c.saturation_rel_tol > 0, "controller.saturation_rel_tol", f"must be > 0, got {c.saturation_rel_tol}")
     _check(c.tokens_per_epoch >= 0, "controller.tokens_per_epoch", f"must be >= 0, got {c.tokens_per_epoch}")
+    _check(c.bound_notice_steps >= 0, "controller.bound_notice_steps", f"must be >= 0, got {c.bound_notice_steps}")
 
 
 def validate(cfg: Config) -> None:

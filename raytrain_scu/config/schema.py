@@ -125,6 +125,9 @@ class ControllerConfig:
     control_every: int = 1  # optimizer steps between controller updates
     saturation_window: int = 100  # updates over which λ must stay flat to count as settled
     saturation_rel_tol: float = 0.01  # max(λ)/min(λ) − 1 below this over the window = settled
+    # steps λ may sit at lambda_min or lambda_max (scu) before the console says which bound, since when, what it
+    # means and what to try: once per stretch at a bound (0 = never)
+    bound_notice_steps: int = 50
     # 0 = measured from the training split. A resume refuses a checkpoint whose tokens_per_epoch differs from the
     # measured one (changed data would rescale ParamBPT and S silently); set here, it wins over both.
     tokens_per_epoch: int = 0

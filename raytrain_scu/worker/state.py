@@ -10,7 +10,9 @@ from typing import Any, Optional
 import torch
 
 from raytrain_scu.config.schema import Config
+from raytrain_scu.core.bounds import BoundWatch
 from raytrain_scu.core.data import TokenData
+from raytrain_scu.core.dist import notice0
 from raytrain_scu.worker.meter import Meter
 
 
@@ -92,12 +94,17 @@ class Control:
     law: Any
     tokens_per_epoch: int
     every: int  # controller.control_every
+    bounds: Optional[BoundWatch] = None  # says when λ sits at a bound for long
 
     def update(self, step: int, *, data_bpt: float, param_bpt: float, lr_factor: float) -> None:
         """After optimizer step ``step`` (from 1), on the control cadence. A non-finite input is counted in
-        ctrl/skipped by the law and changes nothing else."""
+        ctrl/skipped by the law and changes nothing else. λ held at a bound for long is a notice (rank 0's reaches
+        the console)."""
         if step % self.every == 0:
             self.law.update(data_bpt, param_bpt, step=step, lr_factor=lr_factor)
+        text = self.bounds.update(step, self.law.lam, self.law.s_hat) if self.bounds is not None else None
+        if text:
+            notice0(text)
 
     def row(self) -> dict:
         law = self.law
