@@ -11,8 +11,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import os
-import shutil
 import sys
 from pathlib import Path
 from typing import Optional
@@ -25,6 +23,7 @@ from raytrain_scu.config.paths import RunPaths
 from raytrain_scu.config.schema import Config
 from raytrain_scu.console import Progress, format_summary
 from raytrain_scu.core.checkpoint import BEST_METRIC, newest_good_local, read_meta
+from raytrain_scu.driver import outputs
 from raytrain_scu.driver.generate import BASE_RECIPE, base_recipe
 from raytrain_scu.driver.preflight import preflight
 from raytrain_scu.errors import CheckpointError, Interrupted
@@ -34,20 +33,6 @@ from raytrain_scu.ray import launch
 def output_dir(cfg: Config) -> Path:
     """Where the adapter, config.yaml and summary.json go: ``run.output_dir``, else ``<run dir>/output``."""
     return Path(RunPaths.of(cfg).output)
-
-
-def export_adapter(checkpoint, dest: Path) -> Path:
-    """Copy the adapter of a Ray checkpoint to ``dest`` (loadable by ``PeftModel.from_pretrained``)."""
-    with checkpoint.as_directory() as d:
-        src = Path(d) / "adapter"
-        if not src.is_dir():
-            raise FileNotFoundError(f"checkpoint {checkpoint.path} has no adapter/")
-        tmp = dest.with_name(dest.name + ".partial")
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.copytree(src, tmp)
-        shutil.rmtree(dest, ignore_errors=True)
-        os.rename(tmp, dest)
-    return dest
 
 
 def best_checkpoint(best_checkpoints) -> Optional[tuple]:
@@ -133,7 +118,7 @@ def run(cfg: Config, *, quiet: bool = False, verbose: bool = False) -> dict:
         if not verbose:
             print(f"[raytrain_scu] Ray's and the workers' logs: {ray_logs} (--verbose shows them here)", flush=True)
         sink = launch.Sink()
-        trainer = launch.build_trainer(cfg, use_gpu=facts["use_gpu"], run_id=run_id, callbacks=[sink])
+        trainer = launch.build_trainer(cfg, use_gpu=facts["use_gpu"], run_id=run_id, callbacks=sink.callbacks())
         result = launch.fit(trainer, cfg, sink, Progress(target_s=cfg.controller.target_s))  # raises on failure
         summary = summarize(cfg, result, run_id, changes, notes, facts)
         status = "FINISHED"
@@ -178,9 +163,10 @@ def summarize(cfg: Config, result, run_id: Optional[str], changes: dict, notes: 
     out = output_dir(cfg)
     out.mkdir(parents=True, exist_ok=True)
     last = result.metrics or {}
+    # λ as the last progress line shows it: the value the last step's loss used (ctrl/lambda is the next step's)
     summary = {"run": cfg.run.name, "steps": last.get("step"), "val_bpt_start": last.get("val/data_bpt_start"),
-               "val_bpt": last.get("val/data_bpt"),
-               "lambda": last.get("ctrl/lambda"), "s": last.get("ctrl/s"), "s_hat": last.get("ctrl/s_hat"),
+               "val_bpt": last.get("val/data_bpt"), "lambda": last.get("ctrl/lambda_applied", last.get("ctrl/lambda")),
+               "lambda_next": last.get("ctrl/lambda"), "s": last.get("ctrl/s"), "s_hat": last.get("ctrl/s_hat"),
                "tokens_per_s": last.get("perf/tokens_per_s"), "run_dir": result.path, "mlflow_run_id": run_id,
                "config_changes": changes or None, "notes": notes}
     if cfg.tracking.enabled:
@@ -190,9 +176,10 @@ def summarize(cfg: Config, result, run_id: Optional[str], changes: dict, notes: 
             needs = importlib.util.find_spec("flask") is None  # mlflow-skinny alone has no UI server
             summary["ui_command"] = ui + ("   (needs the ui extra: pip install 'raytrain_scu[ui]')" if needs
                                           else "   (or: make ui CONFIG=<this config>)")
-    if result.checkpoint is not None:
-        summary["adapter"] = str(export_adapter(result.checkpoint, out / "adapter"))
     best = best_checkpoint(result.best_checkpoints)
+    summary.update(outputs.export_adapters(result.checkpoint, last.get("step"), best, out))
+    if result.checkpoint is not None:
+        summary["plots"] = outputs.write_trace(cfg, result.checkpoint, out)
     if best is None and result.best_checkpoints:
         notes.append(f"no checkpoint has a finite {BEST_METRIC}: no best checkpoint")
     if best is not None:
