@@ -196,7 +196,7 @@ class Counter:
                       f"{self.unit}/s (measured over the first {self.settle_s:g} s)")
         if self.tty:
             self._draw()
-        elif now - self.shown >= self.every_s and self.done < self.total:
+        elif now - self.shown >= self.every_s and self.done < self.total and self.rate() > 0:
             self.shown = now
             self._say(f"{self.desc}: {self.done:,}/{self.total:,} {self.unit}  {self.rate():,.0f} {self.unit}/s  "
                       f"ETA {self.eta()}")
