@@ -7,6 +7,7 @@ import math
 import sys
 from typing import Optional, TextIO
 
+import cloudpickle
 from ray import tune
 
 from raytrain_scu.config.schema import Config
@@ -35,15 +36,29 @@ def _metric(result: dict, metric: str) -> str:
     return f"{metric} {value:.4g}" + (f" @{int(at)}" if stale else "")
 
 
+def trial_error(trial) -> Optional[BaseException]:
+    """The exception a trial failed with, as Tune pickled it beside the trial (read locally: the copy in the sweep's
+    storage may not be synced yet when the callback runs); None if there is none."""
+    path = trial.pickled_error_file
+    if not path:
+        return None
+    try:
+        with open(path, "rb") as f:
+            return cloudpickle.load(f)
+    except Exception:  # noqa: BLE001 - the line then says "unknown error"
+        return None
+
+
 def error_line(error: Optional[BaseException]) -> str:
     """A trial's failure in one line: the innermost cause's type and the last line of its message."""
     if error is None:
         return "unknown error"
-    while getattr(error, "__cause__", None) is not None:
-        error = error.__cause__
-    failures = getattr(error, "worker_failures", None) or {}
-    if failures:  # Ray Train's wrapping: the first worker's own exception
-        error = failures[min(failures)]
+    while True:  # Ray's task wrapping (.cause), Python's chaining, Ray Train's per-worker failures
+        failures = getattr(error, "worker_failures", None) or {}
+        inner = getattr(error, "cause", None) or error.__cause__ or (failures[min(failures)] if failures else None)
+        if not isinstance(inner, BaseException) or inner is error:
+            break
+        error = inner
     lines = [line for line in str(error).strip().splitlines() if line.strip()]
     return f"{type(error).__name__}: {lines[-1].strip() if lines else ''}".strip()
 
@@ -85,5 +100,5 @@ class TrialEvents(tune.Callback):
     def on_trial_error(self, iteration, trials, trial, **info):
         step = (self.last.get(trial.trial_id) or {}).get("step")
         self._say(f"trial {trial.trial_id} failed" + (f" at step {step}" if step is not None else "")
-                  + f": {error_line(trial.get_error())}; {params_text(trial.config, self.space)}")
+                  + f": {error_line(trial_error(trial))}; {params_text(trial.config, self.space)}")
 

@@ -28,6 +28,7 @@ This module is the Tune wiring; the checks before launch are ``driver.sweep``, t
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import threading
@@ -54,6 +55,7 @@ from raytrain_scu.ray.tune.results import open_child_run, open_parent_run, write
 from raytrain_scu.ray.tune.space import GLOBAL_BATCH, space_value, tokens_per_step_bounds, trial_config
 
 ASHA_REDUCTION_FACTOR = 2  # ASHA keeps the best half at each rung
+AIR_NEW_OUTPUT = "RAY_AIR_NEW_OUTPUT"  # Tune's switch between its two consoles
 DRIVER_CPU = 0.01  # what a trial's driver function holds; its Train workers ask for their own resources
 
 
@@ -257,6 +259,22 @@ def _global_batch_note(cfg: Config, space: dict) -> str:
     return f"{lo}-{hi} tokens/step (from {how}); ASHA compares trials at equal tokens seen"
 
 
+@contextlib.contextmanager
+def tune_console(verbose: bool):
+    """Tune's newer console (RAY_AIR_NEW_OUTPUT, read when fit() starts) prints an experiment box and paths even at
+    verbose=0, the older one nothing: the older inside, unless ``verbose``."""
+    old = os.environ.get(AIR_NEW_OUTPUT)
+    if not verbose:
+        os.environ[AIR_NEW_OUTPUT] = "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(AIR_NEW_OUTPUT, None)
+        else:
+            os.environ[AIR_NEW_OUTPUT] = old
+
+
 def run_sweep(cfg: Config, space: dict, *, use_gpu: bool, verbose: bool = False) -> dict:
     """Launch (or resume) the sweep of the checked ``space`` on Ray Tune, then print the table and write best.yaml and
     plots (``driver.sweep`` checks it first). ``verbose``: Ray's, Tune's and the trials' output on the console too,
@@ -280,10 +298,8 @@ def run_sweep(cfg: Config, space: dict, *, use_gpu: bool, verbose: bool = False)
     reaper, stop = PlacementGroupReaper(setup.placement_groups), threading.Event()
     watcher = threading.Thread(target=reaper.run, args=(stop,), daemon=True)
     watcher.start()
-    if not verbose:  # Tune's newer console prints an experiment box and paths even at verbose=0; the older is silent
-        os.environ["RAY_AIR_NEW_OUTPUT"] = "0"
     try:
-        with driver_logs_to_file(RunPaths.of(cfg).logs, enabled=not verbose):
+        with driver_logs_to_file(RunPaths.of(cfg).logs, enabled=not verbose), tune_console(verbose):
             results = make_tuner(cfg, space, setup, max_concurrent, verbose=verbose).fit()
     finally:
         stop.set()
