@@ -58,16 +58,19 @@ def _config_tree(run: Path, newest: Optional[Path]) -> dict:
 
 
 def _mlflow_run(run: Path, tree: dict, clients: dict):
-    """The run's MLflow run (its status and latest metrics): the one ``mlflow_run.json`` names, else the one tagged
-    with its run key (a sweep's trial); None with tracking off, no such run, or an unreadable store."""
+    """The run's MLflow run (its status and latest metrics): the one ``mlflow_run.json`` names (in the store it
+    names: a run that has no checkpoint yet has no config on disk), else the one tagged with its run key (a sweep's
+    trial); None with tracking off, no such run, or an unreadable store."""
+    record = _json(run / "mlflow_run.json")
     try:
-        cfg = build_config(tree)
-        if not cfg.tracking.enabled:
+        cfg = build_config(tree) if tree else None
+        if cfg is not None and not cfg.tracking.enabled:
             return None
-        uri = tracking.tracking_uri(cfg)
+        uri = record.get("tracking_uri", "") if "***" not in record.get("tracking_uri", "***") else None
+        uri = uri or tracking.tracking_uri(cfg)
         if uri not in clients:
             clients[uri] = tracking.client_for(uri)
-        client, run_id = clients[uri], _json(run / "mlflow_run.json").get("run_id")
+        client, run_id = clients[uri], record.get("run_id")
         if run_id:
             return client.get_run(run_id)
         exp = client.get_experiment_by_name(cfg.tracking.experiment)
