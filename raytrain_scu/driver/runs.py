@@ -141,6 +141,8 @@ def find_runs(storage: str, names: list[str]) -> list[dict]:
 def _fmt(value, digits: int = 4) -> str:
     if value is None:
         return "-"
+    if value == "":
+        return '""'  # an empty config value, not a missing one
     return f"{value:.{digits}g}" if isinstance(value, float) else str(value)
 
 
