@@ -7,8 +7,7 @@ import math
 import sys
 from typing import Optional, TextIO
 
-import cloudpickle
-from ray import tune
+from ray import cloudpickle, tune
 
 from raytrain_scu.config.schema import Config
 from raytrain_scu.console import VAL_STEP, fmt_eta
@@ -23,7 +22,7 @@ def _value(v) -> str:
 
 
 def params_text(config: dict, space: dict) -> str:
-    """A trial's swept values, ``key=value`` in the space's order (``controller.`` and ``optim.`` prefixes kept)."""
+    """A trial's swept values, ``key=value`` with the keys as the space names them, in its order."""
     return " ".join(f"{key}={_value(config[key])}" for key in space if key in config)
 
 
