@@ -10,6 +10,7 @@ ARGS    ?=
 TORCH   ?= torch==2.13.0
 RAY_ADDRESS_SUBMIT ?= http://127.0.0.1:8265
 CLUSTER ?= cluster/a100.yaml
+PORT    ?= 5000
 
 .PHONY: setup test test-fast run ui check submit cluster-up cluster-down bench clean
 
@@ -45,10 +46,11 @@ check: setup
 	$(BIN)/python -m raytrain_scu.check $(ARGS)
 
 # MLflow UI on the store CONFIG's runs use (tracking.uri, else sqlite:///<run.storage_path>/mlflow.db): the same URI
-# a run prints. The full mlflow package (the `ui` extra, which setup installs) carries the UI server and flask.
+# a run prints, served on 127.0.0.1:$(PORT) (`make ui PORT=5001` when 5000 is taken). The full mlflow package (the
+# `ui` extra, which setup installs) carries the UI server and flask.
 ui: setup
 	$(BIN)/mlflow ui --backend-store-uri "$$($(BIN)/python -m raytrain_scu.tracking uri $(CONFIG) $(ARGS))" \
-		--host 127.0.0.1 --port 5000
+		--host 127.0.0.1 --port $(PORT)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import sys
 import time
 import warnings
@@ -15,6 +16,8 @@ from pathlib import Path
 from typing import Optional, TextIO
 
 NOTICES = "notices"  # the reported metrics' key: the notices since the previous report, one a line, oldest first
+ETA = "time/eta_s"  # the reported metrics' key: rank 0's estimate of the seconds left (worker.periodic.eta_s)
+VAL_STEP = "val/step"  # the reported metrics' key: the step whose end val/data_bpt was measured at
 
 _pending: list[str] = []
 _PACKAGE = str(Path(__file__).resolve().parent)
@@ -60,43 +63,65 @@ def _num(v, digits: int = 4) -> str:
     return str(v)
 
 
-def fmt_eta(seconds: float) -> str:
-    seconds = int(max(0, seconds))
+def fmt_eta(seconds: Optional[float]) -> str:
+    """``H:MM:SS`` rounded up (so only nothing left reads 0:00:00), or ``unknown`` when there is no estimate."""
+    if seconds is None or not math.isfinite(seconds):
+        return "unknown"
+    seconds = int(math.ceil(max(0.0, seconds)))
     return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
+def _val(r: dict) -> str:
+    """The held-out BPT, and ``@N`` when it was measured at an earlier step N (reports between evaluations repeat
+    the last value)."""
+    val = _num(r.get("val/data_bpt"))
+    at = r.get(VAL_STEP)
+    return val if at is None or val == "-" or int(at) == int(r["step"]) else f"{val} @{int(at)}"
+
+
 def report_fields(r: dict, target_s: Optional[float] = None) -> dict[str, str]:
-    """The fields a person follows: DataBPT, held-out BPT, Ŝ against S*, the λ the step's loss used, tokens/s."""
+    """The fields a person follows: DataBPT, held-out BPT (``@N``: measured at step N), Ŝ against S*, the λ the
+    step's loss used, tokens/s."""
     s_hat = _num(r.get("ctrl/s_hat"))
-    out = {"DataBPT": _num(r.get("train/data_bpt")), "val": _num(r.get("val/data_bpt")),
+    out = {"DataBPT": _num(r.get("train/data_bpt")), "val": _val(r),
            "Ŝ": s_hat + (f"/{target_s:g}" if target_s else ""), "λ": _num(r.get("ctrl/lambda_applied"))}
     if r.get("perf/tokens_per_s"):
         out["tok/s"] = f"{r['perf/tokens_per_s']:,.0f}"
     return out
 
 
-def report_line(r: dict, *, eta: str = "?", target_s: Optional[float] = None, checkpoint: bool = False) -> str:
+def report_line(r: dict, *, eta: str = "unknown", target_s: Optional[float] = None,
+                checkpoint: bool = False) -> str:
     """One plain line per report (no ANSI codes): what a log file or a pipe gets."""
     fields = "  ".join(f"{k} {v}" for k, v in report_fields(r, target_s).items())
     return (f"[raytrain_scu] step {int(r['step'])}/{int(r['max_steps'])}  {fields}  ETA {eta}"
             + ("  [checkpoint]" if checkpoint else ""))
 
 
+def draws_a_bar(stream: TextIO) -> bool:
+    """A bar on a terminal that says how wide it is; plain lines on a pipe, in a file, and on a terminal that reports
+    0 columns (``script`` without a size), where tqdm would draw nothing at all."""
+    try:
+        return stream.isatty() and os.get_terminal_size(stream.fileno()).columns > 0
+    except (AttributeError, OSError, ValueError):
+        return False
+
+
 class Progress:
-    """Renders each report: a tqdm bar (ETA, tokens/s, DataBPT, Ŝ vs S*, λ) on a terminal, a plain line elsewhere."""
+    """Renders each report: a tqdm bar (ETA, tokens/s, DataBPT, Ŝ vs S*, λ) on a terminal, a plain line elsewhere.
+    The ETA is rank 0's (``time/eta_s``): measured time per step, evaluations and checkpoints included."""
 
     def __init__(self, *, target_s: Optional[float] = None, stream: Optional[TextIO] = None,
                  tty: Optional[bool] = None):
         self.stream = stream or sys.stdout
-        self.tty = self.stream.isatty() if tty is None else tty
+        self.tty = draws_a_bar(self.stream) if tty is None else tty
         self.target_s = target_s
         self.bar = None
-        self.t0: Optional[float] = None
-        self.step0 = 0
         self.noted: set[str] = set()
 
     def note(self, text: str) -> None:
-        """A worker's notice, each text once: above the bar on a terminal, a plain line elsewhere."""
+        """A line of the package's (a worker's notice, each text once; a stage of the start): above the bar on a
+        terminal, a plain line elsewhere."""
         if text in self.noted:
             return
         self.noted.add(text)
@@ -107,11 +132,7 @@ class Progress:
 
     def update(self, r: dict, checkpoint: bool = False) -> None:
         step, max_steps = int(r["step"]), int(r["max_steps"])
-        now = time.time()
-        if self.t0 is None:
-            self.t0, self.step0 = now, step
-        rate = (step - self.step0) / (now - self.t0) if step > self.step0 else 0.0
-        eta = fmt_eta((max_steps - step) / rate) if rate > 0 else "?"
+        eta = fmt_eta(r.get(ETA))
         if not self.tty:
             print(report_line(r, eta=eta, target_s=self.target_s, checkpoint=checkpoint), file=self.stream,
                   flush=True)
@@ -119,10 +140,12 @@ class Progress:
         if self.bar is None:
             from tqdm.auto import tqdm  # transformers' dependency
 
+            # tqdm's own remaining time is off: it extrapolates from when the bar appeared, not the run's steps
             self.bar = tqdm(total=max_steps, initial=step, file=self.stream, unit="step", dynamic_ncols=True,
-                            desc="train")
+                            desc="train", bar_format="{desc}: {percentage:3.0f}%|{bar}| {n}/{total} [{elapsed}"
+                                                     "{postfix}]")
         self.bar.n = step
-        self.bar.set_postfix(report_fields(r, self.target_s), refresh=True)
+        self.bar.set_postfix({**report_fields(r, self.target_s), "ETA": eta}, refresh=True)
 
     def close(self) -> None:
         if self.bar is not None:
@@ -130,8 +153,96 @@ class Progress:
             self.bar = None
 
 
+class Counter:
+    """Progress toward a total count (evaluate's tokens): a tqdm bar on a terminal; elsewhere a plain line every
+    ``every_s`` seconds and one at the end. The rate runs from the first count on, so the first batch's one-time
+    costs do not weigh on the ETA. With ``estimate``, one line once the rate has been measured over ``settle_s``
+    seconds: the whole job's estimate."""
+
+    def __init__(self, total: int, *, desc: str, unit: str = "tokens", stream: Optional[TextIO] = None,
+                 tty: Optional[bool] = None, every_s: float = 15.0, estimate: bool = False,
+                 settle_s: float = 2.0):
+        self.total, self.desc, self.unit, self.every_s, self.estimate = total, desc, unit, every_s, estimate
+        self.settle_s, self.estimated = settle_s, False
+        self.stream = stream or sys.stdout
+        self.tty = draws_a_bar(self.stream) if tty is None else tty
+        self.done, self.t0, self.first, self.shown, self.bar = 0, None, None, 0.0, None
+
+    def rate(self) -> float:
+        """Counted per second after the first count (0 until a second one)."""
+        if self.first is None:
+            return 0.0
+        t1, n1 = self.first
+        elapsed = time.monotonic() - t1
+        return (self.done - n1) / elapsed if elapsed > 0 and self.done > n1 else 0.0
+
+    def eta(self) -> str:
+        rate = self.rate()
+        return fmt_eta((self.total - self.done) / rate if rate > 0 else None)
+
+    def advance(self, n: int) -> None:
+        """``n`` more counted (0: the work is ready to start, the clock of the elapsed time)."""
+        now = time.monotonic()
+        if self.t0 is None:
+            self.t0 = self.shown = now
+        if n <= 0:
+            return
+        self.done += n
+        if self.first is None:
+            self.first = (now, self.done)
+        elif self.estimate and not self.estimated and now - self.first[0] >= self.settle_s:
+            self.estimated = True
+            self._say(f"{self.desc}: estimate {self.eta()} for {self.total:,} {self.unit} at {self.rate():,.0f} "
+                      f"{self.unit}/s (measured over the first {self.settle_s:g} s)")
+        if self.tty:
+            self._draw()
+        elif now - self.shown >= self.every_s and self.done < self.total and self.rate() > 0:
+            self.shown = now
+            self._say(f"{self.desc}: {self.done:,}/{self.total:,} {self.unit}  {self.rate():,.0f} {self.unit}/s  "
+                      f"ETA {self.eta()}")
+
+    def _say(self, text: str) -> None:
+        if self.bar is not None:
+            self.bar.write(f"[raytrain_scu] {text}", file=self.stream)
+        else:
+            print(f"[raytrain_scu] {text}", file=self.stream, flush=True)
+
+    def _draw(self) -> None:
+        if self.bar is None:
+            from tqdm.auto import tqdm  # transformers' dependency
+
+            self.bar = tqdm(total=self.total, file=self.stream, unit=f" {self.unit}", unit_scale=True,
+                            dynamic_ncols=True, desc=self.desc)
+        self.bar.n = self.done
+        self.bar.refresh()
+
+    def close(self) -> None:
+        """The last line: how many, in how long (from ready to done), how fast."""
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+        seconds = time.monotonic() - self.t0 if self.t0 is not None else 0.0
+        rate = f", {self.done / seconds:,.0f} {self.unit}/s" if seconds > 0 else ""
+        self._say(f"{self.desc}: {self.done:,}/{self.total:,} {self.unit} in {fmt_eta(seconds)}{rate}")
+
+
+def _adapter_rows(summary: dict) -> list[tuple[str, Optional[str]]]:
+    """The exported adapter(s): the last step's, and the best checkpoint's beside it when that is another step."""
+    last, best = summary.get("adapter"), summary.get("best_adapter")
+    if not last:
+        return []
+    step, best_step = summary.get("adapter_step"), summary.get("best_step")
+    if best:
+        return [("adapter", f"{last}   (step {step}, the last)"),
+                ("best adapter", f"{best}   (step {best_step}, lowest held-out BPT)")]
+    same = step is not None and step == best_step
+    return [("adapter", f"{last}" + (f"   (step {step}, the last and the best)" if same else ""))]
+
+
 def format_summary(summary: dict, *, title: str = "done") -> str:
-    """The end of a run as a short aligned block: rounded values, where things are, how to look at them."""
+    """The end of a run as a short aligned block: rounded values, where things are, how to look at them. λ / S / Ŝ
+    are the last step's, as its progress line shows them (λ: the value that step's loss used)."""
+    plots = summary.get("plots") or []
     rows = [("steps", summary.get("steps")),
             ("held-out BPT", f"{_num(summary.get('val_bpt_start'))} -> {_num(summary.get('val_bpt'))}"),
             ("best checkpoint", (f"step {summary['best_step']} (val {_num(summary.get('best_val_bpt'))})"
@@ -139,7 +250,8 @@ def format_summary(summary: dict, *, title: str = "done") -> str:
             ("λ / S / Ŝ", " / ".join(_num(summary.get(k)) for k in ("lambda", "s", "s_hat"))),
             ("tokens/s", f"{summary['tokens_per_s']:,.0f}" if summary.get("tokens_per_s") else None),
             ("run directory", summary.get("run_dir")),
-            ("adapter", summary.get("adapter")),
+            *_adapter_rows(summary),
+            ("plots", f"{Path(plots[0]).parent}: {' '.join(Path(p).name for p in plots)}" if plots else None),
             ("MLflow", summary.get("tracking_uri")),
             ("open the UI", summary.get("ui_command"))]
     rows = [(k, v) for k, v in rows if v not in (None, "", "- -> -")]

@@ -42,6 +42,10 @@ class GenerateError(UserError):
     """A generation that cannot run as asked (no run directory, no adapter in it)."""
 
 
+class RunsError(UserError):
+    """A runs listing that cannot run as asked (no such storage path, no such run in it)."""
+
+
 class RunLocked(UserError):
     """Another live process holds the run directory's lock: two launches must never write one run."""
 

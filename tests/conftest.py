@@ -72,6 +72,20 @@ def cli(*overrides, env=None, timeout=600):
                           text=True, cwd=ROOT, env=full_env, timeout=timeout)
 
 
+def user_env(home: Path) -> dict:
+    """The environment of a person's first run: Ray's token authentication at its default (RAY_AUTH_MODE unset: a
+    new local Ray turns it on and says so), a fresh home (its token lands there); the package's and matplotlib's
+    caches are this machine's, so a test does not rebuild them."""
+    import matplotlib
+
+    from raytrain_scu.core.model import default_cache_dir
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE")}
+    home.mkdir(parents=True, exist_ok=True)
+    return {**env, "HOME": str(home), "RAYTRAIN_SCU_CACHE": str(default_cache_dir()),
+            "MPLCONFIGDIR": matplotlib.get_configdir()}
+
+
 def free_port() -> int:
     """A loopback TCP port that nothing listened on a moment ago."""
     with socket.socket() as s:

@@ -1,6 +1,7 @@
 """The console: plain lines without ANSI codes off a terminal, a bar on one, the workers' notices, a short aligned
 summary."""
 import io
+import os
 import re
 import warnings
 
@@ -23,7 +24,7 @@ def test_a_report_is_one_plain_line_with_rounded_values():
     lines = out.getvalue().splitlines()
     assert len(lines) == 2 and not ANSI.search(out.getvalue())
     assert lines[0] == ("[raytrain_scu] step 10/40  DataBPT 4.863  val 5.15  Ŝ 0.01753/0.01  λ 1.134  tok/s 18,589"
-                        "  ETA ?")
+                        "  ETA unknown")
     assert lines[1].startswith("[raytrain_scu] step 20/40") and lines[1].endswith("[checkpoint]")
     assert "λ 1.134" in report_line(REPORT)  # the λ the step's loss used, not the next step's (1.405)
 
@@ -90,3 +91,120 @@ def test_the_packages_own_warnings_on_a_worker_become_notices(tmp_path):
     assert len(shown) == 2  # both still shown where they were issued (a worker's log file)
     assert len(notices) == 1 and notices[0].startswith("warning: MLflow log metrics failed (")
     assert "ConnectionError: refused" in notices[0]
+
+
+def test_the_eta_is_rank_0s_estimate_and_says_when_there_is_none():
+    from raytrain_scu.console import fmt_eta
+
+    line = report_line({**REPORT, "time/eta_s": 12.2}, eta=fmt_eta(12.2))
+    assert line.endswith("ETA 0:00:13")  # rounded up: only nothing left reads 0:00:00
+    assert fmt_eta(0.0) == "0:00:00" and fmt_eta(0.2) == "0:00:01" and fmt_eta(3725) == "1:02:05"
+    assert fmt_eta(None) == "unknown" and fmt_eta(float("nan")) == "unknown"
+    out = io.StringIO()
+    p = Progress(stream=out, tty=False)
+    p.update({**REPORT, "time/eta_s": 61.0})
+    p.update(REPORT)  # a report without the worker's estimate
+    assert [line.rsplit("ETA ", 1)[1] for line in out.getvalue().splitlines()] == ["0:01:01", "unknown"]
+
+
+def test_a_val_repeated_between_evaluations_carries_the_step_it_was_measured_at():
+    stale = report_line({**REPORT, "step": 15, "val/step": 10})
+    fresh = report_line({**REPORT, "step": 20, "val/step": 20})
+    assert "  val 5.15 @10  " in stale and "  val 5.15  " in fresh
+    assert "  val 5.15 @0  " in report_line({**REPORT, "step": 5, "val/step": 0})  # the untrained baseline
+
+
+def _pty_stream(columns: int):
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
+    return master, os.fdopen(slave, "w")
+
+
+def test_a_terminal_that_reports_0_columns_gets_plain_lines_not_an_empty_bar():
+    """``script`` without a size gives a terminal of 0 columns, where tqdm draws nothing: plain lines there."""
+    from raytrain_scu.console import draws_a_bar
+
+    for columns, bar in ((0, False), (120, True)):
+        master, stream = _pty_stream(columns)
+        try:
+            assert draws_a_bar(stream) is bar
+            p = Progress(stream=stream)
+            p.update(REPORT)
+            p.close()
+            stream.flush()
+            received = os.read(master, 65536).decode()
+            assert ("[raytrain_scu] step 10/40  DataBPT 4.863" in received) is not bar, received
+            assert ("train:" in received) is bar, received
+        finally:
+            stream.close()
+            os.close(master)
+    assert not draws_a_bar(io.StringIO())  # a pipe, a file
+
+
+def test_the_summary_names_both_adapters_and_the_plots_when_the_best_is_not_the_last():
+    base = {"run": "r", "steps": 200, "adapter": "/r/output/adapter", "adapter_step": 200, "lambda": 1.0}
+    both = format_summary({**base, "best_step": 20, "best_val_bpt": 4.7, "best_adapter": "/r/output/adapter_best",
+                           "plots": ["/r/output/plots/s_tracking.png", "/r/output/plots/lambda.png"]})
+    assert "  adapter          /r/output/adapter   (step 200, the last)" in both.splitlines()
+    assert "  best adapter     /r/output/adapter_best   (step 20, lowest held-out BPT)" in both.splitlines()
+    assert "  plots            /r/output/plots: s_tracking.png lambda.png" in both.splitlines()
+    one = format_summary({**base, "best_step": 200, "best_val_bpt": 4.7})
+    assert "/r/output/adapter   (step 200, the last and the best)" in one and "best adapter" not in one
+
+
+class _Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_a_counter_estimates_once_its_rate_settles_then_shows_plain_progress_and_a_last_line(monkeypatch):
+    from raytrain_scu import console
+
+    clock = _Clock()
+    monkeypatch.setattr(console.time, "monotonic", clock)
+    out = io.StringIO()
+    c = console.Counter(10_000, desc="evaluate", stream=out, tty=False, every_s=5.0, estimate=True, settle_s=2.0)
+    c.advance(0)  # ready: the clock of the elapsed time starts
+    clock.now += 3.0
+    c.advance(1_000)  # the first batch (its one-time costs are not in the rate)
+    for _ in range(4):  # 500 tokens a second from here on
+        clock.now += 1.0
+        c.advance(500)
+    clock.now += 4.0
+    c.advance(2_000)
+    clock.now += 10.0
+    c.advance(5_000)
+    c.close()
+    lines = out.getvalue().splitlines()
+    assert lines[0] == ("[raytrain_scu] evaluate: estimate 0:00:16 for 10,000 tokens at 500 tokens/s (measured over "
+                        "the first 2 s)")  # 2 s after the first batch: 8,000 left at 500/s
+    assert lines[1:3] == ["[raytrain_scu] evaluate: 2,000/10,000 tokens  500 tokens/s  ETA 0:00:16",  # 5 s in
+                          "[raytrain_scu] evaluate: 5,000/10,000 tokens  500 tokens/s  ETA 0:00:10"]  # 5 s later
+    assert lines[3] == "[raytrain_scu] evaluate: 10,000/10,000 tokens in 0:00:21, 476 tokens/s"  # from ready to done
+    assert len(lines) == 4 and not ANSI.search(out.getvalue())
+
+
+def test_the_workers_eta_counts_the_evaluations_left_at_their_measured_cost(monkeypatch):
+    from types import SimpleNamespace
+
+    from raytrain_scu.worker import periodic
+
+    # eval every 10, checkpoint every 15 (each checkpoint evaluates too), the last step always: steps 21..40 hold
+    # 30 (eval and checkpoint at once) and 40 (eval, and the last)
+    assert periodic.evals_between(21, 40, eval_every=10, checkpoint_every=15) == 2
+    assert periodic.evals_between(1, 31, eval_every=10, checkpoint_every=15) == 5  # 10, 15, 20, 30 and the last
+    assert periodic.evals_between(41, 40, eval_every=10, checkpoint_every=15) == 0
+    train = SimpleNamespace(max_steps=40, eval_every=10, checkpoint_every=15)
+    s = SimpleNamespace(cfg=SimpleNamespace(train=train), rec=SimpleNamespace(start_step=0),
+                        metering=SimpleNamespace(loop_t0=0.0, eval_s=3.0, eval_total_s=6.0))
+    monkeypatch.setattr(periodic.time, "perf_counter", lambda: 26.0)
+    # after step 20: 20 s of steps (26 s less two evals of 3 s), so 1 s a step, 20 steps and 2 evaluations left
+    assert periodic.eta_s(s, 19) == 20 * 1.0 + 2 * 3.0

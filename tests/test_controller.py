@@ -254,3 +254,25 @@ def test_controller_imports_no_heavy_modules():
             "bad = [m for m in ('torch', 'ray', 'mlflow') if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_lambda_held_at_a_bound_is_said_once_per_stretch_with_what_it_means():
+    from raytrain_scu.config import ControllerConfig
+    from raytrain_scu.core.bounds import BoundWatch
+
+    c = ControllerConfig(lambda_min=1e-4, lambda_max=10.0, target_s=0.01, bound_notice_steps=3)
+    w = BoundWatch(c)
+    said = [w.update(step, lam, s_hat) for step, lam, s_hat in
+            [(1, 5.0, 0.5), (2, 10.0, 0.4), (3, 10.0, 0.3), (4, 10.0, 0.2), (5, 10.0, 0.1), (6, 10.0, 0.05)]]
+    assert said[:4] == [None] * 4 and said[5] is None  # 3 steps at the bound are allowed, then one notice
+    assert said[4].startswith("λ has sat at its upper bound 10 (controller.lambda_max) since step 2 (4 steps; Ŝ 0.1, "
+                              "S* 0.01): S* is out of reach at these σ and N")
+    assert "controller.prior_sigma" in said[4]
+    assert w.update(7, 3.0, 0.02) is None  # λ left the bound: the next stretch is a new one
+    later = [w.update(step, 10.0, 5e-5) for step in range(8, 12)]
+    assert later[:3] == [None] * 3 and "Ŝ is already below S*, yet λ stays up: the plant is saturated" in later[3]
+    low = BoundWatch(c)
+    assert [low.update(k, 1e-4, 0.001) for k in range(1, 5)][-1].startswith("λ has sat at its lower bound 0.0001")
+    assert BoundWatch(ControllerConfig(mode="fixed", bound_notice_steps=1)).update(5, 10.0, 0.5) is None
+    off = BoundWatch(ControllerConfig(bound_notice_steps=0))
+    assert all(off.update(k, 10.0, 0.5) is None for k in range(1, 100))

@@ -1,21 +1,24 @@
 """evaluate.py: per-document BPT on the tiny model checked by hand, the paired bootstrap on synthetic data with a
-known difference, adapters, Ray workers == one process, and the CLI."""
+known difference, adapters, --max-tokens, the progress and estimate lines, and the CLI: as a user runs it, on Ray
+workers (the same numbers as one process) with only the package's lines on the console."""
+import io
 import json
 import math
+import re
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, TINY
+from conftest import ROOT, TINY, user_env
 
 from raytrain_scu.cli.evaluate import main
 from raytrain_scu.config import load_config
 from raytrain_scu.core.data import document_ids, prepare_data
 from raytrain_scu.core.loss import CausalLMLoss
 from raytrain_scu.core.model import apply_lora, build_model, load_tokenizer
-from raytrain_scu.driver.evaluate import evaluate, paired_bootstrap, score_documents
+from raytrain_scu.driver.evaluate import cap_tokens, evaluate, paired_bootstrap, score_documents
 from raytrain_scu.errors import EvalError
 
 LN2 = math.log(2.0)
@@ -185,35 +188,71 @@ def test_adapter_for_another_base_is_a_clear_error(tok, corpus, tmp_path):
         evaluate(cfg, adapter=str(tmp_path / "missing"))
 
 
-# ---------------------------------------------------------------- Ray workers
+# ---------------------------------------------------------------- how much, how it goes
 
-@pytest.mark.slow
-def test_workers_match_single_process(ray_local, tok, corpus, tmp_path):
+def test_max_tokens_takes_the_same_share_of_every_document():
+    docs = [list(range(101)), list(range(31)), list(range(11))]  # 100, 30 and 10 targets
+    assert cap_tokens(docs, 0) == docs and cap_tokens(docs, 140) == docs  # 0: all; enough: all
+    capped = cap_tokens(docs, 60)  # 25 + 25 + 10: the short one whole, the others their first 25 targets
+    assert [len(d) - 1 for d in capped] == [25, 25, 10] and capped[0] == docs[0][:26]
+    assert sum(len(d) - 1 for d in cap_tokens(docs, 61)) <= 61
+    with pytest.raises(EvalError, match="less than one token for each of the 3 documents"):
+        cap_tokens(docs, 2)
+
+
+def test_progress_estimate_and_how_it_ran(tok, corpus, tmp_path, capsys):
+    from raytrain_scu.console import Counter
+
     cfg = cfg_for(corpus)
     adapter = save_adapter(tok, tmp_path / "a", b_std=0.2)
-    single = evaluate(cfg, adapter=adapter, compare_base=True, n_boot=300)
-    spread = evaluate(cfg, adapter=adapter, compare_base=True, n_boot=300, workers=2, gpus_per_worker=0)
-    assert spread["per_document"]["tokens"] == single["per_document"]["tokens"]
-    for label in ("A", "B"):
-        assert spread["per_document"]["nats"][label] == pytest.approx(single["per_document"]["nats"][label],
-                                                                      rel=1e-6)
-        assert spread["models"][label]["bpt"] == pytest.approx(single["models"][label]["bpt"], rel=1e-6)
-    for key in ("ci_low", "ci_high", "diff_bpt"):
-        assert spread["comparison"][key] == pytest.approx(single["comparison"][key], abs=1e-6)
+    out = io.StringIO()
+    counter = Counter(2 * 300, desc="evaluate", stream=out, tty=False, every_s=0.0, estimate=True, settle_s=0.0)
+    r = evaluate(cfg, adapter=adapter, compare_base=True, n_boot=100, max_tokens=300, progress=counter)
+    first = capsys.readouterr().out.splitlines()[0]  # before anything loads: what, how much, where
+    assert first == (f"[raytrain_scu] evaluate: 2 model(s) x {r['tokens']} tokens (--max-tokens 300 of "
+                     f"{r['ran']['tokens_available']:,}) of 6 documents, in this process on the CPU "
+                     f"({torch.get_num_threads()} threads); loading tiny")
+    assert 0 < r["tokens"] <= 300 and r["ran"]["where"].startswith("this process") and r["ran"]["workers"] == 0
+    lines = out.getvalue().splitlines()
+    assert re.fullmatch(r"\[raytrain_scu\] evaluate: estimate \d:\d\d:\d\d for 600 tokens at [\d,]+ tokens/s "
+                        r"\(measured over the first 0 s\)", lines[0]), lines
+    counts = [int(m.group(1).replace(",", "")) for m in
+              (re.fullmatch(r"\[raytrain_scu\] evaluate: ([\d,]+)/600 tokens  [\d,]+ tokens/s  ETA \S+", x)
+               for x in lines[1:-1]) if m]
+    assert len(counts) == len(lines) - 2 and counts == sorted(counts) and counts[-1] < 600, lines  # one per batch
+    assert re.fullmatch(r"\[raytrain_scu\] evaluate: \d+/600 tokens in \d:\d\d:\d\d, [\d,]+ tokens/s", lines[-1])
+    assert lines[-1].startswith(f"[raytrain_scu] evaluate: {2 * r['tokens']}/600")
 
 
 # ---------------------------------------------------------------- CLI
 
-def test_cli_writes_json_and_table(tok, corpus, tmp_path):
+@pytest.mark.slow
+def test_cli_on_ray_workers_prints_only_its_lines_and_matches_one_process(tok, corpus, tmp_path):
+    """As a user runs it (Ray's token authentication at its default), on 2 Ray workers: the line before loading,
+    Ray's start, the last progress line, the table and how it ran; nothing foreign on either stream; the JSON is the
+    held-out split of --config, and every document scores as in one process."""
     adapter = save_adapter(tok, tmp_path / "a", b_std=0.2)
     out = tmp_path / "eval.json"
-    r = subprocess.run([sys.executable, "-m", "raytrain_scu.evaluate", "--config", TINY,
-                        "--set", "data.source=jsonl", "--set", f"data.path={corpus}", "--set", "data.max_documents=0",
-                        "--block-size", "32", "--val-fraction", "0.25", "--adapter", adapter, "--compare-base",
-                        "--bootstrap", "200", "--json", str(out)], capture_output=True, text=True, cwd=ROOT)
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert "A − B" in r.stdout and "(base)" in r.stdout
+    args = ["--config", TINY, "--set", "data.source=jsonl", "--set", f"data.path={corpus}", "--set",
+            "data.max_documents=0", "--block-size", "32", "--val-fraction", "0.25", "--adapter", adapter,
+            "--compare-base", "--bootstrap", "200"]
+    r = subprocess.run([sys.executable, "-m", "raytrain_scu.evaluate", *args, "--workers", "2", "--per-document",
+                        "--json", str(out)], capture_output=True, text=True, cwd=ROOT, env=user_env(tmp_path / "home"),
+                       timeout=600)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    print(r.stdout)  # for the record (-s)
+    assert r.stderr == "" and "\r" not in r.stdout, r.stderr[-3000:]
+    ours = re.compile(r"^(\[raytrain_scu\] |  |held-out BPT of )")
+    assert [line for line in r.stdout.splitlines() if not ours.match(line)] == [], r.stdout
+    lines = r.stdout.splitlines()
     result = json.loads(out.read_text())
+    tokens = result["tokens"]
+    assert lines[0] == (f"[raytrain_scu] evaluate: 2 model(s) x {tokens:,} tokens of 3 documents, in 2 Ray task(s); "
+                        f"loading tiny")
+    assert lines[1].startswith("[raytrain_scu] starting a local Ray instance (token authentication on")
+    assert re.search(rf"^\[raytrain_scu\] evaluate: {2 * tokens:,}/{2 * tokens:,} tokens in ", r.stdout, re.M)
+    assert "A − B" in r.stdout and "(base)" in r.stdout
+    assert re.search(rf"^  scored in 2 Ray task\(s\): 2 x {tokens:,} tokens in \d+ s", r.stdout, re.M), r.stdout
     # --config: exactly the documents training held out (its seed, the fraction given here), as prepare_data split them
     meta = prepare_data(tok, source="jsonl", path=corpus, block_size=32, val_fraction=0.25, seed=0,
                         cache_dir=str(tmp_path / "cache")).meta
@@ -221,7 +260,25 @@ def test_cli_writes_json_and_table(tok, corpus, tmp_path):
     assert result["models"]["A"]["tokens"] == meta["n_val_tokens"] - meta["n_val_docs"]
     c = result["comparison"]
     assert c["n_boot"] == 200 and c["ci_low"] <= c["mean_diff_bpt"] <= c["ci_high"]
-    assert "per_document" not in result
+    assert result["ran"]["workers"] == 2
+    single = evaluate(cfg_for(corpus, "data.val_fraction=0.25"), adapter=adapter, compare_base=True, n_boot=200)
+    assert result["per_document"]["tokens"] == single["per_document"]["tokens"]
+    for label in ("A", "B"):
+        assert result["per_document"]["nats"][label] == pytest.approx(single["per_document"]["nats"][label], rel=1e-6)
+        assert result["models"][label]["bpt"] == pytest.approx(single["models"][label]["bpt"], rel=1e-6)
+    for key in ("ci_low", "ci_high", "diff_bpt"):
+        assert c[key] == pytest.approx(single["comparison"][key], abs=1e-6)
+
+
+def test_cli_in_this_process_writes_the_json_without_per_document_scores_unless_asked(tok, corpus, tmp_path, capsys):
+    adapter = save_adapter(tok, tmp_path / "a", b_std=0.2)
+    out = tmp_path / "eval.json"
+    assert main(["--model", "tiny", "--source", "jsonl", "--path", corpus, "--block-size", "32", "--adapter", adapter,
+                 "--bootstrap", "50", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "held-out BPT of tiny on jsonl" in text and "  scored in this process on the CPU" in text
+    result = json.loads(out.read_text())
+    assert "per_document" not in result and result["comparison"] is None and result["ran"]["workers"] == 0
 
 
 def test_cli_errors_exit_2(corpus, tmp_path, capsys):

@@ -2,6 +2,7 @@
 import csv
 import io
 import math
+import re
 import sys
 import time
 from pathlib import Path
@@ -248,12 +249,27 @@ def test_cli_without_a_config_prints_usage_and_exits_2(capsys):
     assert sweep_cli.main(["--lr"]) == 2
     assert capsys.readouterr().out.startswith("usage: ")
     assert sweep_cli.main(["--help"]) == 0
+    text = capsys.readouterr().out  # the sweep's own flags, what it does, its keys with their defaults
+    assert re.search(r"^  --lr +also sweep optim\.lr", text, re.M) and re.search(r"^  --verbose +Ray's", text, re.M)
+    assert "best.yaml" in text and re.search(r'^  tune\.metric = "val/data_bpt" +the metric', text, re.M)
+    assert sweep_cli.main([TINY, "--no-such-flag"]) == 2
+    assert "unknown option(s) --no-such-flag" in capsys.readouterr().err
+
+
+def test_the_last_line_says_when_the_finished_trials_saw_different_token_budgets():
+    rows = [{"trial": "a", "status": "FINISHED", "tokens_seen": 20480, "metric": 7.0},
+            {"trial": "b", "status": "FINISHED", "tokens_seen": 5120, "metric": 7.4},
+            {"trial": "c", "status": "KILLED", "tokens_seen": 1024, "metric": 8.0}]  # ASHA's: compared at equal tokens
+    note = sweep_results.token_budget_note(rows, rows[0])
+    assert note.startswith("note: the finished trials trained on different token budgets, 5,120 to 20,480 tokens")
+    assert "the best trial, a, saw 20,480" in note
+    assert sweep_results.token_budget_note([rows[0], {**rows[1], "tokens_seen": 20480}, rows[2]], rows[0]) is None
 
 
 def test_cli_memory_fit_error_exits_2(tmp_path, monkeypatch, capsys):
     from raytrain_scu.errors import MemoryFitError
 
-    def no_fit(cfg, with_lr):
+    def no_fit(cfg, with_lr, verbose):
         raise MemoryFitError("data.batch_size=64 does not fit")
 
     monkeypatch.setattr(driver_sweep, "sweep", no_fit)
@@ -388,8 +404,12 @@ def sweep_runs(cfg, summary):
     return parent, tracking.child_runs(cfg, parent.info.run_id)
 
 
+TUNE_NOISE = ("Configuration for experiment", "View detailed results", "╭", "Trial status", "TrainingReport(",
+              "tensorboard", "Trial ")
+
+
 @pytest.mark.slow
-def test_three_trial_sweep_asha_stops_the_bad_one_children_linked_best_yaml_trains(ray_local, tmp_path):
+def test_three_trial_sweep_asha_stops_the_bad_one_children_linked_best_yaml_trains(ray_local, tmp_path, capfd):
     from raytrain_scu.driver.run import run
 
     # one trial at a time in grid order, the bad lr last: ASHA judges it against the others at the first rung (step 2)
@@ -400,6 +420,22 @@ def test_three_trial_sweep_asha_stops_the_bad_one_children_linked_best_yaml_trai
     rows = summary["rows"]
     by_lr = {r["params"]["optim.lr"]: r for r in rows}
     assert len(rows) == 3 and not summary["errors"]
+    console = capfd.readouterr()
+    print(console.out)  # for the record (-s)
+    # the sweep's own console: a line per trial event, with the trial's values; no Tune tables, no trial output
+    lines = console.out.splitlines()
+    assert not [x for x in TUNE_NOISE if x in console.out + console.err], console.out + console.err
+    for r in rows:
+        lr = f"optim.lr={r['params']['optim.lr']:.4g}"
+        assert f"[raytrain_scu] trial {r['trial']} started: {lr}" in lines, console.out
+        assert any(x.startswith(f"[raytrain_scu] trial {r['trial']} step 2/8  val/data_bpt ") for x in lines)
+    bad, good = by_lr[1e-7], by_lr[0.01]
+    assert any(x.startswith(f"[raytrain_scu] trial {bad['trial']} stopped by ASHA at step {bad['scored_step']}: "
+                            f"val/data_bpt ") and x.endswith("optim.lr=1e-07") for x in lines), console.out
+    assert any(x.startswith(f"[raytrain_scu] trial {good['trial']} finished at step 8: val/data_bpt ") for x in lines)
+    assert lines[-1].startswith(f"[raytrain_scu] best trial {rows[0]['trial']}: val/data_bpt=")  # one budget: no note
+    assert any(x.split()[:2] == ["trial", "optim.lr"] for x in lines)  # the table
+    assert (Path(summary["sweep_dir"]) / "logs" / "driver.log").is_file()  # Tune's own log lines went there
     assert [r["params"]["optim.lr"] for r in rows] == [0.01, 0.005, 1e-7]  # best first, ASHA's stopped one last
     assert rows[0]["status"] == "FINISHED" and rows[0]["steps"] == 8
     assert rows[0]["params"]["optim.lr"] == 0.01
@@ -445,13 +481,18 @@ def test_three_trial_sweep_asha_stops_the_bad_one_children_linked_best_yaml_trai
 
 
 @pytest.mark.slow
-def test_interrupted_sweep_resumes_when_rerun(ray_local, tmp_path, monkeypatch):
+def test_interrupted_sweep_resumes_when_rerun(ray_local, tmp_path, monkeypatch, capfd):
     # the fault fires only in a run that did not start from a checkpoint: the rerun succeeds only if it resumed
     monkeypatch.setenv("RAYTRAIN_SCU_FAULT_AT_STEP", "5")
     cfg = base(tmp_path, "train.max_steps=8", "train.checkpoint_every=4", "run.max_failures=0",
                "tune.space={optim.lr: {grid: [0.003]}}", "tune.search=grid")
     first = driver_sweep.sweep(cfg)
     assert first["rows"][0]["status"] == "FAILED" and first["errors"]
+    out = capfd.readouterr().out
+    trial = first["rows"][0]["trial"]
+    assert re.search(rf"^\[raytrain_scu\] trial {trial} failed at step 4: \S*: .*fault injected after step 5.*; "
+                     r"optim\.lr=0\.003$", out, re.M), out  # the cause in one line, after the last report (step 4)
+    assert "Traceback" not in out and f"1 trial(s) failed ({trial}): re-run the same command" in out
     second = driver_sweep.sweep(base(tmp_path, "train.max_steps=8", "train.checkpoint_every=4", "run.max_failures=0",
                                   "tune.space={optim.lr: {grid: [0.003]}}", "tune.search=grid"))
     row = second["rows"][0]

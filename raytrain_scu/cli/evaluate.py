@@ -2,16 +2,23 @@
 paired bootstrap interval between two of them (``driver.evaluate`` does the scoring)."""
 from __future__ import annotations
 
-import argparse
-import json
-import sys
-from pathlib import Path
+import os
 
-from raytrain_scu.config.paths import split_query
-from raytrain_scu.config.resolve import resolve
-from raytrain_scu.config.schema import Config
-from raytrain_scu.driver.evaluate import DEFAULT_BOOTSTRAP, DEFAULT_CI, evaluate
-from raytrain_scu.errors import USER_ERRORS, DataError, EvalError, ModelError
+# before torch loads (the imports below): OpenMP threads that wait by sleeping, not spinning. Scoring runs in this
+# process on every core torch sees, and threads spinning on cores that other processes also use made it 10x slower
+# on a busy 2-core machine (16 tokens/s against 192 with this, SmolLM2-135M); an exported OMP_WAIT_POLICY wins
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from raytrain_scu.config.paths import split_query  # noqa: E402
+from raytrain_scu.config.resolve import resolve  # noqa: E402
+from raytrain_scu.config.schema import Config  # noqa: E402
+from raytrain_scu.driver.evaluate import DEFAULT_BOOTSTRAP, DEFAULT_CI, DEFAULT_MAX_TOKENS, evaluate  # noqa: E402
+from raytrain_scu.errors import USER_ERRORS, DataError, EvalError, ModelError  # noqa: E402
 
 FEW_DOCUMENTS = 20  # below this a resampling interval over documents is too coarse to lean on
 
@@ -34,7 +41,20 @@ def format_table(result: dict) -> str:
                      f"{c['n_boot']} paired resamples of {c['documents']} documents")
         if c["documents"] < FEW_DOCUMENTS:
             lines.append(f"  (only {c['documents']} documents: the interval is rough; use more held-out documents)")
+    lines.append(ran_line(result))
     return "\n".join(lines)
+
+
+def ran_line(result: dict) -> str:
+    """How the scoring ran: where, how long, how fast, and how much of the split it covered."""
+    ran = result.get("ran") or {}
+    if not ran:
+        return ""
+    rate = f", {ran['tokens_per_s']:,.0f} tokens/s" if ran.get("tokens_per_s") else ""
+    cover = (f"; --max-tokens {ran['max_tokens']:,} of the split's {ran['tokens_available']:,} tokens "
+             f"(--max-tokens 0 scores them all)" if result["tokens"] < ran.get("tokens_available", 0) else "")
+    return f"  scored in {ran['where']}: {len(result['models'])} x {result['tokens']:,} tokens in " \
+           f"{ran['seconds']:.0f} s{rate}{cover}"
 
 
 # ---------------------------------------------------------------- CLI
@@ -77,8 +97,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--ci", type=float, default=DEFAULT_CI, help="confidence level of the interval")
     p.add_argument("--json", help="write the result here as JSON")
     p.add_argument("--per-document", action="store_true", help="keep per-document nats and tokens in the JSON")
-    p.add_argument("--workers", type=int, default=0, help="Ray tasks to spread the documents over (0: no Ray)")
+    p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
+                   help="score at most this many tokens per model: the beginning of every held-out document, the "
+                        f"same share of each (default {DEFAULT_MAX_TOKENS:,}: minutes on a laptop CPU; 0: every "
+                        "token of the split, for a GPU)")
+    p.add_argument("--workers", type=int, default=None,
+                   help="Ray tasks to spread the documents over (0: this process; default: one per GPU on a machine "
+                        "with several, scaling.num_workers on the cluster at RAY_ADDRESS, else 0)")
     p.add_argument("--gpus-per-worker", type=float, help="GPUs per Ray task (default: from scaling.*)")
+    p.add_argument("--verbose", action="store_true", help="Ray's and the tasks' output on the console too")
     return p.parse_args(argv)
 
 
@@ -96,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = config_from_args(args)
         result = evaluate(cfg, split=args.split, adapter=args.adapter, compare_adapter=args.compare_adapter,
                           compare_base=args.compare_base, n_boot=args.bootstrap, ci=args.ci, workers=args.workers,
-                          gpus_per_worker=args.gpus_per_worker)
+                          gpus_per_worker=args.gpus_per_worker, max_tokens=args.max_tokens, verbose=args.verbose)
     except USER_ERRORS + (DataError, ModelError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -61,6 +61,7 @@ def check_controller(c: ControllerConfig) -> None:
            f"must be in (0, 1], got {c.logodds_data_alpha}")
     for key in ("logodds_max_error", "logodds_max_step", "logodds_hold_error"):
         _check(getattr(c, key) > 0, f"controller.{key}", f"must be > 0, got {getattr(c, key)}")
+    _check(c.bound_notice_steps >= 0, "controller.bound_notice_steps", f"must be >= 0, got {c.bound_notice_steps}")
 
 
 def validate(cfg: Config) -> None:

@@ -137,6 +137,9 @@ class ControllerConfig:
     logodds_max_error: float = 1.0  # logodds law: the log-odds error is clipped to ± this
     logodds_max_step: float = 0.25  # logodds law: ln λ moves by at most this per update
     logodds_hold_error: float = 1.0  # logodds law: beyond this log-odds error, no integration while it is closing
+    # steps λ may sit at lambda_min or lambda_max (scu) before the console says which bound, since when, what it
+    # means and what to try: once per stretch at a bound (0 = never)
+    bound_notice_steps: int = 50
     # 0 = measured from the training split. A resume refuses a checkpoint whose tokens_per_epoch differs from the
     # measured one (changed data would rescale ParamBPT and S silently); set here, it wins over both.
     tokens_per_epoch: int = 0

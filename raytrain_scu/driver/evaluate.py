@@ -24,7 +24,6 @@ Errors (missing adapter, an adapter made for another base model, an empty source
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import tempfile
 import time
@@ -37,30 +36,33 @@ import torch
 from raytrain_scu.config import Config, build_config
 from raytrain_scu.config.io import redact_uri
 from raytrain_scu.config.paths import is_remote
+from raytrain_scu.console import Counter
 from raytrain_scu.core import storage
+from raytrain_scu.core.bootstrap import DEFAULT_BOOTSTRAP, DEFAULT_CI, paired_bootstrap
 from raytrain_scu.core.data import IGNORE_INDEX, document_ids, load_documents, split_documents
 from raytrain_scu.core.loss import CausalLMLoss
 from raytrain_scu.core.model import bits_per_token, build_model, load_tokenizer, resolve_dtype
 from raytrain_scu.errors import DataError, EvalError, ModelError
 
-LN2 = math.log(2.0)
-# settings that only exist here: the training config has no bootstrap
-DEFAULT_BOOTSTRAP = 2000
-DEFAULT_CI = 0.95
-BOOTSTRAP_CHUNK_ELEMENTS = 4_000_000  # resample indices drawn per chunk: bounded memory for many documents
+# tokens per model the CLI scores unless told (--max-tokens): a small model's comparison in minutes on a laptop CPU
+DEFAULT_MAX_TOKENS = 20_000
+
+__all__ = ["DEFAULT_BOOTSTRAP", "DEFAULT_CI", "DEFAULT_MAX_TOKENS", "evaluate", "paired_bootstrap",
+           "score_documents", "score_shard"]
 
 
 # ---------------------------------------------------------------- scoring
 
 @torch.no_grad()
 def score_documents(loss_model: CausalLMLoss, token_docs: list[list[int]], *, block_size: int, batch_size: int,
-                    device: torch.device = torch.device("cpu"),
-                    autocast=contextlib.nullcontext()) -> tuple[np.ndarray, np.ndarray]:
+                    device: torch.device = torch.device("cpu"), autocast=contextlib.nullcontext(),
+                    report=None) -> tuple[np.ndarray, np.ndarray]:
     """(nats, tokens) per document, float64 and int64: Σ CE over the document's windows, and its target count.
 
     Windows of all documents are batched together (longest first, so a batch pads little); right padding has
     target IGNORE_INDEX and, under causal attention, does not change the real positions. ``token_docs`` is
     ``data.document_ids`` output (each document's ids, then EOS); rows are scored by ``CausalLMLoss.row_nats``.
+    ``report(n)``, if given, after each batch: the target tokens it scored.
     """
     windows, owner = [], []
     for d, ids in enumerate(token_docs):
@@ -83,6 +85,8 @@ def score_documents(loss_model: CausalLMLoss, token_docs: list[list[int]], *, bl
             y[i, :n] = torch.tensor(windows[w][1:])
         with autocast:
             per_row.append(loss_model.row_nats(x.to(device), y.to(device)))
+        if report is not None:
+            report(sum(len(windows[w]) - 1 for w in rows))
     if per_row:
         np.add.at(nats, [owner[w] for w in order], torch.cat(per_row).double().cpu().numpy())
     return nats, tokens
@@ -168,11 +172,13 @@ def local_adapter(path: str, stack: contextlib.ExitStack) -> str:
     return str(storage.download_dir(path, local))
 
 
-def score_shard(config: dict, adapters: dict[str, str], docs: list[str]) -> dict:
+def score_shard(config: dict, adapters: dict[str, str], docs: list, report=None) -> dict:
     """Score ``docs`` under every ``{label: adapter_dir or ""}``: ``{"tokens": int64[n], "nats": {label: float64[n]}}``.
 
-    ``config`` is ``asdict(Config)``. Builds the tokenizer and one base model (adapters attached by peft) on this
-    process's device: the same function runs in-process and in each Ray task.
+    ``config`` is ``asdict(Config)``; ``docs`` are texts, or token ids (``data.document_ids`` output). Builds the
+    tokenizer and one base model (adapters attached by peft) on this process's device: the same function runs
+    in-process and in each Ray task. ``report``, if given: ``report(0)`` once the model is ready, then the target
+    tokens of each batch scored.
     """
     cfg = build_config(config)
     m, q = cfg.model, cfg.quant
@@ -190,19 +196,22 @@ def score_shard(config: dict, adapters: dict[str, str], docs: list[str]) -> dict
         model = attach_adapters(base, {label: local_adapter(path, stack) if path else path
                                        for label, path in adapters.items()})
     loss_model = CausalLMLoss(model, fused=m.fused_loss, chunk_size=m.loss_chunk_size)
-    token_docs = document_ids(tok, docs)
+    token_docs = document_ids(tok, docs) if docs and isinstance(docs[0], str) else docs
+    if report is not None:
+        report(0)
     out = {"tokens": None, "nats": {}}
     for label, path in adapters.items():
         with use_adapter(model, label, path):
             out["nats"][label], out["tokens"] = score_documents(
                 loss_model, token_docs, block_size=cfg.data.block_size, batch_size=cfg.data.batch_size,
-                device=device, autocast=autocast)
+                device=device, autocast=autocast, report=report)
     return out
 
 
-def score_distributed(cfg: Config, adapters: dict[str, str], docs: list[str], *, workers: int,
-                      gpus_per_worker: float | None = None) -> dict:
-    """:func:`score_shard` over ``workers`` Ray tasks (round-robin shards of ``docs``), reassembled in order.
+def score_distributed(cfg: Config, adapters: dict[str, str], docs: list, *, workers: int,
+                      gpus_per_worker: float | None = None, report=None, verbose: bool = False) -> dict:
+    """:func:`score_shard` over ``workers`` Ray tasks (round-robin shards of ``docs``), reassembled in order; the
+    tasks' reports reach ``report`` here.
 
     ``gpus_per_worker`` None: ``scaling.gpus_per_worker`` when ``scaling.use_gpu`` is true, or is auto and the
     cluster has GPUs; else CPU tasks of ``scaling.cpus_per_worker``.
@@ -213,7 +222,8 @@ def score_distributed(cfg: Config, adapters: dict[str, str], docs: list[str], *,
     config = asdict(cfg)
     # our own errors keep their plain message, without the remote traceback
     results = run_tasks(cfg, score_shard, [(config, adapters, [docs[i] for i in idx]) for idx in shards],
-                        gpus_per_worker=gpus_per_worker, plain_errors=(EvalError, ModelError, DataError))
+                        gpus_per_worker=gpus_per_worker, plain_errors=(EvalError, ModelError, DataError),
+                        progress=report, verbose=verbose)
     out = {"tokens": np.zeros(len(docs), dtype=np.int64),
            "nats": {label: np.zeros(len(docs), dtype=np.float64) for label in adapters}}
     for idx, result in zip(shards, results):
@@ -221,40 +231,6 @@ def score_distributed(cfg: Config, adapters: dict[str, str], docs: list[str], *,
         for label in adapters:
             out["nats"][label][idx] = result["nats"][label]
     return out
-
-
-# ---------------------------------------------------------------- statistics
-
-def paired_bootstrap(nats_a, nats_b, tokens, n_boot: int = DEFAULT_BOOTSTRAP, ci: float = DEFAULT_CI,
-                     seed: int = 0) -> dict:
-    """Paired bootstrap over documents of BPT_A − BPT_B, each BPT a ratio of sums (token-weighted).
-
-    Documents are resampled with replacement (a seeded numpy Generator), A and B of a document together. Returns
-    ``diff_bpt`` (on all documents), ``mean_diff_bpt`` (over resamples), the percentile interval ``ci_low`` ..
-    ``ci_high`` at level ``ci``, and ``p_sign_flip``: the share of resamples on the other side of zero from
-    ``diff_bpt`` (a one-sided bootstrap p-value; 1.0 when ``diff_bpt`` is 0).
-    """
-    nats_a, nats_b, tokens = (np.asarray(v, dtype=np.float64) for v in (nats_a, nats_b, tokens))
-    n = len(tokens)
-    if n == 0 or len(nats_a) != n or len(nats_b) != n:
-        raise ValueError(f"need equal, non-empty per-document arrays, got {len(nats_a)}, {len(nats_b)}, {n}")
-    if tokens.sum() <= 0:
-        raise ValueError("no target tokens to score")
-    if n_boot < 1 or not 0.0 < ci < 1.0:
-        raise ValueError(f"need n_boot >= 1 and 0 < ci < 1, got {n_boot}, {ci}")
-    nats_diff = nats_a - nats_b
-    diff = nats_diff.sum() / tokens.sum() / LN2
-    rng = np.random.default_rng(seed)
-    diffs = np.empty(n_boot, dtype=np.float64)
-    per_chunk = max(1, BOOTSTRAP_CHUNK_ELEMENTS // n)
-    for start in range(0, n_boot, per_chunk):
-        idx = rng.integers(0, n, size=(min(per_chunk, n_boot - start), n))
-        diffs[start:start + len(idx)] = nats_diff[idx].sum(axis=1) / tokens[idx].sum(axis=1) / LN2
-    low, high = np.quantile(diffs, [(1.0 - ci) / 2, (1.0 + ci) / 2])
-    p_sign_flip = float(np.mean(diffs * np.sign(diff) <= 0)) if diff != 0 else 1.0
-    return {"diff_bpt": float(diff), "mean_diff_bpt": float(diffs.mean()), "ci_low": float(low),
-            "ci_high": float(high), "ci": ci, "n_boot": n_boot, "p_sign_flip": p_sign_flip, "documents": n,
-            "seed": seed}
 
 
 # ---------------------------------------------------------------- the evaluation
@@ -271,40 +247,102 @@ def held_out_documents(cfg: Config, split: str) -> list[str]:
     return split_documents(docs, val_fraction=d.val_fraction, seed=cfg.seed)[1]
 
 
-def evaluate(cfg: Config, *, split: str = "val", adapter: str = "", compare_adapter: str = "",
-             compare_base: bool = False, n_boot: int = DEFAULT_BOOTSTRAP, ci: float = DEFAULT_CI,
-             workers: int = 0, gpus_per_worker: float | None = None) -> dict:
-    """Score model A (base + ``adapter``, or the base) and, when asked, model B (base + ``compare_adapter``, or
-    the base with ``compare_base``) on the held-out documents; returns the JSON-ready result.
+def cap_tokens(token_docs: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """At most ``max_tokens`` target tokens (0: all): the beginning of every document, each the same number of
+    targets (a shorter document whole), so every document still counts in the bootstrap over documents."""
+    targets = [max(len(ids) - 1, 0) for ids in token_docs]
+    if max_tokens <= 0 or sum(targets) <= max_tokens:
+        return token_docs
+    lo, hi = 0, max(targets)  # the largest share k with Σ min(targets, k) <= max_tokens
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if sum(min(t, mid) for t in targets) <= max_tokens else (lo, mid - 1)
+    if lo == 0:
+        raise EvalError(f"--max-tokens {max_tokens} is less than one token for each of the {len(token_docs)} "
+                        f"documents: raise it, or score fewer documents (data.max_documents)")
+    return [ids[:lo + 1] for ids in token_docs]
 
-    ``workers`` > 0 spreads the documents over that many Ray tasks; 0 scores in this process.
-    """
+
+def default_workers(cfg: Config) -> int:
+    """Ray tasks where they help: one per GPU on a machine with several, ``scaling.num_workers`` on the cluster at
+    ``RAY_ADDRESS``; else 0, this process (on a CPU, torch already uses every core in one process)."""
+    if os.environ.get("RAY_ADDRESS"):
+        return max(1, cfg.scaling.num_workers)
+    gpus = torch.cuda.device_count()
+    return gpus if gpus > 1 else 0
+
+
+def where_it_runs(workers: int, gpus_per_worker: float | None) -> str:
+    """How the scoring runs, in words (the estimate line and the result's ``ran``)."""
+    if workers > 0:
+        each = "" if gpus_per_worker is None else f", {gpus_per_worker:g} GPU each"
+        return f"{workers} Ray task(s){each}"
+    if torch.cuda.is_available():
+        return f"this process on {torch.cuda.get_device_name(0)}"
+    return f"this process on the CPU ({torch.get_num_threads()} threads)"
+
+
+def _check_args(adapter: str, compare_adapter: str, compare_base: bool, workers, n_boot: int, ci: float) -> None:
     if compare_adapter and compare_base:
         raise EvalError("give --compare-adapter or --compare-base, not both")
     if compare_base and not adapter:
         raise EvalError("--compare-base compares an adapter with its base: give --adapter too")
-    if workers < 0 or n_boot < 1 or not 0.0 < ci < 1.0:
+    if (workers is not None and workers < 0) or n_boot < 1 or not 0.0 < ci < 1.0:
         raise EvalError(f"need --workers >= 0, --bootstrap >= 1 and 0 < --ci < 1, got {workers}, {n_boot}, {ci}")
+
+
+def evaluate(cfg: Config, *, split: str = "val", adapter: str = "", compare_adapter: str = "",
+             compare_base: bool = False, n_boot: int = DEFAULT_BOOTSTRAP, ci: float = DEFAULT_CI,
+             workers: int | None = 0, gpus_per_worker: float | None = None, max_tokens: int = 0,
+             progress: Counter | None = None, verbose: bool = False) -> dict:
+    """Score model A (base + ``adapter``, or the base) and, when asked, model B (base + ``compare_adapter``, or
+    the base with ``compare_base``) on the held-out documents (at most ``max_tokens`` targets: :func:`cap_tokens`);
+    returns the JSON-ready result.
+
+    ``workers`` > 0 spreads the documents over that many Ray tasks, 0 scores in this process, None picks
+    (:func:`default_workers`). ``progress``: the console's counter (default: one on stdout, which also prints the
+    line with the tokens to score, where and the estimate).
+    """
+    _check_args(adapter, compare_adapter, compare_base, workers, n_boot, ci)
     adapters = {"A": adapter_dir(adapter) if adapter else ""}
     if compare_adapter or compare_base:
         adapters["B"] = adapter_dir(compare_adapter) if compare_adapter else ""
     docs = held_out_documents(cfg, split)
-
+    m = cfg.model
+    token_docs = document_ids(load_tokenizer(m.name, m.gguf_file, m.tokenizer, m.cache_dir), docs)
+    available = sum(max(len(ids) - 1, 0) for ids in token_docs)
+    token_docs = cap_tokens(token_docs, max_tokens)
+    targets = sum(max(len(ids) - 1, 0) for ids in token_docs)
+    workers = default_workers(cfg) if workers is None else workers
+    where = where_it_runs(workers, gpus_per_worker)
+    capped = f" (--max-tokens {max_tokens:,} of {available:,})" if targets < available else ""
+    print(f"[raytrain_scu] evaluate: {len(adapters)} model(s) x {targets:,} tokens{capped} of {len(docs)} documents, "
+          f"in {where}; loading {m.name}" + (f" ({m.gguf_file})" if m.gguf_file else ""), flush=True)
+    progress = progress or Counter(len(adapters) * targets, desc="evaluate", estimate=True)
     t0 = time.perf_counter()
     if workers > 0:
-        scores = score_distributed(cfg, adapters, docs, workers=workers, gpus_per_worker=gpus_per_worker)
+        scores = score_distributed(cfg, adapters, token_docs, workers=workers, gpus_per_worker=gpus_per_worker,
+                                   report=progress.advance, verbose=verbose)
     else:
-        scores = score_shard(asdict(cfg), adapters, docs)
+        scores = score_shard(asdict(cfg), adapters, token_docs, report=progress.advance)
+    progress.close()
     seconds = time.perf_counter() - t0
+    return _result(cfg, split, adapters, scores, n_boot=n_boot, ci=ci, documents=len(docs), ran={
+        "where": where, "workers": workers, "seconds": seconds, "max_tokens": max_tokens,
+        "tokens_available": available, "tokens_per_s": len(adapters) * targets / seconds if seconds else None})
+
+
+def _result(cfg: Config, split: str, adapters: dict, scores: dict, *, n_boot: int, ci: float, documents: int,
+            ran: dict) -> dict:
+    """The JSON-ready result: each model's BPT, the paired bootstrap of A − B, how it ran, per-document scores."""
     tokens = scores["tokens"]
     if tokens.sum() == 0:
         raise EvalError("the held-out documents have no target tokens (each needs at least one token)")
-
     models = {}
     for label, path in adapters.items():
         nats = scores["nats"][label]
         models[label] = {"adapter": path or None, "bpt": bits_per_token(float(nats.sum()), float(tokens.sum())),
-                         "nats": float(nats.sum()), "tokens": int(tokens.sum()), "documents": len(docs)}
+                         "nats": float(nats.sum()), "tokens": int(tokens.sum()), "documents": documents}
     comparison = None
     if "B" in adapters:
         comparison = paired_bootstrap(scores["nats"]["A"], scores["nats"]["B"], tokens, n_boot=n_boot, ci=ci,
@@ -313,7 +351,7 @@ def evaluate(cfg: Config, *, split: str = "val", adapter: str = "", compare_adap
     return {"model": cfg.model.name, "gguf_file": cfg.model.gguf_file, "source": d.source, "path": d.path,
             "split": split, "val_fraction": d.val_fraction if split == "val" else None, "seed": cfg.seed,
             "max_documents": d.max_documents, "block_size": d.block_size, "precision": cfg.model.precision,
-            "documents": len(docs), "tokens": int(tokens.sum()), "models": models, "comparison": comparison,
-            "workers": workers, "seconds": seconds,
+            "documents": documents, "tokens": int(tokens.sum()), "models": models, "comparison": comparison,
+            "workers": ran["workers"], "seconds": ran["seconds"], "ran": ran,
             "per_document": {"tokens": tokens.tolist(),
                              "nats": {label: scores["nats"][label].tolist() for label in adapters}}}

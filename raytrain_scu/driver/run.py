@@ -12,7 +12,6 @@ import contextlib
 import importlib.util
 import json
 import math
-import os
 import shutil
 import sys
 import tempfile
@@ -28,6 +27,7 @@ from raytrain_scu.config.schema import Config
 from raytrain_scu.console import Progress, format_summary
 from raytrain_scu.core import storage
 from raytrain_scu.core.checkpoint import BEST_METRIC, disk_full, is_disk_full, newest_good_local, read_meta
+from raytrain_scu.driver import outputs
 from raytrain_scu.driver.generate import BASE_RECIPE, base_recipe
 from raytrain_scu.driver.lock import run_lock
 from raytrain_scu.driver.preflight import check_storage, preflight
@@ -38,20 +38,6 @@ from raytrain_scu.ray import launch
 def output_dir(cfg: Config) -> Path:
     """Where the adapter, config.yaml and summary.json go: ``run.output_dir``, else ``<run dir>/output``."""
     return Path(RunPaths.of(cfg).output)
-
-
-def export_adapter(checkpoint, dest: Path) -> Path:
-    """Copy the adapter of a Ray checkpoint to ``dest`` (loadable by ``PeftModel.from_pretrained``)."""
-    with checkpoint.as_directory() as d:
-        src = Path(d) / "adapter"
-        if not src.is_dir():
-            raise FileNotFoundError(f"checkpoint {checkpoint.path} has no adapter/")
-        tmp = dest.with_name(dest.name + ".partial")
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.copytree(src, tmp)
-        shutil.rmtree(dest, ignore_errors=True)
-        os.rename(tmp, dest)
-    return dest
 
 
 def best_checkpoint(best_checkpoints) -> Optional[tuple]:
@@ -178,7 +164,7 @@ def _launch(cfg: Config, facts: dict, run_id: Optional[str], *, verbose: bool):
         print(f"[raytrain_scu] Ray's and the workers' logs: {ray_logs} (--verbose shows them here)", flush=True)
     sink = launch.Sink()
     watchdog = launch.hang_watchdog(cfg, use_gpu=facts["use_gpu"])
-    trainer = launch.build_trainer(cfg, use_gpu=facts["use_gpu"], run_id=run_id, callbacks=[sink], watchdog=watchdog)
+    trainer = launch.build_trainer(cfg, use_gpu=facts["use_gpu"], run_id=run_id, callbacks=sink.callbacks(), watchdog=watchdog)
     progress = Progress(target_s=cfg.controller.target_s)
     with watchdog if watchdog is not None else contextlib.nullcontext():
         return ray_logs, launch.fit(trainer, cfg, sink, progress, watchdog=watchdog)  # raises on failure
@@ -226,13 +212,24 @@ def _writing_output(cfg: Config) -> Iterator[Path]:
             shutil.rmtree(out, ignore_errors=True)
 
 
-def _log_best(cfg: Config, result, run_id: Optional[str], summary: dict, notes: list) -> None:
-    """The best checkpoint (lowest val/data_bpt) into the summary, and as an MLflow artifact."""
+def _in_output(found: dict, staged: Path, output: str) -> dict:
+    """``found``'s paths (strings and lists of them) under the staging directory ``staged`` as the output
+    directory ``output`` names them: the same paths for a local output, the remote URI's for remote storage."""
+    def named(p: str) -> str:
+        return f"{output}/{Path(p).relative_to(staged).as_posix()}"
+
+    return {k: [named(p) for p in v] if isinstance(v, list) else named(v) if isinstance(v, str) else v
+            for k, v in found.items()}
+
+
+def _log_best(cfg: Config, result, run_id: Optional[str], summary: dict, notes: list) -> Optional[tuple]:
+    """The best checkpoint (lowest val/data_bpt) into the summary, and as an MLflow artifact; returns it (None when
+    no checkpoint has a finite val/data_bpt)."""
     best = best_checkpoint(result.best_checkpoints)
     if best is None and result.best_checkpoints:
         notes.append(f"no checkpoint has a finite {BEST_METRIC}: no best checkpoint")
     if best is None:
-        return
+        return None
     summary["best_step"], summary["best_val_bpt"] = best[1].get("step"), best[1][BEST_METRIC]
     if run_id and cfg.tracking.log_best_checkpoint:
         with best[0].as_directory() as d:  # downloaded first from remote storage
@@ -240,6 +237,7 @@ def _log_best(cfg: Config, result, run_id: Optional[str], summary: dict, notes: 
                                                 val_bpt=summary["best_val_bpt"])
         if warn:
             notes.append(warn)
+    return best
 
 
 def summarize(cfg: Config, result, run_id: Optional[str], changes: dict, notes: list, facts: dict) -> dict:
@@ -248,9 +246,10 @@ def summarize(cfg: Config, result, run_id: Optional[str], changes: dict, notes: 
     summary."""
     paths = RunPaths.of(cfg)
     last = result.metrics or {}
+    # λ as the last progress line shows it: the value the last step's loss used (ctrl/lambda is the next step's)
     summary = {"run": cfg.run.name, "steps": last.get("step"), "val_bpt_start": last.get("val/data_bpt_start"),
-               "val_bpt": last.get("val/data_bpt"),
-               "lambda": last.get("ctrl/lambda"), "s": last.get("ctrl/s"), "s_hat": last.get("ctrl/s_hat"),
+               "val_bpt": last.get("val/data_bpt"), "lambda": last.get("ctrl/lambda_applied", last.get("ctrl/lambda")),
+               "lambda_next": last.get("ctrl/lambda"), "s": last.get("ctrl/s"), "s_hat": last.get("ctrl/s_hat"),
                "tokens_per_s": last.get("perf/tokens_per_s"), "run_dir": paths.run, "mlflow_run_id": run_id,
                "config_changes": changes or None, "notes": notes}
     if cfg.tracking.enabled:
@@ -260,11 +259,12 @@ def summarize(cfg: Config, result, run_id: Optional[str], changes: dict, notes: 
             needs = importlib.util.find_spec("flask") is None  # mlflow-skinny alone has no UI server
             summary["ui_command"] = ui + ("   (needs the ui extra: pip install 'raytrain_scu[ui]')" if needs
                                           else "   (or: make ui CONFIG=<this config>)")
-    _log_best(cfg, result, run_id, summary, notes)
+    best = _log_best(cfg, result, run_id, summary, notes)
     with _writing_output(cfg) as out:
+        found = outputs.export_adapters(result.checkpoint, last.get("step"), best, out)
         if result.checkpoint is not None:
-            export_adapter(result.checkpoint, out / "adapter")
-            summary["adapter"] = f"{paths.output}/adapter"
+            found["plots"] = outputs.write_trace(cfg, result.checkpoint, out)
+        summary.update(_in_output(found, out, paths.output))
         (out / "config.yaml").write_text(to_yaml(cfg, redact=True))
         (out / BASE_RECIPE).write_text(json.dumps(base_recipe(cfg, use_gpu=facts["use_gpu"],
                                                               vocab_size=facts["vocab_size"]), indent=1))

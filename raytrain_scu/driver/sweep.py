@@ -38,7 +38,8 @@ def check_before_launch(cfg: Config, *, with_lr: bool = False) -> tuple[dict, bo
     return space, facts["use_gpu"]
 
 
-def sweep(cfg: Config, *, with_lr: bool = False) -> dict:
-    """Check, launch (or resume) the sweep, then print the table and write best.yaml and plots; returns its summary."""
+def sweep(cfg: Config, *, with_lr: bool = False, verbose: bool = False) -> dict:
+    """Check, launch (or resume) the sweep, then print the table and write best.yaml and plots; returns its summary.
+    ``verbose``: Ray's, Tune's and the trials' output on the console too."""
     space, use_gpu = check_before_launch(cfg, with_lr=with_lr)
-    return run_sweep(cfg, space, use_gpu=use_gpu)
+    return run_sweep(cfg, space, use_gpu=use_gpu, verbose=verbose)

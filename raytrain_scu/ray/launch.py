@@ -7,6 +7,7 @@ The worker side is :mod:`raytrain_scu.ray.hooks`.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import logging
 import os
@@ -26,6 +27,8 @@ import ray.train.torch
 from ray.exceptions import RayTaskError
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig, TrainingFailedError, UserCallback
 from ray.train.torch import TorchTrainer
+from ray.train.v2._internal.execution.callback import WorkerGroupCallback
+from ray.util.queue import Empty, Queue
 
 from raytrain_scu.config.paths import RunPaths
 from raytrain_scu.config.schema import Config, hang_timeout_s
@@ -55,18 +58,33 @@ def scu_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k.startswith("RAYTRAIN_SCU_")}
 
 
+AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
+
+
 def init_ray(cfg: Config, *, verbose: bool = True) -> None:
-    """Join the cluster at ``RAY_ADDRESS`` (``ray job submit``), else start a local Ray; nothing if Ray is up.
+    """Join the cluster at ``RAY_ADDRESS`` (``ray job submit``), else start a local Ray; nothing if Ray is up. Says
+    which, in one line: starting Ray takes seconds.
 
     ``verbose`` false: the workers' and the controller's output stays in Ray's log files (:func:`logs_dir`) and the
-    driver logs Ray's warnings and errors only, so the console holds the package's own lines."""
+    driver logs Ray's warnings and errors only, so the console holds the package's own lines. Ray's warning that a new
+    local cluster has token authentication on (its default when RAY_AUTH_MODE is unset) becomes part of that line."""
     if ray.is_initialized():
         return
     quiet = {} if verbose else {"log_to_driver": False, "logging_level": logging.WARNING}
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init(address=os.environ["RAY_ADDRESS"], **{"log_to_driver": True, **quiet})
-    else:
-        ray.init(**{"log_to_driver": True, **quiet})
+    address = os.environ.get("RAY_ADDRESS")
+    auth = os.environ.get("RAY_AUTH_MODE")
+    print(f"[raytrain_scu] joining the Ray cluster at RAY_ADDRESS={address}" if address else
+          "[raytrain_scu] starting a local Ray instance" + ("" if auth else " (token authentication on, Ray's "
+                                                             "default; RAY_AUTH_MODE=disabled turns it off)"),
+          flush=True)
+    auth_logger = logging.getLogger(AUTH_LOGGER)
+    level = auth_logger.level
+    if not verbose:
+        auth_logger.setLevel(logging.ERROR)
+    try:
+        ray.init(**({"address": address} if address else {}), **{"log_to_driver": True, **quiet})
+    finally:
+        auth_logger.setLevel(level)
 
 
 def logs_dir() -> Optional[Path]:
@@ -95,6 +113,31 @@ def keep_logs(cfg: Config, source: Optional[Path]) -> Optional[Path]:
     return dest
 
 
+@contextlib.contextmanager
+def driver_logs_to_file(folder: Optional[Path], *, enabled: bool = True):
+    """Inside, this process's own Ray log lines (Tune's warnings, a failed trial's traceback) go to
+    ``<folder>/driver.log`` instead of the console; nothing changes when not ``enabled`` or without a folder."""
+    if not enabled or folder is None:
+        yield
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    logger = logging.getLogger("ray")  # Tune's and Train's loggers hand their records up to it
+    to_file = logging.FileHandler(folder / "driver.log")
+    to_file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    console = [h for h in logger.handlers if isinstance(h, logging.StreamHandler)
+               and not isinstance(h, logging.FileHandler)]
+    for h in console:
+        logger.removeHandler(h)
+    logger.addHandler(to_file)
+    try:
+        yield
+    finally:
+        logger.removeHandler(to_file)
+        to_file.close()
+        for h in console:
+            logger.addHandler(h)
+
+
 def root_cause(error: BaseException) -> Optional[str]:
     """``Type: message`` of the worker (or controller) exception inside Ray Train's wrapping; None if not Ray's."""
     if not isinstance(error, TrainingFailedError):
@@ -111,27 +154,71 @@ def failure_notices(error: BaseException) -> list[str]:
     return list(getattr(failures.get(0), NOTICES, None) or [])
 
 
+def _append(path: Path, record: dict) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+class WorkersStarted(WorkerGroupCallback):
+    """In the Ray Train controller: a line ``{"workers_started": n}`` in the sink's file at each start of the worker
+    group, the end of Ray's part of the wait before the first report (Ray Train hands a UserCallback no such
+    hook)."""
+
+    def __init__(self, path: Path):
+        self.path, self.starts = path, 0
+
+    def after_worker_group_start(self, worker_group):
+        self.starts += 1
+        _append(self.path, {"workers_started": self.starts})
+
+
 class Sink(UserCallback):
     """Runs in the Ray Train controller (always on the driver's node): appends each report's rank-0 metrics and
-    whether it carried a checkpoint to a JSON-lines file the driver reads (:meth:`read`)."""
+    whether it carried a checkpoint to a JSON-lines file the driver reads (:meth:`read`); with :meth:`callbacks`, the
+    worker group's starts too."""
 
     def __init__(self):
         self.path = Path(tempfile.mkdtemp(prefix="raytrain_scu-")) / "reports.jsonl"
         self.path.touch()
         self.offset = 0
 
+    def callbacks(self) -> list:
+        """What ``build_trainer`` takes: this sink and the worker group's start notes."""
+        return [self, WorkersStarted(self.path)]
+
     def after_report(self, run_context, metrics, checkpoint):
-        with open(self.path, "a") as f:
-            f.write(json.dumps({"metrics": metrics[0], "checkpoint": checkpoint is not None}) + "\n")
+        _append(self.path, {"metrics": metrics[0], "checkpoint": checkpoint is not None})
 
     def read(self) -> list[dict]:
-        """The driver side: the reports written since the last call, whole lines only."""
+        """The driver side: the records written since the last call, whole lines only."""
         with open(self.path) as f:
             f.seek(self.offset)
             text = f.read()
         done = text[:text.rfind("\n") + 1]
         self.offset += len(done.encode())
         return [json.loads(line) for line in done.splitlines()]
+
+
+def workers_started_note(cfg: Config, starts: int) -> str:
+    """What the workers do between their start and the first report, said when they start."""
+    n = cfg.scaling.num_workers
+    if starts > 1:
+        return f"{n} worker(s) started again (attempt {starts}): they go on from the latest checkpoint"
+    return (f"{n} worker(s) started: each loads the model and the data (and on a new run scores the held-out "
+            f"baseline); the first report comes after train.report_every={cfg.train.report_every} steps")
+
+
+def show_records(records: list[dict], cfg: Config, progress, last: dict) -> None:
+    """The sink's new records on the console: the workers' start, then each report with the notices it carries
+    (rank 0's since its previous report) above it; ``last`` keeps the last report's step and checkpoint."""
+    for r in records:
+        if "workers_started" in r:
+            progress.note(workers_started_note(cfg, r["workers_started"]))
+            continue
+        for text in r["metrics"].get(NOTICES, "").splitlines():
+            progress.note(text)
+        last.update(step=int(r["metrics"]["step"]), checkpoint=r["checkpoint"])
+        progress.update(r["metrics"], checkpoint=r["checkpoint"])
 
 
 def fit(trainer: TorchTrainer, cfg: Config, sink: Sink, progress, watchdog: Optional[HangWatchdog] = None):
@@ -166,11 +253,7 @@ def fit(trainer: TorchTrainer, cfg: Config, sink: Sink, progress, watchdog: Opti
     def show():
         while watchdog is not None and watchdog.notices:
             progress.note(watchdog.notices.pop(0))
-        for r in sink.read():
-            for text in r["metrics"].get(NOTICES, "").splitlines():  # rank 0's notices since its previous report
-                progress.note(text)
-            last.update(step=int(r["metrics"]["step"]), checkpoint=r["checkpoint"])
-            progress.update(r["metrics"], checkpoint=r["checkpoint"])
+        show_records(sink.read(), cfg, progress, last)
 
     thread = threading.Thread(target=target, name="raytrain_scu-fit", daemon=True)
     # only the main thread may handle signals: run() called from another thread (a test, a notebook's worker) shows
@@ -250,29 +333,54 @@ def fit_and_collect(cfg: Config, *, use_gpu: bool) -> list[dict]:
     sink = Sink()
     init_ray(cfg)
     check_capacity(cfg, use_gpu=use_gpu)
-    build_trainer(cfg, use_gpu=use_gpu, run_id=None, callbacks=[sink]).fit()  # raises on a failed run
-    return [r["metrics"] for r in sink.read()]
+    build_trainer(cfg, use_gpu=use_gpu, run_id=None, callbacks=sink.callbacks()).fit()  # raises on a failed run
+    return [r["metrics"] for r in sink.read() if "metrics" in r]
 
 
-def run_tasks(cfg: Config, fn, calls: list[tuple], *, gpus_per_worker: Optional[float],
-              plain_errors: tuple = ()) -> list:
+def _reporting(fn, queue, *args):
+    """A Ray task's body: ``fn(*args, report=...)``, whose every report goes on ``queue`` to the driver."""
+    return fn(*args, report=queue.put)
+
+
+def _drain(queue, progress) -> None:
+    while True:
+        try:
+            progress(queue.get_nowait())
+        except Empty:
+            return
+
+
+def run_tasks(cfg: Config, fn, calls: list[tuple], *, gpus_per_worker: Optional[float], plain_errors: tuple = (),
+              progress=None, verbose: bool = False) -> list:
     """``fn(*args)`` for each ``args`` of ``calls``, each in its own Ray task; the results in order.
 
     ``gpus_per_worker`` None: ``scaling.gpus_per_worker`` when ``scaling.use_gpu`` is true, or is auto and the
     cluster has GPUs; else CPU tasks of ``scaling.cpus_per_worker``. A task's exception of a ``plain_errors`` type is
-    raised as itself, without the remote traceback."""
-    init_ray(cfg)
+    raised as itself, without the remote traceback. With ``progress``, ``fn`` is called with ``report=``, and every
+    value a task reports reaches ``progress`` here while the tasks run. ``verbose``: the tasks' output on the console
+    too, not only in Ray's log files."""
+    init_ray(cfg, verbose=verbose)
     s = cfg.scaling
     if gpus_per_worker is None:
         use_gpu = s.use_gpu if s.use_gpu is not None else ray.cluster_resources().get("GPU", 0) > 0
         gpus_per_worker = s.gpus_per_worker if use_gpu else 0.0
     env = scu_env()
-    task = ray.remote(fn).options(num_cpus=s.cpus_per_worker, num_gpus=gpus_per_worker,
-                                  runtime_env={"env_vars": env} if env else None)
-    refs = [task.remote(*args) for args in calls]
+    options = dict(num_cpus=s.cpus_per_worker, num_gpus=gpus_per_worker, runtime_env={"env_vars": env} if env else None)
+    queue = Queue(actor_options={"num_cpus": 0}) if progress is not None else None
+    if queue is None:
+        refs = [ray.remote(fn).options(**options).remote(*args) for args in calls]
+    else:
+        refs = [ray.remote(_reporting).options(**options).remote(fn, queue, *args) for args in calls]
     try:
+        pending = refs
+        while pending and queue is not None:
+            _, pending = ray.wait(pending, num_returns=len(pending), timeout=0.5)
+            _drain(queue, progress)
         return ray.get(refs)
     except RayTaskError as e:
         if isinstance(e.cause, plain_errors):
             raise e.cause from None
         raise
+    finally:
+        if queue is not None:
+            queue.shutdown()

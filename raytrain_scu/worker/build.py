@@ -13,6 +13,7 @@ from raytrain_scu.config.paths import RunPaths
 from raytrain_scu.config.schema import Config, sequences_per_step
 from raytrain_scu.core import checkpoint as ckpt
 from raytrain_scu.core import laws
+from raytrain_scu.core.bounds import BoundWatch
 from raytrain_scu.core.data import prepare_data
 from raytrain_scu.core.dist import broadcast_params, notice0, rank, world_size
 from raytrain_scu.core.fp8 import convert_base_to_fp8
@@ -88,7 +89,8 @@ def build(cfg: Config, hooks, run_id: Optional[str] = None, phase: Optional[Phas
     ckpt.seed_all(ckpt.rank_seed(cfg.seed, rank()))  # then each rank its own stream: distinct dropout masks
     opt = _optimisation(cfg, hooks, model, device=device, dtype=dtype)
     control = Control(law=laws.build(cfg.controller), every=cfg.controller.control_every,
-                      tokens_per_epoch=cfg.controller.tokens_per_epoch or data.tokens_per_epoch)
+                      tokens_per_epoch=cfg.controller.tokens_per_epoch or data.tokens_per_epoch,
+                      bounds=BoundWatch(cfg.controller))
     # get_text_config: a nested text config too
     metering = Metering(meter=None, flops_per_token=flops_per_token(base.config.get_text_config(), d.block_size))
     return State(cfg=cfg, hooks=hooks, device=device, tracker=tracking.for_rank(cfg, rank(), run_id=run_id),

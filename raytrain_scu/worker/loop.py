@@ -3,6 +3,7 @@
 ``worker.hooks.LocalHooks`` in one bare process), and so is fault injection (``hooks.faults``)."""
 from __future__ import annotations
 
+import time
 from typing import Optional
 
 import torch
@@ -42,8 +43,10 @@ def setup(cfg: Config, hooks, run_id: Optional[str] = None, phase: Optional[Phas
     resume(s)
     s.tracker.start(params=tracking.derived_params(cfg, tokens_per_epoch=s.ctrl.tokens_per_epoch, world=world_size(),
                                                    device=s.device), resumed_at=s.rec.start_step)
+    eval_t0 = time.perf_counter()
     if s.rec.start_step == 0:  # the baseline every later eval is compared with
-        s.rec.val_bpt = evaluate_now(s, 0)
+        s.rec.val_bpt, s.rec.val_step = evaluate_now(s, 0), 0
+        s.metering.eval_s = time.perf_counter() - eval_t0  # what each later eval costs, for the ETA
         s.rec.history.append({"step": 0, "val/data_bpt": s.rec.val_bpt, "ctrl/lambda": s.ctrl.law.lam})
         s.tracker.log_step(s.rec.history[-1])
     first = s.rec.history[0] if s.rec.history else {}
@@ -52,6 +55,7 @@ def setup(cfg: Config, hooks, run_id: Optional[str] = None, phase: Optional[Phas
     s.metering.peak_flops = device_peak_flops(s.device)
     if s.metering.peak_flops == 0:
         _say_no_mfu(s.device)
+    s.metering.loop_t0 = time.perf_counter()
     return s
 
 

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import math
 import shutil
+import time
 
 import torch
 
 from raytrain_scu.config.io import to_yaml
-from raytrain_scu.console import NOTICES, take_notices
+from raytrain_scu.console import ETA, NOTICES, VAL_STEP, take_notices
 from raytrain_scu.core import checkpoint as ckpt
 from raytrain_scu.core.data import val_batches
 from raytrain_scu.core.dist import all_gather_object, all_reduce_sum, rank, world_size
@@ -67,6 +68,27 @@ def perf_metrics(s: State, step: int) -> dict:
     return perf
 
 
+def evals_between(first: int, last: int, *, eval_every: int, checkpoint_every: int) -> int:
+    """How many of the steps ``first`` .. ``last`` end with a held-out evaluation: every ``eval_every``-th and every
+    checkpoint's (every ``checkpoint_every``-th, and the last step's)."""
+    def multiples(n: int) -> int:
+        return last // n - (first - 1) // n
+
+    both = eval_every * checkpoint_every // math.gcd(eval_every, checkpoint_every)
+    count = multiples(eval_every) + multiples(checkpoint_every) - multiples(both)
+    return count + (first <= last and last % eval_every != 0 and last % checkpoint_every != 0)
+
+
+def eta_s(s: State, step: int) -> float:
+    """The seconds left after step ``step + 1``: the loop's measured seconds per step so far (checkpoints and reports
+    included, evaluations apart), times the steps left, plus the evaluations left at the last one's duration."""
+    t, m = s.cfg.train, s.metering
+    done = step + 1 - s.rec.start_step
+    per_step = (time.perf_counter() - m.loop_t0 - m.eval_total_s) / done
+    evals = evals_between(step + 2, t.max_steps, eval_every=t.eval_every, checkpoint_every=t.checkpoint_every)
+    return per_step * (t.max_steps - step - 1) + evals * m.eval_s
+
+
 def save_checkpoint(s: State, step: int, rng_states: list):
     """Rank 0: write the checkpoint of step ``step + 1`` to a fresh local directory; returns that directory (removed
     again when the write fails)."""
@@ -90,9 +112,11 @@ def report(s: State, step: int, row: dict, is_ckpt: bool) -> None:
     perf = perf_metrics(s, step)
     row.update(perf)
     s.tracker.log_step(perf, step=step + 1)
-    metrics = {**row, "val/data_bpt": s.rec.val_bpt, "val/data_bpt_start": s.rec.val_bpt_start,
+    metrics = {**row, "val/data_bpt": s.rec.val_bpt, "val/data_bpt_start": s.rec.val_bpt_start, ETA: eta_s(s, step),
                "tokens_seen": s.pos.tokens_seen, "tokens_per_epoch": s.ctrl.tokens_per_epoch,
                "max_steps": s.cfg.train.max_steps, "world_size": world_size()}
+    if s.rec.val_step is not None:  # None: resumed from a checkpoint that predates it
+        metrics[VAL_STEP] = s.rec.val_step
     notices = take_notices()  # rank 0's reach the driver's console (ray.launch.fit)
     if notices:  # one text, not a list: Tune's TensorBoard logger warns about a list it cannot plot (sweeps)
         metrics[NOTICES] = "\n".join(notices)
@@ -114,8 +138,11 @@ def after_step(s: State, step: int, row: dict) -> bool:
     done = step + 1 == t.max_steps or (t.stop_on_saturation and s.ctrl.law.saturated) or s.stopping
     is_ckpt = (step + 1) % t.checkpoint_every == 0 or done
     if (step + 1) % t.eval_every == 0 or is_ckpt:
+        t0 = time.perf_counter()
         with s.metering.meter.excluded():  # throughput counts training time only
-            s.rec.evaluated(evaluate_now(s, step + 1))
+            s.rec.evaluated(evaluate_now(s, step + 1), step + 1)
+        s.metering.eval_s = time.perf_counter() - t0
+        s.metering.eval_total_s += s.metering.eval_s
         row["val/data_bpt"] = s.rec.val_bpt
     s.rec.history.append(row)
     s.tracker.log_step(row)

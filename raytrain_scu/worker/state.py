@@ -11,7 +11,9 @@ import torch
 
 from raytrain_scu.config.schema import Config
 from raytrain_scu.core import laws
+from raytrain_scu.core.bounds import BoundWatch
 from raytrain_scu.core.data import TokenData
+from raytrain_scu.core.dist import notice0
 from raytrain_scu.worker.meter import Meter
 from raytrain_scu.worker.oom import Phase
 
@@ -94,13 +96,17 @@ class Control:
     law: Any
     tokens_per_epoch: int
     every: int  # controller.control_every
+    bounds: Optional[BoundWatch] = None  # says when λ sits at a bound for long
 
     def update(self, step: int, *, data_bpt: float, param_bpt: float, lr_factor: float) -> None:
         """After optimizer step ``step`` (from 1), on the control cadence, with the step's learning rate over its
         peak (the laws that scale a gain by it take it). A non-finite input is counted in ctrl/skipped by the law and
-        changes nothing else."""
+        changes nothing else. λ held at a bound for long is a notice (rank 0's reaches the console)."""
         if step % self.every == 0:
             laws.update(self.law, data_bpt, param_bpt, step=step, lr_factor=lr_factor)
+        text = self.bounds.update(step, self.law.lam, self.law.s_hat) if self.bounds is not None else None
+        if text:
+            notice0(text)
 
     def row(self) -> dict:
         law = self.law
@@ -136,7 +142,9 @@ class Record:
 
     history: list = field(default_factory=list)
     val_bpt: float = float("nan")
+    val_step: Optional[int] = None  # the step at whose end val_bpt was measured (0: before training)
     best_val: float = float("inf")
+    best_step: Optional[int] = None  # the step best_val was measured at (a runs listing reads it from meta.json)
     val_bpt_start: float = float("nan")
     start_step: int = 0
     fresh: bool = True  # no checkpoint to resume from (fault injection acts on fresh starts only)
@@ -144,26 +152,35 @@ class Record:
     ckpt_suffix: str = ""  # after a fallback: checkpoints never reuse the name of a skipped bad one
 
     def saved(self) -> dict:
-        return {"val_bpt": self.val_bpt, "best_val": self.best_val, "resumed_at": self.resumed_at}
+        return {"val_bpt": self.val_bpt, "val_step": self.val_step, "best_val": self.best_val,
+                "best_step": self.best_step, "resumed_at": self.resumed_at}
 
     def restore(self, meta: dict, *, problems: list) -> None:
         self.fresh = False
         self.start_step, self.history = meta["step"], meta["history"]
         self.val_bpt, self.best_val = meta.get("val_bpt", float("nan")), meta.get("best_val", float("inf"))
+        self.val_step, self.best_step = meta.get("val_step"), meta.get("best_step")
         self.resumed_at = meta.get("resumed_at", []) + [self.start_step]
         self.ckpt_suffix = f"_from{self.start_step:08d}" if problems else ""
 
-    def evaluated(self, val_bpt: float) -> None:
-        self.val_bpt, self.best_val = val_bpt, min(self.best_val, val_bpt)
+    def evaluated(self, val_bpt: float, step: int) -> None:
+        """The held-out BPT measured at the end of step ``step``."""
+        if val_bpt < self.best_val:
+            self.best_val, self.best_step = val_bpt, step
+        self.val_bpt, self.val_step = val_bpt, step
 
 
 @dataclass
 class Metering:
-    """Throughput and MFU: the meter between reports, FLOPs per token of the frozen base and the card's peak."""
+    """Throughput and MFU: the meter between reports, FLOPs per token of the frozen base and the card's peak; and
+    the clock of the remaining-time estimate (``worker.periodic.eta_s``)."""
 
     meter: Optional[Meter]
     flops_per_token: float
     peak_flops: float = 0.0  # the card's dense bf16 peak; 0: unknown, no perf/mfu
+    loop_t0: float = 0.0  # time.perf_counter() when the loop started (after setup)
+    eval_s: float = 0.0  # the last held-out evaluation's seconds (the baseline's before any in the loop)
+    eval_total_s: float = 0.0  # seconds of the evaluations in the loop so far
 
 
 @dataclass

@@ -25,7 +25,7 @@ from raytrain_scu.core.embed_quant import (
 )
 from raytrain_scu.core.model.families import family_of
 from raytrain_scu.core.model.presets import PRESETS, is_preset, preset_config
-from raytrain_scu.core.model.source import default_cache_dir, file_lock, gguf_cache, resolve_name
+from raytrain_scu.core.model.source import default_cache_dir, file_lock, gguf_cache, no_progress_bars, resolve_name
 from raytrain_scu.errors import ModelError
 
 
@@ -88,7 +88,8 @@ def build_model(name: str, *, gguf_file: str = "", vocab_size: int = 0, dtype: t
         with _seeded(seed):
             if load_in_4bit:
                 path = _preset_on_disk(name, vocab_size, seed, cache_dir, device)
-                model = AutoModelForCausalLM.from_pretrained(str(path), **kw)
+                with no_progress_bars():
+                    model = AutoModelForCausalLM.from_pretrained(str(path), **kw)
             else:  # initialised directly on the device: a 1B random init on a CPU takes many seconds
                 with torch.device(device):
                     model = AutoModelForCausalLM.from_config(preset_config(name, vocab_size), dtype=dtype,
@@ -97,7 +98,8 @@ def build_model(name: str, *, gguf_file: str = "", vocab_size: int = 0, dtype: t
         path = gguf_cache(name, gguf_file, cache_dir) if gguf_file else Path(os.path.expanduser(resolve_name(name)))
         src = str(path) if path.exists() else name
         try:
-            model = AutoModelForCausalLM.from_pretrained(src, **kw)
+            with no_progress_bars():
+                model = AutoModelForCausalLM.from_pretrained(src, **kw)
         except Exception as e:  # noqa: BLE001
             raise ModelError(f"model.name={name}: could not load the model: {type(e).__name__}: {str(e)[:400]}") \
                 from None
@@ -141,7 +143,8 @@ def _preset_on_disk(name: str, vocab_size: int, seed: int, cache_dir: str,
             with torch.device(init_on):
                 m = AutoModelForCausalLM.from_config(preset_config(name, vocab_size), dtype=torch.bfloat16)
             tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-            m.save_pretrained(str(tmp), safe_serialization=True)
+            with no_progress_bars():
+                m.save_pretrained(str(tmp), safe_serialization=True)
             del m
             os.replace(tmp, out)
     return out

@@ -12,6 +12,8 @@ under ``cache_dir`` and later loads take a second.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import importlib.resources
 import importlib.util
@@ -39,6 +41,25 @@ def default_cache_dir(cache_dir: str = "") -> Path:
 def file_lock(path: Path):
     path.parent.mkdir(parents=True, exist_ok=True)
     return FileLock(str(path) + ".lock")
+
+
+@contextlib.contextmanager
+def no_progress_bars():
+    """transformers' tqdm bars off inside (GGUF de-quantising, weight loading, shard writing): a GGUF conversion says
+    so in one line instead, and a load takes a second. huggingface_hub's download bars stay as they were: a first
+    download is a real wait."""
+    from huggingface_hub.utils import are_progress_bars_disabled, enable_progress_bars
+    from transformers.utils import logging as hf_logging
+
+    was, hub_was_off = hf_logging.is_progress_bar_enabled(), are_progress_bars_disabled()
+    hf_logging.disable_progress_bar()  # also turns huggingface_hub's off
+    if not hub_was_off:
+        enable_progress_bars()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
 
 
 def resolve_name(name: str) -> str:
@@ -182,19 +203,40 @@ def gguf_cache(name: str, gguf_file: str, cache_dir: str = "") -> Path:
     with file_lock(out):
         if (out / "config.json").is_file():
             return out
-        tok = AutoTokenizer.from_pretrained(str(g.parent), gguf_file=g.name)
-        src = AutoModelForCausalLM.from_pretrained(str(g.parent), gguf_file=g.name, dtype=torch.float32)
-        # the GGUF-loaded model refuses save_pretrained; copy its weights into a plain model of the same config
-        cfg = AutoConfig.for_model(**{k: v for k, v in src.config.to_dict().items()
-                                      if k not in ("quantization_config", "_name_or_path")})
-        plain = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-        plain.load_state_dict(src.state_dict(), strict=False)
-        tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-        plain.save_pretrained(str(tmp), safe_serialization=True)
-        tok.save_pretrained(str(tmp))
-        (tmp / "raytrain_scu_source.json").write_text(json.dumps({"gguf": str(g), "size": st.st_size}))
-        os.replace(tmp, out)
+        print(f"[raytrain_scu] model: converting {g.name} to safetensors, once (tens of seconds on a CPU); cached in "
+              f"{out}", flush=True)
+        with no_progress_bars(), _no_gguf_bar():
+            _convert_gguf(g, out)
     return out
+
+
+@contextlib.contextmanager
+def _no_gguf_bar():
+    """transformers' GGUF reader draws its de-quantising bar with tqdm directly, past its own switch: off inside."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    bar = gguf_utils.tqdm
+    gguf_utils.tqdm = functools.partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = bar
+
+
+def _convert_gguf(g: Path, out: Path) -> None:
+    """De-quantise the GGUF file ``g`` into a plain safetensors model with its tokenizer at ``out``."""
+    tok = AutoTokenizer.from_pretrained(str(g.parent), gguf_file=g.name)
+    src = AutoModelForCausalLM.from_pretrained(str(g.parent), gguf_file=g.name, dtype=torch.float32)
+    # the GGUF-loaded model refuses save_pretrained; copy its weights into a plain model of the same config
+    cfg = AutoConfig.for_model(**{k: v for k, v in src.config.to_dict().items()
+                                  if k not in ("quantization_config", "_name_or_path")})
+    plain = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    plain.load_state_dict(src.state_dict(), strict=False)
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    plain.save_pretrained(str(tmp), safe_serialization=True)
+    tok.save_pretrained(str(tmp))
+    (tmp / "raytrain_scu_source.json").write_text(json.dumps({"gguf": str(g), "size": g.stat().st_size}))
+    os.replace(tmp, out)
 
 
 def model_config(name: str, *, gguf_file: str = "", vocab_size: int = 0, cache_dir: str = "",

@@ -60,6 +60,21 @@ def trial_rows(results, base: Config, space: dict) -> list[dict]:
     return rows
 
 
+def token_budget_note(rows: list[dict], best: Optional[dict]) -> Optional[str]:
+    """When the trials that ran to the end trained on different numbers of tokens (train.max_steps counts optimizer
+    steps, and a swept global batch puts more tokens in each): a note that "best" compares budgets as well as
+    hyper-parameters. None when they all saw the same."""
+    seen = sorted({r["tokens_seen"] for r in rows if r["status"] == "FINISHED" and r.get("tokens_seen")})
+    if len(seen) < 2:
+        return None
+    where = (f"; the best trial, {best['trial']}, saw {best['tokens_seen']:,}"
+             if best is not None and best.get("tokens_seen") else "")
+    return (f"note: the finished trials trained on different token budgets, {seen[0]:,} to {seen[-1]:,} tokens "
+            f"(train.max_steps counts optimizer steps, and the global batch differs){where}: a trial may be best "
+            f"because it saw more data. Compare them at equal tokens_seen (MLflow, trials.csv), or sweep at one "
+            f"global batch")
+
+
 def best_row(rows: list[dict]) -> Optional[dict]:
     """The best trial that did not fail and has a finite metric (rows are sorted best first)."""
     return next((r for r in rows if r["status"] != "FAILED" and math.isfinite(r["metric"])), None)
@@ -194,6 +209,9 @@ def write_results(cfg: Config, space: dict, results, parent_run_id: Optional[str
     if errors:
         print(f"[raytrain_scu] {len(errors)} trial(s) failed ({', '.join(errors)}): re-run the same command to "
               f"resume them", flush=True)
+    budgets = token_budget_note(rows, best)
+    if budgets:
+        print(f"[raytrain_scu] {budgets}", flush=True)
     return {"sweep_dir": str(out), "rows": rows, "best": best,
             "best_yaml": str(best_path) if best is not None else None, "parent_run_id": parent_run_id,
             "errors": errors, "files": [str(f) for f in files]}

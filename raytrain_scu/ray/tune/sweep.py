@@ -28,6 +28,7 @@ This module is the Tune wiring; the checks before launch are ``driver.sweep``, t
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import threading
@@ -48,11 +49,13 @@ from raytrain_scu import tracking
 from raytrain_scu.config.paths import RunPaths
 from raytrain_scu.config.schema import Config
 from raytrain_scu.errors import SweepError
-from raytrain_scu.ray.launch import build_trainer, init_ray, scu_env
+from raytrain_scu.ray.launch import build_trainer, driver_logs_to_file, init_ray, keep_logs, logs_dir, scu_env
+from raytrain_scu.ray.tune.events import TrialEvents
 from raytrain_scu.ray.tune.results import open_child_run, open_parent_run, write_results
 from raytrain_scu.ray.tune.space import GLOBAL_BATCH, space_value, tokens_per_step_bounds, trial_config
 
 ASHA_REDUCTION_FACTOR = 2  # ASHA keeps the best half at each rung
+AIR_NEW_OUTPUT = "RAY_AIR_NEW_OUTPUT"  # Tune's switch between its two consoles
 DRIVER_CPU = 0.01  # what a trial's driver function holds; its Train workers ask for their own resources
 
 
@@ -216,8 +219,9 @@ def asha_scheduler(cfg: Config, space: dict):
                          reduction_factor=ASHA_REDUCTION_FACTOR, stop_last_trials=False)
 
 
-def make_tuner(cfg: Config, space: dict, setup: TrialSetup, max_concurrent: int):
-    """A new Tuner, or the interrupted one restored from the sweep's directory (same run.name and storage_path)."""
+def make_tuner(cfg: Config, space: dict, setup: TrialSetup, max_concurrent: int, *, verbose: bool = False):
+    """A new Tuner, or the interrupted one restored from the sweep's directory (same run.name and storage_path). Its
+    console is :class:`TrialEvents`' lines; ``verbose`` adds Tune's own status tables."""
     trainable = tune.with_resources(tune.with_parameters(run_trial, setup=setup), {"CPU": DRIVER_CPU})
     path = RunPaths.of(cfg).run
     if tune.Tuner.can_restore(path):
@@ -239,7 +243,8 @@ def make_tuner(cfg: Config, space: dict, setup: TrialSetup, max_concurrent: int)
                                     num_samples=1 if t.search == "grid" else t.num_samples,
                                     max_concurrent_trials=limit, time_budget_s=t.time_budget_s or None,
                                     trial_dirname_creator=trial_dirname),
-        run_config=tune.RunConfig(name=cfg.run.name, storage_path=RunPaths.of(cfg).storage),
+        run_config=tune.RunConfig(name=cfg.run.name, storage_path=RunPaths.of(cfg).storage,
+                                  callbacks=[TrialEvents(cfg, space)], verbose=1 if verbose else 0),
     )
 
 
@@ -254,13 +259,30 @@ def _global_batch_note(cfg: Config, space: dict) -> str:
     return f"{lo}-{hi} tokens/step (from {how}); ASHA compares trials at equal tokens seen"
 
 
-def run_sweep(cfg: Config, space: dict, *, use_gpu: bool) -> dict:
+@contextlib.contextmanager
+def tune_console(verbose: bool):
+    """Tune's newer console (RAY_AIR_NEW_OUTPUT, read when fit() starts) prints an experiment box and paths even at
+    verbose=0, the older one nothing: the older inside, unless ``verbose``."""
+    old = os.environ.get(AIR_NEW_OUTPUT)
+    if not verbose:
+        os.environ[AIR_NEW_OUTPUT] = "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(AIR_NEW_OUTPUT, None)
+        else:
+            os.environ[AIR_NEW_OUTPUT] = old
+
+
+def run_sweep(cfg: Config, space: dict, *, use_gpu: bool, verbose: bool = False) -> dict:
     """Launch (or resume) the sweep of the checked ``space`` on Ray Tune, then print the table and write best.yaml and
-    plots (``driver.sweep`` checks it first)."""
+    plots (``driver.sweep`` checks it first). ``verbose``: Ray's, Tune's and the trials' output on the console too,
+    not only in the log files."""
     cfg.tune.space = space
     t = cfg.tune
     parent_run_id = open_parent_run(cfg)
-    init_ray(cfg)
+    init_ray(cfg, verbose=verbose)
 
     need = trial_need(cfg, use_gpu)
     max_concurrent = t.max_concurrent_trials or concurrent_trials(ray.cluster_resources(), need)
@@ -268,15 +290,22 @@ def run_sweep(cfg: Config, space: dict, *, use_gpu: bool) -> dict:
           f"{max_concurrent} trial(s) at a time, each holding "
           f"{', '.join(f'{r}={n:g}' for r, n in need.items())}; global batch {_global_batch_note(cfg, space)}",
           flush=True)
+    ray_logs = logs_dir()
+    if not verbose:
+        print(f"[raytrain_scu] Ray's and the trials' logs: {ray_logs} (--verbose shows them here)", flush=True)
     setup = TrialSetup(base=cfg, parent_run_id=parent_run_id, use_gpu=use_gpu, env=scu_env(),
                        placement_groups=Queue(actor_options={"num_cpus": 0}))
     reaper, stop = PlacementGroupReaper(setup.placement_groups), threading.Event()
     watcher = threading.Thread(target=reaper.run, args=(stop,), daemon=True)
     watcher.start()
     try:
-        results = make_tuner(cfg, space, setup, max_concurrent).fit()
+        with driver_logs_to_file(RunPaths.of(cfg).logs, enabled=not verbose), tune_console(verbose):
+            results = make_tuner(cfg, space, setup, max_concurrent, verbose=verbose).fit()
     finally:
         stop.set()
         watcher.join()
         setup.placement_groups.shutdown()
+        kept = keep_logs(cfg, ray_logs)
+        if kept is not None:
+            print(f"[raytrain_scu] the trials' logs: {kept}", flush=True)
     return write_results(cfg, space, results, parent_run_id)
