@@ -188,6 +188,30 @@ def test_adapter_for_another_base_is_a_clear_error(tok, corpus, tmp_path):
         evaluate(cfg, adapter=str(tmp_path / "missing"))
 
 
+
+@pytest.mark.filterwarnings("ignore:Found missing adapter keys")
+def test_many_adapters_share_one_slot_and_score_as_each_alone(tok, corpus, tmp_path):
+    """Adapters of one config are scored through one peft adapter whose weights are replaced: each scores exactly as
+    when it is the only adapter, in any order, and one made for another base is still refused by name."""
+    from dataclasses import asdict
+
+    from raytrain_scu.driver.evaluate import score_shard
+
+    config = asdict(cfg_for(corpus))
+    docs = ["To be, or not to be, that is the question.", "Friends, Romans, countrymen, lend me your ears."]
+    paths = {f"b{i}": save_adapter(tok, tmp_path / f"b{i}", b_std=0.1 * (i + 1)) for i in range(3)}
+    many = score_shard(config, {"base": "", "b0": paths["b0"], "b1": paths["b1"], "again": paths["b0"],
+                                "b2": paths["b2"]}, docs)
+    for label, path in [("b0", paths["b0"]), ("b1", paths["b1"]), ("b2", paths["b2"])]:
+        alone = score_shard(config, {label: path}, docs)
+        assert many["nats"][label].tolist() == alone["nats"][label].tolist()
+    assert many["nats"]["again"].tolist() == many["nats"]["b0"].tolist()
+    assert len({tuple(v.tolist()) for v in many["nats"].values()}) == 4  # base and three different adapters
+    deeper = save_adapter(tok, tmp_path / "deeper", b_std=0.1, num_hidden_layers=3)  # same adapter config
+    with pytest.raises(EvalError, match=f"adapter {deeper} does not fit.*6 of its 18 weights have no place"):
+        score_shard(config, {"b0": paths["b0"], "deeper": deeper}, docs)
+
+
 # ---------------------------------------------------------------- how much, how it goes
 
 def test_max_tokens_takes_the_same_share_of_every_document():

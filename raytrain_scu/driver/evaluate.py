@@ -25,23 +25,19 @@ from __future__ import annotations
 
 import contextlib
 import os
-import tempfile
 import time
 from dataclasses import asdict
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from raytrain_scu.config import Config, build_config
-from raytrain_scu.config.io import redact_uri
-from raytrain_scu.config.paths import is_remote
 from raytrain_scu.console import Counter
-from raytrain_scu.core import storage
 from raytrain_scu.core.bootstrap import DEFAULT_BOOTSTRAP, DEFAULT_CI, paired_bootstrap
 from raytrain_scu.core.data import IGNORE_INDEX, document_ids, load_documents, split_documents
 from raytrain_scu.core.loss import CausalLMLoss
 from raytrain_scu.core.model import bits_per_token, build_model, load_tokenizer, resolve_dtype
+from raytrain_scu.driver.adapters import AdapterSlots, adapter_dir, local_adapter
 from raytrain_scu.errors import DataError, EvalError, ModelError
 
 # tokens per model the CLI scores unless told (--max-tokens): a small model's comparison in minutes on a laptop CPU
@@ -92,86 +88,6 @@ def score_documents(loss_model: CausalLMLoss, token_docs: list[list[int]], *, bl
     return nats, tokens
 
 
-# ---------------------------------------------------------------- models and adapters
-
-def adapter_dir(path: str) -> str:
-    """A peft adapter directory: ``path`` itself, or its ``adapter/`` (a training checkpoint). Raises EvalError. A
-    remote URI (``s3://...``, its filesystem options as a query) is checked there and kept: each scoring process
-    downloads it (:func:`local_adapter`)."""
-    if is_remote(path):
-        for candidate in (path, storage.join(path, "adapter")):
-            if storage.is_file(storage.join(candidate, "adapter_config.json")):
-                return candidate
-        raise EvalError(f"{redact_uri(path)} is not a peft adapter: no adapter_config.json in it or in its adapter/")
-    p = Path(os.path.expanduser(path))
-    if not p.is_dir():
-        raise EvalError(f"adapter directory not found: {p}")
-    for candidate in (p, p / "adapter"):
-        if (candidate / "adapter_config.json").is_file():
-            return str(candidate)
-    raise EvalError(f"{p} is not a peft adapter: no adapter_config.json in it or in {p / 'adapter'}")
-
-
-def attach_adapters(base, adapters: dict[str, str]):
-    """The base model with each non-empty ``{label: adapter_dir}`` loaded as a peft adapter named ``label``.
-
-    An adapter made for another base model is an EvalError: peft raises on mismatched shapes, and this checks
-    that the saved weights and the ones peft placed are the same set (peft silently drops saved weights with no
-    module, and leaves target modules the file does not cover at their no-op init).
-    """
-    from peft import PeftModel
-    from peft.utils import get_peft_model_state_dict, load_peft_weights
-
-    model = base
-    for label, path in adapters.items():
-        if not path:
-            continue
-        try:
-            if model is base:
-                model = PeftModel.from_pretrained(base, path, adapter_name=label)
-            else:
-                model.load_adapter(path, adapter_name=label)
-        except (RuntimeError, ValueError, KeyError) as e:
-            raise EvalError(f"adapter {path} does not fit this base model (made for another one?): "
-                            f"{type(e).__name__}: {str(e)[:400]}") from None
-        loaded = get_peft_model_state_dict(model, adapter_name=label)
-        saved = load_peft_weights(path, device="cpu")
-        unplaced, uncovered = sorted(set(saved) - set(loaded)), sorted(set(loaded) - set(saved))
-        problems = []
-        if unplaced:
-            problems.append(f"{len(unplaced)} of its {len(saved)} weights have no place in the model, "
-                            f"e.g. {unplaced[0]}")
-        if uncovered:
-            problems.append(f"{len(uncovered)} weights the model expects are not in it, e.g. {uncovered[0]}")
-        if problems:
-            raise EvalError(f"adapter {path} does not fit this base model (made for another one?): "
-                            + "; ".join(problems))
-    return model
-
-
-@contextlib.contextmanager
-def use_adapter(model, label: str, path: str):
-    """Score with adapter ``label`` active, or with the bare base when ``path`` is empty."""
-    from peft import PeftModel
-
-    if path:
-        model.set_adapter(label)
-        yield
-    elif isinstance(model, PeftModel):
-        with model.disable_adapter():
-            yield
-    else:
-        yield
-
-
-def local_adapter(path: str, stack: contextlib.ExitStack) -> str:
-    """``path`` itself when local; a remote adapter downloaded to a directory that lives as long as ``stack``."""
-    if not is_remote(path):
-        return path
-    local = stack.enter_context(tempfile.TemporaryDirectory(prefix="raytrain_scu_adapter_"))
-    return str(storage.download_dir(path, local))
-
-
 def score_shard(config: dict, adapters: dict[str, str], docs: list, report=None) -> dict:
     """Score ``docs`` under every ``{label: adapter_dir or ""}``: ``{"tokens": int64[n], "nats": {label: float64[n]}}``.
 
@@ -192,19 +108,19 @@ def score_shard(config: dict, adapters: dict[str, str], docs: list, report=None)
                        quant_type=q.quant_type, double_quant=q.double_quant, embedding_int8=q.embedding_int8,
                        offload_embedding=q.offload_embedding, cache_dir=m.cache_dir,
                        trust_remote_code=m.trust_remote_code, seed=cfg.seed)
-    with contextlib.ExitStack() as stack:
-        model = attach_adapters(base, {label: local_adapter(path, stack) if path else path
-                                       for label, path in adapters.items()})
-    loss_model = CausalLMLoss(model, fused=m.fused_loss, chunk_size=m.loss_chunk_size)
-    token_docs = document_ids(tok, docs) if docs and isinstance(docs[0], str) else docs
-    if report is not None:
-        report(0)
     out = {"tokens": None, "nats": {}}
-    for label, path in adapters.items():
-        with use_adapter(model, label, path):
-            out["nats"][label], out["tokens"] = score_documents(
-                loss_model, token_docs, block_size=cfg.data.block_size, batch_size=cfg.data.batch_size,
-                device=device, autocast=autocast, report=report)
+    with contextlib.ExitStack() as stack:
+        local = {label: local_adapter(path, stack) if path else path for label, path in adapters.items()}
+        slots = AdapterSlots(base, local.values())
+        loss_model = CausalLMLoss(slots.model, fused=m.fused_loss, chunk_size=m.loss_chunk_size)
+        token_docs = document_ids(tok, docs) if docs and isinstance(docs[0], str) else docs
+        if report is not None:
+            report(0)
+        for label, path in local.items():
+            with slots.use(path):
+                out["nats"][label], out["tokens"] = score_documents(
+                    loss_model, token_docs, block_size=cfg.data.block_size, batch_size=cfg.data.batch_size,
+                    device=device, autocast=autocast, report=report)
     return out
 
 

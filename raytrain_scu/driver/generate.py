@@ -63,7 +63,7 @@ def base_recipe(cfg: Config, *, use_gpu: bool, vocab_size: int) -> dict:
 def load_for_generation(cfg: Config, adapter: Path, recipe: dict, device: torch.device):
     """(model with the adapter, tokenizer) on ``device``, in float32 on a CPU and the run's dtype on a GPU."""
     from raytrain_scu.core.model import build_model, is_preset, load_tokenizer, resolve_dtype
-    from raytrain_scu.driver.evaluate import attach_adapters
+    from raytrain_scu.driver.adapters import attach_adapters
 
     m = cfg.model
     tok = load_tokenizer(m.name, m.gguf_file, m.tokenizer, m.cache_dir)

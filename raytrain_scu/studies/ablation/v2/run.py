@@ -97,15 +97,45 @@ def _round(xs) -> list[float]:
     return [float(f"{x:.9g}") for x in xs]
 
 
+def _trial(plant: str, stage: str, seed: int, i: int, g: dict, part: dict, sel_tokens, rep_tokens) -> dict:
+    """The record of trial ``t{i}`` of a seed's group ``g``, from the seed's scores split into (select, report)."""
+    sel, rep = part[f"t{i}"]
+    c = g["cfg"].controller
+    trial = {"plant": plant, "stage": stage, "family": p.family_of(g["params"]), "arm": p.label(g["params"]),
+             "seed": seed, "trial": g["row"]["trial"], "params": g["params"], "law": c.law,
+             "target_s": c.target_s if c.mode == "scu" else None, "lambda_init": c.lambda_init,
+             "lambda_min": c.lambda_min, "lambda_max": c.lambda_max, "time_s": g["row"].get("time_s"),
+             "select_bpt": _bpt(sel, sel_tokens), "report_bpt": _bpt(rep, rep_tokens),
+             "select_nats": _round(sel), "report_nats": _round(rep),
+             "history": columns(history(g["final"]), V2_HISTORY_KEYS)}
+    if g["evals"]:
+        keys = ["base"] + [f"t{i}" if ck == g["final"] else f"t{i}@{step}" for step, ck in g["evals"]]
+        trial["evals"] = [{"step": step, "select_bpt": _bpt(part[k][0], sel_tokens),
+                           "report_bpt": _bpt(part[k][1], rep_tokens), "report_nats": _round(part[k][1])}
+                          for step, k in zip([0] + [s for s, _ in g["evals"]], keys)]
+    return trial
+
+
+def score_seeds(family_cfg: Config, calls: dict[int, tuple]) -> dict[int, dict]:
+    """``score_shard(*calls[seed])`` for every seed: one Ray task per seed, each on a GPU of its own, when this
+    machine has several GPUs (the Tune grid has finished, so they are free); else one after another in this process."""
+    from raytrain_scu.driver.evaluate import score_shard
+
+    seeds = sorted(calls)
+    if torch.cuda.device_count() > 1 and len(seeds) > 1:
+        from raytrain_scu.ray.launch import run_tasks
+
+        return dict(zip(seeds, run_tasks(family_cfg, score_shard, [calls[s] for s in seeds], gpus_per_worker=1)))
+    return {s: score_shard(*calls[s]) for s in seeds}
+
+
 def collect(plant: str, stage: str, family_cfg: Config, rows: list[dict], splits: dict) -> tuple[list[dict], dict]:
     """Each trial's record (arm, seed, history, nats per unit on the select and the report plays; ``none``: the same
     at every eval, step 0 being the base model) and each seed's unit token counts."""
-    from raytrain_scu.driver.evaluate import score_shard
-
     d = family_cfg.data
     docs = load_documents(d.source, d.path, d.text_field, d.max_documents)
-    trials, units = [], {}
-    for seed, group in sorted(_group(family_cfg, rows).items()):
+    groups, calls, cut = _group(family_cfg, rows), {}, {}
+    for seed, group in groups.items():
         split = splits[str(seed)]
         select = scoring_units([docs[i] for i in split["select"]])
         report = scoring_units([docs[i] for i in split["report"]])
@@ -113,28 +143,19 @@ def collect(plant: str, stage: str, family_cfg: Config, rows: list[dict], splits
         for i, g in enumerate(group):
             adapters[f"t{i}"] = str(g["final"] / "adapter")
             adapters.update({f"t{i}@{step}": str(ck / "adapter") for step, ck in g["evals"] if ck != g["final"]})
-        scores = score_shard(asdict(group[0]["cfg"]), adapters, select + report)
-        n, tokens = len(select), scores["tokens"]
+        config = asdict(group[0]["cfg"])
+        config["data"]["batch_size"] = p.SCORE_BATCH
+        calls[seed], cut[seed] = (config, adapters, select + report), len(select)
+    scored = score_seeds(family_cfg, calls)
+    trials, units = [], {}
+    for seed, group in sorted(groups.items()):
+        scores, n = scored[seed], cut[seed]
+        tokens = scores["tokens"]
         part = {k: (v[:n], v[n:]) for k, v in scores["nats"].items()}
         units[str(seed)] = {"select_tokens": tokens[:n].tolist(), "report_tokens": tokens[n:].tolist(),
                             "base_select_bpt": _bpt(part["base"][0], tokens[:n]),
                             "base_report_bpt": _bpt(part["base"][1], tokens[n:])}
-        for i, g in enumerate(group):
-            sel, rep = part[f"t{i}"]
-            c = g["cfg"].controller
-            trial = {"plant": plant, "stage": stage, "family": p.family_of(g["params"]), "arm": p.label(g["params"]),
-                     "seed": seed, "trial": g["row"]["trial"], "params": g["params"], "law": c.law,
-                     "target_s": c.target_s if c.mode == "scu" else None, "lambda_init": c.lambda_init,
-                     "lambda_min": c.lambda_min, "lambda_max": c.lambda_max, "time_s": g["row"].get("time_s"),
-                     "select_bpt": _bpt(sel, tokens[:n]), "report_bpt": _bpt(rep, tokens[n:]),
-                     "select_nats": _round(sel), "report_nats": _round(rep),
-                     "history": columns(history(g["final"]), V2_HISTORY_KEYS)}
-            if g["evals"]:
-                keys = ["base"] + [f"t{i}" if ck == g["final"] else f"t{i}@{step}" for step, ck in g["evals"]]
-                trial["evals"] = [{"step": step, "select_bpt": _bpt(part[k][0], tokens[:n]),
-                                   "report_bpt": _bpt(part[k][1], tokens[n:]), "report_nats": _round(part[k][1])}
-                                  for step, k in zip([0] + [s for s, _ in g["evals"]], keys)]
-            trials.append(trial)
+        trials += [_trial(plant, stage, seed, i, g, part, tokens[:n], tokens[n:]) for i, g in enumerate(group)]
     return trials, units
 
 
