@@ -6,7 +6,8 @@ from typing import Optional
 
 from raytrain_scu.config.schema import ControllerConfig
 
-# (bound, Ŝ on the side the bound pushes it toward?) -> what it means, what to try
+# (bound, Ŝ on the side the bound pushes it toward?) -> what it means, what to try. The two "crossed" cases are the
+# spec's law's (its integral holds λ); LOGODDS_CROSSED replaces them under controller.law=logodds.
 MEANINGS = {
     ("upper", False): ("S* is out of reach at these σ and N: even the largest λ leaves Ŝ above S* (ParamBPT = "
                        "Σw²/(2σ²N ln 2) is large against DataBPT)",
@@ -24,6 +25,17 @@ MEANINGS = {
     ("lower", True): ("Ŝ is already above S*, yet λ stays down: the plant is saturated and the integral, wound "
                       "down while Ŝ was below S*, holds λ there until the leak unwinds it",
                       "smaller controller.ki or controller.integral_limit, or a larger controller.lambda_min"),
+}
+# the logodds law holds no integral apart from ln λ: past S*, λ leaves the bound at its integral rate, Ki·ℓ·ε per
+# update, which a decayed learning rate (ℓ = lr / peak) makes slow
+LOGODDS_CROSSED = {
+    "upper": ("Ŝ is already below S*, yet λ stays up: the plant is saturated (more λ no longer moves S) and the "
+              "logodds law moves ln λ back by its integral term, which the decayed learning rate keeps small",
+              "a larger controller.logodds_ki, a smaller controller.lambda_max, or a controller.target_s near the S "
+              "a fixed λ settles at"),
+    "lower": ("Ŝ is already above S*, yet λ stays down: the plant is saturated and the logodds law moves ln λ "
+              "back by its integral term, which the decayed learning rate keeps small",
+              "a larger controller.logodds_ki or a larger controller.lambda_min"),
 }
 
 
@@ -49,7 +61,7 @@ class BoundWatch:
             return None
         self.said = True
         crossed = s_hat < c.target_s if bound == "upper" else s_hat > c.target_s
-        meaning, tries = MEANINGS[(bound, crossed)]
+        meaning, tries = LOGODDS_CROSSED[bound] if crossed and c.law == "logodds" else MEANINGS[(bound, crossed)]
         value, key = (c.lambda_max, "lambda_max") if bound == "upper" else (c.lambda_min, "lambda_min")
         return (f"λ has sat at its {bound} bound {value:g} (controller.{key}) since step {self.since} "
                 f"({step - self.since + 1} steps; Ŝ {s_hat:.3g}, S* {c.target_s:g}): {meaning}. Try {tries}.")
