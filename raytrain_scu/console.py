@@ -251,7 +251,9 @@ def format_summary(summary: dict, *, title: str = "done") -> str:
             ("tokens/s", f"{summary['tokens_per_s']:,.0f}" if summary.get("tokens_per_s") else None),
             ("run directory", summary.get("run_dir")),
             *_adapter_rows(summary),
-            ("plots", f"{Path(plots[0]).parent}: {' '.join(Path(p).name for p in plots)}" if plots else None),
+            # split as text: a remote address (s3://...) keeps its double slash
+            ("plots", f"{plots[0].rsplit('/', 1)[0]}: {' '.join(p.rsplit('/', 1)[-1] for p in plots)}"
+             if plots else None),
             ("MLflow", summary.get("tracking_uri")),
             ("open the UI", summary.get("ui_command"))]
     rows = [(k, v) for k, v in rows if v not in (None, "", "- -> -")]

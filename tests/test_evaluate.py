@@ -188,13 +188,12 @@ def test_adapter_for_another_base_is_a_clear_error(tok, corpus, tmp_path):
         evaluate(cfg, adapter=str(tmp_path / "missing"))
 
 
-
-@pytest.mark.filterwarnings("ignore:Found missing adapter keys")
 def test_many_adapters_share_one_slot_and_score_as_each_alone(tok, corpus, tmp_path):
     """Adapters of one config are scored through one peft adapter whose weights are replaced: each scores exactly as
     when it is the only adapter, in any order, and one made for another base is still refused by name."""
     from dataclasses import asdict
 
+    from raytrain_scu.driver.adapters import AdapterSlots
     from raytrain_scu.driver.evaluate import score_shard
 
     config = asdict(cfg_for(corpus))
@@ -207,6 +206,13 @@ def test_many_adapters_share_one_slot_and_score_as_each_alone(tok, corpus, tmp_p
         assert many["nats"][label].tolist() == alone["nats"][label].tolist()
     assert many["nats"]["again"].tolist() == many["nats"]["b0"].tolist()
     assert len({tuple(v.tolist()) for v in many["nats"].values()}) == 4  # base and three different adapters
+    slots = AdapterSlots(build_model("tiny", vocab_size=len(tok)), list(paths.values()))
+    assert list(slots.model.peft_config) == ["slot0"]  # three adapters of one config: one peft adapter
+    wider = save_adapter(tok, tmp_path / "wider", b_std=0.1)
+    cfg = json.loads((tmp_path / "wider" / "adapter_config.json").read_text())
+    (tmp_path / "wider" / "adapter_config.json").write_text(json.dumps({**cfg, "lora_dropout": 0.1}))
+    assert list(AdapterSlots(build_model("tiny", vocab_size=len(tok)), [paths["b0"], wider]).model.peft_config) == [
+        "slot0", "slot1"]  # another config: a slot of its own
     deeper = save_adapter(tok, tmp_path / "deeper", b_std=0.1, num_hidden_layers=3)  # same adapter config
     with pytest.raises(EvalError, match=f"adapter {deeper} does not fit.*6 of its 18 weights have no place"):
         score_shard(config, {"b0": paths["b0"], "deeper": deeper}, docs)

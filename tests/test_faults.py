@@ -9,6 +9,7 @@ the checkpoint writer's fsync (RAYTRAIN_SCU_ENOSPC_AT_STEP). The S3 test runs a 
 import contextlib
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -234,6 +235,12 @@ def test_a_run_on_s3_storage_checkpoints_resumes_after_sigkill_exports_and_evalu
         final = load_file(local / "adapter" / "adapter_model.safetensors")
         assert exported.keys() == final.keys() and all(torch.equal(exported[k], final[k]) for k in final)
     assert "s3://runs/tiny/s3run/output/adapter" in out  # the summary says where it is
+    assert re.search(r"^  plots +s3://runs/tiny/s3run/output/plots: s_tracking\.png", out, re.M), out
+    from raytrain_scu.driver.runs import list_runs
+    from raytrain_scu.errors import RunsError
+
+    with pytest.raises(RunsError, match="s3://runs/tiny is remote storage: the runs listing reads local run"):
+        list_runs("s3://runs/tiny")
     client, runs = mlflow_runs(tmp_path, "s3run")  # tracking.uri is the default store of storage tmp_path
     run = runs[0]
     assert len(runs) == 1 and run.info.status == "FINISHED"

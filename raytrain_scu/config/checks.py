@@ -179,7 +179,8 @@ def _check_run(cfg: Config) -> None:
 
 
 def _check_tracking(cfg: Config) -> None:
-    """tracking."""
+    """tracking.*: a URI MLflow accepts (not the refused file: store), the buffer's bound, and a tracking.uri for remote
+    storage."""
     tr = cfg.tracking
     _check(tr.uri == "" or tr.uri.startswith(("sqlite:///", "http://", "https://", "databricks", "postgresql",
                                               "mysql")), "tracking.uri",

@@ -27,15 +27,18 @@ MEANINGS = {
                       "smaller controller.ki or controller.integral_limit, or a larger controller.lambda_min"),
 }
 # the logodds law holds no integral apart from ln λ: past S*, λ leaves the bound at its integral rate, Ki·ℓ·ε per
-# update, which a decayed learning rate (ℓ = lr / peak) makes slow
+# update, which a decayed learning rate (ℓ = lr / peak) makes slow, and not at all while a large error
+# (|ε| > logodds_hold_error) is closing
 LOGODDS_CROSSED = {
     "upper": ("Ŝ is already below S*, yet λ stays up: the plant is saturated (more λ no longer moves S) and the "
-              "logodds law moves ln λ back by its integral term, which the decayed learning rate keeps small",
-              "a larger controller.logodds_ki, a smaller controller.lambda_max, or a controller.target_s near the S "
-              "a fixed λ settles at"),
+              "logodds law moves ln λ back by its integral term, which the decayed learning rate keeps small (and "
+              "which holds while a large error is closing)",
+              "a larger controller.logodds_ki or controller.logodds_hold_error, a smaller controller.lambda_max, or a "
+              "controller.target_s near the S a fixed λ settles at"),
     "lower": ("Ŝ is already above S*, yet λ stays down: the plant is saturated and the logodds law moves ln λ "
-              "back by its integral term, which the decayed learning rate keeps small",
-              "a larger controller.logodds_ki or a larger controller.lambda_min"),
+              "back by its integral term, which the decayed learning rate keeps small (and which holds while a large "
+              "error is closing)",
+              "a larger controller.logodds_ki or controller.logodds_hold_error, or a larger controller.lambda_min"),
 }
 
 

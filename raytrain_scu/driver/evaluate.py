@@ -92,7 +92,8 @@ def score_shard(config: dict, adapters: dict[str, str], docs: list, report=None)
     """Score ``docs`` under every ``{label: adapter_dir or ""}``: ``{"tokens": int64[n], "nats": {label: float64[n]}}``.
 
     ``config`` is ``asdict(Config)``; ``docs`` are texts, or token ids (``data.document_ids`` output). Builds the
-    tokenizer and one base model (adapters attached by peft) on this process's device: the same function runs
+    tokenizer and one base model, the adapters swapped in turn through
+    :class:`~raytrain_scu.driver.adapters.AdapterSlots`, on this process's device: the same function runs
     in-process and in each Ray task. ``report``, if given: ``report(0)`` once the model is ready, then the target
     tokens of each batch scored.
     """

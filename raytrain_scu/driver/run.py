@@ -164,7 +164,8 @@ def _launch(cfg: Config, facts: dict, run_id: Optional[str], *, verbose: bool):
         print(f"[raytrain_scu] Ray's and the workers' logs: {ray_logs} (--verbose shows them here)", flush=True)
     sink = launch.Sink()
     watchdog = launch.hang_watchdog(cfg, use_gpu=facts["use_gpu"])
-    trainer = launch.build_trainer(cfg, use_gpu=facts["use_gpu"], run_id=run_id, callbacks=sink.callbacks(), watchdog=watchdog)
+    trainer = launch.build_trainer(cfg, use_gpu=facts["use_gpu"], run_id=run_id, callbacks=sink.callbacks(),
+                                   watchdog=watchdog)
     progress = Progress(target_s=cfg.controller.target_s)
     with watchdog if watchdog is not None else contextlib.nullcontext():
         return ray_logs, launch.fit(trainer, cfg, sink, progress, watchdog=watchdog)  # raises on failure
@@ -241,9 +242,9 @@ def _log_best(cfg: Config, result, run_id: Optional[str], summary: dict, notes: 
 
 
 def summarize(cfg: Config, result, run_id: Optional[str], changes: dict, notes: list, facts: dict) -> dict:
-    """After fit(): export the adapter, log the best checkpoint, write config.yaml, summary.json and base_model.json
-    (what rebuilds the base model: generate) to the output directory (local, or on the remote storage); returns the
-    summary."""
+    """After fit(): log the best checkpoint; write the adapter (and adapter_best/ when the best checkpoint is another
+    step), the control trace (scu_history.json, plots/), config.yaml, summary.json and base_model.json (what rebuilds
+    the base model: generate) to the output directory (local, or on the remote storage); returns the summary."""
     paths = RunPaths.of(cfg)
     last = result.metrics or {}
     # λ as the last progress line shows it: the value the last step's loss used (ctrl/lambda is the next step's)

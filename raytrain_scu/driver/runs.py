@@ -17,9 +17,9 @@ from typing import Optional
 import yaml
 
 from raytrain_scu import tracking
-from raytrain_scu.config.io import flatten_tree
+from raytrain_scu.config.io import flatten_tree, redact_uri
 from raytrain_scu.config.load import build_config
-from raytrain_scu.config.paths import storage_dir
+from raytrain_scu.config.paths import is_remote, storage_dir
 from raytrain_scu.errors import RunsError
 
 CHECKPOINT_PREFIX = "checkpoint_"
@@ -114,9 +114,18 @@ def read_run(run: Path, clients: Optional[dict] = None) -> dict:
     return row
 
 
+def _local_root(storage: str) -> Path:
+    """The storage directory as a local path; remote storage (s3://, gs://) is a RunsError: the listing reads run
+    directories from disk."""
+    if is_remote(storage):
+        raise RunsError(f"{redact_uri(storage)} is remote storage: the runs listing reads local run directories only "
+                        f"(list the runs in MLflow, or give a local or NFS run.storage_path)")
+    return Path(storage_dir(storage))
+
+
 def list_runs(storage: str) -> tuple[list[dict], list[str]]:
     """(the runs directly under ``storage``, by name; the sweeps there, whose trials are under ``<sweep>/trials``)."""
-    root = Path(storage_dir(storage))
+    root = _local_root(storage)
     if not root.is_dir():
         raise RunsError(f"no runs here: {root} is not a directory (give the run.storage_path the runs used)")
     clients: dict = {}
@@ -127,7 +136,7 @@ def list_runs(storage: str) -> tuple[list[dict], list[str]]:
 
 def find_runs(storage: str, names: list[str]) -> list[dict]:
     """The rows of the named runs: names under ``storage``, or run directories given as paths."""
-    root, clients, rows = Path(storage_dir(storage)), {}, []
+    root, clients, rows = _local_root(storage), {}, []
     for name in names:
         path = next((p for p in (root / name, Path(name).expanduser()) if is_run(p)), None)
         if path is None:

@@ -1,7 +1,8 @@
 """The Ray edge, driver side: :func:`init_ray`, :func:`build_trainer` (one ``TorchTrainer`` per run or sweep trial),
 the workers' environment (:func:`scu_env`), the reports relayed to the driver's console and Ctrl-C (:func:`fit`),
 Ray's log files (:func:`logs_dir`, :func:`keep_logs`), a failure's root cause and context (:func:`root_cause`,
-:func:`failure_notices`), and the Ray runs of evaluate (:func:`run_tasks`) and bench (:func:`fit_and_collect`).
+:func:`failure_notices`), Ray tasks (:func:`run_tasks`: evaluate's shards, the study's scoring) and the bench's Ray
+runs (:func:`fit_and_collect`).
 The worker side is :mod:`raytrain_scu.ray.hooks`.
 """
 from __future__ import annotations

@@ -64,9 +64,10 @@ class NullTracker:
 
 class MlflowTracker(NullTracker):
     """Rank 0's MLflow client. Metric points wait in memory until the next report, then on disk
-    (:class:`~raytrain_scu.tracking.spool.MetricSpool`, in the run directory) until the store has them, with their
-    own steps and timestamps: a tracking server that is down is caught up with when it is back, and after a crash
-    the next rank 0 sends what is left. It logs into the run its driver opened (``run_id``); only with none (no
+    (:class:`~raytrain_scu.tracking.spool.MetricSpool`, in the run directory; under remote storage in the run's
+    machine-local state directory on rank 0's machine) until the store has them, with their own steps and timestamps:
+    a tracking server that is down is caught up with when it is back, and after a crash the next rank 0 on that
+    machine sends what is left. It logs into the run its driver opened (``run_id``); only with none (no
     driver, or MLflow was unreachable when the driver tried) does it open the run itself, and then it also ends it in
     :meth:`finish`."""
 
@@ -187,7 +188,7 @@ class MlflowTracker(NullTracker):
                 unrecorded.append("artifacts (config, history, plots, adapter)")
         if self.spool.waiting or self.pending:
             unrecorded.append(f"{self.spool.waiting + len(self.pending)} metric points (kept in {self.spool.path}: "
-                              f"the next run of this name sends them)")
+                              f"the next run of this name on this machine sends them)")
         if self.spool.dropped:
             unrecorded.append(f"{self.spool.dropped} metric points dropped from a full buffer "
                               f"(tracking.buffer_max_points)")

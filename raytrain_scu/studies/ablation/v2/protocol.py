@@ -36,7 +36,7 @@ BOUND_AFTER = 60  # the decision's tracking rule: λ at a bound in no step after
 MAX_SEED_TRIES = 1000
 # windows per batch when the study scores adapters: its speed, not its sums (right padding is ignored; a row's nats
 # depend on the batch only through the bf16 kernels chosen for its shape). At the training batch of 8 the 135M model
-# scored ~55k tokens/s on an H200, launch-bound
+# scores ~55k tokens/s on an H200 (measured), launch-bound
 SCORE_BATCH = 32
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import time
 from dataclasses import asdict
@@ -19,7 +20,7 @@ from raytrain_scu.config.resolve import resolve
 from raytrain_scu.core.checkpoint import read_meta, verify
 from raytrain_scu.core.data import load_documents
 from raytrain_scu.core.model import bits_per_token
-from raytrain_scu.errors import AblationError
+from raytrain_scu.errors import AblationError, DataError, EvalError, ModelError
 from raytrain_scu.ray.tune.space import flat_params, trial_config
 from raytrain_scu.studies.ablation.results import save
 from raytrain_scu.studies.ablation.run import HISTORY_KEYS, columns, final_checkpoint, history, run_grid, scoring_units
@@ -118,14 +119,17 @@ def _trial(plant: str, stage: str, seed: int, i: int, g: dict, part: dict, sel_t
 
 def score_seeds(family_cfg: Config, calls: dict[int, tuple]) -> dict[int, dict]:
     """``score_shard(*calls[seed])`` for every seed: one Ray task per seed, each on a GPU of its own, when this
-    machine has several GPUs (the Tune grid has finished, so they are free); else one after another in this process."""
+    machine has several GPUs (the Tune grid has finished, so they are free); else one after another in this process.
+    The tasks read the trials' checkpoints from this machine's disk, so they run on a local Ray only (no
+    RAY_ADDRESS)."""
     from raytrain_scu.driver.evaluate import score_shard
 
     seeds = sorted(calls)
-    if torch.cuda.device_count() > 1 and len(seeds) > 1:
+    if torch.cuda.device_count() > 1 and len(seeds) > 1 and not os.environ.get("RAY_ADDRESS"):
         from raytrain_scu.ray.launch import run_tasks
 
-        return dict(zip(seeds, run_tasks(family_cfg, score_shard, [calls[s] for s in seeds], gpus_per_worker=1)))
+        return dict(zip(seeds, run_tasks(family_cfg, score_shard, [calls[s] for s in seeds], gpus_per_worker=1,
+                                         plain_errors=(EvalError, ModelError, DataError))))
     return {s: score_shard(*calls[s]) for s in seeds}
 
 
