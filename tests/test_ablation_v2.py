@@ -3,6 +3,7 @@ on hand-made records (no training), the report of a hand-made results.json, the 
 into calls; then one real tiny stage on CPU workers through Ray Tune, resumed from its file."""
 import json
 import math
+import re
 
 import pytest
 from conftest import ROOT, TINY
@@ -365,6 +366,11 @@ def test_a_real_tiny_stage_through_ray_tune_is_scored_on_both_halves_and_resumes
     finally:
         if not ray_was_up:
             ray.shutdown()  # the runner started Ray in this process: later tests expect none
+    said = capsys.readouterr().out
+    # the base, the two trials' final adapters and none's adapter of step 2: 4 models, scored in this process
+    assert re.search(r"^\[raytrain_scu\] ablation v2: scoring 4 models \(base and adapters\) of 1 seed\(s\), .*"
+                     r"in this process$", said, re.M), said
+    assert re.search(r"^\[raytrain_scu\] ablation v2: scored in \d+ s$", said, re.M)
     res = json.loads((out / "results.json").read_text())
     rec = res["plants"]["P1"]
     assert sorted((t["arm"], t["seed"]) for t in rec["trials"]) == [("fixed λ=1", 0), ("none", 0)]

@@ -124,13 +124,21 @@ def score_seeds(family_cfg: Config, calls: dict[int, tuple]) -> dict[int, dict]:
     RAY_ADDRESS)."""
     from raytrain_scu.driver.evaluate import score_shard
 
-    seeds = sorted(calls)
-    if torch.cuda.device_count() > 1 and len(seeds) > 1 and not os.environ.get("RAY_ADDRESS"):
+    seeds, t0 = sorted(calls), time.time()
+    tasks = torch.cuda.device_count() > 1 and len(seeds) > 1 and not os.environ.get("RAY_ADDRESS")
+    models, units = (sum(len(calls[s][i]) for s in seeds) for i in (1, 2))
+    print(f"[raytrain_scu] ablation v2: scoring {models} models (base and adapters) of {len(seeds)} seed(s), each on "
+          f"its seed's select and report units ({units} in all), "
+          f"{'one Ray task per seed, a GPU each' if tasks else 'in this process'}", flush=True)
+    if tasks:
         from raytrain_scu.ray.launch import run_tasks
 
-        return dict(zip(seeds, run_tasks(family_cfg, score_shard, [calls[s] for s in seeds], gpus_per_worker=1,
-                                         plain_errors=(EvalError, ModelError, DataError))))
-    return {s: score_shard(*calls[s]) for s in seeds}
+        scored = dict(zip(seeds, run_tasks(family_cfg, score_shard, [calls[s] for s in seeds], gpus_per_worker=1,
+                                           plain_errors=(EvalError, ModelError, DataError))))
+    else:
+        scored = {s: score_shard(*calls[s]) for s in seeds}
+    print(f"[raytrain_scu] ablation v2: scored in {time.time() - t0:.0f} s", flush=True)
+    return scored
 
 
 def collect(plant: str, stage: str, family_cfg: Config, rows: list[dict], splits: dict) -> tuple[list[dict], dict]:
