@@ -393,3 +393,44 @@ def test_a_real_tiny_stage_through_ray_tune_is_scored_on_both_halves_and_resumes
     assert ablation_cli.main(args) == 0  # everything recorded: no trial runs again
     assert "P1 fixed: every trial already in" in capsys.readouterr().out
     assert len(json.loads((out / "results.json").read_text())["plants"]["P1"]["calls"]) == 1
+
+
+def test_seeds_scored_in_ray_tasks_equal_the_seeds_scored_in_this_process(tmp_path, capsys):
+    """The multi-GPU path of the study's scoring (one Ray task per seed), run on CPU tasks: the same nats as scoring
+    each seed in this process."""
+    from dataclasses import asdict
+
+    import torch
+
+    from raytrain_scu.config import load_config
+    from raytrain_scu.core.model import apply_lora, build_model, load_tokenizer
+
+    tok = load_tokenizer("tiny")
+    paths = []
+    for i in range(2):
+        model = apply_lora(build_model("tiny", vocab_size=len(tok), seed=i), r=4, alpha=8, targets=["q_proj", "v_proj"])
+        for name, w in model.named_parameters():
+            if "lora_B" in name:
+                torch.nn.init.normal_(w, std=0.1)
+        model.save_pretrained(str(tmp_path / f"a{i}"))
+        paths.append(str(tmp_path / f"a{i}"))
+    cfg = load_config(TINY, ["data.block_size=32", "data.batch_size=4", "scaling.cpus_per_worker=1"])
+    docs = ["To be, or not to be, that is the question.", "Friends, Romans, countrymen, lend me your ears.",
+            "Now is the winter of our discontent made glorious summer."]
+    calls = {0: (asdict(cfg), {"base": "", "t0": paths[0]}, docs[:2]),
+             3: (asdict(cfg), {"base": "", "t0": paths[1], "t1": paths[0]}, docs[1:])}
+    here = v2_run.score_seeds(cfg, calls, tasks=False)
+    import ray
+
+    ray_was_up = ray.is_initialized()
+    try:
+        there = v2_run.score_seeds(cfg, calls, tasks=True)
+    finally:
+        if not ray_was_up:
+            ray.shutdown()  # the tasks started Ray in this process: later tests (test_bad_inputs) expect none
+    assert "5 models (base and adapters) of 2 seed(s)" in capsys.readouterr().out
+    for seed in calls:
+        assert there[seed]["tokens"].tolist() == here[seed]["tokens"].tolist()
+        for label in calls[seed][1]:
+            assert there[seed]["nats"][label] == pytest.approx(here[seed]["nats"][label], rel=1e-6)
+    assert here[3]["nats"]["t0"].tolist() != here[3]["nats"]["t1"].tolist()

@@ -12,6 +12,7 @@ import shutil
 import time
 from dataclasses import asdict
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -117,23 +118,25 @@ def _trial(plant: str, stage: str, seed: int, i: int, g: dict, part: dict, sel_t
     return trial
 
 
-def score_seeds(family_cfg: Config, calls: dict[int, tuple]) -> dict[int, dict]:
-    """``score_shard(*calls[seed])`` for every seed: one Ray task per seed, each on a GPU of its own, when this
-    machine has several GPUs (the Tune grid has finished, so they are free); else one after another in this process.
-    The tasks read the trials' checkpoints from this machine's disk, so they run on a local Ray only (no
-    RAY_ADDRESS)."""
+def score_seeds(family_cfg: Config, calls: dict[int, tuple], *, tasks: Optional[bool] = None) -> dict[int, dict]:
+    """``score_shard(*calls[seed])`` for every seed. ``tasks`` None: one Ray task per seed, each on a GPU of its own,
+    when this machine has several GPUs (the Tune grid has finished, so they are free), else one after another in this
+    process; True or False chooses (a task holds one GPU where CUDA is, else CPUs only). The tasks read the trials'
+    checkpoints from this machine's disk, so they run on a local Ray only (no RAY_ADDRESS)."""
     from raytrain_scu.driver.evaluate import score_shard
 
     seeds, t0 = sorted(calls), time.time()
-    tasks = torch.cuda.device_count() > 1 and len(seeds) > 1 and not os.environ.get("RAY_ADDRESS")
+    if tasks is None:
+        tasks = torch.cuda.device_count() > 1 and len(seeds) > 1 and not os.environ.get("RAY_ADDRESS")
     models, units = (sum(len(calls[s][i]) for s in seeds) for i in (1, 2))
     print(f"[raytrain_scu] ablation v2: scoring {models} models (base and adapters) of {len(seeds)} seed(s), each on "
           f"its seed's select and report units ({units} in all), "
-          f"{'one Ray task per seed, a GPU each' if tasks else 'in this process'}", flush=True)
+          f"{'one Ray task per seed' if tasks else 'in this process'}", flush=True)
     if tasks:
         from raytrain_scu.ray.launch import run_tasks
 
-        scored = dict(zip(seeds, run_tasks(family_cfg, score_shard, [calls[s] for s in seeds], gpus_per_worker=1,
+        gpus = 1 if torch.cuda.is_available() else 0
+        scored = dict(zip(seeds, run_tasks(family_cfg, score_shard, [calls[s] for s in seeds], gpus_per_worker=gpus,
                                            plain_errors=(EvalError, ModelError, DataError))))
     else:
         scored = {s: score_shard(*calls[s]) for s in seeds}
