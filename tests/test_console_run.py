@@ -377,15 +377,17 @@ def test_ctrl_c_stops_at_a_checkpoint_a_second_aborts_at_once_and_the_same_comma
     # the aborted run's workers may still finish the step the first press asked for, with its checkpoint, after the
     # driver is gone: the run goes on from the newest checkpoint on disk, whichever that is
     newest = read_meta(newest_good_local(run_dir)[0])["step"]
-    again = cli(f"run.storage_path={storage}", "run.name=ctrlc", *args[1:], f"train.max_steps={newest + 2}")
+    again = cli(f"run.storage_path={storage}", "run.name=ctrlc", *args[1:], f"train.max_steps={newest + 4}")
     assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
     # the worker's own notice, relayed with the reports: the console shows it without --verbose, once
     assert again.stdout.count(f"[raytrain_scu] resumed at step {newest}\n") == 1, again.stdout
-    last = run_dir / f"checkpoint_{newest + 2:08d}"
+    # 4 steps more at the bound, past bound_notice_steps: the stretch was checkpointed with its notice said
+    assert "λ has sat" not in again.stdout, again.stdout
+    last = run_dir / f"checkpoint_{newest + 4:08d}"
     resumed_at = read_meta(last)["resumed_at"]
     assert verify(last) is None and resumed_at[0] == step and resumed_at[-1] == newest  # on from the Ctrl-C one
     assert client.get_run(run_id).info.status == "FINISHED"
-    assert _status(capsys, storage, "ctrlc") == ["finished", str(newest + 2)]
+    assert _status(capsys, storage, "ctrlc") == ["finished", str(newest + 4)]
 
     side = runs_listing(capsys, storage, "ctrlc", "quiet").splitlines()
     assert side[0].split() == ["ctrlc", "quiet"] and side[1].split()[:2] == ["status", "finished"]

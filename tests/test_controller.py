@@ -276,6 +276,13 @@ def test_lambda_held_at_a_bound_is_said_once_per_stretch_with_what_it_means():
     assert BoundWatch(ControllerConfig(mode="fixed", bound_notice_steps=1)).update(5, 10.0, 0.5) is None
     off = BoundWatch(ControllerConfig(bound_notice_steps=0))
     assert all(off.update(k, 10.0, 0.5) is None for k in range(1, 100))
+    resumed = BoundWatch(c)  # a stretch carried over a checkpoint: neither restarted nor said again
+    first = BoundWatch(c)
+    assert [first.update(k, 10.0, 0.5) for k in (1, 2)] == [None, None]
+    resumed.load_state_dict(first.state_dict())
+    assert resumed.update(3, 10.0, 0.5) is None and "since step 1 (4 steps" in resumed.update(4, 10.0, 0.5)
+    resumed.load_state_dict(resumed.state_dict())
+    assert resumed.update(5, 10.0, 0.5) is None
     logodds = BoundWatch(ControllerConfig(law="logodds", lambda_max=10.0, target_s=0.01, bound_notice_steps=1))
     said = [logodds.update(k, 10.0, 5e-5) for k in (1, 2)][-1]  # past S* at the bound: the law's own advice
     assert "logodds law moves ln λ back by its integral term" in said and "controller.logodds_ki" in said

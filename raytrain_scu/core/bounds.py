@@ -52,6 +52,13 @@ class BoundWatch:
         self.since = 0  # the first step of the stretch
         self.said = False
 
+    def state_dict(self) -> dict:
+        """The stretch so far (checkpointed, so a resumed run neither restarts it nor says it again)."""
+        return {"bound": self.bound, "since": self.since, "said": self.said}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.bound, self.since, self.said = state["bound"], int(state["since"]), bool(state["said"])
+
     def update(self, step: int, lam: float, s_hat: float) -> Optional[str]:
         """After optimizer step ``step``, whose update left λ at ``lam`` and Ŝ at ``s_hat``: the notice, or None."""
         c = self.c

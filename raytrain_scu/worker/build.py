@@ -115,6 +115,7 @@ def resume(s: State) -> None:
                                         rank=rank(), world_size=world_size())
     check_centers(s, meta.get("centers_sq"))
     s.ctrl.law.load_state_dict(meta["controller"])
+    s.ctrl.restore(meta)
     s.rec.restore(meta, problems=problems)
     s.pos.position = meta["position"]
     s.opt.restore(meta)

@@ -108,6 +108,13 @@ class Control:
         if text:
             notice0(text)
 
+    def saved(self) -> dict:
+        return {"bound_watch": self.bounds.state_dict()} if self.bounds is not None else {}
+
+    def restore(self, meta: dict) -> None:
+        if self.bounds is not None and "bound_watch" in meta:  # a checkpoint without it: the stretch starts afresh
+            self.bounds.load_state_dict(meta["bound_watch"])
+
     def row(self) -> dict:
         law = self.law
         row = {"ctrl/s": law.s, "ctrl/s_hat": law.s_hat, "ctrl/error": law.error, "ctrl/lambda": law.lam,
