@@ -299,3 +299,24 @@ def test_a_restarted_rank0_sends_what_was_left_once_and_skips_what_it_redoes(tmp
     assert small.spool.waiting == 10 and small.spool.dropped == 6
     said = " ".join(str(w.message) for w in caught)
     assert "10 metric points (kept in" in said and "6 metric points dropped from a full buffer" in said
+
+
+def test_a_torn_last_line_of_the_spool_is_cut_off_and_later_points_stay_readable(tmp_path):
+    """A line written half (a crash or a full disk mid-append) is cut off when the spool is opened: the points before
+    it wait, the next append starts its own line, and the file reads whole on every later open."""
+    from types import SimpleNamespace
+
+    from raytrain_scu.tracking.spool import MetricSpool
+
+    def point(step):
+        return SimpleNamespace(key="ctrl/lambda", value=float(step), timestamp=1000 + step, step=step)
+
+    path = tmp_path / "mlflow_buffer.jsonl"
+    MetricSpool(path, 100).append([point(1)])
+    with open(path, "a") as f:
+        f.write('{"k": "ctrl/lambda", "v": 2.0, "t"')  # torn
+    spool = MetricSpool(path, 100)
+    assert spool.waiting == 1
+    spool.append([point(3)])
+    again = MetricSpool(path, 100)
+    assert again.waiting == 2 and [p["s"] for _, p in again._lines()] == [1, 3]

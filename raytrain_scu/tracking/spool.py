@@ -16,6 +16,7 @@ Bounded: past ``max_points`` waiting points the oldest are dropped, and counted.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -29,7 +30,17 @@ class MetricSpool:
         self.path, self.state_path, self.max_points = path, path.with_suffix(".json"), max_points
         state = self._load_state()
         self.sent, self.through, self.dropped = state["sent"], state["through"], state["dropped"]
+        self._trim_torn_tail()
         self.waiting = sum(1 for _ in self._lines()) if self.path.exists() else 0
+
+    def _trim_torn_tail(self) -> None:
+        """Cut a last line written half (the process died, or the disk filled, mid-append) off the file, so the next
+        append starts a line of its own."""
+        if not self.path.exists():
+            return
+        data = self.path.read_bytes()
+        if data and not data.endswith(b"\n"):
+            os.truncate(self.path, data.rfind(b"\n") + 1)
 
     def _load_state(self) -> dict:
         default = {"sent": 0, "through": -1, "dropped": 0}
@@ -48,11 +59,17 @@ class MetricSpool:
         if not points:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path, "a") as f:
-            for m in points:
-                f.write(json.dumps({"k": m.key, "v": m.value, "t": m.timestamp, "s": m.step}) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        size = self.path.stat().st_size if self.path.exists() else 0
+        try:
+            with open(self.path, "a") as f:
+                for m in points:
+                    f.write(json.dumps({"k": m.key, "v": m.value, "t": m.timestamp, "s": m.step}) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError:
+            with contextlib.suppress(OSError):  # whole lines only: a part written before the error goes
+                os.truncate(self.path, size)
+            raise
         self.waiting += len(points)
         self.through = max(self.through, max(m.step for m in points))
         if self.waiting > self.max_points:
