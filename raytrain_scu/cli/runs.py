@@ -12,6 +12,7 @@ import json
 import sys
 from pathlib import Path
 
+from raytrain_scu.config.paths import is_remote
 from raytrain_scu.config.schema import RunConfig
 from raytrain_scu.driver.runs import find_runs, format_list, format_side_by_side, is_run, list_runs
 from raytrain_scu.errors import USER_ERRORS
@@ -29,7 +30,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: unknown option(s) {' '.join(unknown)}", file=sys.stderr)
         return 2
     storage = RunConfig().storage_path
-    if args and Path(args[0]).expanduser().is_dir() and not is_run(Path(args[0]).expanduser()):
+    # a remote URI is a storage path too: the listing then says it reads local storage only
+    if args and (is_remote(args[0]) or Path(args[0]).expanduser().is_dir() and not is_run(Path(args[0]).expanduser())):
         storage, args = args[0], args[1:]
     try:
         if len(args) == 1:

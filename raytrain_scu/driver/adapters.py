@@ -120,7 +120,7 @@ class AdapterSlots:
             set_peft_model_state_dict(self.model, saved, adapter_name=name)
         except (RuntimeError, ValueError, KeyError) as e:
             raise _doesnt_fit(path, e) from None
-        self.model.set_adapter(name, inference_mode=True)  # scoring only: the adapter's weights stay frozen
+        self.model.set_adapter(name)
 
     @contextlib.contextmanager
     def use(self, path: str):
