@@ -29,9 +29,8 @@ $(STAMP): pyproject.toml Makefile
 # two pytest-xdist processes, a test file each at a time (--dist loadfile keeps a file's tests, and its module
 # fixtures, in one process): the Ray tests spend much of their time waiting on process start-up and health checks,
 # so two at once on 2 cores take ~15 min where one after another took ~21 (each Ray-heavy test runs 1.2-1.5x
-# slower). Each process takes files in name order, so test_bad_inputs (which needs no Ray up in its process) runs
-# before the files whose session fixture leaves one up. PYTEST_ARGS= (empty) runs them serially; with more cores, try
-# -n 3 or more.
+# slower). No test depends on the order its process takes files in. PYTEST_ARGS= (empty) runs them serially; with
+# more cores, try -n 3 or more.
 PYTEST_ARGS ?= -n 2 --dist loadfile
 test: setup
 	RAY_AUTH_MODE=disabled $(BIN)/python -m pytest -q $(PYTEST_ARGS) --durations=25 tests

@@ -365,7 +365,7 @@ def test_a_real_tiny_stage_through_ray_tune_is_scored_on_both_halves_and_resumes
         assert ablation_cli.main(args) == 0
     finally:
         if not ray_was_up:
-            ray.shutdown()  # the runner started Ray in this process: later tests expect none
+            ray.shutdown()  # the runner started Ray in this process: leave the process as it was
     said = capsys.readouterr().out
     # the base, the two trials' final adapters and none's adapter of step 2: 4 models, scored in this process
     assert re.search(r"^\[raytrain_scu\] ablation v2: scoring 4 models \(base and adapters\) of 1 seed\(s\), .*"
@@ -427,8 +427,9 @@ def test_seeds_scored_in_ray_tasks_equal_the_seeds_scored_in_this_process(tmp_pa
         there = v2_run.score_seeds(cfg, calls, tasks=True)
     finally:
         if not ray_was_up:
-            ray.shutdown()  # the tasks started Ray in this process: later tests (test_bad_inputs) expect none
-    assert "5 models (base and adapters) of 2 seed(s)" in capsys.readouterr().out
+            ray.shutdown()  # the tasks started Ray in this process: leave the process as it was
+    said = capsys.readouterr().out
+    assert "5 models (base and adapters) of 2 seed(s)" in said and "one Ray task per seed" in said
     for seed in calls:
         assert there[seed]["tokens"].tolist() == here[seed]["tokens"].tolist()
         for label in calls[seed][1]:

@@ -773,6 +773,9 @@ def no_ray(monkeypatch):
         raise AssertionError("Ray was about to start: the bad input was not caught early")
 
     monkeypatch.setattr(launch, "init_ray", refuse)
+    # preflight checks this machine's CPUs and GPUs only when no Ray is up here (a Ray up is a cluster it defers
+    # to): an earlier test file in this process may have left one, which these checks must not see
+    monkeypatch.setattr(launch.ray, "is_initialized", lambda: False)
     return main
 
 
