@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One GPU call of issue #30 phase 1, run from the repo root of the checkout the device tool sends, with the folder of
+# One GPU call of the Mamba kernel probe, run from the repo root of the checkout the device tool sends, with the folder of
 # this script carried (.carry-kernels/: the sdists, build_mamba_wheels.sh, mamba_probe.py, bnb/, maybe wheels/):
 #   bash .carry-kernels/mamba_device_run.sh STEP...      (BUDGET=seconds for the whole call, default 560)
 # Steps: a probe phase with its arguments, joined by ':' (e.g. bench:--batch:8:--block:2048), each started only if

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Probe of the field's Mamba kernels (mamba_ssm, causal_conv1d) under transformers' GraniteMoeHybrid (Granite-4.0-H),
-issue #30 phase 1. Self-contained (torch, transformers, peft; bitsandbytes for ``qlora``): it does not import the
+"""Probe of the field's Mamba kernels (mamba_ssm, causal_conv1d) under transformers' GraniteMoeHybrid (Granite-4.0-H).
+Self-contained (torch, transformers, peft; bitsandbytes for ``qlora``): it does not import the
 package. Every result is one JSON line, printed after ``RESULT`` and appended to $PROBE_OUT (results.jsonl).
 
   check                 versions; which implementation transformers bound to each Mamba kernel symbol

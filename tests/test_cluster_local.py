@@ -1,4 +1,4 @@
-"""`ray up` for real (issue #34): cluster/local.yaml brings up a Ray head on this machine over SSH, a job trains on it
+"""`ray up` for real: cluster/local.yaml brings up a Ray head on this machine over SSH, a job trains on it
 and `ray down` takes it away, through the Makefile's targets, as docs/deploy.md tells a user:
 `make cluster-up CLUSTER=<file>` (token, `ray up`: file_mounts, the file's setup_commands, its head start command),
 `ray dashboard <file>` (the SSH tunnel), `make submit` (token auth) of a tiny training run to SUCCEEDED, the run's

@@ -26,8 +26,9 @@ the first tens of steps (hundreds at a low learning rate) whatever λ does, is t
 it was instead of climbing to its bound, and B, which grows meanwhile, is not held down by a wound-up λ.
 
 Modes: ``scu`` runs the law; ``fixed`` and ``none`` measure S and Ŝ only, as in the spec. The saturation signal is
-the spec's: over the last ``saturation_window`` updates max λ / min λ − 1 < ``saturation_rel_tol`` and
-|Ŝ − S*| ≤ 0.05·S*; its first step is kept.
+the spec's window rule: over the last ``saturation_window`` updates max λ / min λ − 1 < ``saturation_rel_tol`` and
+|Ŝ − S*| ≤ 0.05·S* (the spec's law widens that band to its deadband when the deadband is larger; this law has none);
+its first step is kept.
 """
 from __future__ import annotations
 
