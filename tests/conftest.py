@@ -58,7 +58,7 @@ def metric_history(storage, run_name: str, key: str) -> list[float]:
 
 
 def tiny_cfg(tmp_path, name, *overrides):
-    from raytrain_scu.config import load_config
+    from raytrain_scu.config.load import load_config
 
     return load_config(TINY, [f"run.storage_path={tmp_path}", f"run.name={name}", *overrides])
 
@@ -78,7 +78,7 @@ def user_env(home: Path) -> dict:
     caches are this machine's, so a test does not rebuild them."""
     import matplotlib
 
-    from raytrain_scu.core.model import default_cache_dir
+    from raytrain_scu.core.model.source import default_cache_dir
 
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE")}
     home.mkdir(parents=True, exist_ok=True)
@@ -96,7 +96,7 @@ def free_port() -> int:
 def mlflow_runs(storage, run_name: str, filter_string: str = ""):
     """(client, runs named ``run_name``) in the MLflow store a run with ``run.storage_path=storage`` uses by default,
     whatever experiment they are in (by default the config file's stem)."""
-    from raytrain_scu.tracking import client_for, default_uri
+    from raytrain_scu.tracking.store import client_for, default_uri
 
     client = client_for(default_uri(str(storage)))
     exps = [e.experiment_id for e in client.search_experiments()]

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from conftest import ROOT, TINY
 
-from raytrain_scu.config import load_config
+from raytrain_scu.config.load import load_config
 from raytrain_scu.core.checkpoint import write_checkpoint
 from raytrain_scu.ray.tune import space as sweep_space
 from raytrain_scu.studies.ablation import cli as ablation_cli
@@ -193,7 +193,7 @@ def test_bad_stage_and_bad_config_exit_2_before_ray(capsys):
 
 def fake_grid(calls):
     """``run.run_grid`` without Ray: each arm's trial gets a real checkpoint (stand-in weights) of a flat history."""
-    from raytrain_scu.config import run_dir
+    from raytrain_scu.config.paths import run_dir
     from raytrain_scu.config.resolve import resolve
 
     def grid(config_path, overrides, name, arms):

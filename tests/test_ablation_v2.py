@@ -8,7 +8,7 @@ import re
 import pytest
 from conftest import ROOT, TINY
 
-from raytrain_scu.core.data import split_documents
+from raytrain_scu.core.data.blocks import split_documents
 from raytrain_scu.ray.tune import space as sweep_space
 from raytrain_scu.studies.ablation import report_cli
 from raytrain_scu.studies.ablation.v2 import cli as v2_cli
@@ -402,8 +402,9 @@ def test_seeds_scored_in_ray_tasks_equal_the_seeds_scored_in_this_process(tmp_pa
 
     import torch
 
-    from raytrain_scu.config import load_config
-    from raytrain_scu.core.model import apply_lora, build_model, load_tokenizer
+    from raytrain_scu.config.load import load_config
+    from raytrain_scu.core.model.build import apply_lora, build_model
+    from raytrain_scu.core.model.source import load_tokenizer
 
     tok = load_tokenizer("tiny")
     paths = []

@@ -35,7 +35,8 @@ def test_bench_smoke_prints_the_table(tmp_path):
 
 
 def test_mfu_formula_counts_the_llama_1b_shape():
-    from raytrain_scu.core.model import flops_per_token, matmul_params, preset_config
+    from raytrain_scu.core.model.flops import flops_per_token, matmul_params
+    from raytrain_scu.core.model.presets import preset_config
     from raytrain_scu.hardware.gpus import peak_flops, peak_fp8_flops
 
     c = preset_config("llama-3.2-1b-shape", 128256)
@@ -59,7 +60,8 @@ def test_a_loop_that_did_not_train_has_no_speed():
 
 
 def test_8b_preset_has_the_llama_3_1_8b_dimensions_and_flops():
-    from raytrain_scu.core.model import flops_per_token, matmul_params, preset_config
+    from raytrain_scu.core.model.flops import flops_per_token, matmul_params
+    from raytrain_scu.core.model.presets import preset_config
 
     c = preset_config("llama-3.1-8b-shape", 2048)  # the preset's own vocabulary wins over the tokenizer's
     assert (c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.intermediate_size,
@@ -79,7 +81,8 @@ def test_granite_hybrid_flops_count_each_layer_kind():
     import torch
     from transformers import AutoModelForCausalLM
 
-    from raytrain_scu.core.model import flops_per_token, matmul_params, preset_config
+    from raytrain_scu.core.model.flops import flops_per_token, matmul_params
+    from raytrain_scu.core.model.presets import preset_config
 
     c = preset_config("granite-4.0-h-1b-shape", 2048)
     assert type(c).__name__ == "GraniteMoeHybridConfig"

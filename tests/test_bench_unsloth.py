@@ -78,7 +78,7 @@ def test_each_part_runs_at_its_shape_batch_and_base(monkeypatch):
 def test_the_random_init_model_is_saved_with_a_tokenizer_unsloth_keeps_and_reused(tmp_path):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from raytrain_scu.core.model import PRESETS
+    from raytrain_scu.core.model.presets import PRESETS
 
     out = C.save_random_model("tiny", tmp_path / "tiny")
     names = {p.name for p in out.iterdir()}
@@ -173,8 +173,8 @@ def test_a_part_runs_end_to_end_in_its_subprocess_with_a_stand_in_unsloth(tmp_pa
     run adds is only Unsloth itself."""
     import numpy as np
 
-    from raytrain_scu.core.data import prepare_data
-    from raytrain_scu.core.model import load_tokenizer
+    from raytrain_scu.core.data.blocks import prepare_data
+    from raytrain_scu.core.model.source import load_tokenizer
 
     (tmp_path / "stub" / "unsloth").mkdir(parents=True)
     (tmp_path / "stub" / "unsloth" / "__init__.py").write_text(textwrap.dedent(STAND_IN))

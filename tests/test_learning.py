@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import TINY
 
-from raytrain_scu.config import load_config
+from raytrain_scu.config.load import load_config
 from raytrain_scu.core import loss as loss_mod
 from raytrain_scu.errors import NotLearningError
 from raytrain_scu.worker.hooks import LocalHooks
@@ -118,7 +118,8 @@ def test_an_int8_embedding_learns_like_the_bf16_one_on_the_real_model(tmp_path):
 def test_compiled_training_matches_eager_on_cpu(scope):
     """Both compile scopes give eager's losses and adapters (fp32 on the CPU; the GPU test above covers bf16)."""
     from raytrain_scu.core.loss import CausalLMLoss, compile_for_training
-    from raytrain_scu.core.model import apply_lora, build_model, load_tokenizer
+    from raytrain_scu.core.model.build import apply_lora, build_model
+    from raytrain_scu.core.model.source import load_tokenizer
     from raytrain_scu.core.regularizer import adapter_params, lora_b_norm
 
     tok = load_tokenizer("tiny")

@@ -13,7 +13,7 @@ import transformers
 from raytrain_scu.core import embed_quant
 from raytrain_scu.core.fused_lora import fuse_lora_projections
 from raytrain_scu.core.loss import CausalLMLoss, HeadTransform, chunked_ce_sum
-from raytrain_scu.core.model import apply_lora
+from raytrain_scu.core.model.build import apply_lora
 from raytrain_scu.core.model.families import FAMILIES as MODEL_FAMILIES
 from raytrain_scu.core.regularizer import adapter_params
 

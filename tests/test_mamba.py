@@ -7,8 +7,9 @@ import pytest
 import torch
 from transformers.models.granitemoehybrid import modeling_granitemoehybrid as modeling
 
-from raytrain_scu.core.model import apply_lora, build_model, load_tokenizer
+from raytrain_scu.core.model.build import apply_lora, build_model
 from raytrain_scu.core.model.mamba import keep_out_proj_a_module
+from raytrain_scu.core.model.source import load_tokenizer
 from raytrain_scu.core.regularizer import adapter_params
 
 KERNELS = ("mamba2_split_conv1d_scan_combined", "causal_conv1d_fn", "causal_conv1d_update",

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from raytrain_scu.core.loss import CausalLMLoss, chunked_ce_sum
-from raytrain_scu.core.model import apply_lora, build_model, check_model_source, load_tokenizer
+from raytrain_scu.core.model.build import apply_lora, build_model
+from raytrain_scu.core.model.source import check_model_source, load_tokenizer
 from raytrain_scu.core.regularizer import adapter_params
 from raytrain_scu.errors import ModelError
 
@@ -88,7 +89,7 @@ def _hf_sdpa_twin(model, tok):
     """The same weights under transformers' own "sdpa" attention."""
     from transformers import AutoModelForCausalLM
 
-    from raytrain_scu.core.model import preset_config
+    from raytrain_scu.core.model.presets import preset_config
 
     ref = AutoModelForCausalLM.from_config(preset_config("tiny", len(tok)), attn_implementation="sdpa")
     ref.load_state_dict(model.state_dict())
@@ -96,7 +97,7 @@ def _hf_sdpa_twin(model, tok):
 
 
 def test_causal_sdpa_runs_the_causal_kernel_under_compile_and_matches_hf(tok, monkeypatch):
-    from raytrain_scu.core.model import CAUSAL_SDPA
+    from raytrain_scu.core.model.build import CAUSAL_SDPA
 
     model = build_model("tiny", vocab_size=len(tok), seed=3).eval()
     assert model.config._attn_implementation == CAUSAL_SDPA

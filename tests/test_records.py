@@ -5,9 +5,10 @@ from pathlib import Path
 
 from conftest import tiny_cfg
 
-from raytrain_scu.config import flatten
+from raytrain_scu.config.io import flatten
 from raytrain_scu.driver.run import best_checkpoint
-from raytrain_scu.tracking import config_changes, param_text
+from raytrain_scu.tracking.revisions import config_changes
+from raytrain_scu.tracking.store import param_text
 
 
 def test_best_checkpoint_is_the_lowest_val_bpt_in_any_order():
@@ -78,18 +79,25 @@ def test_each_config_change_is_the_next_revision_of_the_mlflow_run(tmp_path, cap
     """A real sqlite store, no Ray: revision 0 is the params a worker logged; each changed re-run adds one."""
     import yaml
 
-    from raytrain_scu import tracking
     from raytrain_scu.driver.run import record_config_change
+    from raytrain_scu.tracking.store import (
+        CHANGES_TAG,
+        REVISION_TAG,
+        client_for,
+        log_params_once,
+        open_run,
+        tracking_uri,
+    )
 
     def cfg(*over):
         return tiny_cfg(tmp_path, "ext", "train.max_steps=30", *over)
 
-    run_id = tracking.open_run(cfg())
-    client = tracking.client_for(tracking.tracking_uri(cfg()))
-    tracking.log_params_once(client, run_id, {**flatten(cfg()), "derived.world_size": 2})  # what rank 0 logs
+    run_id = open_run(cfg())
+    client = client_for(tracking_uri(cfg()))
+    log_params_once(client, run_id, {**flatten(cfg()), "derived.world_size": 2})  # what rank 0 logs
     notes = []
     assert record_config_change(cfg(), run_id, None, notes) == {}  # same config: nothing recorded
-    assert tracking.REVISION_TAG not in client.get_run(run_id).data.tags
+    assert REVISION_TAG not in client.get_run(run_id).data.tags
 
     assert record_config_change(cfg("train.max_steps=60"), run_id, None, notes) == {"train.max_steps": ("30", "60")}
     assert "[raytrain_scu] run ext extended: train.max_steps 30 -> 60; config revision 1" in capsys.readouterr().out
@@ -100,7 +108,7 @@ def test_each_config_change_is_the_next_revision_of_the_mlflow_run(tmp_path, cap
     assert record_config_change(cfg("train.max_steps=60", "optim.lr=0.001"), run_id, None, notes) == {}
     r = client.get_run(run_id)
     assert r.data.params["train.max_steps"] == "30" and r.data.params["optim.lr"] == "0.003"
-    assert r.data.tags[tracking.REVISION_TAG] == "2" and r.data.tags[tracking.CHANGES_TAG] == "optim.lr 0.003 -> 0.001"
+    assert r.data.tags[REVISION_TAG] == "2" and r.data.tags[CHANGES_TAG] == "optim.lr 0.003 -> 0.001"
     revs = {n: Path(client.download_artifacts(run_id, f"config_revisions/rev_{n}.yaml", str(tmp_path))).read_text()
             for n in (1, 2)}
     assert "# train.max_steps: 30 -> 60" in revs[1] and yaml.safe_load(revs[1])["train"]["max_steps"] == 60
@@ -110,7 +118,7 @@ def test_each_config_change_is_the_next_revision_of_the_mlflow_run(tmp_path, cap
 def test_a_config_change_without_mlflow_is_printed_from_the_checkpoint_config(tmp_path, capsys):
     import json
 
-    from raytrain_scu.config import to_yaml
+    from raytrain_scu.config.io import to_yaml
     from raytrain_scu.driver.run import record_config_change
 
     ckpt = tmp_path / "checkpoint_00000030"  # the two files of a checkpoint this reads

@@ -30,7 +30,7 @@ SECRETS = {"HF_TOKEN": "hf_SECRETtoken123", "MLFLOW_TRACKING_PASSWORD": "mlflowS
 # ---------------------------------------------------------------- helpers
 
 def tiny_peft():
-    from raytrain_scu.core.model import apply_lora, build_model
+    from raytrain_scu.core.model.build import apply_lora, build_model
 
     torch.manual_seed(0)
     return apply_lora(build_model("tiny", vocab_size=256), r=2, alpha=4, targets=["q_proj", "v_proj"])
@@ -198,7 +198,7 @@ def dropout_mask(model) -> torch.Tensor:
 
 
 def test_ranks_share_the_lora_init_but_draw_distinct_dropout_masks():
-    from raytrain_scu.core.model import apply_lora, build_model
+    from raytrain_scu.core.model.build import apply_lora, build_model
 
     def rank_model(r):  # the loop's seeding: one init seed for every rank, then a stream of the rank's own
         torch.manual_seed(0)
@@ -555,7 +555,7 @@ def test_consecutive_nonfinite_steps_stop_the_run_with_a_clear_error(ray_local, 
     from conftest import TINY
 
     from raytrain_scu.cli.train import main
-    from raytrain_scu.tracking import FAILURE_TAG
+    from raytrain_scu.tracking.store import FAILURE_TAG
 
     monkeypatch.setenv("RAYTRAIN_SCU_NAN_AT_STEPS", "7,8,9")
     code = main([TINY, f"run.storage_path={tmp_path}", "run.name=diverge", "scaling.num_workers=1",
@@ -715,13 +715,14 @@ def test_secrets_from_the_environment_are_never_logged_or_dumped(secret_run):
 
 
 def test_tracking_uri_credentials_are_redacted_in_params_dumps_and_run_file(tmp_path):
-    from raytrain_scu import tracking
-    from raytrain_scu.config import to_yaml
+    from raytrain_scu.config.io import to_yaml
+    from raytrain_scu.tracking.store import remember_run_id
+    from raytrain_scu.tracking.tracker import derived_params
 
     cfg = tiny_cfg(tmp_path, "uri", "tracking.uri=https://alice:pw_SECRET@mlflow.example.invalid/")
-    params = tracking.derived_params(cfg, tokens_per_epoch=1, world=1, device=torch.device("cpu"))
+    params = derived_params(cfg, tokens_per_epoch=1, world=1, device=torch.device("cpu"))
     assert params["tracking.uri"] == "https://alice:***@mlflow.example.invalid/"
-    tracking.remember_run_id(cfg, "0123")
+    remember_run_id(cfg, "0123")
     dumps = [to_yaml(cfg, redact=True), json.dumps(params, default=str),
              (tmp_path / "uri" / "mlflow_run.json").read_text()]
     assert all("pw_SECRET" not in d for d in dumps)
@@ -731,12 +732,12 @@ def test_tracking_uri_credentials_are_redacted_in_warnings(tmp_path):
     # MLflow's exception text holds the full URI: the tracker's warnings must redact it too
     import warnings
 
-    from raytrain_scu import tracking
+    from raytrain_scu.tracking.tracker import MlflowTracker
 
     cfg = tiny_cfg(tmp_path, "uri", "tracking.uri=https://alice:pw_SECRET@mlflow.example.invalid/")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        tracker = tracking.MlflowTracker(cfg)  # the server cannot be reached: every call warns
+        tracker = MlflowTracker(cfg)  # the server cannot be reached: every call warns
         tracker.start({"seed": 0})
         tracker.log_step({"step": 1, "train/data_bpt": 1.0})
         tracker.flush()

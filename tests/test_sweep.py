@@ -11,14 +11,16 @@ from types import SimpleNamespace
 import pytest
 from conftest import ROOT, TINY, tiny_cfg
 
-from raytrain_scu import tracking
 from raytrain_scu.cli import sweep as sweep_cli
-from raytrain_scu.config import global_batch_tokens, load_config, to_yaml
+from raytrain_scu.config.io import to_yaml
+from raytrain_scu.config.load import load_config
+from raytrain_scu.config.schema import global_batch_tokens
 from raytrain_scu.driver import sweep as driver_sweep
 from raytrain_scu.errors import ConfigError
 from raytrain_scu.ray.tune import results as sweep_results
 from raytrain_scu.ray.tune import space as sweep_space
 from raytrain_scu.ray.tune import sweep
+from raytrain_scu.tracking.store import PARENT_TAG, child_runs, client_for, tracking_uri
 
 # a 1-worker tiny run: val/data_bpt measured at every report so ASHA compares fresh values
 FAST = ["scaling.num_workers=1", "train.max_steps=6", "train.report_every=2", "train.eval_every=2",
@@ -344,7 +346,7 @@ def test_global_batch_table_has_one_global_batch_column_and_the_accumulation(tmp
     # the trial's MLflow child run: the accumulation and the global batch as params (a real sqlite store)
     params = {"global_batch_tokens": 1024}
     run_id = sweep_results.open_child_run(sweep_space.trial_config(cfg, params, "g1024"), "sw", None, params, "g1024")
-    logged = tracking.client_for(tracking.tracking_uri(cfg)).get_run(run_id).data.params
+    logged = client_for(tracking_uri(cfg)).get_run(run_id).data.params
     assert (logged["data.grad_accum"], logged["derived.global_batch_tokens"]) == ("4", "1024")
 
 
@@ -368,7 +370,7 @@ def test_close_parent_run_ends_only_the_children_left_running(tmp_path):
     cfg = base(tmp_path, "tune.space={optim.lr: {choice: [0.01, 0.001]}}")
     cfg.tune.space = sweep_space.resolve_space(cfg)
     parent_run_id = sweep_results.open_parent_run(cfg)
-    client = tracking.client_for(tracking.tracking_uri(cfg))
+    client = client_for(tracking_uri(cfg))
     ends = {"done": ("FINISHED", "FINISHED"),       # reached train.max_steps: run_trial ended the run
             "saturated": ("FINISHED", "FINISHED"),  # train.stop_on_saturation: run_trial ended the run too
             "asha": ("KILLED", None),               # stopped by Tune: left RUNNING
@@ -399,9 +401,9 @@ def test_close_parent_run_ends_only_the_children_left_running(tmp_path):
 
 def sweep_runs(cfg, summary):
     """(parent run, child runs) of a sweep in its MLflow store."""
-    client = tracking.client_for(tracking.tracking_uri(cfg))
+    client = client_for(tracking_uri(cfg))
     parent = client.get_run(summary["parent_run_id"])
-    return parent, tracking.child_runs(cfg, parent.info.run_id)
+    return parent, child_runs(cfg, parent.info.run_id)
 
 
 TUNE_NOISE = ("Configuration for experiment", "View detailed results", "╭", "Trial status", "TrainingReport(",
@@ -449,11 +451,11 @@ def test_three_trial_sweep_asha_stops_the_bad_one_children_linked_best_yaml_trai
         time.sleep(0.5)
     assert ray_local.available_resources().get("CPU") == ray_local.cluster_resources()["CPU"]
 
-    client = tracking.client_for(tracking.tracking_uri(cfg))
+    client = client_for(tracking_uri(cfg))
     runs = client.search_runs([client.get_experiment_by_name(cfg.tracking.experiment).experiment_id])
     parent, children = sweep_runs(cfg, summary)
     assert len(runs) == 4 and len(children) == 3                     # one parent, three linked children
-    assert tracking.PARENT_TAG not in parent.data.tags and parent.info.status == "FINISHED"
+    assert PARENT_TAG not in parent.data.tags and parent.info.status == "FINISHED"
     status = {}
     for child in children:
         p, m = child.data.params, child.data.metrics
@@ -500,5 +502,5 @@ def test_interrupted_sweep_resumes_when_rerun(ray_local, tmp_path, monkeypatch, 
     assert second["parent_run_id"] == first["parent_run_id"]
     _, children = sweep_runs(cfg, second)
     assert len(children) == 1
-    client = tracking.client_for(tracking.tracking_uri(cfg))
+    client = client_for(tracking_uri(cfg))
     assert [x.step for x in client.get_metric_history(children[0].info.run_id, "ctrl/lambda")] == list(range(0, 9))

@@ -8,7 +8,7 @@ from conftest import free_port, mlflow_runs, tiny_cfg
 
 from raytrain_scu.core.checkpoint import read_meta
 from raytrain_scu.driver.run import run
-from raytrain_scu.tracking import BEST_STEP_TAG, CHANGES_TAG, REVISION_TAG, RUN_KEY_TAG, run_key
+from raytrain_scu.tracking.store import BEST_STEP_TAG, CHANGES_TAG, REVISION_TAG, RUN_KEY_TAG, run_key
 
 pytestmark = pytest.mark.slow
 
@@ -260,8 +260,8 @@ def test_a_restarted_rank0_sends_what_was_left_once_and_skips_what_it_redoes(tmp
     said."""
     import warnings
 
-    from raytrain_scu.tracking import MlflowTracker
     from raytrain_scu.tracking.spool import MetricSpool
+    from raytrain_scu.tracking.tracker import MlflowTracker
 
     def crash(self, offset, n):
         raise SystemExit("rank 0 died here")

@@ -106,7 +106,8 @@ def test_fixed_large_lambda_shrinks_adapter(tmp_path):
 def test_exported_adapter_loads_with_peft(finished_run):
     from peft import PeftModel
 
-    from raytrain_scu.core.model import build_model, load_tokenizer
+    from raytrain_scu.core.model.build import build_model
+    from raytrain_scu.core.model.source import load_tokenizer
 
     s = finished_run[1]
     tok = load_tokenizer("tiny")
@@ -172,7 +173,9 @@ def test_loop_logs_mfu_where_the_card_peak_is_known_and_leaves_it_out_elsewhere(
     perf/mfu at all (not 0) and one line that says so."""
     from conftest import mlflow_runs
 
-    from raytrain_scu.core.model import flops_per_token, load_tokenizer, preset_config
+    from raytrain_scu.core.model.flops import flops_per_token
+    from raytrain_scu.core.model.presets import preset_config
+    from raytrain_scu.core.model.source import load_tokenizer
     from raytrain_scu.worker import loop
     from raytrain_scu.worker.hooks import LocalHooks
 

@@ -67,7 +67,8 @@ def apply_preset(cfg: Config, preset_name: str, explicit: set[str],
 def _family_preset(cfg: Config, explicit: set[str]) -> dict[str, tuple[Any, Any]]:
     """The model family's own preset values (``core.model.families``, e.g. Granite-4.0-H's checkpointing on the torch
     path) on top of the card's, except explicit keys; {} where the model's config cannot be read here."""
-    from raytrain_scu.core.model import family_of, model_config  # torch and transformers: only with a card to fit
+    from raytrain_scu.core.model.families import family_of  # torch and transformers: only with a card to fit
+    from raytrain_scu.core.model.source import model_config
 
     m = cfg.model
     try:
@@ -122,7 +123,7 @@ def model_shape(cfg: Config) -> Optional[dict[str, int]]:
     pre-flight check then says why)."""
     # core.model imports torch and transformers (seconds): only when there is a card to fit, so that a bad config
     # still fails within a fraction of a second
-    from raytrain_scu.core.model import model_config
+    from raytrain_scu.core.model.source import model_config
 
     try:
         m = cfg.model

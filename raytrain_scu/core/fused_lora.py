@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from raytrain_scu.config import FUSED_LORA_TARGETS
+from raytrain_scu.config.schema import FUSED_LORA_TARGETS
 from raytrain_scu.core.model.families import family_of
 from raytrain_scu.errors import ModelError
 

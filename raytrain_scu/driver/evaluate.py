@@ -31,12 +31,16 @@ from dataclasses import asdict
 import numpy as np
 import torch
 
-from raytrain_scu.config import Config, build_config
+from raytrain_scu.config.load import build_config
+from raytrain_scu.config.schema import Config
 from raytrain_scu.console import Counter
 from raytrain_scu.core.bootstrap import DEFAULT_BOOTSTRAP, DEFAULT_CI, paired_bootstrap
-from raytrain_scu.core.data import IGNORE_INDEX, document_ids, load_documents, split_documents
+from raytrain_scu.core.data.batches import IGNORE_INDEX
+from raytrain_scu.core.data.blocks import document_ids, load_documents, split_documents
 from raytrain_scu.core.loss import CausalLMLoss
-from raytrain_scu.core.model import bits_per_token, build_model, load_tokenizer, resolve_dtype
+from raytrain_scu.core.model.build import build_model, resolve_dtype
+from raytrain_scu.core.model.flops import bits_per_token
+from raytrain_scu.core.model.source import load_tokenizer
 from raytrain_scu.driver.adapters import AdapterSlots, adapter_dir, local_adapter
 from raytrain_scu.errors import DataError, EvalError, ModelError
 

@@ -8,7 +8,8 @@ from pathlib import Path
 import torch
 import yaml
 
-from raytrain_scu.config import Config, build_config
+from raytrain_scu.config.load import build_config
+from raytrain_scu.config.schema import Config
 from raytrain_scu.errors import ConfigError, GenerateError
 
 BASE_RECIPE = "base_model.json"
@@ -49,7 +50,7 @@ def base_recipe(cfg: Config, *, use_gpu: bool, vocab_size: int) -> dict:
     random-init preset the seed, dtype and device type its weights were drawn with (a seeded init on a GPU draws other
     numbers than on a CPU). With ``model.precision=auto`` on GPU workers the dtype is resolved here when this machine
     has a GPU, else bf16 (what auto picks on every GPU this package has presets for)."""
-    from raytrain_scu.core.model import resolve_dtype
+    from raytrain_scu.core.model.build import resolve_dtype
 
     device = torch.device("cuda" if use_gpu else "cpu")
     if cfg.model.precision == "auto" and use_gpu and not torch.cuda.is_available():
@@ -62,7 +63,9 @@ def base_recipe(cfg: Config, *, use_gpu: bool, vocab_size: int) -> dict:
 
 def load_for_generation(cfg: Config, adapter: Path, recipe: dict, device: torch.device):
     """(model with the adapter, tokenizer) on ``device``, in float32 on a CPU and the run's dtype on a GPU."""
-    from raytrain_scu.core.model import build_model, is_preset, load_tokenizer, resolve_dtype
+    from raytrain_scu.core.model.build import build_model, resolve_dtype
+    from raytrain_scu.core.model.presets import is_preset
+    from raytrain_scu.core.model.source import load_tokenizer
     from raytrain_scu.driver.adapters import attach_adapters
 
     m = cfg.model

@@ -15,18 +15,13 @@ from transformers import AutoModelForCausalLM
 from raytrain_scu.config.paths import RunPaths
 from raytrain_scu.config.schema import Config, sequences_per_step
 from raytrain_scu.core.checkpoint import check_structure, check_tokens_per_epoch, newest_good_local, read_meta
-from raytrain_scu.core.data import check_source, prepare_data
+from raytrain_scu.core.data.blocks import prepare_data
+from raytrain_scu.core.data.sources import check_source
 from raytrain_scu.core.embed_quant import EMBEDDING_TARGETS, TIED_OFFLOAD, embedding_targets, ties_embeddings
 from raytrain_scu.core.fp8 import check_fp8_device
 from raytrain_scu.core.fused_lora import check_fusable_config
-from raytrain_scu.core.model import (
-    check_model_source,
-    load_tokenizer,
-    max_positions,
-    missing_targets,
-    model_config,
-    structure_of,
-)
+from raytrain_scu.core.model.build import missing_targets, structure_of
+from raytrain_scu.core.model.source import check_model_source, load_tokenizer, max_positions, model_config
 from raytrain_scu.errors import CheckpointError, DataError, ModelError, PreflightError
 
 

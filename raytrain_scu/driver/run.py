@@ -20,7 +20,6 @@ from typing import Iterator, Optional
 
 import yaml
 
-from raytrain_scu import tracking
 from raytrain_scu.config.io import flatten, flatten_tree, redact_uri, to_yaml
 from raytrain_scu.config.paths import RunPaths
 from raytrain_scu.config.schema import Config
@@ -33,6 +32,15 @@ from raytrain_scu.driver.lock import run_lock
 from raytrain_scu.driver.preflight import check_storage, preflight
 from raytrain_scu.errors import CheckpointError, Interrupted
 from raytrain_scu.ray import launch
+from raytrain_scu.tracking.revisions import config_changes, format_changes, record_config_revision, recorded_config
+from raytrain_scu.tracking.store import (
+    end_run,
+    log_best_checkpoint,
+    open_run,
+    remember_run_id,
+    tracking_uri,
+    ui_command,
+)
 
 
 def output_dir(cfg: Config) -> Path:
@@ -57,7 +65,7 @@ def record_config_change(cfg: Config, run_id: Optional[str], resume_from: Option
     rev, previous = 0, None
     if run_id:
         try:
-            rev, previous = tracking.recorded_config(cfg, run_id)
+            rev, previous = recorded_config(cfg, run_id)
         except Exception as e:  # noqa: BLE001 - tracking never kills training
             notes.append(f"config changes not checked: MLflow run {run_id} unreadable ({type(e).__name__}: "
                          f"{redact_uri(str(e))[:200]})")
@@ -65,13 +73,13 @@ def record_config_change(cfg: Config, run_id: Optional[str], resume_from: Option
             return {}
     elif resume_from is not None:
         previous = flatten_tree(yaml.safe_load((resume_from / "config.yaml").read_text()))
-    changes = tracking.config_changes(previous, flatten(cfg)) if previous else {}
+    changes = config_changes(previous, flatten(cfg)) if previous else {}
     if not changes:
         return {}
     from_step = read_meta(resume_from)["step"] if resume_from is not None else None
     if run_id:
         try:
-            tracking.record_config_revision(cfg, run_id, rev + 1, changes, from_step)
+            record_config_revision(cfg, run_id, rev + 1, changes, from_step)
             where = f"config revision {rev + 1} recorded in MLflow run {run_id}; its params keep the first values"
         except Exception as e:  # noqa: BLE001
             where = f"NOT recorded in MLflow: {type(e).__name__}: {redact_uri(str(e))[:200]}"
@@ -80,7 +88,7 @@ def record_config_change(cfg: Config, run_id: Optional[str], resume_from: Option
         where = "not recorded: " + ("tracking.enabled=false" if not cfg.tracking.enabled else "MLflow unreachable")
     old_steps, new_steps = changes.get("train.max_steps", ("0", "0"))
     what = "extended" if int(new_steps) > int(old_steps) else "resumed with a changed config"
-    print(f"[raytrain_scu] run {cfg.run.name} {what}: {tracking.format_changes(changes)}"
+    print(f"[raytrain_scu] run {cfg.run.name} {what}: {format_changes(changes)}"
           + (f" (from step {from_step})" if from_step is not None else "") + f"; {where}", flush=True)
     return changes
 
@@ -113,8 +121,8 @@ def open_tracking(cfg: Config, notes: list) -> Optional[str]:
     if not cfg.tracking.enabled:
         return None
     try:
-        run_id = tracking.open_run(cfg)
-        tracking.remember_run_id(cfg, run_id)
+        run_id = open_run(cfg)
+        remember_run_id(cfg, run_id)
         return run_id
     except Exception as e:  # noqa: BLE001 - tracking never kills training; rank 0 retries
         notes.append(f"MLflow unreachable at start ({type(e).__name__}); rank 0 will retry")
@@ -145,7 +153,7 @@ def _run(cfg: Config, facts: dict, *, verbose: bool) -> dict:
         if kept is not None:
             print(f"[raytrain_scu] worker logs: {kept}", flush=True)
         if run_id:
-            tracking.end_run(cfg, run_id, status, reason=reason)
+            end_run(cfg, run_id, status, reason=reason)
     return summary
 
 
@@ -234,7 +242,7 @@ def _log_best(cfg: Config, result, run_id: Optional[str], summary: dict, notes: 
     summary["best_step"], summary["best_val_bpt"] = best[1].get("step"), best[1][BEST_METRIC]
     if run_id and cfg.tracking.log_best_checkpoint:
         with best[0].as_directory() as d:  # downloaded first from remote storage
-            warn = tracking.log_best_checkpoint(cfg, run_id, d, step=summary["best_step"],
+            warn = log_best_checkpoint(cfg, run_id, d, step=summary["best_step"],
                                                 val_bpt=summary["best_val_bpt"])
         if warn:
             notes.append(warn)
@@ -254,7 +262,7 @@ def summarize(cfg: Config, result, run_id: Optional[str], changes: dict, notes: 
                "tokens_per_s": last.get("perf/tokens_per_s"), "run_dir": paths.run, "mlflow_run_id": run_id,
                "config_changes": changes or None, "notes": notes}
     if cfg.tracking.enabled:
-        uri, ui = redact_uri(tracking.tracking_uri(cfg)), tracking.ui_command(cfg)
+        uri, ui = redact_uri(tracking_uri(cfg)), ui_command(cfg)
         summary["tracking_uri"] = f"{uri} (experiment {cfg.tracking.experiment})"
         if ui is not None:
             needs = importlib.util.find_spec("flask") is None  # mlflow-skinny alone has no UI server

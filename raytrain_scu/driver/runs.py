@@ -16,11 +16,11 @@ from typing import Optional
 
 import yaml
 
-from raytrain_scu import tracking
 from raytrain_scu.config.io import flatten_tree, redact_uri
 from raytrain_scu.config.load import build_config
 from raytrain_scu.config.paths import is_remote, storage_dir
 from raytrain_scu.errors import RunsError
+from raytrain_scu.tracking.store import RUN_KEY_TAG, client_for, run_key, tracking_uri
 
 CHECKPOINT_PREFIX = "checkpoint_"
 
@@ -67,15 +67,15 @@ def _mlflow_run(run: Path, tree: dict, clients: dict):
         if cfg is not None and not cfg.tracking.enabled:
             return None
         uri = record.get("tracking_uri", "") if "***" not in record.get("tracking_uri", "***") else None
-        uri = uri or tracking.tracking_uri(cfg)
+        uri = uri or tracking_uri(cfg)
         if uri not in clients:
-            clients[uri] = tracking.client_for(uri)
+            clients[uri] = client_for(uri)
         client, run_id = clients[uri], record.get("run_id")
         if run_id:
             return client.get_run(run_id)
         exp = client.get_experiment_by_name(cfg.tracking.experiment)
         found = exp and client.search_runs([exp.experiment_id], max_results=1,
-                                           filter_string=f"tags.`{tracking.RUN_KEY_TAG}` = '{tracking.run_key(cfg)}'")
+                                           filter_string=f"tags.`{RUN_KEY_TAG}` = '{run_key(cfg)}'")
         return found[0] if found else None
     except Exception:  # noqa: BLE001 - a listing shows what it can
         return None

@@ -8,27 +8,22 @@ from typing import Optional
 
 import torch
 
-from raytrain_scu import tracking
 from raytrain_scu.config.paths import RunPaths
 from raytrain_scu.config.schema import Config, sequences_per_step
 from raytrain_scu.core import checkpoint as ckpt
 from raytrain_scu.core import laws
 from raytrain_scu.core.bounds import BoundWatch
-from raytrain_scu.core.data import prepare_data
+from raytrain_scu.core.data.blocks import prepare_data
 from raytrain_scu.core.dist import broadcast_params, notice0, rank, world_size
 from raytrain_scu.core.fp8 import convert_base_to_fp8
 from raytrain_scu.core.fused_lora import fuse_lora_projections
 from raytrain_scu.core.loss import CausalLMLoss, compile_for_training
-from raytrain_scu.core.model import (
-    apply_lora,
-    build_model,
-    flops_per_token,
-    load_tokenizer,
-    resolve_dtype,
-    structure_of,
-)
+from raytrain_scu.core.model.build import apply_lora, build_model, resolve_dtype, structure_of
+from raytrain_scu.core.model.flops import flops_per_token
+from raytrain_scu.core.model.source import load_tokenizer
 from raytrain_scu.core.regularizer import adapter_params, centers_fingerprint, initial_centers
 from raytrain_scu.errors import CheckpointError
+from raytrain_scu.tracking.tracker import for_rank
 from raytrain_scu.worker.oom import Phase
 from raytrain_scu.worker.state import Control, Metering, Optimisation, Position, Record, State
 
@@ -93,7 +88,7 @@ def build(cfg: Config, hooks, run_id: Optional[str] = None, phase: Optional[Phas
                       bounds=BoundWatch(cfg.controller))
     # get_text_config: a nested text config too
     metering = Metering(meter=None, flops_per_token=flops_per_token(base.config.get_text_config(), d.block_size))
-    return State(cfg=cfg, hooks=hooks, device=device, tracker=tracking.for_rank(cfg, rank(), run_id=run_id),
+    return State(cfg=cfg, hooks=hooks, device=device, tracker=for_rank(cfg, rank(), run_id=run_id),
                  structure=structure_of(cfg), opt=opt, ctrl=control, rec=Record(), metering=metering,
                  pos=Position(data=data, seqs_per_step=sequences_per_step(cfg, world_size()), block_size=d.block_size),
                  stop_path=RunPaths.of(cfg).stop_flag, phase=phase or Phase())

@@ -8,11 +8,11 @@ from typing import Optional
 
 import torch
 
-from raytrain_scu import tracking
 from raytrain_scu.config.paths import RunPaths
 from raytrain_scu.config.schema import Config
 from raytrain_scu.core.dist import notice0, print0, world_size
 from raytrain_scu.hardware.gpus import peak_flops
+from raytrain_scu.tracking.tracker import derived_params
 from raytrain_scu.worker.build import build, resume
 from raytrain_scu.worker.meter import Meter
 from raytrain_scu.worker.oom import Phase, out_of_memory
@@ -41,7 +41,7 @@ def setup(cfg: Config, hooks, run_id: Optional[str] = None, phase: Optional[Phas
     """All ranks: build, resume, start tracking, and (on a fresh start) the untrained adapter's held-out BPT."""
     s = build(cfg, hooks, run_id, phase)
     resume(s)
-    s.tracker.start(params=tracking.derived_params(cfg, tokens_per_epoch=s.ctrl.tokens_per_epoch, world=world_size(),
+    s.tracker.start(params=derived_params(cfg, tokens_per_epoch=s.ctrl.tokens_per_epoch, world=world_size(),
                                                    device=s.device), resumed_at=s.rec.start_step)
     eval_t0 = time.perf_counter()
     if s.rec.start_step == 0:  # the baseline every later eval is compared with

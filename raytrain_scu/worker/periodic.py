@@ -11,7 +11,7 @@ import torch
 from raytrain_scu.config.io import to_yaml
 from raytrain_scu.console import ETA, NOTICES, VAL_STEP, take_notices
 from raytrain_scu.core import checkpoint as ckpt
-from raytrain_scu.core.data import val_batches
+from raytrain_scu.core.data.batches import val_batches
 from raytrain_scu.core.dist import all_gather_object, all_reduce_sum, rank, world_size
 from raytrain_scu.core.regularizer import centers_fingerprint, lora_b_norm
 from raytrain_scu.errors import NotLearningError

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from raytrain_scu.core.data import train_batch
+from raytrain_scu.core.data.batches import train_batch
 from raytrain_scu.core.dist import all_reduce_sum, average_gradients, barrier, rank, world_size
 from raytrain_scu.core.regularizer import param_bpt, param_bpt_parts
 from raytrain_scu.errors import NonFiniteError

@@ -8,28 +8,3 @@
 the training stream and the validation shards. No ray, mlflow or torch.distributed here: every worker calls these
 functions with its own rank.
 """
-from raytrain_scu.core.data.batches import (
-                                            IGNORE_INDEX,
-                                            epoch_of,
-                                            stream_indices,
-                                            train_batch,
-                                            val_batches,
-                                            val_block_indices,
-)
-from raytrain_scu.core.data.blocks import (
-                                            TokenData,
-                                            cache_key,
-                                            document_ids,
-                                            load_documents,
-                                            pack_blocks,
-                                            prepare_data,
-                                            split_documents,
-                                            tokenize_documents,
-                                            tokenizer_identity,
-)
-from raytrain_scu.core.data.sources import SOURCES, Source, check_source, resolve_source, source_files
-
-__all__ = ["IGNORE_INDEX", "SOURCES", "Source", "TokenData", "cache_key", "check_source", "document_ids", "epoch_of",
-           "load_documents", "pack_blocks", "prepare_data", "resolve_source", "source_files", "split_documents",
-           "stream_indices", "tokenize_documents", "tokenizer_identity", "train_batch", "val_batches",
-           "val_block_indices"]

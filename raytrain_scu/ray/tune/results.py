@@ -13,8 +13,9 @@ import warnings
 from pathlib import Path
 from typing import Optional
 
-from raytrain_scu import tracking
-from raytrain_scu.config import Config, flatten, global_batch_tokens, redact_uri, run_dir, to_yaml
+from raytrain_scu.config.io import flatten, redact_uri, to_yaml
+from raytrain_scu.config.paths import run_dir
+from raytrain_scu.config.schema import Config, global_batch_tokens
 from raytrain_scu.ray.tune.space import (
     ARM,
     GLOBAL_BATCH,
@@ -23,6 +24,16 @@ from raytrain_scu.ray.tune.space import (
     flat_params,
     plain_value,
     trial_config,
+)
+from raytrain_scu.tracking.store import (
+    SWEEP_TAG,
+    TRIAL_TAG,
+    child_runs,
+    client_for,
+    end_run,
+    log_params_once,
+    open_run,
+    tracking_uri,
 )
 
 
@@ -225,10 +236,10 @@ def open_parent_run(cfg: Config) -> Optional[str]:
     if not cfg.tracking.enabled:
         return None
     try:
-        run_id = tracking.open_run(cfg)
-        client = tracking.client_for(tracking.tracking_uri(cfg))
-        client.set_tag(run_id, tracking.SWEEP_TAG, cfg.run.name)
-        tracking.log_params_once(client, run_id, {**flatten(cfg),
+        run_id = open_run(cfg)
+        client = client_for(tracking_uri(cfg))
+        client.set_tag(run_id, SWEEP_TAG, cfg.run.name)
+        log_params_once(client, run_id, {**flatten(cfg),
                                                   "derived.global_batch_tokens": global_batch_tokens(cfg)})
         return run_id
     except Exception as e:  # noqa: BLE001 - the sweep runs without its parent run
@@ -246,8 +257,8 @@ def close_parent_run(cfg: Config, parent_run_id: str, rows: list[dict], best: Op
     was ended FINISHED by ``sweep.run_trial``, and that stays. Tags repeat the row: status, steps trained and the step
     it was scored at.
     """
-    client = tracking.client_for(tracking.tracking_uri(cfg))
-    children = {r.data.tags.get(tracking.TRIAL_TAG): r for r in tracking.child_runs(cfg, parent_run_id)}
+    client = client_for(tracking_uri(cfg))
+    children = {r.data.tags.get(TRIAL_TAG): r for r in child_runs(cfg, parent_run_id)}
     for row in rows:
         child = children.get(row["trial"])
         if child is None:
@@ -257,7 +268,7 @@ def close_parent_run(cfg: Config, parent_run_id: str, rows: list[dict], best: Op
             if row.get(key) is not None:
                 client.set_tag(child.info.run_id, tag, str(row[key]))
         if child.info.status == "RUNNING" and row["status"] in ("KILLED", "FAILED"):
-            tracking.end_run(cfg, child.info.run_id, row["status"])
+            end_run(cfg, child.info.run_id, row["status"])
     if best is not None:
         client.log_metric(parent_run_id, f"best/{cfg.tune.metric}", best["metric"])
         client.set_tag(parent_run_id, "raytrain_scu.best_trial", best["trial"])
@@ -268,14 +279,14 @@ def close_parent_run(cfg: Config, parent_run_id: str, rows: list[dict], best: Op
     client.log_metric(parent_run_id, "sweep/errors", sum(r["status"] == "FAILED" for r in rows))
     for f in files:
         client.log_artifact(parent_run_id, str(f), artifact_path="plots" if f.suffix == ".png" else None)
-    tracking.end_run(cfg, parent_run_id, "FINISHED" if best is not None else "FAILED")
+    end_run(cfg, parent_run_id, "FINISHED" if best is not None else "FAILED")
 
 def sync_with_mlflow(cfg: Config, parent_run_id: str, rows: list[dict]) -> None:
     """Each row's ``steps`` becomes the last step its child run logged when that is later than the step Tune scored
     (a trial Tune stops keeps training until its workers end), so the table, trials.csv and MLflow agree."""
     try:
-        client = tracking.client_for(tracking.tracking_uri(cfg))
-        children = {r.data.tags.get(tracking.TRIAL_TAG): r.info.run_id for r in tracking.child_runs(cfg, parent_run_id)}
+        client = client_for(tracking_uri(cfg))
+        children = {r.data.tags.get(TRIAL_TAG): r.info.run_id for r in child_runs(cfg, parent_run_id)}
         for row in rows:
             if row["trial"] in children:
                 logged = [m.step for m in client.get_metric_history(children[row["trial"]], "ctrl/lambda")]
@@ -289,16 +300,16 @@ def open_child_run(cfg: Config, sweep_name: str, parent_run_id: Optional[str], p
                    trial_id: str) -> Optional[str]:
     """The trial's MLflow run, a child of the sweep's, with the swept values and the global batch as params."""
     try:
-        run_id = tracking.open_run(cfg, parent_run_id=parent_run_id)
-        client = tracking.client_for(tracking.tracking_uri(cfg))
-        client.set_tag(run_id, tracking.SWEEP_TAG, sweep_name)
-        client.set_tag(run_id, tracking.TRIAL_TAG, trial_id)
+        run_id = open_run(cfg, parent_run_id=parent_run_id)
+        client = client_for(tracking_uri(cfg))
+        client.set_tag(run_id, SWEEP_TAG, sweep_name)
+        client.set_tag(run_id, TRIAL_TAG, trial_id)
         flat = flatten(cfg)  # the same strings the worker logs, so the two never disagree
         params = flat_params(params)
         keys = [k for k in params if k != GLOBAL_BATCH]  # the global batch is derived.global_batch_tokens
         if "data.batch_size" in params or GLOBAL_BATCH in params:
             keys.append("data.grad_accum")
-        tracking.log_params_once(client, run_id, {**{k: flat[k] for k in keys},
+        log_params_once(client, run_id, {**{k: flat[k] for k in keys},
                                                   "derived.global_batch_tokens": global_batch_tokens(cfg)})
         return run_id
     except Exception as e:  # noqa: BLE001 - tracking never kills training; rank 0 retries (without the parent link)

@@ -9,9 +9,12 @@ from __future__ import annotations
 import itertools
 from dataclasses import asdict
 
-from raytrain_scu import tracking
-from raytrain_scu.config import Config, build_config, get_dotted, global_batch_tokens, run_dir, set_dotted
+from raytrain_scu.config.io import get_dotted, set_dotted
+from raytrain_scu.config.load import build_config
+from raytrain_scu.config.paths import run_dir
+from raytrain_scu.config.schema import Config, global_batch_tokens
 from raytrain_scu.errors import ConfigError, SweepError
+from raytrain_scu.tracking.store import tracking_uri
 
 GLOBAL_BATCH = "global_batch_tokens"  # the space key of the global batch (config.SPACE_ONLY_KEYS), in tokens per step
 ARM = "arm"  # the space key of a bundle of config values set together (config.SPACE_ONLY_KEYS)
@@ -273,6 +276,6 @@ def trial_config(base: Config, params: dict, trial_id: str) -> Config:
     cfg.run.name = f"{base.run.name}-{trial_id}"
     cfg.run.storage_path = f"{run_dir(base)}/trials"
     # the store and experiment are the sweep's, not derived from the trial's own storage path and name
-    cfg.tracking.uri = tracking.tracking_uri(base)
+    cfg.tracking.uri = tracking_uri(base)
     cfg.tracking.experiment = base.tracking.experiment or base.run.name
     return cfg

@@ -45,7 +45,6 @@ from ray.tune.search import BasicVariantGenerator
 from ray.util.placement_group import placement_group_table, remove_placement_group
 from ray.util.queue import Queue
 
-from raytrain_scu import tracking
 from raytrain_scu.config.paths import RunPaths
 from raytrain_scu.config.schema import Config
 from raytrain_scu.errors import SweepError
@@ -53,6 +52,7 @@ from raytrain_scu.ray.launch import build_trainer, driver_logs_to_file, init_ray
 from raytrain_scu.ray.tune.events import TrialEvents
 from raytrain_scu.ray.tune.results import open_child_run, open_parent_run, write_results
 from raytrain_scu.ray.tune.space import GLOBAL_BATCH, space_value, tokens_per_step_bounds, trial_config
+from raytrain_scu.tracking.store import end_run
 
 ASHA_REDUCTION_FACTOR = 2  # ASHA keeps the best half at each rung
 AIR_NEW_OUTPUT = "RAY_AIR_NEW_OUTPUT"  # Tune's switch between its two consoles
@@ -193,7 +193,7 @@ def run_trial(params: dict, setup: TrialSetup) -> None:
     # this actor inherited the cluster's environment: the workers get the sweep command's RAYTRAIN_SCU_* variables
     build_trainer(cfg, use_gpu=setup.use_gpu, run_id=run_id, callbacks=callbacks, env=setup.env).fit()
     if run_id:  # the sweep opened the trial's run, so it ends it; a stopped or failed trial is closed by the parent
-        tracking.end_run(cfg, run_id, "FINISHED")
+        end_run(cfg, run_id, "FINISHED")
 
 
 def trial_dirname(trial) -> str:

@@ -10,7 +10,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import ProfilerActivity, profile
 
-from raytrain_scu.core.model import preset_config
+from raytrain_scu.core.model.presets import preset_config
 from raytrain_scu.studies.bench.measure import peak_mem, sync
 
 

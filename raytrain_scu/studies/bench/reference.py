@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from raytrain_scu.config.schema import ALL_LINEAR as PROJ
-from raytrain_scu.core.model import PRESET_TOKENIZER_VOCAB, preset_config
+from raytrain_scu.core.model.presets import PRESET_TOKENIZER_VOCAB, preset_config
 from raytrain_scu.core.regularizer import lora_b_norm
 from raytrain_scu.studies.bench.measure import free, peak_mem, proof_of_training, reset_mem, sync
 

@@ -22,8 +22,10 @@ from pathlib import Path
 
 import torch
 
-from raytrain_scu.core.data import prepare_data
-from raytrain_scu.core.model import flops_per_token, load_tokenizer, preset_config
+from raytrain_scu.core.data.blocks import prepare_data
+from raytrain_scu.core.model.flops import flops_per_token
+from raytrain_scu.core.model.presets import preset_config
+from raytrain_scu.core.model.source import load_tokenizer
 from raytrain_scu.hardware.gpus import mfu, peak_flops, peak_fp8_flops
 from raytrain_scu.studies.bench.measure import device_name, versions
 from raytrain_scu.studies.bench.ours import bench_config

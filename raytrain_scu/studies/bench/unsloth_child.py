@@ -38,7 +38,11 @@ def save_random_model(preset: str, out: Path, *, device: str = "cpu", dtype=None
     import torch
     from transformers import AutoModelForCausalLM
 
-    from raytrain_scu.core import model as mm  # transformers: after unsloth, in the part's process
+    from raytrain_scu.core.model.presets import (  # transformers: after unsloth, in the part's process
+        PRESET_TOKENIZER_VOCAB,
+        preset_config,
+    )
+    from raytrain_scu.core.model.source import load_tokenizer
     dtype = dtype or torch.float32
     want = {"preset": preset, "seed": seed, "dtype": str(dtype).removeprefix("torch.")}
     out = Path(out)
@@ -46,10 +50,10 @@ def save_random_model(preset: str, out: Path, *, device: str = "cpu", dtype=None
         got = json.loads((out / MARKER).read_text())
         if {k: got.get(k) for k in want} == want:
             return out
-    tok = mm.load_tokenizer(preset)
+    tok = load_tokenizer(preset)
     if tok.pad_token is None or tok.pad_token == tok.eos_token:
         tok.add_special_tokens({"pad_token": PAD_TOKEN})
-    cfg = mm.preset_config(preset, mm.PRESET_TOKENIZER_VOCAB)
+    cfg = preset_config(preset, PRESET_TOKENIZER_VOCAB)
     cfg.vocab_size = max(cfg.vocab_size, len(tok))
     cfg.pad_token_id, cfg.eos_token_id, cfg.bos_token_id = tok.pad_token_id, tok.eos_token_id, tok.bos_token_id
     torch.manual_seed(seed)

@@ -22,8 +22,8 @@ import sys
 import time
 from pathlib import Path
 
-from raytrain_scu.config import to_yaml
-from raytrain_scu.core.data import load_documents
+from raytrain_scu.config.io import to_yaml
+from raytrain_scu.core.data.blocks import load_documents
 from raytrain_scu.errors import USER_ERRORS, AblationError, CheckpointError
 from raytrain_scu.studies.ablation.results import save
 from raytrain_scu.studies.ablation.v2 import protocol as p

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from raytrain_scu.core.data import split_documents
+from raytrain_scu.core.data.blocks import split_documents
 from raytrain_scu.errors import AblationError
 from raytrain_scu.studies.ablation.report import end_level
 from raytrain_scu.studies.ablation.run import scaled_target
