@@ -318,6 +318,10 @@ def test_a_study_runs_in_calls_of_at_most_max_trials_each_going_on_from_the_file
     # a later call keeps the first call's rules
     assert v2_cli.main([*args, "--lambdas", "0.1"]) == 2
     assert "changes --lambdas [0.1] (the study's: [0.1, 1.0])" in capsys.readouterr().err
+    # ... and each plant's resolved config, but for where trials run
+    assert v2_cli.main([*args, "optim.lr=0.001"]) == 2
+    assert "P1: this call's resolved config differs" in capsys.readouterr().err
+    assert v2_cli.main([*args, "scaling.cpus_per_worker=0.5", "tracking.enabled=false"]) == 0
 
 
 def test_the_laws_stage_alone_needs_the_fixed_stage(tmp_path, capsys):

@@ -22,7 +22,9 @@ import sys
 import time
 from pathlib import Path
 
-from raytrain_scu.config.io import to_yaml
+import yaml
+
+from raytrain_scu.config.io import flatten_tree, to_dict, to_yaml
 from raytrain_scu.core.data.blocks import load_documents
 from raytrain_scu.errors import USER_ERRORS, AblationError, CheckpointError
 from raytrain_scu.studies.ablation.results import save
@@ -31,6 +33,9 @@ from raytrain_scu.studies.ablation.v2 import report
 from raytrain_scu.studies.ablation.v2.run import call_arms, plant_config, run_call
 
 RULE_ARGS = ("config", "seeds", "lambdas", "target_factors")  # fixed by the study's first call
+# config keys a later call may change: where a trial runs and is stored, not what it computes
+FREE_KEYS = ("scaling.", "tracking.", "run.storage_path", "run.output_dir", "model.cache_dir", "data.cache_dir",
+             "data.loader_workers")
 
 
 def parse_args(argv):
@@ -72,8 +77,21 @@ def new_results(a, configs: dict) -> dict:
             "plants": {pl: {"trials": [], "units": {}, "calls": []} for pl in p.PLANTS}}
 
 
+def locked(tree: dict) -> dict:
+    """A resolved config's keys that every call of the study must share (all but :data:`FREE_KEYS`)."""
+    return {k: v for k, v in flatten_tree(tree).items() if not k.startswith(FREE_KEYS)}
+
+
+def config_changes(recorded_yaml: str, cfg) -> list[str]:
+    """``key: recorded -> now`` for each locked key whose value differs from the plant's recorded config."""
+    old, new = locked(yaml.safe_load(recorded_yaml)), locked(to_dict(cfg, redact=True))
+    return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(old.keys() | new.keys())
+            if old.get(k) != new.get(k)]
+
+
 def check_rules(results: dict, a, configs: dict) -> None:
-    """A later call keeps the first call's rules; a plant config the file lacks is recorded."""
+    """A later call keeps the first call's rules and each plant's resolved config (but for :data:`FREE_KEYS`);
+    a plant config the file lacks is recorded."""
     rules = results["setting"]["rules"]
     current = json.loads(json.dumps({k: getattr(a, k) for k in RULE_ARGS}))
     differ = [f"--{k.replace('_', '-')} {current[k]} (the study's: {rules[k]})" for k in RULE_ARGS
@@ -81,8 +99,14 @@ def check_rules(results: dict, a, configs: dict) -> None:
     if differ:
         raise AblationError(f"this study's rules were fixed by its first call; this call changes {'; '.join(differ)}. "
                             f"Give the recorded values, or start a new study with another --out")
+    recorded = results["setting"]["config_yaml"]
     for pl, c in configs.items():
-        results["setting"]["config_yaml"].setdefault(pl, to_yaml(c, redact=True))
+        changes = config_changes(recorded[pl], c) if pl in recorded else []
+        if changes:
+            raise AblationError(f"{pl}: this call's resolved config differs from the one the study's first call "
+                                f"recorded, in {'; '.join(changes)}. Only where trials run may change "
+                                f"({', '.join(k.rstrip('.') + ('.*' if k.endswith('.') else '') for k in FREE_KEYS)})")
+        recorded.setdefault(pl, to_yaml(c, redact=True))
 
 
 def the_split(results: dict, a, cfg) -> str:
