@@ -440,3 +440,16 @@ def test_seeds_scored_in_ray_tasks_equal_the_seeds_scored_in_this_process(tmp_pa
         for label in calls[seed][1]:
             assert there[seed]["nats"][label] == pytest.approx(here[seed]["nats"][label], rel=1e-6)
     assert here[3]["nats"]["t0"].tolist() != here[3]["nats"]["t1"].tolist()
+
+
+def test_the_cost_note_sets_the_laws_spread_over_its_targets_beside_the_grids_around_the_best_lambda():
+    from raytrain_scu.studies.ablation.v2.report import cost_text
+
+    rows = [{"family": "fixed", "sort": lam, "report_bpt": bpt, "time_s": 10.0}
+            for lam, bpt in ((0.01, 8.0), (0.1, 5.5), (0.3, 4.9), (1.0, 5.0), (3.0, 5.2))]
+    rows += [{"family": "logodds", "sort": s, "report_bpt": bpt, "time_s": 12.0}
+             for s, bpt in ((0.1, 4.95), (0.2, 4.91), (0.4, 4.93))]
+    text = cost_text(rows, 5, best_lambda=0.3)  # the select plays' choice, not the report plays' lowest
+    assert "(0.1, 0.3, 1) spans 4.9000–5.5000" in text and "spans 4.9100–4.9500" in text
+    assert "its targets are derived from the fixed grid" in text
+    assert "spans" not in cost_text(rows, 5, best_lambda=None)

@@ -93,13 +93,28 @@ def choice_text(num: dict) -> str:
             f"{es or 'no none run recorded'}.")
 
 
-def cost_text(rows: list[dict], n_lambdas: int) -> str:
+def cost_text(rows: list[dict], n_lambdas: int, best_lambda: float | None) -> str:
+    """Runs per arm, and what the logodds law's figures lean on: its targets come from the fixed grid, so the spread
+    of its report-plays BPT over its targets is set beside the fixed grid's over the best λ (chosen on the select
+    plays) and its grid neighbours."""
     fixed, law = ([r["time_s"] for r in rows if r["family"] == f and math.isfinite(r["time_s"])]
                   for f in ("fixed", "logodds"))
-    return (f"Every run trains the same steps: the fixed-λ grid is {n_lambdas} runs per seed (mean Tune wall "
-            f"{_num(sum(fixed) / len(fixed) if fixed else math.nan, '.0f')} s each), the logodds law one run "
-            f"({_num(sum(law) / len(law) if law else math.nan, '.0f')} s). Tune's wall time includes start-up and "
-            f"any sharing of a GPU (`scaling.gpus_per_worker` < 1 in the calls above): compare run counts.")
+    text = (f"Every run trains the same steps: the fixed-λ grid is {n_lambdas} runs per seed (mean Tune wall "
+            f"{_num(sum(fixed) / len(fixed) if fixed else math.nan, '.0f')} s each), the logodds law one run per "
+            f"target ({_num(sum(law) / len(law) if law else math.nan, '.0f')} s). Tune's wall time includes start-up "
+            f"and any sharing of a GPU (`scaling.gpus_per_worker` < 1 in the calls above): compare run counts.")
+    grid = sorted((r["sort"], r["report_bpt"]) for r in rows if r["family"] == "fixed")
+    laws = [r["report_bpt"] for r in rows if r["family"] == "logodds"]
+    best = next((i for i, (lam, _) in enumerate(grid) if lam == best_lambda), None)
+    if best is None or not laws:
+        return text
+    near = grid[max(best - 1, 0):best + 2]
+    return text + (f" The study's figures for the law do not come at one run's cost alone: its targets are derived "
+                   f"from the fixed grid's best λ. Without that grid, a user picks S*: over its {len(laws)} targets "
+                   f"(the best λ's S with its odds ×½ to ×2) the law's report-plays BPT spans "
+                   f"{min(laws):.4f}–{max(laws):.4f}; fixed λ at the best and its grid neighbours "
+                   f"({', '.join(f'{x:g}' for x, _ in near)}) spans {min(y for _, y in near):.4f}–"
+                   f"{max(y for _, y in near):.4f}.")
 
 
 def calls_table(results: dict) -> str:
@@ -133,7 +148,8 @@ def plant_text(pl: str, num: dict, results: dict, plots: list[Path], rel: str) -
                      "abs(logit Ŝ − logit S*) ≤ 0.1, λ strictly inside its bounds and max λ / min λ ≤ 1.5; '-' = "
                      "never. Reversals count only moves of ln λ by at least 0.5. A run passes when it settles on Ŝ "
                      f"and λ is at a bound in no step after step {p.BOUND_AFTER}.\n\n" + tracking_table(num["tracking"]))
-    parts.append("#### Cost\n\n" + cost_text(num["arms"], len(results["setting"]["rules"]["lambdas"])))
+    best = num["choice"]["best_lambda"] if num["choice"] else None
+    parts.append("#### Cost\n\n" + cost_text(num["arms"], len(results["setting"]["rules"]["lambdas"]), best))
     mine = [x for x in plots if x.name.startswith(f"{pl}_")]
     if mine:
         parts.append("#### Figures\n\n" + "\n".join(f"![{x.stem}]({rel}/{x.name})" for x in mine))
