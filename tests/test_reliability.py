@@ -454,6 +454,29 @@ def test_hung_worker_is_killed_by_the_watchdog_and_the_run_recovers_exactly(clea
             killed_after_s=round(stop["killed_after_s"], 1), hung_run_s=round(hung_s, 1))
 
 
+def test_the_watchdog_actor_is_killed_when_building_the_trainer_fails(ray_local, tmp_path, monkeypatch):
+    """The hang watchdog's heartbeat actor starts before the trainer is built: an error there still kills it."""
+    import ray
+
+    from raytrain_scu.driver import run as run_mod
+    from raytrain_scu.ray import launch
+
+    seen = {}
+
+    def failing_build(cfg, *, watchdog, **kwargs):
+        seen["actor"] = watchdog.actor
+        assert ray.get(watchdog.actor.read.remote(), timeout=60)[0] == 0  # alive while the trainer is built
+        raise RuntimeError("no trainer")
+
+    monkeypatch.setattr(launch, "build_trainer", failing_build)
+    cfg = tiny_cfg(tmp_path, "leak", "train.hang_timeout_s=30", "tracking.enabled=false")
+    facts = {"use_gpu": False, "model": "tiny", "train_blocks": 1, "val_blocks": 1, "tokens_per_epoch": 1}
+    with pytest.raises(RuntimeError, match="no trainer"):
+        run_mod._launch(cfg, facts, None, verbose=False)
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(seen["actor"].read.remote(), timeout=60)
+
+
 # ---------------------------------------------------------------- non-finite loss or gradients
 
 @pytest.mark.parametrize("data_bpt,param_bpt,grad_norm,loss_scaling,outcome", [

@@ -171,11 +171,11 @@ def _launch(cfg: Config, facts: dict, run_id: Optional[str], *, verbose: bool):
     if not verbose:
         print(f"[raytrain_scu] Ray's and the workers' logs: {ray_logs} (--verbose shows them here)", flush=True)
     sink = launch.Sink()
-    watchdog = launch.hang_watchdog(cfg, use_gpu=facts["use_gpu"])
-    trainer = launch.build_trainer(cfg, use_gpu=facts["use_gpu"], run_id=run_id, callbacks=sink.callbacks(),
-                                   watchdog=watchdog)
-    progress = Progress(target_s=cfg.controller.target_s)
-    with watchdog if watchdog is not None else contextlib.nullcontext():
+    # the watchdog's actor exists from here: the block kills it whatever raises below (building the trainer, fit)
+    with launch.hang_watchdog(cfg, use_gpu=facts["use_gpu"]) as watchdog:
+        trainer = launch.build_trainer(cfg, use_gpu=facts["use_gpu"], run_id=run_id, callbacks=sink.callbacks(),
+                                       watchdog=watchdog)
+        progress = Progress(target_s=cfg.controller.target_s)
         return ray_logs, launch.fit(trainer, cfg, sink, progress, watchdog=watchdog)  # raises on failure
 
 

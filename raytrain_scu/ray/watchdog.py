@@ -79,8 +79,10 @@ class HangWatchdog:
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
-        self._thread.join(timeout=self.poll_s + 5)
-        ray.kill(self.actor, no_restart=True)
+        try:
+            self._thread.join(timeout=self.poll_s + 5)
+        finally:  # the actor goes with the block, even when a second Ctrl-C lands in the join
+            ray.kill(self.actor, no_restart=True)
 
     def _watch(self) -> None:
         while not self._stop.wait(self.poll_s):
