@@ -303,7 +303,8 @@ def build_trainer(cfg: Config, *, use_gpu: bool, run_id: Optional[str], callback
     if use_gpu:
         resources["GPU"] = s.gpus_per_worker
     loop_config = {**asdict(cfg), "_mlflow_run_id": run_id,
-                   "_heartbeats": watchdog.actor if watchdog is not None else None, **(extra_config or {})}
+                   "_heartbeats": watchdog.actor if watchdog is not None else None,
+                   "_beat_every_s": watchdog.beat_every_s if watchdog is not None else None, **(extra_config or {})}
     # read from this process's environment when fit() starts the controller (Ray propagates it): a worker holds one
     # unconsumed report and blocks on the next until the controller polls, so Ray's 2 s default caps a fast loop
     os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = str(s.poll_interval_s)
