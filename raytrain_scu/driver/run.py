@@ -101,7 +101,9 @@ def run(cfg: Config, *, quiet: bool = False, verbose: bool = False) -> dict:
     again on a re-run) and ends it, FINISHED after the summary, FAILED with the reason when training or the summary
     fails, KILLED on Ctrl-C (``launch.fit``); the workers only log into it. ``verbose``: Ray's and the workers'
     output on the console too."""
-    check_storage(cfg)  # where the lock goes must be writable: a bad storage path is said as such
+    # the lock goes under the storage path, so it must be writable before anything else: a bad storage path is said
+    # as such (preflight, which checks it too, is told it was)
+    check_storage(cfg)
     with run_lock(cfg):
         finished = finished_summary(cfg)
         if finished is not None:  # before any check that loads the model or data, and before Ray
@@ -110,7 +112,7 @@ def run(cfg: Config, *, quiet: bool = False, verbose: bool = False) -> dict:
                       f"(raise train.max_steps to extend it)", flush=True)
                 print(format_summary(finished, title="finished earlier"), flush=True)
             return finished
-        summary = _run(cfg, preflight(cfg), verbose=verbose)
+        summary = _run(cfg, preflight(cfg, storage_checked=True), verbose=verbose)
     if not quiet:
         print(format_summary(summary), flush=True)
     return summary
