@@ -233,22 +233,22 @@ def _in_output(found: dict, staged: Path, output: str) -> dict:
             for k, v in found.items()}
 
 
-def _log_best(cfg: Config, result, run_id: Optional[str], summary: dict, notes: list) -> Optional[tuple]:
-    """The best checkpoint (lowest val/data_bpt) into the summary, and as an MLflow artifact; returns it (None when
-    no checkpoint has a finite val/data_bpt)."""
+def _log_best(cfg: Config, result, run_id: Optional[str], summary: dict, notes: list, local) -> Optional[tuple]:
+    """The best checkpoint (lowest val/data_bpt) into the summary, and as an MLflow artifact; returns its
+    ``(local dir, metrics)`` (None when no checkpoint has a finite val/data_bpt). ``local``:
+    ``outputs.local_checkpoints``."""
     best = best_checkpoint(result.best_checkpoints)
     if best is None and result.best_checkpoints:
         notes.append(f"no checkpoint has a finite {BEST_METRIC}: no best checkpoint")
     if best is None:
         return None
     summary["best_step"], summary["best_val_bpt"] = best[1].get("step"), best[1][BEST_METRIC]
+    best_dir = local(best[0])  # downloaded once from remote storage, for MLflow and adapter_best/
     if run_id and cfg.tracking.log_best_checkpoint:
-        with best[0].as_directory() as d:  # downloaded first from remote storage
-            warn = log_best_checkpoint(cfg, run_id, d, step=summary["best_step"],
-                                                val_bpt=summary["best_val_bpt"])
+        warn = log_best_checkpoint(cfg, run_id, str(best_dir), step=summary["best_step"], val_bpt=summary["best_val_bpt"])
         if warn:
             notes.append(warn)
-    return best
+    return best_dir, best[1]
 
 
 def summarize(cfg: Config, result, run_id: Optional[str], changes: dict, notes: list, facts: dict) -> dict:
@@ -270,16 +270,19 @@ def summarize(cfg: Config, result, run_id: Optional[str], changes: dict, notes: 
             needs = importlib.util.find_spec("flask") is None  # mlflow-skinny alone has no UI server
             summary["ui_command"] = ui + ("   (needs the ui extra: pip install 'raytrain_scu[ui]')" if needs
                                           else "   (or: make ui CONFIG=<this config>)")
-    best = _log_best(cfg, result, run_id, summary, notes)
-    with _writing_output(cfg) as out:
-        found = outputs.export_adapters(result.checkpoint, last.get("step"), best, out)
-        if result.checkpoint is not None:
-            found["plots"] = outputs.write_trace(cfg, result.checkpoint, out)
-        summary.update(_in_output(found, out, paths.output))
-        (out / "config.yaml").write_text(to_yaml(cfg, redact=True))
-        (out / BASE_RECIPE).write_text(json.dumps(base_recipe(cfg, use_gpu=facts["use_gpu"],
-                                                              vocab_size=facts["vocab_size"]), indent=1))
-        (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    with contextlib.ExitStack() as stack:
+        local = outputs.local_checkpoints(stack)  # each checkpoint downloaded once (remote storage)
+        best = _log_best(cfg, result, run_id, summary, notes, local)
+        last_dir = local(result.checkpoint) if result.checkpoint is not None else None
+        with _writing_output(cfg) as out:
+            found = outputs.export_adapters(last_dir, last.get("step"), best, out)
+            if last_dir is not None:
+                found["plots"] = outputs.write_trace(cfg, last_dir, out)
+            summary.update(_in_output(found, out, paths.output))
+            (out / "config.yaml").write_text(to_yaml(cfg, redact=True))
+            (out / BASE_RECIPE).write_text(json.dumps(base_recipe(cfg, use_gpu=facts["use_gpu"],
+                                                                  vocab_size=facts["vocab_size"]), indent=1))
+            (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     return summary
 
 
