@@ -203,24 +203,39 @@ def finished_summary(cfg: Config) -> Optional[dict]:
 
 
 @contextlib.contextmanager
+def _naming_full_disk(path: str | Path, what: str) -> Iterator[None]:
+    """A full disk inside is a :class:`~raytrain_scu.errors.DiskFullError` naming ``path`` and its free space."""
+    try:
+        yield
+    except OSError as e:
+        if is_disk_full(e):
+            raise disk_full(path, what) from e
+        raise
+
+
+@contextlib.contextmanager
 def _writing_output(cfg: Config) -> Iterator[Path]:
     """The directory summarize writes into: the output directory when it is local; under remote storage a local
     staging directory, uploaded whole at the end (core.storage: pyarrow's filesystem, as Ray's checkpoints). A full
-    disk is a :class:`~raytrain_scu.errors.DiskFullError` naming the output directory."""
+    disk is a :class:`~raytrain_scu.errors.DiskFullError` naming the disk that is full: the output directory, or the
+    local staging directory while the output is written there."""
     paths = RunPaths.of(cfg)
-    out = Path(tempfile.mkdtemp(prefix="raytrain_scu_output_")) if paths.output_remote else Path(paths.output)
+    what = "the run's output (adapter, config.yaml, summary.json)"
+    if not paths.output_remote:
+        with _naming_full_disk(paths.output, what):
+            out = Path(paths.output)
+            out.mkdir(parents=True, exist_ok=True)
+            yield out
+        return
+    with _naming_full_disk(tempfile.gettempdir(), f"{what}, staged for {paths.output},"):
+        out = Path(tempfile.mkdtemp(prefix="raytrain_scu_output_"))
     try:
-        out.mkdir(parents=True, exist_ok=True)
-        yield out
-        if paths.output_remote:
+        with _naming_full_disk(out, f"{what}, staged for {paths.output},"):
+            yield out
+        with _naming_full_disk(paths.output, what):
             storage.upload_dir(out, paths.uri(paths.output))
-    except OSError as e:
-        if is_disk_full(e):
-            raise disk_full(paths.output, "the run's output (adapter, config.yaml, summary.json)") from e
-        raise
     finally:
-        if paths.output_remote:
-            shutil.rmtree(out, ignore_errors=True)
+        shutil.rmtree(out, ignore_errors=True)
 
 
 def _in_output(found: dict, staged: Path, output: str) -> dict:
