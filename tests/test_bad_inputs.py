@@ -127,6 +127,22 @@ def test_more_workers_than_gpus(tmp_path, no_ray, capsys, monkeypatch):
     print(f"BAD_INPUT {json.dumps({'case': 'more workers than GPUs', 'message': err.strip()})}")
 
 
+def test_a_launch_checks_the_storage_path_once(tmp_path, no_ray, capsys, monkeypatch):
+    """The run checks run.storage_path before taking its lock; preflight, which checks it for the sweep, skips it."""
+    from raytrain_scu.driver import preflight
+    from raytrain_scu.driver import run as run_mod
+
+    calls = []
+    check = preflight.check_storage
+    counted = lambda cfg: calls.append(cfg.run.storage_path) or check(cfg)  # noqa: E731
+    monkeypatch.setattr(preflight, "check_storage", counted)
+    monkeypatch.setattr(run_mod, "check_storage", counted)
+    # refused by preflight after its machine checks (the tiny model ties its embeddings): every check before ran
+    code = no_ray([TINY, f"run.storage_path={tmp_path}", "quant.offload_embedding=true"])
+    assert code == 2 and "quant.offload_embedding" in capsys.readouterr().err
+    assert calls == [str(tmp_path)]
+
+
 # the real CLI: exit code, message, and no Ray instance started
 @pytest.mark.parametrize("name, args, env, expected", [
     ("unknown model id offline", ["model.name=no-such-org/no-such-model"], {"HF_HUB_OFFLINE": "1"},

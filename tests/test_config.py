@@ -81,6 +81,12 @@ def test_a_profile_needs_a_local_run_directory():
         load_config(TINY, ["train.profile_steps=3", "run.storage_path=s3://bucket/runs"])
 
 
+def test_a_remote_output_dir_is_refused_naming_the_key():
+    with pytest.raises(ConfigError, match=r"run\.output_dir: must be a local path, not 's3://bucket/out': for output "
+                       r"on remote storage leave it empty and set run\.storage_path"):
+        load_config(TINY, ["run.output_dir=s3://bucket/out"])
+
+
 def test_a_fixed_lambda_may_lie_outside_the_scu_bounds():
     assert load_config(TINY, ["controller.mode=fixed", "controller.lambda_init=1e-6"]).controller.lambda_init == 1e-6
     with pytest.raises(ConfigError, match=r"controller\.lambda_init"):

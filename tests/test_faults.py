@@ -92,6 +92,29 @@ def fill(path: Path) -> Path:
     return filler
 
 
+def test_a_full_staging_disk_under_remote_storage_names_the_local_path(tmp_path, monkeypatch):
+    """Under s3:// storage the output is written to a local staging directory first: a full disk there names that
+    directory and its free space, not the s3:// address (whose free space is unknown)."""
+    import errno
+    import tempfile
+
+    from raytrain_scu.driver.run import _writing_output
+
+    staging = tmp_path / "tmp"
+    cfg = tiny_cfg("s3://runs/tiny", "staged", "tracking.enabled=false")
+    with small_filesystem(staging, "1m") as mounted:
+        staging.mkdir(exist_ok=True)
+        monkeypatch.setattr(tempfile, "tempdir", str(staging))
+        with pytest.raises(DiskFullError) as e, _writing_output(cfg) as out:
+            if mounted:
+                fill(out)
+            raise OSError(errno.ENOSPC, "No space left on device")  # what the write into the full disk raises
+    msg = str(e.value)
+    assert f"to {staging}/raytrain_scu_output_" in msg and "staged for s3://runs/tiny/staged/output" in msg, msg
+    assert "free of" in msg and "remote storage" not in msg, msg
+    assert not list(staging.glob("raytrain_scu_output_*"))  # the staging directory is removed
+
+
 @pytest.mark.slow
 def test_a_disk_that_fills_during_a_checkpoint_stops_the_run_and_a_rerun_resumes(ray_local, tmp_path, monkeypatch,
                                                                                  capsys):

@@ -454,6 +454,58 @@ def test_hung_worker_is_killed_by_the_watchdog_and_the_run_recovers_exactly(clea
             killed_after_s=round(stop["killed_after_s"], 1), hung_run_s=round(hung_s, 1))
 
 
+class FakeHeartbeats:
+    """Stands in for the Heartbeats actor's handle: ``beat.remote(...)`` records the step sent."""
+
+    def __init__(self):
+        self.steps = []
+        self.beat = self
+        self.remote = lambda rank, pid, node, step: self.steps.append(step)
+
+
+def test_heartbeats_are_throttled_but_the_first_a_reported_and_the_last_are_always_sent():
+    from raytrain_scu.ray.watchdog import Heartbeat, beat_every_s, stalled
+
+    assert beat_every_s(30) == 1.0 and beat_every_s(2) == pytest.approx(0.2)
+    actor, now = FakeHeartbeats(), [0.0]
+    beat = Heartbeat(actor, rank=0, node_id="n", every_s=1.0, clock=lambda: now[0])
+    for step in range(1, 11):  # 0.25 s a step: one beat a second, not one a step
+        beat(step)
+        now[0] += 0.25
+    assert actor.steps == [1, 5, 9]
+    beat.reported()  # a reporting step's beat goes out within the interval
+    beat(11)
+    beat(12)
+    beat(None)  # done stepping: always sent
+    assert actor.steps == [1, 5, 9, 11, None]
+    # the watchdog waits the interval beyond the timeout: a beat 30.5 s old is no hang at a 30 s timeout
+    beats = {0: (1, "n", 26, 30.5)}
+    assert stalled(1, beats, 30 + beat_every_s(30)) is None and stalled(1, {0: (1, "n", 26, 31.5)}, 31) == 31.5
+
+
+def test_the_watchdog_actor_is_killed_when_building_the_trainer_fails(ray_local, tmp_path, monkeypatch):
+    """The hang watchdog's heartbeat actor starts before the trainer is built: an error there still kills it."""
+    import ray
+
+    from raytrain_scu.driver import run as run_mod
+    from raytrain_scu.ray import launch
+
+    seen = {}
+
+    def failing_build(cfg, *, watchdog, **kwargs):
+        seen["actor"] = watchdog.actor
+        assert ray.get(watchdog.actor.read.remote(), timeout=60)[0] == 0  # alive while the trainer is built
+        raise RuntimeError("no trainer")
+
+    monkeypatch.setattr(launch, "build_trainer", failing_build)
+    cfg = tiny_cfg(tmp_path, "leak", "train.hang_timeout_s=30", "tracking.enabled=false")
+    facts = {"use_gpu": False, "model": "tiny", "train_blocks": 1, "val_blocks": 1, "tokens_per_epoch": 1}
+    with pytest.raises(RuntimeError, match="no trainer"):
+        run_mod._launch(cfg, facts, None, verbose=False)
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(seen["actor"].read.remote(), timeout=60)
+
+
 # ---------------------------------------------------------------- non-finite loss or gradients
 
 @pytest.mark.parametrize("data_bpt,param_bpt,grad_norm,loss_scaling,outcome", [

@@ -301,6 +301,30 @@ def test_a_restarted_rank0_sends_what_was_left_once_and_skips_what_it_redoes(tmp
     assert "10 metric points (kept in" in said and "6 metric points dropped from a full buffer" in said
 
 
+def test_points_with_no_room_on_disk_are_counted_as_dropped_and_never_said_kept(tmp_path):
+    """The buffer's directory cannot be written (here: a file stands where the run directory goes, a real OSError):
+    the points wait in memory, bounded by tracking.buffer_max_points; the ones dropped for the bound are counted, and
+    at the end the ones still in memory are said lost, not kept on disk."""
+    import warnings
+
+    from raytrain_scu.tracking.tracker import MlflowTracker
+
+    cfg = tiny_cfg(tmp_path, "nodisk", "tracking.buffer_max_points=10", "tracking.uri=http://127.0.0.1:9")
+    (tmp_path / "nodisk").write_text("a file, not a directory")
+    tracker = MlflowTracker(cfg)
+    for step in range(8):  # 16 points
+        tracker.log_step({"step": step, "ctrl/lambda": 1.0, "train/data_bpt": 1.0})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tracker.flush()
+        tracker.finish([])
+    said = " ".join(str(w.message) for w in caught)
+    assert tracker.spool.waiting == 0 and len(tracker.pending) == 10 and tracker.lost == 6
+    assert "and 10 in memory (no room on disk)" in said, said
+    assert "kept in" not in said and "10 metric points lost (no room on disk" in said, said
+    assert "6 metric points dropped from a full buffer" in said, said
+
+
 def test_a_torn_last_line_of_the_spool_is_cut_off_and_later_points_stay_readable(tmp_path):
     """A line written half (a crash or a full disk mid-append) is cut off when the spool is opened: the points before
     it wait, the next append starts its own line, and the file reads whole on every later open."""

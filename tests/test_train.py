@@ -212,3 +212,32 @@ def test_more_workers_than_the_joined_cluster_has_are_refused_before_any_starts(
                  "run.name=toobig", "tracking.enabled=false"])
     assert code == 2 and time.time() - t0 < 30  # Ray Train's start-up timeout alone is 60 s
     assert "scaling.num_workers=3: 3 workers x 2 CPU need 6 CPUs, but the Ray cluster has 4" in capsys.readouterr().err
+
+
+def test_summarize_downloads_each_remote_checkpoint_once(tmp_path, monkeypatch):
+    """The last checkpoint gives the adapter and the trace, the best one adapter_best/: each is read from the
+    storage once (a pyarrow filesystem that is not the local one: Ray's Checkpoint.as_directory downloads it)."""
+    import types
+
+    import pyarrow.fs as pafs
+    from ray.train import Checkpoint
+
+    from raytrain_scu.driver.run import summarize
+    from raytrain_scu.worker.hooks import LocalHooks
+    from raytrain_scu.worker.loop import run_loop
+
+    cfg = tiny_cfg(tmp_path, "dl", "tracking.enabled=false", "train.max_steps=4", "train.checkpoint_every=2",
+                   "train.report_every=2", "train.eval_every=2")
+    run_loop(cfg, hooks=LocalHooks(device=torch.device("cpu"), run_dir=tmp_path / "ckpts"))
+    remote = pafs.SubTreeFileSystem(str(tmp_path / "ckpts"), pafs.LocalFileSystem())
+    ck2, ck4 = (Checkpoint(path=f"checkpoint_0000000{s}", filesystem=remote) for s in (2, 4))
+    downloads = []
+    to_directory = Checkpoint.to_directory
+    monkeypatch.setattr(Checkpoint, "to_directory", lambda self, *a: downloads.append(self.path) or
+                        to_directory(self, *a))
+    result = types.SimpleNamespace(metrics={"step": 4}, checkpoint=ck4,
+                                   best_checkpoints=[(ck2, {"val/data_bpt": 1.0, "step": 2}),
+                                                     (ck4, {"val/data_bpt": 2.0, "step": 4})])
+    summary = summarize(cfg, result, None, {}, [], {"use_gpu": False, "vocab_size": 100})
+    assert sorted(downloads) == [ck2.path, ck4.path]
+    assert summary["best_step"] == 2 and summary["best_adapter"].endswith("adapter_best") and summary["plots"]

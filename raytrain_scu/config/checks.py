@@ -158,6 +158,10 @@ def _check_run(cfg: Config) -> None:
     _check(bool(r.name) and "/" not in r.name and r.name not in (".", ".."), "run.name",
            f"must be a plain name (no '/'), got {r.name!r}")
     _check(bool(r.storage_path.strip()), "run.storage_path", "must not be empty")
+    # a URI here would be taken for a local path (a directory named 's3:' under the working directory)
+    _check("://" not in r.output_dir, "run.output_dir",
+           f"must be a local path, not {r.output_dir!r}: for output on remote storage leave it empty and set "
+           f"run.storage_path to the remote URI (the output goes to <storage_path>/<run.name>/output)")
     _check(r.max_failures >= -1, "run.max_failures", f"must be >= -1 (-1 = unlimited), got {r.max_failures}")
     _check(r.num_to_keep >= 1, "run.num_to_keep", f"must be >= 1, got {r.num_to_keep}")
 

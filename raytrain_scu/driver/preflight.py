@@ -75,7 +75,6 @@ def check_machine(cfg: Config) -> tuple[bool, int]:
     """GPUs and CPUs enough for a local Ray, precision and 4-bit supported; returns (use_gpu, visible GPUs)."""
     m, s = cfg.model, cfg.scaling
     local_ray = not os.environ.get("RAY_ADDRESS") and not ("ray" in sys.modules and sys.modules["ray"].is_initialized())
-    check_storage(cfg)
     gpus = visible_gpus()
     use_gpu = s.use_gpu if s.use_gpu is not None else gpus > 0
     if use_gpu and gpus == 0 and local_ray:
@@ -149,10 +148,13 @@ def resume_point(cfg: Config) -> tuple[Optional[Path], Optional[dict]]:
     return good, resume_meta
 
 
-def preflight(cfg: Config) -> dict:
-    """Every check that needs I/O, before Ray starts. Returns derived facts: where the model comes from, use_gpu,
+def preflight(cfg: Config, *, storage_checked: bool = False) -> dict:
+    """Every check that needs I/O, before Ray starts, the storage path's first (:func:`check_storage`; skipped when
+    the caller ran it already: ``storage_checked``). Returns derived facts: where the model comes from, use_gpu,
     tokens_per_epoch, the split sizes, visible GPUs, the checkpoint a re-run resumes from and the vocabulary size."""
     d = cfg.data
+    if not storage_checked:
+        check_storage(cfg)
     use_gpu, gpus = check_machine(cfg)
     where, tok = _check_model(cfg, use_gpu=use_gpu, gpus=gpus)
     good, resume_meta = resume_point(cfg)

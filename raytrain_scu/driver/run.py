@@ -101,7 +101,9 @@ def run(cfg: Config, *, quiet: bool = False, verbose: bool = False) -> dict:
     again on a re-run) and ends it, FINISHED after the summary, FAILED with the reason when training or the summary
     fails, KILLED on Ctrl-C (``launch.fit``); the workers only log into it. ``verbose``: Ray's and the workers'
     output on the console too."""
-    check_storage(cfg)  # where the lock goes must be writable: a bad storage path is said as such
+    # the lock goes under the storage path, so it must be writable before anything else: a bad storage path is said
+    # as such (preflight, which checks it too, is told it was)
+    check_storage(cfg)
     with run_lock(cfg):
         finished = finished_summary(cfg)
         if finished is not None:  # before any check that loads the model or data, and before Ray
@@ -110,7 +112,7 @@ def run(cfg: Config, *, quiet: bool = False, verbose: bool = False) -> dict:
                       f"(raise train.max_steps to extend it)", flush=True)
                 print(format_summary(finished, title="finished earlier"), flush=True)
             return finished
-        summary = _run(cfg, preflight(cfg), verbose=verbose)
+        summary = _run(cfg, preflight(cfg, storage_checked=True), verbose=verbose)
     if not quiet:
         print(format_summary(summary), flush=True)
     return summary
@@ -171,11 +173,11 @@ def _launch(cfg: Config, facts: dict, run_id: Optional[str], *, verbose: bool):
     if not verbose:
         print(f"[raytrain_scu] Ray's and the workers' logs: {ray_logs} (--verbose shows them here)", flush=True)
     sink = launch.Sink()
-    watchdog = launch.hang_watchdog(cfg, use_gpu=facts["use_gpu"])
-    trainer = launch.build_trainer(cfg, use_gpu=facts["use_gpu"], run_id=run_id, callbacks=sink.callbacks(),
-                                   watchdog=watchdog)
-    progress = Progress(target_s=cfg.controller.target_s)
-    with watchdog if watchdog is not None else contextlib.nullcontext():
+    # the watchdog's actor exists from here: the block kills it whatever raises below (building the trainer, fit)
+    with launch.hang_watchdog(cfg, use_gpu=facts["use_gpu"]) as watchdog:
+        trainer = launch.build_trainer(cfg, use_gpu=facts["use_gpu"], run_id=run_id, callbacks=sink.callbacks(),
+                                       watchdog=watchdog)
+        progress = Progress(target_s=cfg.controller.target_s)
         return ray_logs, launch.fit(trainer, cfg, sink, progress, watchdog=watchdog)  # raises on failure
 
 
@@ -201,24 +203,39 @@ def finished_summary(cfg: Config) -> Optional[dict]:
 
 
 @contextlib.contextmanager
+def _naming_full_disk(path: str | Path, what: str) -> Iterator[None]:
+    """A full disk inside is a :class:`~raytrain_scu.errors.DiskFullError` naming ``path`` and its free space."""
+    try:
+        yield
+    except OSError as e:
+        if is_disk_full(e):
+            raise disk_full(path, what) from e
+        raise
+
+
+@contextlib.contextmanager
 def _writing_output(cfg: Config) -> Iterator[Path]:
     """The directory summarize writes into: the output directory when it is local; under remote storage a local
     staging directory, uploaded whole at the end (core.storage: pyarrow's filesystem, as Ray's checkpoints). A full
-    disk is a :class:`~raytrain_scu.errors.DiskFullError` naming the output directory."""
+    disk is a :class:`~raytrain_scu.errors.DiskFullError` naming the disk that is full: the output directory, or the
+    local staging directory while the output is written there."""
     paths = RunPaths.of(cfg)
-    out = Path(tempfile.mkdtemp(prefix="raytrain_scu_output_")) if paths.output_remote else Path(paths.output)
+    what = "the run's output (adapter, config.yaml, summary.json)"
+    if not paths.output_remote:
+        with _naming_full_disk(paths.output, what):
+            out = Path(paths.output)
+            out.mkdir(parents=True, exist_ok=True)
+            yield out
+        return
+    with _naming_full_disk(tempfile.gettempdir(), f"{what}, staged for {paths.output},"):
+        out = Path(tempfile.mkdtemp(prefix="raytrain_scu_output_"))
     try:
-        out.mkdir(parents=True, exist_ok=True)
-        yield out
-        if paths.output_remote:
+        with _naming_full_disk(out, f"{what}, staged for {paths.output},"):
+            yield out
+        with _naming_full_disk(paths.output, what):
             storage.upload_dir(out, paths.uri(paths.output))
-    except OSError as e:
-        if is_disk_full(e):
-            raise disk_full(paths.output, "the run's output (adapter, config.yaml, summary.json)") from e
-        raise
     finally:
-        if paths.output_remote:
-            shutil.rmtree(out, ignore_errors=True)
+        shutil.rmtree(out, ignore_errors=True)
 
 
 def _in_output(found: dict, staged: Path, output: str) -> dict:
@@ -231,22 +248,22 @@ def _in_output(found: dict, staged: Path, output: str) -> dict:
             for k, v in found.items()}
 
 
-def _log_best(cfg: Config, result, run_id: Optional[str], summary: dict, notes: list) -> Optional[tuple]:
-    """The best checkpoint (lowest val/data_bpt) into the summary, and as an MLflow artifact; returns it (None when
-    no checkpoint has a finite val/data_bpt)."""
+def _log_best(cfg: Config, result, run_id: Optional[str], summary: dict, notes: list, local) -> Optional[tuple]:
+    """The best checkpoint (lowest val/data_bpt) into the summary, and as an MLflow artifact; returns its
+    ``(local dir, metrics)`` (None when no checkpoint has a finite val/data_bpt). ``local``:
+    ``outputs.local_checkpoints``."""
     best = best_checkpoint(result.best_checkpoints)
     if best is None and result.best_checkpoints:
         notes.append(f"no checkpoint has a finite {BEST_METRIC}: no best checkpoint")
     if best is None:
         return None
     summary["best_step"], summary["best_val_bpt"] = best[1].get("step"), best[1][BEST_METRIC]
+    best_dir = local(best[0])  # downloaded once from remote storage, for MLflow and adapter_best/
     if run_id and cfg.tracking.log_best_checkpoint:
-        with best[0].as_directory() as d:  # downloaded first from remote storage
-            warn = log_best_checkpoint(cfg, run_id, d, step=summary["best_step"],
-                                                val_bpt=summary["best_val_bpt"])
+        warn = log_best_checkpoint(cfg, run_id, str(best_dir), step=summary["best_step"], val_bpt=summary["best_val_bpt"])
         if warn:
             notes.append(warn)
-    return best
+    return best_dir, best[1]
 
 
 def summarize(cfg: Config, result, run_id: Optional[str], changes: dict, notes: list, facts: dict) -> dict:
@@ -268,16 +285,19 @@ def summarize(cfg: Config, result, run_id: Optional[str], changes: dict, notes: 
             needs = importlib.util.find_spec("flask") is None  # mlflow-skinny alone has no UI server
             summary["ui_command"] = ui + ("   (needs the ui extra: pip install 'raytrain_scu[ui]')" if needs
                                           else "   (or: make ui CONFIG=<this config>)")
-    best = _log_best(cfg, result, run_id, summary, notes)
-    with _writing_output(cfg) as out:
-        found = outputs.export_adapters(result.checkpoint, last.get("step"), best, out)
-        if result.checkpoint is not None:
-            found["plots"] = outputs.write_trace(cfg, result.checkpoint, out)
-        summary.update(_in_output(found, out, paths.output))
-        (out / "config.yaml").write_text(to_yaml(cfg, redact=True))
-        (out / BASE_RECIPE).write_text(json.dumps(base_recipe(cfg, use_gpu=facts["use_gpu"],
-                                                              vocab_size=facts["vocab_size"]), indent=1))
-        (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    with contextlib.ExitStack() as stack:
+        local = outputs.local_checkpoints(stack)  # each checkpoint downloaded once (remote storage)
+        best = _log_best(cfg, result, run_id, summary, notes, local)
+        last_dir = local(result.checkpoint) if result.checkpoint is not None else None
+        with _writing_output(cfg) as out:
+            found = outputs.export_adapters(last_dir, last.get("step"), best, out)
+            if last_dir is not None:
+                found["plots"] = outputs.write_trace(cfg, last_dir, out)
+            summary.update(_in_output(found, out, paths.output))
+            (out / "config.yaml").write_text(to_yaml(cfg, redact=True))
+            (out / BASE_RECIPE).write_text(json.dumps(base_recipe(cfg, use_gpu=facts["use_gpu"],
+                                                                  vocab_size=facts["vocab_size"]), indent=1))
+            (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     return summary
 
 

@@ -4,7 +4,6 @@ calls the loop makes into Ray Train (device, checkpoint to resume from, placemen
 ``core.checkpoint.open_good_checkpoint`` verifies."""
 from __future__ import annotations
 
-import os
 import shutil
 from functools import partial
 from pathlib import Path
@@ -19,19 +18,22 @@ from raytrain_scu.config.load import build_config
 from raytrain_scu.config.paths import RunPaths
 from raytrain_scu.console import NOTICES, relaying_warnings, take_notices
 from raytrain_scu.core.checkpoint import disk_full, is_disk_full, open_good_checkpoint, verify
+from raytrain_scu.ray.watchdog import Heartbeat
 from raytrain_scu.worker.faults import Faults
 from raytrain_scu.worker.loop import run_loop
 
 
 def train_func(config: dict) -> None:
-    """Ray Train per-worker entry point. ``config`` is ``asdict(Config)`` plus ``_mlflow_run_id`` and
-    ``_heartbeats`` (the hang watchdog's actor, or None)."""
+    """Ray Train per-worker entry point. ``config`` is ``asdict(Config)`` plus ``_mlflow_run_id``, ``_heartbeats``
+    (the hang watchdog's actor, or None) and ``_beat_every_s`` (the least time between two of a rank's beats)."""
     config = dict(config)
     run_id, heartbeats = config.pop("_mlflow_run_id", None), config.pop("_heartbeats", None)
+    every_s = config.pop("_beat_every_s", None) or 0.0
     cfg = build_config(config)
     with relaying_warnings():  # the package's warnings reach the driver's console with the reports
         try:
-            run_loop(cfg, hooks=RayHooks(heartbeats, run_dir=RunPaths.of(cfg).run), run_id=run_id)
+            hooks = RayHooks(heartbeats, run_dir=RunPaths.of(cfg).run, beat_every_s=every_s)
+            run_loop(cfg, hooks=hooks, run_id=run_id)
         except Exception as e:
             # what no report carried (a resume, a fallback) travels with the failure: its context (failure_notices)
             setattr(e, NOTICES, take_notices())
@@ -76,15 +78,17 @@ def open_checkpoint(ray_checkpoint: Checkpoint, stack) -> tuple[Path, list[str]]
 
 class RayHooks:
     """The handful of calls the loop makes into Ray Train; ``worker.hooks.LocalHooks`` stands in for them without Ray.
-    ``heartbeats``: the hang watchdog's actor (``ray.watchdog.Heartbeats``) or None; ``run_dir``: where Ray copies
-    checkpoints (named in a full disk's error)."""
+    ``heartbeats``: the hang watchdog's actor (``ray.watchdog.Heartbeats``) or None, sent a beat at most once per
+    ``beat_every_s`` (``ray.watchdog.Heartbeat``); ``run_dir``: where Ray copies checkpoints (named in a full disk's
+    error)."""
 
-    def __init__(self, heartbeats=None, run_dir: str = ""):
+    def __init__(self, heartbeats=None, run_dir: str = "", beat_every_s: float = 0.0):
         self.faults = Faults.from_env()
-        self.heartbeats, self.run_dir = heartbeats, run_dir
+        self.run_dir = run_dir
         ctx = ray.train.get_context()
-        self.rank, self.node_id = ctx.get_world_rank(), ray.get_runtime_context().get_node_id()
-        if heartbeats is not None and self.rank == 0:  # a new worker group: the last attempt's beats no longer count
+        rank, node_id = ctx.get_world_rank(), ray.get_runtime_context().get_node_id()
+        self.beat = Heartbeat(heartbeats, rank, node_id, beat_every_s) if heartbeats is not None else None
+        if heartbeats is not None and rank == 0:  # a new worker group: the last attempt's beats no longer count
             heartbeats.start_attempt.remote(ctx.get_world_size())
 
     @staticmethod
@@ -104,11 +108,13 @@ class RayHooks:
         return ray.train.torch.prepare_model(model, move_to_device=move_to_device, parallel_strategy=None)
 
     def heartbeat(self, step: Optional[int]) -> None:
-        """A completed step (None: done stepping), sent without waiting."""
-        if self.heartbeats is not None:
-            self.heartbeats.beat.remote(self.rank, os.getpid(), self.node_id, step)
+        """A completed step (None: done stepping), sent without waiting, at most once per ``beat_every_s``."""
+        if self.beat is not None:
+            self.beat(step)
 
     def report(self, metrics: dict, checkpoint_dir, checkpoint_dir_name):
+        if self.beat is not None:
+            self.beat.reported()
         checkpoint = Checkpoint.from_directory(str(checkpoint_dir)) if checkpoint_dir else None
         try:
             ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=checkpoint_dir_name)

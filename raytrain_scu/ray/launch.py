@@ -20,7 +20,7 @@ import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import ray
 import ray.train
@@ -280,10 +280,17 @@ def fit(trainer: TorchTrainer, cfg: Config, sink: Sink, progress, watchdog: Opti
     return box["result"]
 
 
-def hang_watchdog(cfg: Config, *, use_gpu: bool) -> Optional[HangWatchdog]:
-    """The run's hang watchdog (``train.hang_timeout_s``, or its per-device default), None when it is 0 (off)."""
+@contextlib.contextmanager
+def hang_watchdog(cfg: Config, *, use_gpu: bool) -> Iterator[Optional[HangWatchdog]]:
+    """The run's hang watchdog (``train.hang_timeout_s``, or its per-device default), watching inside the block; None
+    when it is 0 (off). Its heartbeat actor is killed on leaving the block, whatever raises inside it (building the
+    trainer, the fit)."""
     timeout = hang_timeout_s(cfg, use_gpu=use_gpu)
-    return HangWatchdog(timeout) if timeout > 0 else None
+    if timeout <= 0:
+        yield None
+        return
+    with HangWatchdog(timeout) as watchdog:
+        yield watchdog
 
 
 def build_trainer(cfg: Config, *, use_gpu: bool, run_id: Optional[str], callbacks=(), extra_config=None,
@@ -296,7 +303,8 @@ def build_trainer(cfg: Config, *, use_gpu: bool, run_id: Optional[str], callback
     if use_gpu:
         resources["GPU"] = s.gpus_per_worker
     loop_config = {**asdict(cfg), "_mlflow_run_id": run_id,
-                   "_heartbeats": watchdog.actor if watchdog is not None else None, **(extra_config or {})}
+                   "_heartbeats": watchdog.actor if watchdog is not None else None,
+                   "_beat_every_s": watchdog.beat_every_s if watchdog is not None else None, **(extra_config or {})}
     # read from this process's environment when fit() starts the controller (Ray propagates it): a worker holds one
     # unconsumed report and blocks on the next until the controller polls, so Ray's 2 s default caps a fast loop
     os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = str(s.poll_interval_s)

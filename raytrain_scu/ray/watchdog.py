@@ -1,10 +1,11 @@
 """The hang watchdog: a rank that stops making progress (stopped with SIGSTOP, stuck in a collective) is seen from
 outside its process, since a stopped process runs no thread of its own.
 
-Every rank sends a heartbeat after each completed step to a small actor on the driver's node (:class:`Heartbeats`;
-the worker side is ``RayHooks.heartbeat``). The driver's :class:`HangWatchdog` reads it every few seconds; once every
-rank of the current attempt has completed a step, no step completing on any rank for ``train.hang_timeout_s`` is a
-hang. It then SIGKILLs every worker process of that attempt (a stopped process dies of SIGKILL too; one on another
+Every rank sends a heartbeat after completed steps to a small actor on the driver's node (:class:`Heartbeats`; the
+worker side is :class:`Heartbeat`, called by ``RayHooks.heartbeat``): at most one per :func:`beat_every_s`, small
+against the timeout, besides the first step's, a reporting step's and the last (None). The driver's
+:class:`HangWatchdog` reads it every few seconds; once every rank of the current attempt has completed a step, no
+step completing on any rank for ``train.hang_timeout_s`` is a hang. It then SIGKILLs every worker process of that attempt (a stopped process dies of SIGKILL too; one on another
 node through a task pinned to that node), and Ray Train restarts the group from the last checkpoint, exactly as after
 a worker crash, within ``run.max_failures``. The clock of an attempt starts at its first completed step: building the
 model, resuming and the first step's compile never count.
@@ -42,6 +43,37 @@ class Heartbeats:
                                           self.beats.items()}
 
 
+def beat_every_s(timeout_s: float) -> float:
+    """The least time between two heartbeats a rank sends: a tenth of the hang timeout, at most 1 s. A rank's newest
+    completed step may be this much newer than its newest beat, so the watchdog waits this much beyond the timeout;
+    at a second, a fast loop (many steps a second) sends one RPC a second per rank instead of one per step."""
+    return min(1.0, timeout_s / 10)
+
+
+class Heartbeat:
+    """Worker side: sends rank ``rank``'s completed steps to the :class:`Heartbeats` actor ``actor``, without waiting,
+    at most one per ``every_s`` seconds. Always sent: the first step of this attempt (the watchdog's clock starts when
+    every rank has one), the step after a :meth:`reported` (what the watchdog's notice names as the last completed
+    step is then the last reported one, where a checkpoint may be) and None (done stepping)."""
+
+    def __init__(self, actor, rank: int, node_id: str, every_s: float, clock=time.monotonic):
+        self.actor, self.rank, self.node_id, self.every_s, self.clock = actor, rank, node_id, every_s, clock
+        self.pid = os.getpid()
+        self.sent_at: Optional[float] = None  # None: nothing sent yet this attempt
+        self.due = True
+
+    def reported(self) -> None:
+        """The loop reported this step: its beat is sent whatever the interval."""
+        self.due = True
+
+    def __call__(self, step: Optional[int]) -> None:
+        now = self.clock()
+        if step is not None and not self.due and now - self.sent_at < self.every_s:
+            return
+        self.sent_at, self.due = now, False
+        self.actor.beat.remote(self.rank, self.pid, self.node_id, step)
+
+
 def _kill(pid: int) -> None:
     try:
         os.kill(pid, signal.SIGKILL)
@@ -65,6 +97,7 @@ class HangWatchdog:
     def __init__(self, timeout_s: float, poll_s: Optional[float] = None):
         self.timeout_s = timeout_s
         self.poll_s = poll_s or min(5.0, max(0.5, timeout_s / 10))
+        self.beat_every_s = beat_every_s(timeout_s)
         here = ray.get_runtime_context().get_node_id()
         self.actor = Heartbeats.options(scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=True)).remote()
         self.node_id = here
@@ -79,8 +112,10 @@ class HangWatchdog:
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
-        self._thread.join(timeout=self.poll_s + 5)
-        ray.kill(self.actor, no_restart=True)
+        try:
+            self._thread.join(timeout=self.poll_s + 5)
+        finally:  # the actor goes with the block, even when a second Ctrl-C lands in the join
+            ray.kill(self.actor, no_restart=True)
 
     def _watch(self) -> None:
         while not self._stop.wait(self.poll_s):
@@ -88,7 +123,8 @@ class HangWatchdog:
                 attempt, world, beats = ray.get(self.actor.read.remote(), timeout=30)
             except Exception:  # noqa: BLE001 - a busy cluster: look again at the next poll
                 continue
-            quiet = None if attempt in self.handled else stalled(world, beats, self.timeout_s)
+            # the ranks' newest steps may be up to beat_every_s newer than their newest beats: never kill earlier
+            quiet = None if attempt in self.handled else stalled(world, beats, self.timeout_s + self.beat_every_s)
             if quiet is not None:
                 self.handled.add(attempt)
                 self._kill_attempt(beats, quiet)

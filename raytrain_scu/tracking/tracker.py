@@ -77,6 +77,7 @@ class MlflowTracker(NullTracker):
         self.uri = tracking_uri(cfg)
         self.client = None
         self.pending: list = []  # logged since the last report, not on disk yet
+        self.lost = 0  # points dropped from memory past tracking.buffer_max_points while the disk had no room
         self.spool = MetricSpool(RunPaths.of(cfg).metric_buffer, cfg.tracking.buffer_max_points)
         self.logged_through = self.spool.through  # steps <= this are recorded already (a restarted rank 0)
         self.params: dict = {}
@@ -104,8 +105,12 @@ class MlflowTracker(NullTracker):
         self.failures += 1
         if self.failures <= 3 or self.failures % 50 == 0:
             warnings.warn(f"MLflow {what} failed ({redact_uri(self.uri)}): {type(e).__name__}: "
-                          f"{redact_uri(str(e))[:200]}; {self.spool.waiting + len(self.pending)} metric points wait "
-                          f"in {self.spool.path} and are sent at the next report")
+                          f"{redact_uri(str(e))[:200]}; {self.waiting()} wait and are sent at the next report")
+
+    def waiting(self) -> str:
+        """Where the unsent points wait, in words: on disk (the spool), and in memory when the disk had no room."""
+        in_memory = f" and {len(self.pending)} in memory (no room on disk)" if self.pending else ""
+        return f"{self.spool.waiting} metric points in {self.spool.path}{in_memory}"
 
     def start(self, params: dict, resumed_at: int = 0) -> None:
         self.params = params
@@ -155,7 +160,9 @@ class MlflowTracker(NullTracker):
             self.spool.append(self.pending)
             self.pending = []
         except OSError as e:  # no room for the buffer: they wait in memory (bounded) for the next report
-            del self.pending[:max(0, len(self.pending) - self.cfg.tracking.buffer_max_points)]
+            over = max(0, len(self.pending) - self.cfg.tracking.buffer_max_points)
+            del self.pending[:over]
+            self.lost += over
             self._warn("buffer to disk", e)
         if not self.spool.waiting or not self._connect():
             return
@@ -186,11 +193,13 @@ class MlflowTracker(NullTracker):
             except Exception as e:  # noqa: BLE001
                 self._warn("log artifacts", e)
                 unrecorded.append("artifacts (config, history, plots, adapter)")
-        if self.spool.waiting or self.pending:
-            unrecorded.append(f"{self.spool.waiting + len(self.pending)} metric points (kept in {self.spool.path}: "
-                              f"the next run of this name on this machine sends them)")
-        if self.spool.dropped:
-            unrecorded.append(f"{self.spool.dropped} metric points dropped from a full buffer "
+        if self.spool.waiting:
+            unrecorded.append(f"{self.spool.waiting} metric points (kept in {self.spool.path}: the next run of this "
+                              f"name on this machine sends them)")
+        if self.pending:  # in memory only, with no room on disk: they end with this process
+            unrecorded.append(f"{len(self.pending)} metric points lost (no room on disk to keep them)")
+        if self.spool.dropped + self.lost:
+            unrecorded.append(f"{self.spool.dropped + self.lost} metric points dropped from a full buffer "
                               f"(tracking.buffer_max_points)")
         if unrecorded:
             warnings.warn(f"MLflow ({redact_uri(self.uri)}) did not record: " + "; ".join(unrecorded))

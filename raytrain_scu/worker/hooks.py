@@ -6,7 +6,7 @@
 - ``report(metrics, checkpoint_dir, checkpoint_dir_name)``: the same number of calls on every rank; rank 0 passes
   the checkpoint directory, the others None;
 - ``heartbeat(step)``: after every completed step (``None`` once the loop is done): what the driver's hang watchdog
-  reads;
+  reads (Ray's hooks send at most one per short interval: ``ray.watchdog.Heartbeat``);
 - ``faults``: fault injection (``worker.faults.Faults``).
 
 ``ray.hooks.RayHooks`` makes them Ray Train's calls; :class:`LocalHooks` runs the same loop in one bare process.
