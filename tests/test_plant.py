@@ -9,6 +9,7 @@ import pytest
 
 from raytrain_scu.controller import SCUController
 from raytrain_scu.core.plant import FITTED, FITTED_FIRST_ORDER, FixedLambda, Plant, lr_factors, simulate
+from raytrain_scu.core.schedule import lr_at
 from raytrain_scu.core.settling import reversals, second_half_error, settled_from, summary
 from raytrain_scu.studies.control import fit_plant, screen
 
@@ -69,6 +70,15 @@ def test_lr_factors_follow_the_loop_schedule():
     assert f[0] == pytest.approx(0.05) and f[19] == pytest.approx(1.0) and f[20] == pytest.approx(1.0)
     assert f[160] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 140 / 280)))
     assert f[-1] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 279 / 280)))
+
+
+def test_lr_factors_are_the_loop_s_lr_at_over_its_peak():
+    for steps, warmup, floor in ((300, 20, 0.1), (50, 1, 0.0), (7, 10, 0.5)):
+        f = lr_factors(steps, warmup_steps=warmup, min_lr_ratio=floor)
+        assert len(f) == steps
+        for t in range(steps):
+            lr = lr_at(t, lr=3e-4, warmup_steps=warmup, max_steps=steps, min_lr_ratio=floor)
+            assert lr == pytest.approx(3e-4 * f[t], rel=1e-12)
 
 
 def test_lambda_acts_as_a_switch_on_a_s_init_and_sets_the_level_at_equilibrium():

@@ -22,7 +22,7 @@ Perturbation knobs (``Plant`` fields) scale what the study could not vary: ``gai
 0.1·(λ/0.1)^gain, so d ln P_eq / d ln λ scales by it and λ = 0.1 keeps its equilibrium),
 ``lag`` (λ reaches the plant through a first-order lag of that many steps), ``speed`` (the learned norms' η),
 ``init_scale`` (R0; LoRA r 64 has 4× the A entries of r 16), ``p_scale`` (σ²N: ParamBPT and the penalty per λ
-both scale by it), ``noise``, ``data_bpt0``. The learning-rate schedule is the loop's (``lr_factors``).
+both scale by it), ``noise``, ``data_bpt0``. The learning-rate schedule is the loop's (``core.schedule``).
 """
 from __future__ import annotations
 
@@ -31,6 +31,8 @@ from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import numpy as np
+
+from raytrain_scu.core.schedule import lr_factors
 
 LR_REF = 2e-3  # the learning rate the fit's rates are per step at
 LOG_PIVOT = math.log(0.1)  # the gain knob turns ln λ about the study's best fixed λ, 0.1
@@ -45,18 +47,6 @@ FITTED = {
 }
 
 FITTED_FIRST_ORDER = {"a": -2.296, "b": 0.99627, "log_tau": -1.323, "s_down": 0.16258, "s_up": 0.10337}  # its baseline
-
-
-def lr_factors(steps: int, *, warmup_steps: int = 20, min_lr_ratio: float = 0.1) -> list[float]:
-    """lr / peak lr per optimizer step: linear warmup, then cosine to ``min_lr_ratio`` (the loop's ``lr_at``)."""
-    out = []
-    for step in range(steps):
-        if step < warmup_steps:
-            out.append((step + 1) / warmup_steps)
-            continue
-        progress = min(1.0, (step - warmup_steps) / max(1, steps - warmup_steps))
-        out.append(min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress)))
-    return out
 
 
 @dataclass(frozen=True)
