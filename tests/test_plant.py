@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from raytrain_scu.controller import SCUController
-from raytrain_scu.core.plant import FITTED, FITTED_FIRST_ORDER, FixedLambda, Plant, lr_factors, simulate
+from raytrain_scu.core.plant import FITTED, FITTED_FIRST_ORDER, Plant, lr_factors, simulate
 from raytrain_scu.core.schedule import lr_at
 from raytrain_scu.core.settling import reversals, second_half_error, settled_from, summary
 from raytrain_scu.studies.control import fit_plant, screen
@@ -82,7 +82,8 @@ def test_lr_factors_are_the_loop_s_lr_at_over_its_peak():
 
 
 def test_lambda_acts_as_a_switch_on_a_s_init_and_sets_the_level_at_equilibrium():
-    runs = {lam: simulate(FixedLambda(lam), Plant(), 300) for lam in (0.1, 1.0, 10.0, 100.0)}
+    fixed = {lam: SCUController(mode="fixed", lambda_init=lam) for lam in (0.1, 1.0, 10.0, 100.0)}
+    runs = {lam: simulate(law, Plant(), 300) for lam, law in fixed.items()}
     a20 = [runs[lam]["param_bpt_a"][19] for lam in (1.0, 10.0, 100.0)]
     assert max(a20) / min(a20) < 1.2                     # the same collapse of A's init for λ = 1 .. 100
     assert runs[1.0]["param_bpt_b"][0] == 0.0            # B starts at zero

@@ -32,6 +32,7 @@ from typing import Optional
 
 import numpy as np
 
+from raytrain_scu.core import laws
 from raytrain_scu.core.schedule import lr_factors
 
 LR_REF = 2e-3  # the learning rate the fit's rates are per step at
@@ -168,35 +169,21 @@ def simulate(law, plant: Plant, steps: int, *, lr: float = LR_REF, warmup_steps:
              min_lr_ratio: float = 0.1, seed: int = 0) -> dict:
     """Run ``law`` (any object with ``update(data_bpt, param_bpt, step=...)`` and ``lam``) in closed loop on
     ``plant`` for ``steps`` optimizer steps, as the training loop does: step t applies the λ of the last update,
-    measures DataBPT and ParamBPT, steps the plant, then updates the law. Laws with ``takes_lr_factor`` also get
-    the step's lr / peak lr. Returns per-step lists: step, lr, lam_applied, lam (after the update), data_bpt,
-    param_bpt, param_bpt_a, param_bpt_b, s, s_hat."""
+    measures DataBPT and ParamBPT, steps the plant, then updates the law through ``laws.update`` (laws with
+    ``takes_lr_factor`` also get the step's lr / peak lr). A fixed λ is ``SCUController(mode="fixed")``. Returns
+    per-step lists: step, lr, lam_applied, lam (after the update), data_bpt, param_bpt, param_bpt_a, param_bpt_b,
+    s, s_hat."""
     state = plant.start(seed)
     keys = ("step", "lr", "lam_applied", "lam", "data_bpt", "param_bpt", "param_bpt_a", "param_bpt_b", "s", "s_hat")
     out: dict = {k: [] for k in keys}
-    takes_lr = getattr(law, "takes_lr_factor", False)
     for t, factor in enumerate(lr_factors(steps, warmup_steps=warmup_steps, min_lr_ratio=min_lr_ratio)):
         lam = law.lam
         pa, pb = state.parts()
         data_bpt, param_bpt = state.measure()
         state.advance(lam, lr * factor)
-        if takes_lr:
-            law.update(data_bpt, param_bpt, step=t + 1, lr_factor=factor)
-        else:
-            law.update(data_bpt, param_bpt, step=t + 1)
+        laws.update(law, data_bpt, param_bpt, step=t + 1, lr_factor=factor)
         row = (t + 1, lr * factor, lam, law.lam, data_bpt, param_bpt, pa, pb, law.s, law.s_hat)
         for k, v in zip(keys, row):
             out[k].append(v)
     return out
 
-
-class FixedLambda:
-    """The smallest law: λ never moves (``fixed`` mode's behaviour, for open-loop runs of the plant)."""
-
-    def __init__(self, lam: float):
-        self.lam, self.s, self.s_hat = float(lam), 0.0, 0.0
-
-    def update(self, data_bpt: float, param_bpt: float, step: Optional[int] = None) -> float:
-        den = data_bpt + param_bpt
-        self.s = self.s_hat = param_bpt / den if den else 0.0
-        return self.lam
