@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from raytrain_scu.core.controller import SCUController, info_ratio
+from raytrain_scu.core.controller import SaturationWindow, SCUController, info_ratio
 
 
 def make(**kw):
@@ -287,3 +287,30 @@ def test_lambda_held_at_a_bound_is_said_once_per_stretch_with_what_it_means():
     said = [logodds.update(k, 10.0, 5e-5) for k in (1, 2)][-1]  # past S* at the bound: the law's own advice
     assert "logodds law moves ln λ back by its integral term" in said and "controller.logodds_ki" in said
     assert "controller.integral_limit" not in said
+
+
+def test_saturation_window_needs_a_full_flat_window_and_the_law_s_band():
+    w = SaturationWindow(3, 0.01)
+    for step, lam in enumerate((1.0, 1.0), start=1):
+        w.record(lam, step, near=True)
+    assert w.step is None                           # two of three: not full yet
+    w.record(1.0099, 3, near=False)
+    assert w.step is None                           # flat, but Ŝ is outside the law's band
+    w.record(1.0, 4, near=True)
+    assert w.step == 4                              # 1.0, 1.0099, 1.0: within 1 %, and Ŝ in the band
+    v = SaturationWindow(2, 0.01)
+    v.record(1.0, 1, near=True)
+    v.record(1.02, 2, near=True)
+    assert v.step is None                           # 2 % apart: not flat
+    v.record(1.02, 3, near=True)
+    assert v.step == 3                              # the first step that holds is kept ...
+    v.record(5.0, 4, near=True)
+    v.record(5.0, 5, near=True)
+    assert v.step == 3                              # ... and never moves
+    zero = SaturationWindow(2, 0.01)
+    for step in (1, 2):
+        zero.record(0.0, step, near=True)
+    assert zero.step == 2                           # λ = 0 throughout (mode none) counts as flat
+    again = SaturationWindow(2, 0.01)
+    again.load_state_dict(json.loads(json.dumps(v.state_dict())))
+    assert again.state_dict() == {"lam_window": [5.0, 5.0], "saturated_step": 3}

@@ -404,6 +404,22 @@ def test_measured_memory_splits_the_built_model_by_kind(preset):
     assert got["adapters"] == pytest.approx(lora, abs=1e-6) and got["allocated"] == 0.0  # nothing on a GPU here
 
 
+
+def test_resolve_config_reads_the_model_s_config_once(monkeypatch):
+    """The family's preset and the memory fit share one read of the model's config (a GGUF header or a hub config
+    costs I/O); with no card to fit, nothing is read."""
+    from raytrain_scu.core.model import source
+
+    calls = []
+    real = source.model_config
+    monkeypatch.setattr(source, "model_config", lambda *a, **k: calls.append(a) or real(*a, **k))
+    cfg, changes = resolve_mod.resolve_config(None, ["model.name=tiny-granite-4.0-h", "hardware.preset=auto"],
+                                              gpus=[H100])
+    assert len(calls) == 1 and changes["model.gradient_checkpointing"] == (False, True)
+    calls.clear()
+    resolve_mod.resolve_config(None, ["model.name=tiny-granite-4.0-h", "hardware.preset=auto"], gpus=[])
+    assert calls == []
+
 def test_the_granite_family_adds_checkpointing_on_the_torch_path_only(monkeypatch):
     """A hardware preset on a Granite-4.0-H model adds the family's values: gradient checkpointing where transformers'
     torch path runs the Mamba scan (no kernels here), none with the kernels; an explicit value still wins, and a Llama

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from raytrain_scu.controller import SCUController
-from raytrain_scu.core.plant import FITTED, FITTED_FIRST_ORDER, FixedLambda, Plant, lr_factors, simulate
+from raytrain_scu.core.plant import FITTED, FITTED_FIRST_ORDER, Plant, lr_factors, simulate
+from raytrain_scu.core.schedule import lr_at
 from raytrain_scu.core.settling import reversals, second_half_error, settled_from, summary
 from raytrain_scu.studies.control import fit_plant, screen
 
@@ -71,8 +72,18 @@ def test_lr_factors_follow_the_loop_schedule():
     assert f[-1] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 279 / 280)))
 
 
+def test_lr_factors_are_the_loop_s_lr_at_over_its_peak():
+    for steps, warmup, floor in ((300, 20, 0.1), (50, 1, 0.0), (7, 10, 0.5)):
+        f = lr_factors(steps, warmup_steps=warmup, min_lr_ratio=floor)
+        assert len(f) == steps
+        for t in range(steps):
+            lr = lr_at(t, lr=3e-4, warmup_steps=warmup, max_steps=steps, min_lr_ratio=floor)
+            assert lr == pytest.approx(3e-4 * f[t], rel=1e-12)
+
+
 def test_lambda_acts_as_a_switch_on_a_s_init_and_sets_the_level_at_equilibrium():
-    runs = {lam: simulate(FixedLambda(lam), Plant(), 300) for lam in (0.1, 1.0, 10.0, 100.0)}
+    fixed = {lam: SCUController(mode="fixed", lambda_init=lam) for lam in (0.1, 1.0, 10.0, 100.0)}
+    runs = {lam: simulate(law, Plant(), 300) for lam, law in fixed.items()}
     a20 = [runs[lam]["param_bpt_a"][19] for lam in (1.0, 10.0, 100.0)]
     assert max(a20) / min(a20) < 1.2                     # the same collapse of A's init for λ = 1 .. 100
     assert runs[1.0]["param_bpt_b"][0] == 0.0            # B starts at zero

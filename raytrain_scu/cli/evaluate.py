@@ -2,23 +2,18 @@
 paired bootstrap interval between two of them (``driver.evaluate`` does the scoring)."""
 from __future__ import annotations
 
-import os
+import raytrain_scu.cli.passive_omp  # noqa: F401  # isort: skip - first: OMP_WAIT_POLICY before torch loads
 
-# before torch loads (the imports below): OpenMP threads that wait by sleeping, not spinning. Scoring runs in this
-# process on every core torch sees, and threads spinning on cores that other processes also use made it 10x slower
-# on a busy 2-core machine (16 tokens/s against 192 with this, SmolLM2-135M); an exported OMP_WAIT_POLICY wins
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import argparse
+import json
+import sys
+from pathlib import Path
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import sys  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-from raytrain_scu.config.paths import split_query  # noqa: E402
-from raytrain_scu.config.resolve import resolve  # noqa: E402
-from raytrain_scu.config.schema import Config  # noqa: E402
-from raytrain_scu.driver.evaluate import DEFAULT_BOOTSTRAP, DEFAULT_CI, DEFAULT_MAX_TOKENS, evaluate  # noqa: E402
-from raytrain_scu.errors import USER_ERRORS, DataError, EvalError, ModelError  # noqa: E402
+from raytrain_scu.config.paths import split_query
+from raytrain_scu.config.resolve import resolve
+from raytrain_scu.config.schema import Config
+from raytrain_scu.driver.evaluate import DEFAULT_BOOTSTRAP, DEFAULT_CI, DEFAULT_MAX_TOKENS, evaluate
+from raytrain_scu.errors import USER_ERRORS, DataError, EvalError, ModelError
 
 FEW_DOCUMENTS = 20  # below this a resampling interval over documents is too coarse to lean on
 

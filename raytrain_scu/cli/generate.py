@@ -8,20 +8,15 @@ dtype and device its weights were drawn with.
 """
 from __future__ import annotations
 
-import os
+import raytrain_scu.cli.passive_omp  # noqa: F401  # isort: skip - first: OMP_WAIT_POLICY before torch loads
 
-# before torch loads (the imports below): OpenMP threads that wait by sleeping, not spinning. The model runs in this
-# process on every core torch sees, and threads spinning on cores that other processes also use made evaluate 10x
-# slower on a busy 2-core machine (16 tokens/s against 192 with this, SmolLM2-135M); an exported OMP_WAIT_POLICY wins
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import argparse
+import sys
 
-import argparse  # noqa: E402
-import sys  # noqa: E402
+import torch
 
-import torch  # noqa: E402
-
-from raytrain_scu.driver.generate import complete, find_run, load_for_generation  # noqa: E402
-from raytrain_scu.errors import EvalError, GenerateError, ModelError  # noqa: E402
+from raytrain_scu.driver.generate import complete, find_run, load_for_generation
+from raytrain_scu.errors import EvalError, GenerateError, ModelError
 
 
 def main(argv: list[str] | None = None) -> int:

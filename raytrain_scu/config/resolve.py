@@ -64,16 +64,15 @@ def apply_preset(cfg: Config, preset_name: str, explicit: set[str],
     return changes
 
 
-def _family_preset(cfg: Config, explicit: set[str]) -> dict[str, tuple[Any, Any]]:
+def _family_preset(cfg: Config, hf_config: Any, explicit: set[str]) -> dict[str, tuple[Any, Any]]:
     """The model family's own preset values (``core.model.families``, e.g. Granite-4.0-H's checkpointing on the torch
-    path) on top of the card's, except explicit keys; {} where the model's config cannot be read here."""
+    path) on top of the card's, except explicit keys; {} where the model's config could not be read here (None)."""
+    if hf_config is None:
+        return {}
     from raytrain_scu.core.model.families import family_of  # torch and transformers: only with a card to fit
-    from raytrain_scu.core.model.source import model_config
 
-    m = cfg.model
     try:
-        family = family_of(model_config(m.name, gguf_file=m.gguf_file, cache_dir=m.cache_dir,
-                                        trust_remote_code=m.trust_remote_code))
+        family = family_of(hf_config)
     except Exception:  # noqa: BLE001 - a missing model is reported by the pre-flight check, with its reason
         return {}
     changes = {}
@@ -94,11 +93,13 @@ def resolve_config(path: Optional[str | Path], overrides: list[str] | tuple[str,
     cfg = build_config(tree, default_name=default_run_name(path))
     changes: dict[str, tuple[Any, Any]] = {}
     found = [] if cfg.scaling.use_gpu is False else (detect_gpus() if gpus is None else gpus)
+    # read once, for the family's preset and the memory fit (no preset changes which model that is)
+    hf_config = read_model_config(cfg) if found else None
     if cfg.hardware.preset != "none":  # (no preset sets scaling.use_gpu: `found` stays right)
         changes = apply_preset(cfg, cfg.hardware.preset, explicit, gpus=found)
-        changes.update(_family_preset(cfg, explicit) if found else {})
+        changes.update(_family_preset(cfg, hf_config, explicit))
         validate(cfg)
-    shape = model_shape(cfg) if found else None
+    shape = shape_of(hf_config)
     if shape is not None:  # before launch: lower a default/preset batch, or refuse an explicit one that can't fit
         changes.update(fit_to_gpu(cfg, shape, min(g.memory_gib for g in found), explicit))
         validate(cfg)
@@ -118,21 +119,33 @@ def resolve(path: Optional[str | Path], overrides: list[str] | tuple[str, ...] =
     return cfg
 
 
-def model_shape(cfg: Config) -> Optional[dict[str, int]]:
-    """The estimator's shape of the config's model, or None when its config cannot be read here (the run's own
-    pre-flight check then says why)."""
+def read_model_config(cfg: Config) -> Any:
+    """The transformers config of the config's model, or None when it cannot be read here (the run's own pre-flight
+    check then says why)."""
     # core.model imports torch and transformers (seconds): only when there is a card to fit, so that a bad config
     # still fails within a fraction of a second
     from raytrain_scu.core.model.source import model_config
 
     try:
         m = cfg.model
-        return shape_from_hf_config(model_config(m.name, gguf_file=m.gguf_file, cache_dir=m.cache_dir,
-                                                 trust_remote_code=m.trust_remote_code))
+        return model_config(m.name, gguf_file=m.gguf_file, cache_dir=m.cache_dir, trust_remote_code=m.trust_remote_code)
     except Exception:  # noqa: BLE001 - a missing model is reported by the pre-flight check, with its reason
         return None
 
 
+def shape_of(hf_config: Any) -> Optional[dict[str, int]]:
+    """The estimator's shape of a transformers config, or None for none or one it cannot read."""
+    if hf_config is None:
+        return None
+    try:
+        return shape_from_hf_config(hf_config)
+    except Exception:  # noqa: BLE001 - no estimate; the pre-flight check reports a model it cannot use
+        return None
+
+
+def model_shape(cfg: Config) -> Optional[dict[str, int]]:
+    """The estimator's shape of the config's model, or None when its config cannot be read here."""
+    return shape_of(read_model_config(cfg))
 
 
 def memory_kwargs(cfg: Config) -> dict[str, Any]:

@@ -42,6 +42,38 @@ def info_ratio(data_bpt: float, param_bpt: float) -> float:
     return param_bpt / den if den != 0 else 0.0
 
 
+class SaturationWindow:
+    """The spec's "λ has settled" signal, shared by every law: over the last ``size`` updates
+    max(λ)/min(λ) − 1 < ``rel_tol`` (equal values count, λ = 0 included), while the law's own band on Ŝ holds.
+    Keeps the first step at which both hold."""
+
+    def __init__(self, size: int, rel_tol: float):
+        self.size, self.rel_tol = int(size), float(rel_tol)
+        self.lams: deque = deque(maxlen=self.size)
+        self.step: Optional[int] = None
+
+    def flat(self) -> bool:
+        """Whether the window is full and λ moved less than ``rel_tol`` across it."""
+        if len(self.lams) < self.size:
+            return False
+        hi, lo = max(self.lams), min(self.lams)
+        return hi == lo or (lo > 0 and hi / lo - 1.0 < self.rel_tol)
+
+    def record(self, lam: float, step: int, near: bool) -> None:
+        """Add an update's λ; ``near``: Ŝ is within the law's band around S*."""
+        self.lams.append(lam)
+        if self.step is None and near and self.flat():
+            self.step = step
+
+    def state_dict(self) -> dict:
+        return {"lam_window": list(self.lams), "saturated_step": self.step}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.lams = deque((float(x) for x in state["lam_window"]), maxlen=self.size)
+        sat = state["saturated_step"]
+        self.step = None if sat is None else int(sat)
+
+
 class SCUController:
     """PI control of λ so that the information ratio S tracks ``target_s`` (see the module docstring)."""
 
@@ -71,8 +103,7 @@ class SCUController:
         self._initialized = False
         self._n_updates = 0
         self._n_skipped = 0
-        self._window: deque = deque(maxlen=self.saturation_window)
-        self._saturated_step: Optional[int] = None
+        self._saturation = SaturationWindow(self.saturation_window, self.saturation_rel_tol)
 
     # read-only views of the state
     @property
@@ -107,11 +138,11 @@ class SCUController:
 
     @property
     def saturated_step(self) -> Optional[int]:
-        return self._saturated_step
+        return self._saturation.step
 
     @property
     def saturated(self) -> bool:
-        return self._saturated_step is not None
+        return self._saturation.step is not None
 
     def update(self, data_bpt: float, param_bpt: float, step: Optional[int] = None) -> float:
         """One control update from the optimizer step's global DataBPT and ParamBPT; returns the new λ.
@@ -137,7 +168,8 @@ class SCUController:
         self._error = e
         if self.mode == "scu":
             self._pi_step(e)
-        self._track_saturation(self._n_updates if step is None else int(step))
+        near = abs(self._s_hat - self.target_s) <= max(self.deadband, 0.05 * self.target_s)
+        self._saturation.record(self._lam, self._n_updates if step is None else int(step), near)
         return self._lam
 
     def _pi_step(self, e: float) -> None:
@@ -177,8 +209,7 @@ class SCUController:
             "initialized": self._initialized,
             "n_updates": self._n_updates,
             "n_skipped": self._n_skipped,
-            "lam_window": list(self._window),
-            "saturated_step": self._saturated_step,
+            **self._saturation.state_dict(),  # lam_window, saturated_step
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -192,9 +223,7 @@ class SCUController:
         self._initialized = bool(state["initialized"])
         self._n_updates = int(state["n_updates"])
         self._n_skipped = int(state["n_skipped"])
-        self._window = deque((float(x) for x in state["lam_window"]), maxlen=self.saturation_window)
-        sat = state["saturated_step"]
-        self._saturated_step = None if sat is None else int(sat)
+        self._saturation.load_state_dict(state)
 
     def __repr__(self) -> str:
         return (f"SCUController(mode={self.mode}, lam={self._lam:.6g}, s_hat={self._s_hat:.6g}, "

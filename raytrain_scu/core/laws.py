@@ -33,12 +33,11 @@ its first step is kept.
 from __future__ import annotations
 
 import math
-from collections import deque
 from typing import Optional
 
 from raytrain_scu.config.checks import check_controller
 from raytrain_scu.config.schema import ControllerConfig
-from raytrain_scu.core.controller import SCUController, info_ratio
+from raytrain_scu.core.controller import SaturationWindow, SCUController, info_ratio
 from raytrain_scu.core.controller import from_config as spec_from_config
 
 _D = ControllerConfig()
@@ -75,8 +74,7 @@ class LogOddsController:
         self._held = False
         self._initialized = False
         self._n_updates = self._n_skipped = 0
-        self._window: deque = deque(maxlen=self.saturation_window)
-        self._saturated_step: Optional[int] = None
+        self._saturation = SaturationWindow(self.saturation_window, self.saturation_rel_tol)
 
     # read-only views of the state (the spec's telemetry, plus log_odds_error, d_hat and held)
     lam = property(lambda self: self._lam)
@@ -89,8 +87,8 @@ class LogOddsController:
     held = property(lambda self: self._held, doc="the last update skipped integration: the error was closing")
     n_updates = property(lambda self: self._n_updates)
     n_skipped = property(lambda self: self._n_skipped)
-    saturated_step = property(lambda self: self._saturated_step)
-    saturated = property(lambda self: self._saturated_step is not None)
+    saturated_step = property(lambda self: self._saturation.step)
+    saturated = property(lambda self: self._saturation.step is not None)
 
     @property
     def integral(self) -> float:
@@ -127,7 +125,8 @@ class LogOddsController:
         if self.mode == "scu":
             self._held = abs(raw) > self.hold_error and raw * (raw - raw_prev) < 0
             self._pi_step(eps - eps_prev, 0.0 if self._held else self.ki * ell * eps)
-        self._track_saturation(self._n_updates if step is None else int(step))
+        near = abs(self._s_hat - self.target_s) <= 0.05 * self.target_s
+        self._saturation.record(self._lam, self._n_updates if step is None else int(step), near)
         return self._lam
 
     def _pi_step(self, d_eps: float, integral_step: float) -> None:
@@ -140,23 +139,13 @@ class LogOddsController:
         else:
             self._lam = math.exp(log_lam)
 
-    def _track_saturation(self, step: int) -> None:
-        self._window.append(self._lam)
-        if self._saturated_step is not None or len(self._window) < self.saturation_window:
-            return
-        hi, lo = max(self._window), min(self._window)
-        flat = (hi == lo) or (lo > 0 and hi / lo - 1.0 < self.saturation_rel_tol)
-        if flat and abs(self._s_hat - self.target_s) <= 0.05 * self.target_s:
-            self._saturated_step = step
-
     def state_dict(self) -> dict:
         """JSON-serialisable state; ``load_state_dict`` of it continues identically."""
         return {"law": "logodds", "mode": self.mode, "lam": self._lam, "d_hat": self._d_hat, "s": self._s,
                 "s_hat": self._s_hat, "error": self._error, "log_odds_error": self._log_odds_error,
                 "raw_error": self._raw_error,
                 "held": self._held, "initialized": self._initialized, "n_updates": self._n_updates,
-                "n_skipped": self._n_skipped, "lam_window": list(self._window),
-                "saturated_step": self._saturated_step}
+                "n_skipped": self._n_skipped, **self._saturation.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         for key, mine in (("law", "logodds"), ("mode", self.mode)):
@@ -168,9 +157,7 @@ class LogOddsController:
         self._raw_error = float(state["raw_error"])
         self._initialized = bool(state["initialized"])
         self._n_updates, self._n_skipped = int(state["n_updates"]), int(state["n_skipped"])
-        self._window = deque((float(x) for x in state["lam_window"]), maxlen=self.saturation_window)
-        sat = state["saturated_step"]
-        self._saturated_step = None if sat is None else int(sat)
+        self._saturation.load_state_dict(state)
 
     def __repr__(self) -> str:
         return (f"LogOddsController(mode={self.mode}, lam={self._lam:.6g}, s_hat={self._s_hat:.6g}, "

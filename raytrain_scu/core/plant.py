@@ -22,7 +22,7 @@ Perturbation knobs (``Plant`` fields) scale what the study could not vary: ``gai
 0.1·(λ/0.1)^gain, so d ln P_eq / d ln λ scales by it and λ = 0.1 keeps its equilibrium),
 ``lag`` (λ reaches the plant through a first-order lag of that many steps), ``speed`` (the learned norms' η),
 ``init_scale`` (R0; LoRA r 64 has 4× the A entries of r 16), ``p_scale`` (σ²N: ParamBPT and the penalty per λ
-both scale by it), ``noise``, ``data_bpt0``. The learning-rate schedule is the loop's (``lr_factors``).
+both scale by it), ``noise``, ``data_bpt0``. The learning-rate schedule is the loop's (``core.schedule``).
 """
 from __future__ import annotations
 
@@ -31,6 +31,9 @@ from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import numpy as np
+
+from raytrain_scu.core import laws
+from raytrain_scu.core.schedule import lr_factors
 
 LR_REF = 2e-3  # the learning rate the fit's rates are per step at
 LOG_PIVOT = math.log(0.1)  # the gain knob turns ln λ about the study's best fixed λ, 0.1
@@ -45,18 +48,6 @@ FITTED = {
 }
 
 FITTED_FIRST_ORDER = {"a": -2.296, "b": 0.99627, "log_tau": -1.323, "s_down": 0.16258, "s_up": 0.10337}  # its baseline
-
-
-def lr_factors(steps: int, *, warmup_steps: int = 20, min_lr_ratio: float = 0.1) -> list[float]:
-    """lr / peak lr per optimizer step: linear warmup, then cosine to ``min_lr_ratio`` (the loop's ``lr_at``)."""
-    out = []
-    for step in range(steps):
-        if step < warmup_steps:
-            out.append((step + 1) / warmup_steps)
-            continue
-        progress = min(1.0, (step - warmup_steps) / max(1, steps - warmup_steps))
-        out.append(min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress)))
-    return out
 
 
 @dataclass(frozen=True)
@@ -178,35 +169,21 @@ def simulate(law, plant: Plant, steps: int, *, lr: float = LR_REF, warmup_steps:
              min_lr_ratio: float = 0.1, seed: int = 0) -> dict:
     """Run ``law`` (any object with ``update(data_bpt, param_bpt, step=...)`` and ``lam``) in closed loop on
     ``plant`` for ``steps`` optimizer steps, as the training loop does: step t applies the λ of the last update,
-    measures DataBPT and ParamBPT, steps the plant, then updates the law. Laws with ``takes_lr_factor`` also get
-    the step's lr / peak lr. Returns per-step lists: step, lr, lam_applied, lam (after the update), data_bpt,
-    param_bpt, param_bpt_a, param_bpt_b, s, s_hat."""
+    measures DataBPT and ParamBPT, steps the plant, then updates the law through ``laws.update`` (laws with
+    ``takes_lr_factor`` also get the step's lr / peak lr). A fixed λ is ``SCUController(mode="fixed")``. Returns
+    per-step lists: step, lr, lam_applied, lam (after the update), data_bpt, param_bpt, param_bpt_a, param_bpt_b,
+    s, s_hat."""
     state = plant.start(seed)
     keys = ("step", "lr", "lam_applied", "lam", "data_bpt", "param_bpt", "param_bpt_a", "param_bpt_b", "s", "s_hat")
     out: dict = {k: [] for k in keys}
-    takes_lr = getattr(law, "takes_lr_factor", False)
     for t, factor in enumerate(lr_factors(steps, warmup_steps=warmup_steps, min_lr_ratio=min_lr_ratio)):
         lam = law.lam
         pa, pb = state.parts()
         data_bpt, param_bpt = state.measure()
         state.advance(lam, lr * factor)
-        if takes_lr:
-            law.update(data_bpt, param_bpt, step=t + 1, lr_factor=factor)
-        else:
-            law.update(data_bpt, param_bpt, step=t + 1)
+        laws.update(law, data_bpt, param_bpt, step=t + 1, lr_factor=factor)
         row = (t + 1, lr * factor, lam, law.lam, data_bpt, param_bpt, pa, pb, law.s, law.s_hat)
         for k, v in zip(keys, row):
             out[k].append(v)
     return out
 
-
-class FixedLambda:
-    """The smallest law: λ never moves (``fixed`` mode's behaviour, for open-loop runs of the plant)."""
-
-    def __init__(self, lam: float):
-        self.lam, self.s, self.s_hat = float(lam), 0.0, 0.0
-
-    def update(self, data_bpt: float, param_bpt: float, step: Optional[int] = None) -> float:
-        den = data_bpt + param_bpt
-        self.s = self.s_hat = param_bpt / den if den else 0.0
-        return self.lam

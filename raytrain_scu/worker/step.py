@@ -9,18 +9,11 @@ import torch
 from raytrain_scu.core.data.batches import train_batch
 from raytrain_scu.core.dist import all_reduce_sum, average_gradients, barrier, rank, world_size
 from raytrain_scu.core.regularizer import param_bpt, param_bpt_parts
+from raytrain_scu.core.schedule import lr_at
 from raytrain_scu.errors import NonFiniteError
 from raytrain_scu.worker.state import State
 
 LN2 = math.log(2.0)
-
-
-def lr_at(step: int, *, lr: float, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:
-    """Linear warmup to ``lr``, then cosine decay to ``lr * min_lr_ratio`` at ``max_steps``."""
-    if step < warmup_steps:
-        return lr * (step + 1) / warmup_steps
-    progress = (step - warmup_steps) / max(1, max_steps - warmup_steps)
-    return lr * (min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress))))
 
 
 def loss_step(s: State, x, y, *, step: int, lam: float, last: bool):

@@ -17,11 +17,8 @@ from pathlib import Path
 import numpy as np
 
 from raytrain_scu.core import settling
+from raytrain_scu.studies.ablation.numbers import bootstrap_interval, interval, mean_ci, num, steps, write_doc
 
-# Student's t, two-sided 95%, by degrees of freedom (beyond 30: 1.96)
-T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
-        11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093, 20: 2.086,
-        25: 2.060, 30: 2.042}
 ORDER = ("none", "fixed", "scu", "scu_init", "tuned", "gains")
 SCU_FAMILIES = ("scu", "scu_init", "tuned", "gains")
 PER_SEED = ("settled_step", "settled_step_raw", "last_bound_step", "saturated_step")  # listed per seed, not averaged
@@ -111,15 +108,6 @@ def units_of(results: dict, seed: int) -> np.ndarray:
     return found[0]
 
 
-def mean_ci(values) -> tuple[float, float]:
-    v = np.asarray(values, dtype=np.float64)
-    if len(v) < 2:
-        return float(v.mean()), math.nan
-    df = len(v) - 1
-    t = T975.get(df) or next((T975[k] for k in sorted(T975) if k >= df), 1.96)  # between rows: the next one up
-    return float(v.mean()), t * float(v.std(ddof=1)) / math.sqrt(len(v))
-
-
 def gap(results: dict, ts: list[dict], ref: dict[int, dict], n_boot: int, ci: float = 0.95) -> dict:
     """BPT(arm) − BPT(reference): the mean over seeds of each seed's difference on its own held-out units, and a
     stratified paired bootstrap of it (units resampled within each seed, arm and reference together; seeds weigh
@@ -127,17 +115,14 @@ def gap(results: dict, ts: list[dict], ref: dict[int, dict], n_boot: int, ci: fl
     pairs = [(t, ref[t["seed"]]) for t in ts if t["seed"] in ref]
     if not pairs:
         return {"diff_bpt": math.nan, "ci_low": math.nan, "ci_high": math.nan}
-    rng = np.random.default_rng(0)
-    point, boots = [], []
+    point, units = [], []
     for t, r in pairs:
         d = np.asarray(t["unit_nats"]) - np.asarray(r["unit_nats"])
         tok = units_of(results, t["seed"]).astype(np.float64)
         point.append(d.sum() / tok.sum() / math.log(2))
-        idx = rng.integers(0, len(d), size=(n_boot, len(d)))
-        boots.append(d[idx].sum(axis=1) / tok[idx].sum(axis=1) / math.log(2))
-    boot = np.mean(boots, axis=0)
-    return {"diff_bpt": float(np.mean(point)), "ci_low": float(np.quantile(boot, (1 - ci) / 2)),
-            "ci_high": float(np.quantile(boot, (1 + ci) / 2))}
+        units.append((t["unit_nats"], r["unit_nats"], tok))
+    lo, hi = bootstrap_interval(units, n_boot, ci)
+    return {"diff_bpt": float(np.mean(point)), "ci_low": lo, "ci_high": hi}
 
 
 def summarize(results: dict, n_boot: int) -> list[dict]:
@@ -174,26 +159,18 @@ def summarize(results: dict, n_boot: int) -> list[dict]:
 
 # ---------------------------------------------------------------- tables
 
-def _num(value, spec: str) -> str:
-    return "-" if value is None or (isinstance(value, float) and not math.isfinite(value)) else format(value, spec)
-
-
 def _gap(v, ci) -> str:
-    return f"{_num(v, '+.4f')} [{_num(ci[0], '+.4f')}, {_num(ci[1], '+.4f')}]"
-
-
-def _steps(vals) -> str:
-    return ", ".join("-" if v is None else str(v) for v in vals)
+    return f"{num(v, '+.4f')} {interval(ci[0], ci[1])}"
 
 
 def outcome_table(rows: list[dict]) -> str:
     lines = ["| arm | seeds | held-out BPT (mean ± 95% CI) | gap to none [95% CI] | gap to best fixed λ [95% CI] | "
              "Ŝ at the end (mean, last 20%) | final λ | Tune wall s / trial |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        ci = _num(r["val_bpt_ci95"], ".4f")
-        lines.append(f"| {r['arm']} | {len(r['seeds'])} | {_num(r['val_bpt'], '.4f')}{'' if ci == '-' else ' ± ' + ci} | "
+        ci = num(r["val_bpt_ci95"], ".4f")
+        lines.append(f"| {r['arm']} | {len(r['seeds'])} | {num(r['val_bpt'], '.4f')}{'' if ci == '-' else ' ± ' + ci} | "
                      f"{_gap(r['gap_none'], r['gap_none_ci'])} | {_gap(r['gap_best_fixed'], r['gap_best_fixed_ci'])} | "
-                     f"{_num(r['s_end'], '.4g')} | {_num(r['final_lambda'], '.3g')} | {_num(r['time_s'], '.0f')} |")
+                     f"{num(r['s_end'], '.4g')} | {num(r['final_lambda'], '.3g')} | {num(r['time_s'], '.0f')} |")
     return "\n".join(lines)
 
 
@@ -207,12 +184,12 @@ def control_table(rows: list[dict]) -> str:
     for r in rows:
         if r["family"] not in SCU_FAMILIES:
             continue
-        lines.append(f"| {r['arm']} | {len(r['seeds'])} | {_num(r['target_s'], '.3g')} | {_steps(r['settled_step'])} | "
-                     f"{_steps(r['settled_step_raw'])} | {_num(r.get('second_half_error'), '.4g')} | "
-                     f"{_num(r.get('reversals'), '.1f')} | {_num(r.get('steps_at_bound'), '.1f')} | "
-                     f"{_steps(r['last_bound_step'])} | {_num(r.get('bound_hits'), '.1f')} | "
-                     f"{_steps(r['saturated_step'])} | {_num(r.get('param_bpt_a'), '.3g')} / "
-                     f"{_num(r.get('param_bpt_b'), '.3g')} |")
+        lines.append(f"| {r['arm']} | {len(r['seeds'])} | {num(r['target_s'], '.3g')} | {steps(r['settled_step'])} | "
+                     f"{steps(r['settled_step_raw'])} | {num(r.get('second_half_error'), '.4g')} | "
+                     f"{num(r.get('reversals'), '.1f')} | {num(r.get('steps_at_bound'), '.1f')} | "
+                     f"{steps(r['last_bound_step'])} | {num(r.get('bound_hits'), '.1f')} | "
+                     f"{steps(r['saturated_step'])} | {num(r.get('param_bpt_a'), '.3g')} / "
+                     f"{num(r.get('param_bpt_b'), '.3g')} |")
     return "\n".join(lines)
 
 
@@ -221,7 +198,7 @@ def sweep_table(sweep: dict) -> str:
     for r in sweep["rows"]:
         p = r["params"]
         lines.append(f"| {r['trial']} | {p['controller.kp']:.3g} | {p['controller.ki']:.3g} | "
-                     f"{p['controller.target_s']:.3g} | {_num(r['metric'], '.5f')} | {r['steps']} | {r['status']} |")
+                     f"{p['controller.target_s']:.3g} | {num(r['metric'], '.5f')} | {r['steps']} | {r['status']} |")
     return "\n".join(lines)
 
 
@@ -326,7 +303,7 @@ def markdown(results: dict, rows: list[dict], plot_paths: list[Path], rel: str) 
                      f"`{json.dumps(sw['best'])}`\n\n" + sweep_table(sw))
     c = cost(results, rows)
     parts.append(f"### Cost\n\nEvery run trains the same steps. The fixed-λ grid on one seed: {c['grid_runs']} runs "
-                 f"({_num(c['grid_gpu_s'], '.0f')} s of Tune wall time); one SCU run: {_num(c['scu_gpu_s'], '.0f')} s. "
+                 f"({num(c['grid_gpu_s'], '.0f')} s of Tune wall time); one SCU run: {num(c['scu_gpu_s'], '.0f')} s. "
                  f"Tune's wall time per trial includes start-up, any wait for a free GPU and, where a stage's trials "
                  f"shared a GPU (`scaling.gpus_per_worker` < 1 in the machine list above), its sharing: compare run "
                  f"counts.")
@@ -345,10 +322,5 @@ def write(results: dict, out: Path, *, n_boot: int = 2000, doc: Path | None = No
 
     (out / "summary.json").write_text(json.dumps(json_ready(rows), indent=1, allow_nan=False))
     if doc is not None:
-        notes = out / "notes.md"
-        rel = out.relative_to(doc.parent) if out.is_relative_to(doc.parent) else out
-        generated = markdown(results, rows, plot_paths, str(rel / "plots"))
-        doc.write_text((notes.read_text() + "\n\n" if notes.exists() else "") +
-                       f"## The numbers (generated from {out}/results.json by "
-                       f"`python -m raytrain_scu.ablation_report {out} --doc {doc}`)\n\n" + generated + "\n")
+        write_doc(out, doc, lambda rel: markdown(results, rows, plot_paths, str(rel / "plots")))
     return text

@@ -29,7 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
-from raytrain_scu.core.plant import LR_REF, lr_factors, norms_step
+from raytrain_scu.core.plant import LR_REF, norms_step
+from raytrain_scu.core.schedule import lr_factors
 
 FLOOR = 1e-3  # bits/token: ln P is compared above this
 R_REF = 65.0  # A's init part at the reference N (the study's seeds: 57-74)

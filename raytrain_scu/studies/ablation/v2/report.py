@@ -11,23 +11,11 @@ import json
 import math
 from pathlib import Path
 
+from raytrain_scu.studies.ablation.numbers import interval, num, steps, write_doc
 from raytrain_scu.studies.ablation.results import json_ready
 from raytrain_scu.studies.ablation.v2 import protocol as p
 from raytrain_scu.studies.ablation.v2 import stats
 from raytrain_scu.studies.ablation.v2.figures import figures
-
-
-def _num(value, spec: str) -> str:
-    return "-" if value is None or (isinstance(value, float) and not math.isfinite(value)) else format(value, spec)
-
-
-def _interval(lo, hi) -> str:
-    return f"[{_num(lo, '+.4f')}, {_num(hi, '+.4f')}]"
-
-
-def _steps(vals) -> str:
-    return ", ".join("-" if v is None else str(v) for v in vals)
-
 
 # ---------------------------------------------------------------- tables
 
@@ -47,10 +35,10 @@ def arms_table(rows: list[dict]) -> str:
     lines = ["| arm | seeds | select-plays BPT (mean) | report-plays BPT (mean ± 95% t) | Ŝ at the end (mean, last "
              "20%) | Tune wall s / trial |", "|---|---|---|---|---|---|"]
     for r in rows:
-        half = _num(r["report_half"], ".4f")
-        lines.append(f"| {r['arm']} | {len(r['seeds'])} | {_num(r['select_bpt'], '.4f')} | "
-                     f"{_num(r['report_bpt'], '.4f')}{'' if half == '-' else ' ± ' + half} | "
-                     f"{_num(r['s_end'], '.4g')} | {_num(r['time_s'], '.0f')} |")
+        half = num(r["report_half"], ".4f")
+        lines.append(f"| {r['arm']} | {len(r['seeds'])} | {num(r['select_bpt'], '.4f')} | "
+                     f"{num(r['report_bpt'], '.4f')}{'' if half == '-' else ' ± ' + half} | "
+                     f"{num(r['s_end'], '.4g')} | {num(r['time_s'], '.0f')} |")
     return "\n".join(lines)
 
 
@@ -59,8 +47,8 @@ def gaps_table(gaps: list[dict]) -> str:
              "bootstrap 95% |", "|---|---|---|---|---|"]
     for g in gaps:
         per = ", ".join(f"{s}: {v:+.4f}" for s, v in sorted(g["per_seed"].items()))
-        lines.append(f"| {g['name']} | {per} | {_num(g['mean'], '+.4f')} | {_interval(g['t_low'], g['t_high'])} | "
-                     f"{_interval(g['boot_low'], g['boot_high'])} |")
+        lines.append(f"| {g['name']} | {per} | {num(g['mean'], '+.4f')} | {interval(g['t_low'], g['t_high'])} | "
+                     f"{interval(g['boot_low'], g['boot_high'])} |")
     return "\n".join(lines)
 
 
@@ -72,9 +60,9 @@ def tracking_table(rows: list[dict]) -> str:
         runs, n = r["runs"], len(r["runs"])
         late = [x["last_bound_step"] if (x["last_bound_step"] or 0) > p.BOUND_AFTER else None for x in runs]
         err = sum(x["second_half_error"] for x in runs) / n
-        lines.append(f"| {r['arm']} | {_steps(r['seeds'])} | {r['settled']}/{n} | {r['settled_raw']}/{n} | "
-                     f"{_steps([x['settled_step'] for x in runs])} | {_steps([x['reversals'] for x in runs])} | "
-                     f"{_steps([x['steps_at_bound'] for x in runs])} | {_steps(late)} | {_num(err, '.4f')} | "
+        lines.append(f"| {r['arm']} | {steps(r['seeds'])} | {r['settled']}/{n} | {r['settled_raw']}/{n} | "
+                     f"{steps([x['settled_step'] for x in runs])} | {steps([x['reversals'] for x in runs])} | "
+                     f"{steps([x['steps_at_bound'] for x in runs])} | {steps(late)} | {num(err, '.4f')} | "
                      f"{r['passes']}/{n} |")
     return "\n".join(lines)
 
@@ -100,8 +88,8 @@ def cost_text(rows: list[dict], n_lambdas: int, best_lambda: float | None) -> st
     fixed, law = ([r["time_s"] for r in rows if r["family"] == f and math.isfinite(r["time_s"])]
                   for f in ("fixed", "logodds"))
     text = (f"Every run trains the same steps: the fixed-λ grid is {n_lambdas} runs per seed (mean Tune wall "
-            f"{_num(sum(fixed) / len(fixed) if fixed else math.nan, '.0f')} s each), the logodds law one run per "
-            f"target ({_num(sum(law) / len(law) if law else math.nan, '.0f')} s). Tune's wall time includes start-up "
+            f"{num(sum(fixed) / len(fixed) if fixed else math.nan, '.0f')} s each), the logodds law one run per "
+            f"target ({num(sum(law) / len(law) if law else math.nan, '.0f')} s). Tune's wall time includes start-up "
             f"and any sharing of a GPU (`scaling.gpus_per_worker` < 1 in the calls above): compare run counts.")
     grid = sorted((r["sort"], r["report_bpt"]) for r in rows if r["family"] == "fixed")
     laws = [r["report_bpt"] for r in rows if r["family"] == "logodds"]
@@ -177,9 +165,5 @@ def write(results: dict, out: Path, *, n_boot: int = 2000, doc: Path | None = No
     (out / "summary.json").write_text(json.dumps(json_ready({"decision": decision, "plants": per}), indent=1,
                                                  allow_nan=False, default=str))
     if doc is not None:
-        notes = out / "notes.md"
-        rel = out.relative_to(doc.parent) if out.is_relative_to(doc.parent) else out
-        doc.write_text((notes.read_text() + "\n\n" if notes.exists() else "") +
-                       f"## The numbers (generated from {out}/results.json by `python -m raytrain_scu.ablation_report "
-                       f"{out} --doc {doc}`)\n\n" + markdown(results, per, decision, plots, f"{rel}/plots") + "\n")
+        write_doc(out, doc, lambda rel: markdown(results, per, decision, plots, f"{rel}/plots"))
     return text

@@ -13,10 +13,10 @@ import math
 import numpy as np
 
 from raytrain_scu.core import settling
-from raytrain_scu.studies.ablation.report import T975, aligned, end_level
+from raytrain_scu.studies.ablation.numbers import LN2, bootstrap_interval, mean_ci
+from raytrain_scu.studies.ablation.report import aligned, end_level
 from raytrain_scu.studies.ablation.v2 import protocol as p
 
-LN2 = math.log(2.0)
 PASS_SHARE = 16 / 18  # the tracking rule: the logodds law passes in at least 16 of its 18 runs
 
 
@@ -24,33 +24,12 @@ PASS_SHARE = 16 / 18  # the tracking rule: the logodds law passes in at least 16
 
 def t_interval(values) -> dict:
     """Mean and its two-sided 95% t-interval over ``values`` (one per seed); no interval from one value."""
-    v = np.asarray(values, dtype=np.float64)
-    mean = float(v.mean()) if len(v) else math.nan
-    if len(v) < 2:
-        return {"mean": mean, "low": math.nan, "high": math.nan, "n": len(v)}
-    df = len(v) - 1
-    t = T975.get(df) or next((T975[k] for k in sorted(T975) if k >= df), 1.96)
-    half = t * float(v.std(ddof=1)) / math.sqrt(len(v))
-    return {"mean": mean, "low": mean - half, "high": mean + half, "n": len(v)}
+    mean, half = mean_ci(values)
+    return {"mean": mean, "low": mean - half, "high": mean + half, "n": len(values)}
 
 
 def bpt(nats, tokens) -> float:
     return float(np.sum(nats)) / float(np.sum(tokens)) / LN2
-
-
-def bootstrap_interval(pairs: list[tuple], n_boot: int, ci: float = 0.95, seed: int = 0) -> tuple[float, float]:
-    """v1's stratified paired bootstrap of the mean over seeds of each seed's gap: ``pairs`` holds (arm nats,
-    reference nats, tokens) per seed, one entry per unit; units are resampled within each seed."""
-    if not pairs:
-        return math.nan, math.nan
-    rng = np.random.default_rng(seed)
-    boots = []
-    for a, b, tok in pairs:
-        d, tok = np.asarray(a, np.float64) - np.asarray(b, np.float64), np.asarray(tok, np.float64)
-        idx = rng.integers(0, len(d), size=(n_boot, len(d)))
-        boots.append(d[idx].sum(axis=1) / tok[idx].sum(axis=1) / LN2)
-    boot = np.mean(boots, axis=0)
-    return float(np.quantile(boot, (1 - ci) / 2)), float(np.quantile(boot, (1 + ci) / 2))
 
 
 def gap(arm: dict, ref: dict, tokens: dict, n_boot: int) -> dict:
