@@ -322,6 +322,8 @@ def test_a_study_runs_in_calls_of_at_most_max_trials_each_going_on_from_the_file
     assert v2_cli.main([*args, "optim.lr=0.001"]) == 2
     assert "P1: this call's resolved config differs" in capsys.readouterr().err
     assert v2_cli.main([*args, "scaling.cpus_per_worker=0.5", "tracking.enabled=false"]) == 0
+    assert v2_cli.main([*args, "scaling.num_workers=1"]) == 2  # the global batch: what a trial computes
+    assert "scaling.num_workers: 2 -> 1" in capsys.readouterr().err
 
 
 def test_the_laws_stage_alone_needs_the_fixed_stage(tmp_path, capsys):
@@ -442,14 +444,14 @@ def test_seeds_scored_in_ray_tasks_equal_the_seeds_scored_in_this_process(tmp_pa
     assert here[3]["nats"]["t0"].tolist() != here[3]["nats"]["t1"].tolist()
 
 
-def test_the_cost_note_sets_the_laws_spread_over_its_targets_beside_the_grids_around_the_best_lambda():
+def test_the_cost_note_sets_the_laws_spread_beside_the_fixed_arms_that_end_in_the_same_range_of_s():
     from raytrain_scu.studies.ablation.v2.report import cost_text
 
-    rows = [{"family": "fixed", "sort": lam, "report_bpt": bpt, "time_s": 10.0}
-            for lam, bpt in ((0.01, 8.0), (0.1, 5.5), (0.3, 4.9), (1.0, 5.0), (3.0, 5.2))]
-    rows += [{"family": "logodds", "sort": s, "report_bpt": bpt, "time_s": 12.0}
+    rows = [{"family": "fixed", "arm": f"fixed λ={lam:g}", "sort": lam, "report_bpt": bpt, "s_end": s_end,
+             "time_s": 10.0} for lam, bpt, s_end in ((0.01, 8.0, 0.9), (0.1, 5.5, 0.3), (0.3, 4.9, 0.06))]
+    rows += [{"family": "logodds", "sort": s, "report_bpt": bpt, "s_end": s, "time_s": 12.0}
              for s, bpt in ((0.1, 4.95), (0.2, 4.91), (0.4, 4.93))]
-    text = cost_text(rows, 5, best_lambda=0.3)  # the select plays' choice, not the report plays' lowest
-    assert "(0.1, 0.3, 1) spans 4.9000–5.5000" in text and "spans 4.9100–4.9500" in text
-    assert "its targets are derived from the fixed grid" in text
-    assert "spans" not in cost_text(rows, 5, best_lambda=None)
+    text = cost_text(rows, 3)
+    assert "(S* = 0.1, 0.2, 0.4) are derived from the fixed grid" in text and "spans 4.9100–4.9500" in text
+    assert "same range of S: fixed λ=0.1 ends at S = 0.3, 5.5000." in text  # 0.06 and 0.9 lie outside 0.1–0.4
+    assert "derived" not in cost_text(rows[:3], 3)

@@ -404,7 +404,6 @@ def test_measured_memory_splits_the_built_model_by_kind(preset):
     assert got["adapters"] == pytest.approx(lora, abs=1e-6) and got["allocated"] == 0.0  # nothing on a GPU here
 
 
-
 def test_resolve_config_reads_the_model_s_config_once(monkeypatch):
     """The family's preset and the memory fit share one read of the model's config (a GGUF header or a hub config
     costs I/O); with no card to fit, nothing is read."""

@@ -72,13 +72,17 @@ def test_lr_factors_follow_the_loop_schedule():
     assert f[-1] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 279 / 280)))
 
 
-def test_lr_factors_are_the_loop_s_lr_at_over_its_peak():
-    for steps, warmup, floor in ((300, 20, 0.1), (50, 1, 0.0), (7, 10, 0.5)):
-        f = lr_factors(steps, warmup_steps=warmup, min_lr_ratio=floor)
-        assert len(f) == steps
-        for t in range(steps):
-            lr = lr_at(t, lr=3e-4, warmup_steps=warmup, max_steps=steps, min_lr_ratio=floor)
-            assert lr == pytest.approx(3e-4 * f[t], rel=1e-12)
+def test_the_schedule_warms_up_linearly_then_decays_by_a_cosine_to_its_floor_by_hand():
+    import math
+
+    f = lr_factors(120, warmup_steps=20, min_lr_ratio=0.1)
+    assert len(f) == 120
+    assert f[0] == pytest.approx(1 / 20) and f[9] == pytest.approx(10 / 20) and f[19] == pytest.approx(1.0)
+    assert f[20] == pytest.approx(1.0)                                     # the peak, where the decay starts
+    assert f[70] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))  # half way: 0.55
+    assert f[119] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 99 / 100)))
+    assert lr_at(200, lr=3e-4, warmup_steps=20, max_steps=120, min_lr_ratio=0.1) == pytest.approx(3e-5)  # the floor
+    assert lr_at(70, lr=3e-4, warmup_steps=20, max_steps=120, min_lr_ratio=0.1) == pytest.approx(3e-4 * f[70])
 
 
 def test_lambda_acts_as_a_switch_on_a_s_init_and_sets_the_level_at_equilibrium():

@@ -325,6 +325,29 @@ def test_points_with_no_room_on_disk_are_counted_as_dropped_and_never_said_kept(
     assert "6 metric points dropped from a full buffer" in said, said
 
 
+def test_points_held_in_memory_for_want_of_disk_reach_a_store_that_is_up(tmp_path):
+    """No room for the buffer on disk, and the store (a real sqlite MLflow store) answers: the points held in memory
+    are sent, none is lost."""
+    import warnings
+
+    from mlflow.tracking import MlflowClient
+
+    from raytrain_scu.tracking.tracker import MlflowTracker
+
+    uri = f"sqlite:///{tmp_path}/store.db"
+    cfg = tiny_cfg(tmp_path, "nodisk", "tracking.buffer_max_points=100", f"tracking.uri={uri}")
+    (tmp_path / "nodisk").write_text("a file, not a directory")
+    tracker = MlflowTracker(cfg)
+    for step in range(8):
+        tracker.log_step({"step": step, "ctrl/lambda": float(step)})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tracker.flush()
+    assert tracker.pending == [] and tracker.lost == 0
+    history = MlflowClient(uri).get_metric_history(tracker.run_id, "ctrl/lambda")
+    assert sorted((m.step, m.value) for m in history) == [(s, float(s)) for s in range(8)]
+
+
 def test_a_torn_last_line_of_the_spool_is_cut_off_and_later_points_stay_readable(tmp_path):
     """A line written half (a crash or a full disk mid-append) is cut off when the spool is opened: the points before
     it wait, the next append starts its own line, and the file reads whole on every later open."""

@@ -187,16 +187,6 @@ class SCUController:
         u = self.kp * e + self._integral
         self._lam = min(max(lam * math.exp(u), self.lambda_min), self.lambda_max)
 
-    def _track_saturation(self, step: int) -> None:
-        self._window.append(self._lam)
-        if self._saturated_step is not None or len(self._window) < self.saturation_window:
-            return
-        hi, lo = max(self._window), min(self._window)
-        flat = (hi == lo) or (lo > 0 and hi / lo - 1.0 < self.saturation_rel_tol)
-        near = abs(self._s_hat - self.target_s) <= max(self.deadband, 0.05 * self.target_s)
-        if flat and near:
-            self._saturated_step = step
-
     def state_dict(self) -> dict:
         """JSON-serialisable state; ``load_state_dict`` of it continues identically."""
         return {

@@ -260,7 +260,8 @@ def _log_best(cfg: Config, result, run_id: Optional[str], summary: dict, notes: 
     summary["best_step"], summary["best_val_bpt"] = best[1].get("step"), best[1][BEST_METRIC]
     best_dir = local(best[0])  # downloaded once from remote storage, for MLflow and adapter_best/
     if run_id and cfg.tracking.log_best_checkpoint:
-        warn = log_best_checkpoint(cfg, run_id, str(best_dir), step=summary["best_step"], val_bpt=summary["best_val_bpt"])
+        warn = log_best_checkpoint(cfg, run_id, str(best_dir), step=summary["best_step"],
+                                   val_bpt=summary["best_val_bpt"])
         if warn:
             notes.append(warn)
     return best_dir, best[1]
@@ -287,8 +288,9 @@ def summarize(cfg: Config, result, run_id: Optional[str], changes: dict, notes: 
                                           else "   (or: make ui CONFIG=<this config>)")
     with contextlib.ExitStack() as stack:
         local = outputs.local_checkpoints(stack)  # each checkpoint downloaded once (remote storage)
-        best = _log_best(cfg, result, run_id, summary, notes, local)
-        last_dir = local(result.checkpoint) if result.checkpoint is not None else None
+        with _naming_full_disk(tempfile.gettempdir(), "the checkpoints downloaded from the run's storage"):
+            best = _log_best(cfg, result, run_id, summary, notes, local)
+            last_dir = local(result.checkpoint) if result.checkpoint is not None else None
         with _writing_output(cfg) as out:
             found = outputs.export_adapters(last_dir, last.get("step"), best, out)
             if last_dir is not None:

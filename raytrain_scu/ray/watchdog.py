@@ -5,9 +5,10 @@ Every rank sends a heartbeat after completed steps to a small actor on the drive
 worker side is :class:`Heartbeat`, called by ``RayHooks.heartbeat``): at most one per :func:`beat_every_s`, small
 against the timeout, besides the first step's, a reporting step's and the last (None). The driver's
 :class:`HangWatchdog` reads it every few seconds; once every rank of the current attempt has completed a step, no
-step completing on any rank for ``train.hang_timeout_s`` is a hang. It then SIGKILLs every worker process of that attempt (a stopped process dies of SIGKILL too; one on another
-node through a task pinned to that node), and Ray Train restarts the group from the last checkpoint, exactly as after
-a worker crash, within ``run.max_failures``. The clock of an attempt starts at its first completed step: building the
+step completing on any rank for ``train.hang_timeout_s`` (plus one beat interval) is a hang. It then SIGKILLs every
+worker process of that attempt (a stopped process dies of SIGKILL too; one on another node through a task pinned to
+that node), and Ray Train restarts the group from the last checkpoint, exactly as after a worker crash, within
+``run.max_failures``. The clock of an attempt starts at its first completed step: building the
 model, resuming and the first step's compile never count.
 """
 from __future__ import annotations

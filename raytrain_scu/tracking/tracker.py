@@ -16,6 +16,8 @@ from raytrain_scu.plots import plot_history
 from raytrain_scu.tracking.spool import MetricSpool
 from raytrain_scu.tracking.store import client_for, log_params_once, open_run, tracking_uri
 
+SEND_BATCH = 1000  # metric points per log_batch call: MLflow's limit
+
 
 def _version_of(dist: str) -> str:
     from importlib.metadata import PackageNotFoundError, version
@@ -164,13 +166,17 @@ class MlflowTracker(NullTracker):
             del self.pending[:over]
             self.lost += over
             self._warn("buffer to disk", e)
-        if not self.spool.waiting or not self._connect():
+        if not (self.spool.waiting or self.pending) or not self._connect():
             return
         self._log_params()
         try:
             for offset, batch in self.spool.batches():
                 self.client.log_batch(self.run_id, metrics=batch)
                 self.spool.mark_sent(offset, len(batch))
+            while self.pending:  # newer than the spool's, held in memory: they go straight to the store
+                batch = self.pending[:SEND_BATCH]
+                self.client.log_batch(self.run_id, metrics=batch)
+                del self.pending[:len(batch)]
         except Exception as e:  # noqa: BLE001
             self._warn("log metrics", e)
 

@@ -97,8 +97,10 @@ def run_parts(args) -> dict:
     tok = load_tokenizer(preset)
     data = prepare_data(tok, source="shakespeare", path="", block_size=args.block, val_fraction=0.05)
     storage = tempfile.mkdtemp(prefix="rtscu_bench_")
-    res = {"card": device_name(), "preset": preset, "block": args.block, "batch": args.batch,
-           "flops_per_token": flops_per_token(preset_config(preset, len(tok)), args.block),
+    # the default shape's preset and FLOPs; a part of another shape (..._8b, granite_...) records its own, and each
+    # part its own batch
+    res = {"card": device_name(), "default_preset": preset, "block": args.block, "batch": args.batch,
+           "default_flops_per_token": flops_per_token(preset_config(preset, len(tok)), args.block),
            "peak_flops": peak_flops(device_name()), "versions": versions(*EXTRA_VERSIONS), "command": args.command,
            "parts": {}}
     compile_ = not args.no_compile and torch.cuda.is_available()

@@ -33,9 +33,11 @@ from raytrain_scu.studies.ablation.v2 import report
 from raytrain_scu.studies.ablation.v2.run import call_arms, plant_config, run_call
 
 RULE_ARGS = ("config", "seeds", "lambdas", "target_factors")  # fixed by the study's first call
-# config keys a later call may change: where a trial runs and is stored, not what it computes
-FREE_KEYS = ("scaling.", "tracking.", "run.storage_path", "run.output_dir", "model.cache_dir", "data.cache_dir",
-             "data.loader_workers")
+# config keys a later call may change: how a trial shares a machine and where it is stored, not what it computes
+# (scaling.num_workers sets the global batch and scaling.use_gpu the device, so both stay locked)
+FREE_KEYS = ("scaling.gpus_per_worker", "scaling.cpus_per_worker", "scaling.placement_strategy",
+             "scaling.poll_interval_s", "tracking.", "run.storage_path", "run.output_dir", "model.cache_dir",
+             "data.cache_dir", "data.loader_workers")
 
 
 def parse_args(argv):
@@ -103,9 +105,10 @@ def check_rules(results: dict, a, configs: dict) -> None:
     for pl, c in configs.items():
         changes = config_changes(recorded[pl], c) if pl in recorded else []
         if changes:
+            free = ", ".join(k.rstrip(".") + (".*" if k.endswith(".") else "") for k in FREE_KEYS)
             raise AblationError(f"{pl}: this call's resolved config differs from the one the study's first call "
-                                f"recorded, in {'; '.join(changes)}. Only where trials run may change "
-                                f"({', '.join(k.rstrip('.') + ('.*' if k.endswith('.') else '') for k in FREE_KEYS)})")
+                                f"recorded, in {'; '.join(changes)}. Only how trials share a machine and where they "
+                                f"are stored may change ({free})")
         recorded.setdefault(pl, to_yaml(c, redact=True))
 
 

@@ -81,28 +81,25 @@ def choice_text(num: dict) -> str:
             f"{es or 'no none run recorded'}.")
 
 
-def cost_text(rows: list[dict], n_lambdas: int, best_lambda: float | None) -> str:
-    """Runs per arm, and what the logodds law's figures lean on: its targets come from the fixed grid, so the spread
-    of its report-plays BPT over its targets is set beside the fixed grid's over the best λ (chosen on the select
-    plays) and its grid neighbours."""
+def cost_text(rows: list[dict], n_lambdas: int) -> str:
+    """Runs per arm, and what the logodds law's figures lean on: its targets come from the fixed grid. Its
+    report-plays BPT over its targets is set beside the fixed arms whose end Ŝ lies in the same range of S."""
     fixed, law = ([r["time_s"] for r in rows if r["family"] == f and math.isfinite(r["time_s"])]
                   for f in ("fixed", "logodds"))
     text = (f"Every run trains the same steps: the fixed-λ grid is {n_lambdas} runs per seed (mean Tune wall "
             f"{num(sum(fixed) / len(fixed) if fixed else math.nan, '.0f')} s each), the logodds law one run per "
             f"target ({num(sum(law) / len(law) if law else math.nan, '.0f')} s). Tune's wall time includes start-up "
             f"and any sharing of a GPU (`scaling.gpus_per_worker` < 1 in the calls above): compare run counts.")
-    grid = sorted((r["sort"], r["report_bpt"]) for r in rows if r["family"] == "fixed")
-    laws = [r["report_bpt"] for r in rows if r["family"] == "logodds"]
-    best = next((i for i, (lam, _) in enumerate(grid) if lam == best_lambda), None)
-    if best is None or not laws:
+    laws = sorted((r["sort"], r["report_bpt"]) for r in rows if r["family"] == "logodds")
+    if not laws:
         return text
-    near = grid[max(best - 1, 0):best + 2]
-    return text + (f" The study's figures for the law do not come at one run's cost alone: its targets are derived "
-                   f"from the fixed grid's best λ. Without that grid, a user picks S*: over its {len(laws)} targets "
-                   f"(the best λ's S with its odds ×½ to ×2) the law's report-plays BPT spans "
-                   f"{min(laws):.4f}–{max(laws):.4f}; fixed λ at the best and its grid neighbours "
-                   f"({', '.join(f'{x:g}' for x, _ in near)}) spans {min(y for _, y in near):.4f}–"
-                   f"{max(y for _, y in near):.4f}.")
+    lo, hi = laws[0][0], laws[-1][0]
+    inside = [r for r in rows if r["family"] == "fixed" and lo <= r["s_end"] <= hi]
+    same = "; ".join(f"{r['arm']} ends at S = {r['s_end']:.3g}, {r['report_bpt']:.4f}" for r in inside) or "none"
+    return text + (f" The law's figures do not come at one run's cost alone: its targets (S* = "
+                   f"{', '.join(f'{t:g}' for t, _ in laws)}) are derived from the fixed grid's best λ. Over them its "
+                   f"report-plays BPT spans {min(b for _, b in laws):.4f}–{max(b for _, b in laws):.4f}. Fixed-λ "
+                   f"arms whose end Ŝ lies in the same range of S: {same}.")
 
 
 def calls_table(results: dict) -> str:
@@ -136,8 +133,7 @@ def plant_text(pl: str, num: dict, results: dict, plots: list[Path], rel: str) -
                      "abs(logit Ŝ − logit S*) ≤ 0.1, λ strictly inside its bounds and max λ / min λ ≤ 1.5; '-' = "
                      "never. Reversals count only moves of ln λ by at least 0.5. A run passes when it settles on Ŝ "
                      f"and λ is at a bound in no step after step {p.BOUND_AFTER}.\n\n" + tracking_table(num["tracking"]))
-    best = num["choice"]["best_lambda"] if num["choice"] else None
-    parts.append("#### Cost\n\n" + cost_text(num["arms"], len(results["setting"]["rules"]["lambdas"]), best))
+    parts.append("#### Cost\n\n" + cost_text(num["arms"], len(results["setting"]["rules"]["lambdas"])))
     mine = [x for x in plots if x.name.startswith(f"{pl}_")]
     if mine:
         parts.append("#### Figures\n\n" + "\n".join(f"![{x.stem}]({rel}/{x.name})" for x in mine))

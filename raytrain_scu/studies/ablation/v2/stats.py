@@ -161,7 +161,7 @@ def decision(numbers: dict, plants, seeds, n_targets: int) -> dict:
         verdict = "the rules do not both hold: the defaults stay (controller.law=spec)"
     lines = [f"1. Tracking: the logodds law passes in {passes} of {len(runs)} recorded runs ({expected} in the study; "
              f"it needs {need}): {'holds' if tracking_ok else 'fails' if complete else 'not decided'}."]
-    for pl, g in gaps.items():
+    for letter, (pl, g) in zip("abcdefghij", gaps.items()):
         if g is None or not numbers[pl]["laws_done"]:
             text = "not recorded yet"
         elif bpt_ok[pl] is None:
@@ -169,7 +169,7 @@ def decision(numbers: dict, plants, seeds, n_targets: int) -> dict:
         else:
             text = (f"gap {g['mean']:+.4f}, across-seed 95% interval [{g['t_low']:+.4f}, {g['t_high']:+.4f}]: lower "
                     f"end {'≤' if bpt_ok[pl] else '>'} 0, {'holds' if bpt_ok[pl] else 'fails'}")
-        lines.append(f"2. Held-out BPT on {pl} (logodds at its selected S* − the best fixed λ): {text}.")
+        lines.append(f"2{letter}. Held-out BPT on {pl} (logodds at its selected S* − the best fixed λ): {text}.")
     lines.append(f"Decision: {verdict}.")
     return {"passes": passes, "runs": len(runs), "expected": expected, "need": need, "tracking_ok": tracking_ok,
             "bpt_ok": bpt_ok, "complete": complete, "adopt": verdict.startswith("both rules hold"),
