@@ -280,5 +280,9 @@ def test_the_sweep_stage_runs_a_tune_sweep_of_scu_trials_around_the_fixed_stages
     saved, = (tmp_path / "abl-sweep").glob("**/checkpoint_*/config.yaml")
     c = yaml.safe_load(saved.read_text())
     assert (c["controller"]["mode"], c["seed"]) == ("scu", 3)
+    assert {k: c["tune"][k] for k in ("search", "scheduler", "metric", "mode", "num_samples", "grace_period")} == {
+        "search": "random", "scheduler": "asha", "metric": "val/data_bpt", "mode": "min", "num_samples": 1,
+        "grace_period": 1}  # the first rung at --sweep-grace-steps (2 steps: the first report)
+    assert c["tune"]["space"]["controller.target_s"] == {"loguniform": [0.1, 0.4]}
     assert [c["controller"][k] for k in ("kp", "ki", "target_s")] == [p[f"controller.{k}"]
                                                                       for k in ("kp", "ki", "target_s")]
