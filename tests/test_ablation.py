@@ -1,7 +1,8 @@
 """The first GPU study's ablation: the stage rules, tracking of known traces, the tables without NaN, the held-out
 units, the arms as valid sweeps, checkpoints refused, and the whole staged runner on hand-made trials (real
-checkpoints and results file, no training). Ray Tune and real training run in test_ablation_v2's tiny stage, through
-the same run_grid, checkpoint and scoring code."""
+checkpoints and results file, no training), and the sweep stage for real (one Ray Tune trial). Ray Tune and real
+training of the grid stages run in test_ablation_v2's tiny stage, through the same run_grid, checkpoint and scoring
+code."""
 import json
 import math
 from pathlib import Path
@@ -248,3 +249,40 @@ def test_staged_ablation_runs_every_stage_in_order_and_resumes_from_its_file(tmp
     capsys.readouterr()
     assert ablation_cli.main(args) == 0  # everything recorded: no stage runs again
     assert capsys.readouterr().out.count("already in") == 4 and grids == ["fixed", "scu", "tuned"]
+
+
+# ---------------------------------------------------------------- the sweep stage, for real
+
+@pytest.mark.slow
+def test_the_sweep_stage_runs_a_tune_sweep_of_scu_trials_around_the_fixed_stages_target(ray_local, results, tmp_path):
+    """run_stage("sweep") on the hand-made fixed stage above (its rule gives S* = 0.2): a real random-search Tune
+    sweep with ASHA (one 2-step trial: each costs a Ray Train run) of an SCU run on the study's first seed, its Kp, Ki
+    and S* drawn from the stage's ranges; the stage records the trial and takes its gains as the best. Which of several
+    trials is best is the sweep's order (test_sweep.py's three-trial sweep)."""
+    import yaml
+
+    a = SimpleNamespace(config=TINY, seeds=[3, 4], target_factors=[1.0], kp_range=(0.05, 1.6), ki_range=(0.005, 0.3),
+                        sweep_samples=1, sweep_grace_steps=2,
+                        overrides=[f"run.storage_path={tmp_path}", "run.name=abl", "scaling.num_workers=1",
+                                   "scaling.cpus_per_worker=0.49", "data.max_documents=3", "train.max_steps=2",
+                                   "train.report_every=2", "train.eval_every=2", "train.checkpoint_every=2",
+                                   "train.eval_blocks=8", "tracking.enabled=false"])
+    ablation.run_stage("sweep", results, a)
+    sweep = results["stages"]["sweep"]
+    row, = sweep["rows"]
+    assert sweep["metric"] == "val/data_bpt" and sweep["wall_s"] > 0 and sweep["overrides"] == a.overrides
+    assert row["status"] == "FINISHED" and row["steps"] == 2 and 10 < row["metric"] < 11.1  # ≈ log2(2048): 2 steps
+    p = row["params"]
+    assert p.keys() == {"controller.kp", "controller.ki", "controller.target_s"} and sweep["best"] == p
+    assert 0.05 <= p["controller.kp"] <= 1.6 and 0.005 <= p["controller.ki"] <= 0.3
+    assert 0.1 <= p["controller.target_s"] <= 0.4  # one target (0.2): from half to twice it
+    # the trial ran as an SCU run on the first seed, under the stage's own name, with the drawn values
+    saved, = (tmp_path / "abl-sweep").glob("**/checkpoint_*/config.yaml")
+    c = yaml.safe_load(saved.read_text())
+    assert (c["controller"]["mode"], c["seed"]) == ("scu", 3)
+    assert {k: c["tune"][k] for k in ("search", "scheduler", "metric", "mode", "num_samples", "grace_period")} == {
+        "search": "random", "scheduler": "asha", "metric": "val/data_bpt", "mode": "min", "num_samples": 1,
+        "grace_period": 1}  # the first rung at --sweep-grace-steps (2 steps: the first report)
+    assert c["tune"]["space"]["controller.target_s"] == {"loguniform": [0.1, 0.4]}
+    assert [c["controller"][k] for k in ("kp", "ki", "target_s")] == [p[f"controller.{k}"]
+                                                                      for k in ("kp", "ki", "target_s")]

@@ -575,7 +575,7 @@ def local_run(tmp_path, name, *overrides):
 
 def test_nonfinite_steps_are_skipped_and_counted(tmp_path, monkeypatch):
     # the loop in this process: what a skipped step leaves unchanged needs no Ray (the ranks agree on a skip
-    # because the skip is decided on all-reduced values: test_train.py's ranks-agree test)
+    # because the skip is decided on all-reduced values: the two-rank test below)
     monkeypatch.setenv("RAYTRAIN_SCU_NAN_AT_STEPS", "5,6")  # the loss of steps 5 and 6 is multiplied by NaN
     hooks = local_run(tmp_path, "nan", "tracking.enabled=false", "train.max_steps=8", "train.checkpoint_every=2",
                       "train.report_every=2")
@@ -598,6 +598,81 @@ def test_nonfinite_steps_are_skipped_and_counted(tmp_path, monkeypatch):
     assert rows[5]["train/data_bpt"] != rows[5]["train/data_bpt"]  # NaN, recorded as such
     assert rows[4]["ctrl/lambda"] == rows[5]["ctrl/lambda"] == rows[6]["ctrl/lambda"] != rows[7]["ctrl/lambda"]
     assert ckpt.read_meta(c[8])["skipped_steps"] == 2
+
+
+NAN_ON_RANK1 = {3, 5, 6, 7}  # rank 1's loss only: one skipped step, later three in a row
+
+
+def nan_on_one_rank_worker(r: int, port: int, tmp: str) -> None:
+    """Rank ``r`` of a two-process gloo group running the real loop (LocalHooks, no Ray: the skip is decided by the
+    loop's own all-reduce, which is what is tested): the loss is poisoned on rank 1 only, at NAN_ON_RANK1. Keeps, at
+    every report, the row and this rank's adapter values, and the error that ended the loop."""
+    from datetime import timedelta
+
+    import torch.distributed as tdist
+
+    from raytrain_scu.core.regularizer import adapter_params
+    from raytrain_scu.errors import NonFiniteError
+    from raytrain_scu.worker.faults import Faults
+    from raytrain_scu.worker.hooks import LocalHooks
+    from raytrain_scu.worker.loop import run_loop
+
+    class Snapshots(LocalHooks):
+        def prepare_model(self, model, move_to_device):
+            self.loss_model = model
+            return super().prepare_model(model, move_to_device)
+
+        def report(self, metrics, checkpoint_dir, checkpoint_dir_name):
+            super().report(metrics, checkpoint_dir, checkpoint_dir_name)
+            self.reports[-1]["adapter"] = torch.cat([p.detach().flatten().clone()
+                                                     for p in adapter_params(self.loss_model.model)])
+
+    torch.set_num_threads(1)
+    tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=r, world_size=2,
+                             timeout=timedelta(seconds=60))  # ranks that disagree hang in a collective: fail instead
+    hooks = Snapshots(device=torch.device("cpu"))
+    hooks.faults = Faults(nan_at=NAN_ON_RANK1 if r == 1 else set())
+    cfg = tiny_cfg(tmp, "nan-rank1", "tracking.enabled=false", "scaling.num_workers=2", "train.max_steps=8",
+                   "train.report_every=1", "train.eval_every=8", "train.checkpoint_every=8",
+                   "train.max_consecutive_skips=3")
+    error = None
+    try:
+        run_loop(cfg, hooks=hooks)
+    except NonFiniteError as e:
+        error = str(e)
+    keys = ("step", "train/data_bpt", "train/skipped_steps", "ctrl/skipped", "ctrl/lambda", "adapter")
+    torch.save({"error": error, "rows": [{k: m[k] for k in keys} for m in hooks.reports]}, Path(tmp, f"rank{r}.pt"))
+    tdist.destroy_process_group()
+
+
+def test_a_nonfinite_loss_on_one_rank_is_skipped_on_both_and_counts_toward_the_stop(tmp_path):
+    """Two ranks, rank 1's loss NaN at steps 3, 5, 6, 7: both skip step 3 (rank 0's own loss was finite) and keep
+    identical adapters, both count it, and both stop with the same error after the third skip in a row (no rank left
+    waiting in a collective)."""
+    import math
+
+    import torch.multiprocessing as mp
+
+    mp.start_processes(nan_on_one_rank_worker, args=(free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
+    got = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    for g in got:
+        assert g["error"] is not None and g["error"].startswith(
+            "3 optimizer steps in a row had a non-finite loss or gradient (last at step 7)"), g["error"]
+        rows = {row["step"]: row for row in g["rows"]}
+        assert sorted(rows) == [1, 2, 3, 4, 5, 6]  # step 7 stopped the run before its report
+        assert [rows[k]["train/skipped_steps"] for k in rows] == [0, 0, 1, 1, 2, 3]
+        assert [rows[k]["ctrl/skipped"] for k in rows] == [0, 0, 1, 1, 2, 3]
+        assert [math.isnan(rows[k]["train/data_bpt"]) for k in rows] == [False, False, True, False, True, True]
+        assert rows[2]["ctrl/lambda"] == rows[3]["ctrl/lambda"] != rows[4]["ctrl/lambda"]
+        a = {k: rows[k]["adapter"] for k in rows}
+        assert all(torch.isfinite(v).all() for v in a.values())
+        # no optimizer step on a skipped step, on either rank: rank 0 did not step on its own finite loss
+        assert torch.equal(a[3], a[2]) and torch.equal(a[5], a[4]) and torch.equal(a[6], a[4])
+        assert not torch.equal(a[2], a[1]) and not torch.equal(a[4], a[3])
+    for r0, r1 in zip(got[0]["rows"], got[1]["rows"]):  # the same adapters and controller on both ranks, every step
+        assert r0["step"] == r1["step"] and torch.equal(r0["adapter"], r1["adapter"])
+        assert r0["ctrl/lambda"] == r1["ctrl/lambda"]
+    assert got[0]["error"] == got[1]["error"]
 
 
 @pytest.mark.slow

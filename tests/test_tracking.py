@@ -31,8 +31,8 @@ RESTARTED = ["scaling.num_workers=1", "train.checkpoint_every=5", "run.max_failu
 @pytest.fixture(scope="module")
 def restarted(ray_local, tmp_path_factory):
     """(storage, config, summary) of one 10-step run (1 worker, checkpoints at 5 and 10) whose worker died after step
-    8 and that Ray restarted from step 5. The tests below read it, then the last one extends it; each Ray Train run
-    costs 20-60 s here."""
+    8 and that Ray restarted from step 5. The tests below read it; those that run it again take it as ``rerun``, which
+    puts it back afterwards. Each Ray Train run costs 20-60 s here: one run serves them all."""
     import os
 
     storage = tmp_path_factory.mktemp("tracked")
@@ -43,6 +43,41 @@ def restarted(ray_local, tmp_path_factory):
     finally:
         del os.environ["RAYTRAIN_SCU_FAULT_AT_STEP"]
     return storage, cfg, summary
+
+
+def copy_storage(src: Path, dst: Path) -> None:
+    """Make ``dst`` the run storage ``src`` as it is now: its run directories and MLflow artifacts copied over
+    whatever ``dst`` holds, its MLflow sqlite store through sqlite's backup API (the store is written in place, so
+    connections this process's MLflow keeps open to ``dst``'s store read the copy, not a deleted file)."""
+    import contextlib
+    import shutil
+    import sqlite3
+
+    db = "mlflow.db"
+    for p in dst.iterdir():
+        if p.name != db:
+            shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+    for p in src.iterdir():
+        if not p.name.startswith(db):  # the store and any journal of it
+            shutil.copytree(p, dst / p.name, symlinks=True) if p.is_dir() else shutil.copy2(p, dst / p.name)
+    with contextlib.closing(sqlite3.connect(src / db)) as a, contextlib.closing(sqlite3.connect(dst / db)) as b:
+        a.backup(b)
+
+
+@pytest.fixture(scope="module")
+def pristine(restarted, tmp_path_factory):
+    """A copy of ``restarted``'s storage as the run left it."""
+    copy = tmp_path_factory.mktemp("tracked-pristine")
+    copy_storage(restarted[0], copy)
+    return copy
+
+
+@pytest.fixture
+def rerun(restarted, pristine):
+    """``restarted``, for a test that runs it again (a re-run, an extension): its storage is put back as the run left
+    it afterwards, so that what each test sees does not depend on the order the tests run in."""
+    yield restarted
+    copy_storage(pristine, restarted[0])
 
 
 def test_params_metrics_and_artifacts(restarted):
@@ -82,8 +117,8 @@ def test_params_metrics_and_artifacts(restarted):
     assert summary["best_val_bpt"] == pytest.approx(val[best_step])
 
 
-def test_restart_continues_the_same_run_without_duplicate_steps(restarted):
-    tmp_path, cfg, summary = restarted
+def test_restart_continues_the_same_run_without_duplicate_steps(rerun):
+    tmp_path, cfg, summary = rerun
     assert read_meta(tmp_path / "tracked" / "checkpoint_00000010")["resumed_at"] == [5]  # it did restart
     run(cfg, quiet=True)  # re-running the finished run's name: same MLflow run, nothing logged twice
     client, runs = client_and_runs(tmp_path, cfg)
@@ -93,9 +128,9 @@ def test_restart_continues_the_same_run_without_duplicate_steps(restarted):
     assert REVISION_TAG not in runs[0].data.tags  # the same config: no config revision
 
 
-def test_extending_a_run_records_the_config_change(restarted, capsys):
-    # the finished run above, extended from 10 to 12 steps (after the tests that check it has no revision)
-    tmp_path, cfg, first = restarted
+def test_extending_a_run_records_the_config_change(rerun, capsys):
+    # the finished run above, extended from 10 to 12 steps
+    tmp_path, cfg, first = rerun
     capsys.readouterr()
     longer = run(tiny_cfg(tmp_path, "tracked", *RESTARTED, "train.max_steps=12"), quiet=True)
     out = capsys.readouterr().out
