@@ -67,13 +67,13 @@ def tracking_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def choice_text(num: dict) -> str:
-    c = num["choice"]
+def choice_text(plant: dict) -> str:
+    c = plant["choice"]
     if c is None:
         return "The fixed stage is not complete: no best fixed λ, targets or gaps yet."
-    sel = ", ".join(f"{law}: {arm}" for law, arm in num["selected"].items()) or "the laws stage is not complete"
+    sel = ", ".join(f"{law}: {arm}" for law, arm in plant["selected"].items()) or "the laws stage is not complete"
     es = "; ".join(f"seed {s}: step {e['step']} (select {e['select_bpt']:.4f}, report {e['report_bpt']:.4f})"
-                   for s, e in sorted(num["early_stop"].items()))
+                   for s, e in sorted(plant["early_stop"].items()))
     return (f"**Chosen on the select plays:** best fixed λ = {c['best_lambda']:g} (mean select-plays BPT "
             f"{c['select_bpt'][c['best_arm']]:.4f}); its runs end at S = {c['s_best']:.4g} (mean Ŝ, last 20% of "
             f"steps), so the targets are {', '.join(f'{x:g}' for x in c['targets'])}. Each law's S*: {sel}.\n\n"
@@ -122,18 +122,18 @@ def numbers(results: dict, n_boot: int) -> tuple[dict, dict]:
     return per, stats.decision(per, list(results["plants"]), seeds, len(rules["target_factors"]))
 
 
-def plant_text(pl: str, num: dict, results: dict, plots: list[Path], rel: str) -> str:
+def plant_text(pl: str, plant: dict, results: dict, plots: list[Path], rel: str) -> str:
     over = " ".join(results["setting"]["plants"][pl]["overrides"])
-    parts = [f"### Plant {pl}: `{over}`", choice_text(num),
-             "#### Held-out BPT per arm\n\n" + arms_table(num["arms"])]
-    if num["gaps"]:
-        parts.append("#### Gaps, paired by seed (the laws at their selected S*)\n\n" + gaps_table(num["gaps"]))
-    if num["tracking"]:
+    parts = [f"### Plant {pl}: `{over}`", choice_text(plant),
+             "#### Held-out BPT per arm\n\n" + arms_table(plant["arms"])]
+    if plant["gaps"]:
+        parts.append("#### Gaps, paired by seed (the laws at their selected S*)\n\n" + gaps_table(plant["gaps"]))
+    if plant["tracking"]:
         parts.append("#### Tracking (`core.settling`)\n\nSettled: from some step to the end, at least 100 steps with "
                      "abs(logit Ŝ − logit S*) ≤ 0.1, λ strictly inside its bounds and max λ / min λ ≤ 1.5; '-' = "
                      "never. Reversals count only moves of ln λ by at least 0.5. A run passes when it settles on Ŝ "
-                     f"and λ is at a bound in no step after step {p.BOUND_AFTER}.\n\n" + tracking_table(num["tracking"]))
-    parts.append("#### Cost\n\n" + cost_text(num["arms"], len(results["setting"]["rules"]["lambdas"])))
+                     f"and λ is at a bound in no step after step {p.BOUND_AFTER}.\n\n" + tracking_table(plant["tracking"]))
+    parts.append("#### Cost\n\n" + cost_text(plant["arms"], len(results["setting"]["rules"]["lambdas"])))
     mine = [x for x in plots if x.name.startswith(f"{pl}_")]
     if mine:
         parts.append("#### Figures\n\n" + "\n".join(f"![{x.stem}]({rel}/{x.name})" for x in mine))
@@ -147,7 +147,7 @@ def markdown(results: dict, per: dict, decision: dict, plots: list[Path], rel: s
              f"{s['device']}.\n\n**Calls**\n\n" + calls_table(results),
              "**The plays** (the training loop's train and held-out split of each seed; the held-out plays cut into "
              "select and report plays before any trial)\n\n" + split_table(results["split"])]
-    parts += [plant_text(pl, num, results, plots, rel) for pl, num in per.items()]
+    parts += [plant_text(pl, plant, results, plots, rel) for pl, plant in per.items()]
     return "\n\n".join(parts)
 
 
