@@ -24,13 +24,14 @@ from pathlib import Path
 
 import yaml
 
-from raytrain_scu.config.io import flatten_tree, to_dict, to_yaml
+from raytrain_scu.config.io import flatten, flatten_tree, to_yaml
 from raytrain_scu.core.data.blocks import load_documents
 from raytrain_scu.errors import USER_ERRORS, AblationError, CheckpointError
 from raytrain_scu.studies.ablation.results import save
 from raytrain_scu.studies.ablation.v2 import protocol as p
 from raytrain_scu.studies.ablation.v2 import report
 from raytrain_scu.studies.ablation.v2.run import call_arms, plant_config, run_call
+from raytrain_scu.tracking.revisions import config_changes
 
 RULE_ARGS = ("config", "seeds", "lambdas", "target_factors")  # fixed by the study's first call
 # config keys a later call may change: how a trial shares a machine and where it is stored, not what it computes
@@ -79,16 +80,16 @@ def new_results(a, configs: dict) -> dict:
             "plants": {pl: {"trials": [], "units": {}, "calls": []} for pl in p.PLANTS}}
 
 
-def locked(tree: dict) -> dict:
-    """A resolved config's keys that every call of the study must share (all but :data:`FREE_KEYS`)."""
-    return {k: v for k, v in flatten_tree(tree).items() if not k.startswith(FREE_KEYS)}
+def locked(flat: dict) -> dict:
+    """A flat config's keys that every call of the study must share (all but :data:`FREE_KEYS`)."""
+    return {k: v for k, v in flat.items() if not k.startswith(FREE_KEYS)}
 
 
-def config_changes(recorded_yaml: str, cfg) -> list[str]:
-    """``key: recorded -> now`` for each locked key whose value differs from the plant's recorded config."""
-    old, new = locked(yaml.safe_load(recorded_yaml)), locked(to_dict(cfg, redact=True))
-    return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(old.keys() | new.keys())
-            if old.get(k) != new.get(k)]
+def locked_changes(recorded_yaml: str, cfg) -> list[str]:
+    """``key: recorded -> now`` for each locked key whose value differs from the plant's recorded config (compared as
+    a re-run's config revision is: ``tracking.revisions.config_changes``)."""
+    changes = config_changes(locked(flatten_tree(yaml.safe_load(recorded_yaml))), locked(flatten(cfg)))
+    return [f"{k}: {old} -> {new}" for k, (old, new) in sorted(changes.items())]
 
 
 def check_rules(results: dict, a, configs: dict) -> None:
@@ -103,7 +104,7 @@ def check_rules(results: dict, a, configs: dict) -> None:
                             f"Give the recorded values, or start a new study with another --out")
     recorded = results["setting"]["config_yaml"]
     for pl, c in configs.items():
-        changes = config_changes(recorded[pl], c) if pl in recorded else []
+        changes = locked_changes(recorded[pl], c) if pl in recorded else []
         if changes:
             free = ", ".join(k.rstrip(".") + (".*" if k.endswith(".") else "") for k in FREE_KEYS)
             raise AblationError(f"{pl}: this call's resolved config differs from the one the study's first call "
