@@ -22,6 +22,7 @@ import os
 from pathlib import Path
 from typing import Iterator
 
+SEND_BATCH = 1000  # metric points per MLflow log_batch call: its limit
 
 class MetricSpool:
     """The on-disk buffer of one run's metric points, in the files this module's docstring describes."""
@@ -95,7 +96,7 @@ class MetricSpool:
                 if limit and count >= limit:
                     return
 
-    def batches(self, size: int = 1000) -> Iterator[tuple[int, list]]:
+    def batches(self, size: int = SEND_BATCH) -> Iterator[tuple[int, list]]:
         """``(offset after the batch, its points as MLflow Metrics)`` of the waiting points, oldest first."""
         from mlflow.entities import Metric  # imported on the first send: importing mlflow takes seconds
 

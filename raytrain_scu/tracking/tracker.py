@@ -13,10 +13,8 @@ from raytrain_scu.config.io import flatten, redact_uri, to_yaml
 from raytrain_scu.config.paths import RunPaths
 from raytrain_scu.config.schema import Config, global_batch_tokens
 from raytrain_scu.plots import plot_history
-from raytrain_scu.tracking.spool import MetricSpool
+from raytrain_scu.tracking.spool import SEND_BATCH, MetricSpool
 from raytrain_scu.tracking.store import client_for, log_params_once, open_run, tracking_uri
-
-SEND_BATCH = 1000  # metric points per log_batch call: MLflow's limit
 
 
 def _version_of(dist: str) -> str:
