@@ -8,7 +8,8 @@ from typing import Callable
 
 import numpy as np
 
-LN2 = math.log(2.0)
+from raytrain_scu.core.bootstrap import LN2
+
 # Student's t, two-sided 95%, by degrees of freedom (beyond 30: 1.96)
 T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
         11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093, 20: 2.086,
