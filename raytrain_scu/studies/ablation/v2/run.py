@@ -21,12 +21,12 @@ from raytrain_scu.config.resolve import resolve
 from raytrain_scu.config.schema import Config
 from raytrain_scu.core.checkpoint import read_meta, verify
 from raytrain_scu.core.data.blocks import load_documents
-from raytrain_scu.core.model.flops import bits_per_token
 from raytrain_scu.errors import AblationError, DataError, EvalError, ModelError
 from raytrain_scu.ray.tune.space import flat_params, trial_config
 from raytrain_scu.studies.ablation.results import save
 from raytrain_scu.studies.ablation.run import HISTORY_KEYS, columns, final_checkpoint, history, run_grid, scoring_units
 from raytrain_scu.studies.ablation.v2 import protocol as p
+from raytrain_scu.studies.ablation.v2.stats import bpt
 
 # the v1 columns and the laws' own telemetry (ctrl/log_odds_error ... is absent, None, under the spec's law)
 V2_HISTORY_KEYS = (*HISTORY_KEYS, "train/lr", "ctrl/error", "ctrl/log_odds_error", "ctrl/raw_error", "ctrl/d_hat",
@@ -92,10 +92,6 @@ def _group(family_cfg: Config, rows: list[dict]) -> dict[int, list[dict]]:
     return groups
 
 
-def _bpt(nats, tokens) -> float:
-    return bits_per_token(float(nats.sum()), float(tokens.sum()))
-
-
 def _round(xs) -> list[float]:
     return [float(f"{x:.9g}") for x in xs]
 
@@ -108,13 +104,13 @@ def _trial(plant: str, stage: str, seed: int, i: int, g: dict, part: dict, sel_t
              "seed": seed, "trial": g["row"]["trial"], "params": g["params"], "law": c.law,
              "target_s": c.target_s if c.mode == "scu" else None, "lambda_init": c.lambda_init,
              "lambda_min": c.lambda_min, "lambda_max": c.lambda_max, "time_s": g["row"].get("time_s"),
-             "select_bpt": _bpt(sel, sel_tokens), "report_bpt": _bpt(rep, rep_tokens),
+             "select_bpt": bpt(sel, sel_tokens), "report_bpt": bpt(rep, rep_tokens),
              "select_nats": _round(sel), "report_nats": _round(rep),
              "history": columns(history(g["final"]), V2_HISTORY_KEYS)}
     if g["evals"]:
         keys = ["base"] + [f"t{i}" if ck == g["final"] else f"t{i}@{step}" for step, ck in g["evals"]]
-        trial["evals"] = [{"step": step, "select_bpt": _bpt(part[k][0], sel_tokens),
-                           "report_bpt": _bpt(part[k][1], rep_tokens), "report_nats": _round(part[k][1])}
+        trial["evals"] = [{"step": step, "select_bpt": bpt(part[k][0], sel_tokens),
+                           "report_bpt": bpt(part[k][1], rep_tokens), "report_nats": _round(part[k][1])}
                           for step, k in zip([0] + [s for s, _ in g["evals"]], keys)]
     return trial
 
@@ -169,8 +165,8 @@ def collect(plant: str, stage: str, family_cfg: Config, rows: list[dict], splits
         tokens = scores["tokens"]
         part = {k: (v[:n], v[n:]) for k, v in scores["nats"].items()}
         units[str(seed)] = {"select_tokens": tokens[:n].tolist(), "report_tokens": tokens[n:].tolist(),
-                            "base_select_bpt": _bpt(part["base"][0], tokens[:n]),
-                            "base_report_bpt": _bpt(part["base"][1], tokens[n:])}
+                            "base_select_bpt": bpt(part["base"][0], tokens[:n]),
+                            "base_report_bpt": bpt(part["base"][1], tokens[n:])}
         trials += [_trial(plant, stage, seed, i, g, part, tokens[:n], tokens[n:]) for i, g in enumerate(group)]
     return trials, units
 

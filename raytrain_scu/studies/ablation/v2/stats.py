@@ -29,6 +29,7 @@ def t_interval(values) -> dict:
 
 
 def bpt(nats, tokens) -> float:
+    """Bits per token of per-unit nats and token counts, summed over the units (the study's one BPT)."""
     return float(np.sum(nats)) / float(np.sum(tokens)) / LN2
 
 
