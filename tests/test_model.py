@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from raytrain_scu.core.loss import CausalLMLoss, chunked_ce_sum
-from raytrain_scu.core.model.build import apply_lora, build_model
+from raytrain_scu.core.model.build import apply_lora, build_model, keep_lora_inputs_in_autocast_dtype
 from raytrain_scu.core.model.source import check_model_source, load_tokenizer
 from raytrain_scu.core.regularizer import adapter_params
 from raytrain_scu.errors import ModelError
@@ -50,6 +50,48 @@ def test_fused_and_plain_loss_agree_and_only_lora_trains(tok):
     assert int(n1) == int(n2) == 32
     assert float(fused) == pytest.approx(float(plain), rel=1e-5)
     assert 0 < float(fused) / 32 / math.log(2) < 20
+
+
+def test_lora_inputs_stay_in_the_autocast_dtype_with_the_same_loss_and_gradients(tok):
+    """Under bf16 autocast, peft casts each LoRA input to the adapters' float32 and autocast casts it straight back:
+    without that cast the loss and every adapter gradient are bit-identical, and the activation-sized float32 copies
+    are gone."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Copies(TorchDispatchMode):  # float32 copies of (batch, seq, hidden) activations
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten._to_copy.default and kwargs and kwargs.get("dtype") == torch.float32 \
+                    and args[0].dim() == 3:
+                self.n += 1
+            return out
+
+    x = torch.randint(0, len(tok), (2, 16))
+    y = torch.randint(0, len(tok), (2, 16))
+
+    def run(keep: bool):
+        torch.manual_seed(0)
+        model = apply_lora(build_model("tiny", vocab_size=len(tok), seed=1, dtype=torch.bfloat16), r=4, alpha=8,
+                           targets=["q_proj", "v_proj", "down_proj"])
+        for p in adapter_params(model):  # B at random too, so every adapter gets a gradient
+            torch.nn.init.normal_(p, std=0.05)
+        if keep:
+            assert keep_lora_inputs_in_autocast_dtype(model) == 3 * 2
+        copies = Copies()
+        with torch.autocast("cpu", dtype=torch.bfloat16), copies:
+            nats, _ = CausalLMLoss(model, fused=False)(x, y)
+        nats.backward()
+        return nats.detach(), [p.grad.clone() for p in adapter_params(model)], copies.n
+
+    cast_nats, cast_grads, cast_copies = run(keep=False)
+    kept_nats, kept_grads, kept_copies = run(keep=True)
+    assert torch.equal(kept_nats, cast_nats)
+    assert all(torch.equal(a, b) for a, b in zip(kept_grads, cast_grads))
+    assert cast_copies >= 3 * 2 and kept_copies == cast_copies - 3 * 2
 
 
 def test_unknown_target_module_is_named(tok):

@@ -18,7 +18,13 @@ from raytrain_scu.core.dist import broadcast_params, notice0, rank, world_size
 from raytrain_scu.core.fp8 import convert_base_to_fp8
 from raytrain_scu.core.fused_lora import fuse_lora_projections
 from raytrain_scu.core.loss import CausalLMLoss, compile_for_training
-from raytrain_scu.core.model.build import apply_lora, build_model, resolve_dtype, structure_of
+from raytrain_scu.core.model.build import (
+    apply_lora,
+    build_model,
+    keep_lora_inputs_in_autocast_dtype,
+    resolve_dtype,
+    structure_of,
+)
 from raytrain_scu.core.model.flops import flops_per_token
 from raytrain_scu.core.model.source import load_tokenizer
 from raytrain_scu.core.regularizer import adapter_params, centers_fingerprint, initial_centers
@@ -52,13 +58,15 @@ def _optimisation(cfg: Config, hooks, model, *, device, dtype) -> Optimisation:
     """The loss module (compiled and placed by the hooks), AdamW over the adapters, the fp16 scaler, autocast."""
     m, o = cfg.model, cfg.optim
     params = adapter_params(model)
+    use_amp = device.type == "cuda" and dtype != torch.float32
+    if use_amp:  # before compiling: the traced graph then has no float32 copy of each LoRA input
+        keep_lora_inputs_in_autocast_dtype(model)
     loss_model = CausalLMLoss(model, fused=m.fused_loss, chunk_size=m.loss_chunk_size)
     if m.compile:
         loss_model = compile_for_training(loss_model, scope=m.compile_scope, mode=m.compile_mode)
     # a quantized model is placed by device_map and must never be moved with .to()
     loss_model = hooks.prepare_model(loss_model, move_to_device=not cfg.quant.load_in_4bit)
     broadcast_params(params)  # all ranks start from rank 0's adapters (the seeded init makes them equal already)
-    use_amp = device.type == "cuda" and dtype != torch.float32
     optimizer = torch.optim.AdamW(params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
                                   fused=device.type == "cuda")
     # on the adapters' device, before a resume loads the checkpoint: the seeded build's initial A factors

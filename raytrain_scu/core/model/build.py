@@ -173,6 +173,20 @@ def apply_lora(model, *, r: int = 16, alpha: int = 32, dropout: float = 0.0, tar
     return get_peft_model(model, lcfg)
 
 
+def keep_lora_inputs_in_autocast_dtype(model) -> int:
+    """Stop peft's LoRA layers casting their input to the adapters' float32 before the adapter product; returns how
+    many layers changed. For training under autocast only: autocast casts that float32 copy straight back to its own
+    dtype for the matmul, so the cast only writes the activation at twice its size (and, in the backward, its
+    gradient). Leaving it out changes no value: a bf16 or fp16 number survives the round trip through float32. Without
+    autocast, a float32 adapter needs its input cast, so the loop calls this only under autocast."""
+    from peft.tuners.lora import LoraLayer
+
+    layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
+    for layer in layers:
+        layer.cast_input_dtype_enabled = False
+    return len(layers)
+
+
 def missing_targets(model, targets) -> tuple[list[str], set[str]]:
     """LoRA target names that no module of ``model`` has ("all-linear" always matches), and the names it has."""
     present = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
