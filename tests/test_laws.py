@@ -200,6 +200,31 @@ def test_config_defaults_and_checks_for_the_new_keys():
         LogOddsController(ki=-1.0)
 
 
+def test_each_law_reads_exactly_its_own_keys_of_law_keys():
+    """config.schema.LAW_KEYS (the keys config.checks refuses where their law does not run) are the keys one law's
+    builder reads and the other's does not: ema_alpha, deadband, leak and integral_limit are the spec's alone."""
+    from raytrain_scu.config.schema import LAW_KEYS
+
+    class Reads:
+        """A ControllerConfig that records the keys read from it."""
+
+        def __init__(self, law):
+            self.c, self.keys = ControllerConfig(law=law), set()
+
+        def __getattr__(self, name):
+            self.keys.add(f"controller.{name}")
+            return getattr(self.c, name)
+
+    reads = {}
+    for law in LAWS:
+        r = Reads(law)
+        laws.build(r)
+        reads[law] = r.keys
+    only = {law: keys - set().union(*(reads[o] for o in LAWS if o != law)) for law, keys in reads.items()}
+    assert only == {law: set(keys) for law, keys in LAW_KEYS.items()}
+    assert {"controller.target_s", "controller.lambda_max", "controller.mode"} <= reads["spec"] & reads["logodds"]
+
+
 def test_config_file_override_selects_the_law():
     from conftest import TINY
 

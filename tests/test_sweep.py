@@ -366,7 +366,8 @@ def test_tiny_sweep_experiment_resolves():
     cfg = load_config(ROOT / "experiments" / "tiny-sweep.yaml")
     space = sweep_space.resolve_space(cfg)
     assert cfg.scaling.num_workers == 1
-    assert space == {"global_batch_tokens": {"choice": [256, 512, 1024]}, "controller.kp": {"loguniform": [0.2, 3.2]},
+    assert space == {"global_batch_tokens": {"choice": [256, 512, 1024]},
+                     "controller.logodds_kp": {"loguniform": [0.5, 8.0]},
                      "controller.target_s": {"loguniform": [0.002, 0.05]}}
     assert [sweep_space.apply_params(cfg, {"global_batch_tokens": g}).data.grad_accum for g in (256, 512, 1024)] == [1, 2, 4]
 

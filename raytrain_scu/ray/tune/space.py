@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import asdict
 
+from raytrain_scu.config.checks import check_space_laws
 from raytrain_scu.config.io import get_dotted, set_dotted
 from raytrain_scu.config.load import build_config
 from raytrain_scu.config.paths import run_dir
@@ -133,6 +134,10 @@ def resolve_space(cfg: Config, *, with_lr: bool = False) -> dict:
     kinds = {key: next(iter(spec)) for key, spec in space.items()}
     if ARM in space:
         _check_arms(space, kinds[ARM])
+    try:  # here too: a study sets its stage's space on a config already resolved
+        check_space_laws(cfg.controller.law, space)
+    except ConfigError as e:
+        raise SweepError(str(e)) from None
     _check_search(t.search, kinds)
     _check_batch_keys(cfg, space, kinds)
     if t.metric == "perf/tokens_per_s" and t.mode != "max":
