@@ -269,15 +269,13 @@ def trial_laws(law: str, space: dict) -> tuple[set[str], list[set[str]]]:
     return base, [{a["controller.law"]} if "controller.law" in a else base for a in arms]
 
 
-def _unused(where: str, what: str, key: str, runs: str, fix: str) -> ConfigError:
-    """The refusal of ``key`` at ``where`` (``what`` says what sets it), whose law ``runs`` says no run uses; ``fix``
-    is formatted with the key's law and, where the other law has one, the key that does the same job."""
+def _unused(where: str, what: str, key: str, runs: str, fix: str, instead: str) -> ConfigError:
+    """The refusal of ``key`` at ``where`` (``what``: how it is set there), whose law ``runs`` says no run uses: ``fix``
+    names the key's law (``{law}``), then ``instead`` the other law's key that does the same job (``{key}``), if any."""
     law = _KEY_LAW[key]
-    fix = fix.format(law=law, key=_COUNTERPART.get(key, ""))
-    if key not in _COUNTERPART:
-        fix = fix.split(", or ")[0]
-    what = f"{what} a key" if what else "a key"
-    return ConfigError(f"{where}: {what} of the {law} law, but {runs}, so it changes nothing: {fix}")
+    fix = fix.format(law=law) + (f", or {instead.format(key=_COUNTERPART[key])}" if key in _COUNTERPART else "")
+    return ConfigError(f"{where}: {what + ' ' if what else ''}a key of the {law} law, but {runs}, so it changes "
+                       f"nothing: {fix}")
 
 
 def _running(law: str, space: dict) -> tuple[set[str], str]:
@@ -296,14 +294,14 @@ def check_space_laws(law: str, space: dict) -> None:
     running, runs = _running(law, space)
     for key in space:
         if key in _KEY_LAW and _KEY_LAW[key] not in running:
-            raise _unused(f"tune.space.{key}", "sweeps", key, runs,
-                          "set controller.law={law} to sweep it, or sweep {key} instead")
+            raise _unused(f"tune.space.{key}", "sweeps", key, runs, "set controller.law={law} to sweep it",
+                          "sweep {key} instead")
     for i, (arm, laws) in enumerate(zip(_listed(space.get(_ARM)), trial_laws(law, space)[1])):
         for key in arm:
             if key in _KEY_LAW and _KEY_LAW[key] not in laws:
                 raise _unused(f"tune.space.{_ARM}[{i}]", f"sets {key},", key,
                               f"this arm runs the {' or '.join(sorted(laws))} law",
-                              "set controller.law={law} in the arm to use it, or set {key} instead")
+                              "set controller.law={law} in the arm to use it", "set {key} instead")
 
 
 def check_law_keys(cfg: Config, explicit: set[str]) -> None:
@@ -326,5 +324,5 @@ def check_law_keys(cfg: Config, explicit: set[str]) -> None:
     for key in sorted(k for k in explicit if k in _KEY_LAW and _KEY_LAW[k] not in running):
         value = get_dotted(cfg, key)
         if value != get_dotted(default, key):
-            raise _unused(f"{key}={value}", "", key, runs, "set controller.law={law} to use it, or tune {key} instead")
+            raise _unused(f"{key}={value}", "", key, runs, "set controller.law={law} to use it", "tune {key} instead")
     check_space_laws(cfg.controller.law, cfg.tune.space)
