@@ -175,7 +175,8 @@ def test_a_later_call_cannot_change_the_studys_rules(tmp_path, capsys):
     recorded = {"config": TINY, "seeds": [0, 1], "lambdas": [0.1, 1.0], "target_factors": [0.5, 1.0, 2.0],
                 "gains": [[0.2, 0.04]], "kp_range": [0.05, 1.6], "ki_range": [0.005, 0.3], "sweep_samples": 8}
     (out / "results.json").write_text(json.dumps({"setting": {"args": recorded}, "stages": {}}))
-    flags = [TINY, "--out", str(out), "--seeds", "0,1", "--lambdas", "0.1,1", "--gains", "0.2:0.04", "--stages", ""]
+    flags = [TINY, "controller.law=spec", "--out", str(out), "--seeds", "0,1", "--lambdas", "0.1,1", "--gains",
+             "0.2:0.04", "--stages", ""]
     assert ablation_cli.main([*flags, "--target-factors", "1,3"]) == 2
     assert "changes --target-factors [1.0, 3.0] (the study's: [0.5, 1.0, 2.0])" in capsys.readouterr().err
     a = ablation_cli.parse_args(flags)
@@ -183,11 +184,14 @@ def test_a_later_call_cannot_change_the_studys_rules(tmp_path, capsys):
     assert recorded["sweep_grace_steps"] == 100
 
 
-def test_bad_stage_and_bad_config_exit_2_before_ray(capsys):
+def test_bad_stage_and_bad_config_exit_2_before_ray(capsys, tmp_path):
     assert ablation_cli.main([TINY, "--stages", "fixed,nope"]) == 2
     assert "unknown ['nope']" in capsys.readouterr().err
     assert ablation_cli.main([TINY, "controller.kp=-1"]) == 2
     assert "controller.kp" in capsys.readouterr().err
+    # the study is of the spec's law: a config of the logodds law (the default) is refused before any stage
+    assert ablation_cli.main([TINY, "--stages", "", "--out", str(tmp_path / "out")]) == 2
+    assert "controller.law: this study is of the spec law" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------- the staged runner on hand-made trials
@@ -229,9 +233,9 @@ def test_staged_ablation_runs_every_stage_in_order_and_resumes_from_its_file(tmp
         {"trial": "s0", "params": best, "metric": 4.7, "steps": 4, "status": "FINISHED"}], "best": best,
         "metric": "val/data_bpt"})
     out = tmp_path / "out"
-    args = [TINY, f"run.storage_path={tmp_path}/runs", "data.max_documents=3", "run.name=abl", "train.max_steps=4",
-            "train.report_every=2", "train.eval_every=2", "train.checkpoint_every=4", "--out", str(out), "--seeds",
-            "0,1", "--lambdas", "0.1,1", "--target-factors", "1", "--gains", "0.2:0.04", "--bootstrap", "50"]
+    args = [TINY, "controller.law=spec", f"run.storage_path={tmp_path}/runs", "data.max_documents=3", "run.name=abl",
+            "train.max_steps=4", "train.report_every=2", "train.eval_every=2", "train.checkpoint_every=4", "--out",
+            str(out), "--seeds", "0,1", "--lambdas", "0.1,1", "--target-factors", "1", "--gains", "0.2:0.04", "--bootstrap", "50"]
     assert ablation_cli.main(args) == 0
     assert grids == ["fixed", "scu", "tuned"]  # and the sweep between scu and tuned
     res = json.loads((out / "results.json").read_text())
@@ -263,7 +267,8 @@ def test_the_sweep_stage_runs_a_tune_sweep_of_scu_trials_around_the_fixed_stages
 
     a = SimpleNamespace(config=TINY, seeds=[3, 4], target_factors=[1.0], kp_range=(0.05, 1.6), ki_range=(0.005, 0.3),
                         sweep_samples=1, sweep_grace_steps=2,
-                        overrides=[f"run.storage_path={tmp_path}", "run.name=abl", "scaling.num_workers=1",
+                        overrides=["controller.law=spec", f"run.storage_path={tmp_path}", "run.name=abl",
+                                   "scaling.num_workers=1",
                                    "scaling.cpus_per_worker=0.49", "data.max_documents=3", "train.max_steps=2",
                                    "train.report_every=2", "train.eval_every=2", "train.checkpoint_every=2",
                                    "train.eval_blocks=8", "tracking.enabled=false"])

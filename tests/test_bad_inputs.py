@@ -21,9 +21,11 @@ def jsonl_without_text(tmp_path) -> str:
     return text_file(tmp_path, "d.jsonl", json.dumps({"body": "no text field here"}).encode() + b"\n")
 
 
-def yaml_with(tmp_path, body: str) -> str:
+def yaml_with(tmp_path, body: str, after: str = "") -> str:
+    """TINY's YAML with ``body`` added at its end, or after the line ``after`` (inside its section)."""
     p = tmp_path / "bad.yaml"
-    p.write_text(open(TINY).read() + body)
+    text = open(TINY).read()
+    p.write_text(text.replace(after, after + body, 1) if after else text + body)
     return str(p)
 
 
@@ -54,6 +56,15 @@ CASES = {
                                        ["tune.space.controller.kq", "is not a config key"]),
     "search space of an unknown kind": (lambda t: [TINY, "tune.space={optim.lr: {normal: [0, 1]}}"],
                                         ["tune.space.optim.lr", "unknown kind 'normal'"]),
+    "a gain of the law that does not run": (lambda t: [TINY, "controller.kp=0.5"],
+                                            ["controller.kp=0.5: a key of the spec law, but controller.law is logodds",
+                                             "set controller.law=spec to use it, or tune controller.logodds_kp"]),
+    "a key of the law that does not run, in the YAML file": (
+        lambda t: [yaml_with(t, "  deadband: 0.01\n", after="  target_s: 0.01\n")],
+        ["controller.deadband=0.01: a key of the spec law", "set controller.law=spec to use it"]),
+    "search space over the law that does not run": (
+        lambda t: [TINY, "tune.space={controller.ki: {loguniform: [0.01, 0.5]}}"],
+        ["tune.space.controller.ki: sweeps a key of the spec law", "or sweep controller.logodds_ki instead"]),
     # ---- found by preflight (I/O on the driver, still before Ray)
     "block_size beyond the model's positions": (lambda t: [TINY, "data.block_size=4096"],
                                                 ["data.block_size=4096", "2048 positions"]),

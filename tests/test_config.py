@@ -20,9 +20,13 @@ REQUIRED_KEYS = ["scaling.num_workers", "scaling.use_gpu", "train.max_steps", "t
 
 @pytest.mark.parametrize("path", sorted(glob.glob(str(ROOT / "experiments" / "*.yaml"))))
 def test_every_experiment_loads(path):
+    from raytrain_scu.config.checks import check_law_keys
+    from raytrain_scu.config.io import explicit_keys, load_raw
+
     cfg = load_config(path)
     assert isinstance(cfg, Config) and cfg.run.name
     assert open(path).readline().startswith("# Launch:")
+    check_law_keys(cfg, explicit_keys(load_raw(path)))  # no key of a law that no run of it uses
 
 
 def test_required_key_names_exist():
@@ -139,13 +143,13 @@ def test_malformed_search_space(tmp_path, space, needle):
 
 
 def test_yaml_round_trip_and_cli(tmp_path):
-    cfg = load_config(TINY, ["controller.kp=0.5"])
+    cfg = load_config(TINY, ["controller.logodds_kp=1.5"])
     p = tmp_path / "resolved.yaml"
     p.write_text(to_yaml(cfg))
     assert load_config(p) == cfg
-    r = subprocess.run([sys.executable, "-m", "raytrain_scu.config", TINY, "controller.kp=0.5"],
+    r = subprocess.run([sys.executable, "-m", "raytrain_scu.config", TINY, "controller.logodds_kp=1.5"],
                        capture_output=True, text=True)
-    assert r.returncode == 0 and yaml.safe_load(r.stdout)["controller"]["kp"] == 0.5
+    assert r.returncode == 0 and yaml.safe_load(r.stdout)["controller"]["logodds_kp"] == 1.5
     r = subprocess.run([sys.executable, "-m", "raytrain_scu.config", TINY, "controller.kq=0.5"],
                        capture_output=True, text=True)
     assert r.returncode == 2 and "controller.kq" in r.stderr
@@ -248,6 +252,7 @@ def test_the_config_names_exactly_the_tables_entries():
     import re
     from pathlib import Path
 
+    from raytrain_scu.config.schema import LAW_KEYS
     from raytrain_scu.core.data.sources import SOURCES
     from raytrain_scu.core.laws import LAWS
     from raytrain_scu.hardware.presets import PRESETS
@@ -261,7 +266,7 @@ def test_the_config_names_exactly_the_tables_entries():
 
     assert choices("data.source") == set(SOURCES) | {"auto"}
     assert choices("hardware.preset") == set(PRESETS) | {"none", "auto"}
-    assert choices("controller.law") == set(LAWS)
+    assert choices("controller.law") == set(LAWS) == set(LAW_KEYS)
 
 
 def test_a_bad_config_is_refused_without_importing_torch():
@@ -276,3 +281,92 @@ def test_a_bad_config_is_refused_without_importing_torch():
 
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert r.stdout.split() == ["2", "False", "False"], r.stdout + r.stderr
+
+
+# ---------------------------------------------------------------- the laws' own keys
+
+def resolved(path=TINY, *overrides):
+    from raytrain_scu.config.resolve import resolve_config
+
+    return resolve_config(path, list(overrides), gpus=[])[0]
+
+
+def test_a_key_of_a_law_that_no_run_uses_is_refused_where_it_is_set(tmp_path):
+    """controller.law defaults to logodds: a spec gain set in the overrides or the YAML file would change nothing, so
+    the front door refuses it, naming the key and the two ways out; the same for a logodds key under law=spec."""
+    with pytest.raises(ConfigError, match=r"^controller\.kp=0\.5: a key of the spec law, but controller\.law is "
+                                          r"logodds, so it changes nothing: set controller\.law=spec to use it, or "
+                                          r"tune controller\.logodds_kp instead$"):
+        resolved(TINY, "controller.kp=0.5")
+    tree = yaml.safe_load(open(TINY).read())
+    tree["controller"]["deadband"] = 0.01
+    p = tmp_path / "c.yaml"
+    p.write_text(yaml.safe_dump(tree))
+    with pytest.raises(ConfigError, match=r"^controller\.deadband=0\.01: a key of the spec law.*: set "
+                                          r"controller\.law=spec to use it$"):  # no logodds key does its job
+        resolved(p)
+    tree["controller"]["law"] = "spec"
+    p.write_text(yaml.safe_dump(tree))
+    assert resolved(p).controller.deadband == 0.01
+    assert resolved(TINY, "controller.law=spec", "controller.kp=0.5").controller.kp == 0.5
+    with pytest.raises(ConfigError, match=r"^controller\.logodds_ki=0\.5: a key of the logodds law, but "
+                                          r"controller\.law is spec.*or tune controller\.ki instead$"):
+        resolved(TINY, "controller.law=spec", "controller.logodds_ki=0.5")
+    # by law, not by mode: a fixed-λ config runs no law, and its spec gain is refused all the same
+    with pytest.raises(ConfigError, match=r"^controller\.kp=0\.5: "):
+        resolved(TINY, "controller.mode=fixed", "controller.kp=0.5")
+    assert resolved(TINY, "controller.logodds_kp=3").controller.logodds_kp == 3.0
+    # a full config sets every key, the other law's at its defaults: it passes (this CLI prints one)
+    full = tmp_path / "full.yaml"
+    full.write_text(to_yaml(load_config(TINY, ["controller.logodds_kp=3"])))
+    assert resolved(full).controller.logodds_kp == 3.0
+    # a sweep over both laws reads the spec's gain in some of its trials
+    assert resolved(TINY, "controller.kp=0.5", "tune.space={controller.law: {grid: [spec, logodds]}}").controller.kp \
+        == 0.5
+    assert resolved(TINY, "controller.kp=0.5", "tune.space={arm: {grid: [{controller.law: spec}, "
+                                               "{controller.mode: fixed}]}}").controller.kp == 0.5
+
+
+def test_a_search_space_over_a_law_that_no_trial_runs_is_refused(tmp_path):
+    """tune.space: an entry over a key of a law no trial runs, or an arm setting a key of a law other than the one it
+    runs (its own controller.law, else the base's), is refused; each law's keys pass where some trial runs it."""
+    from raytrain_scu.ray.tune import space as sweep_space
+
+    with pytest.raises(ConfigError, match=r"^tune\.space\.controller\.kp: sweeps a key of the spec law, but "
+                                          r"controller\.law is logodds, so it changes nothing: set "
+                                          r"controller\.law=spec to sweep it, or sweep controller\.logodds_kp "
+                                          r"instead$"):
+        resolved(TINY, "tune.space={controller.kp: {loguniform: [0.1, 2.0]}}")
+    with pytest.raises(ConfigError, match=r"^tune\.space\.controller\.logodds_max_step: sweeps a key of the logodds "
+                                          r"law, but controller\.law is spec"):
+        resolved(TINY, "controller.law=spec", "tune.space={controller.logodds_max_step: {choice: [0.1, 0.5]}}")
+    assert resolved(TINY, "tune.space={controller.logodds_kp: {loguniform: [0.5, 8.0]}}").tune.space
+    # the trials run both laws: either law's keys may be swept
+    assert resolved(TINY, "tune.space={controller.law: {choice: [spec, logodds]}, controller.kp: {loguniform: "
+                          "[0.1, 2.0]}, controller.logodds_kp: {loguniform: [0.5, 8.0]}}").tune.space
+    # an arm: its own law, else the base's
+    mixed = ("tune.space={arm: {grid: [{controller.law: spec, controller.kp: 0.5}, {controller.logodds_kp: 3.0}, "
+             "{controller.law: logodds, controller.logodds_ki: 0.1}]}}")
+    cfg = resolved(TINY, mixed)
+    with pytest.raises(ConfigError, match=r"^tune\.space\.arm\[1\]: sets controller\.kp, a key of the spec law, but "
+                                          r"this arm runs the logodds law, so it changes nothing: set "
+                                          r"controller\.law=spec in the arm to use it, or set controller\.logodds_kp "
+                                          r"instead$"):
+        resolved(TINY, "tune.space={arm: {grid: [{controller.law: spec}, {controller.kp: 0.5}]}}")
+    with pytest.raises(ConfigError, match=r"^tune\.space\.arm\[0\]: sets controller\.logodds_kp"):
+        resolved(TINY, "tune.space={arm: {grid: [{controller.law: spec, controller.logodds_kp: 3.0}]}}")
+    # a space over a spec key with arms that run only logodds, and a space set on a resolved config (as a study
+    # sets its stage's), are refused by the sweep's own check too
+    with pytest.raises(ConfigError, match=r"^tune\.space\.controller\.ki: sweeps a key of the spec law, but every run "
+                                          r"of this config uses the logodds law"):
+        resolved(TINY, "controller.law=spec", "tune.space={arm: {grid: [{controller.law: logodds}]}, "
+                                              "controller.ki: {loguniform: [0.01, 0.5]}}")
+    late = resolved(TINY, f"run.storage_path={tmp_path}", "tune.search=random")
+    late.tune.space = {"controller.kp": {"loguniform": [0.1, 2.0]}}
+    with pytest.raises(sweep_space.SweepError, match=r"^tune\.space\.controller\.kp: sweeps a key of the spec law"):
+        sweep_space.resolve_space(late)
+    # each trial's config is the base with its arm's law set: it builds (validate does not re-judge the base's arms)
+    cfg.run.storage_path = str(tmp_path)
+    for arm in cfg.tune.space["arm"]["grid"]:
+        trial = sweep_space.trial_config(cfg, {"arm": arm}, "t")
+        assert trial.controller.law == arm.get("controller.law", "logodds")

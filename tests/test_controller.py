@@ -260,7 +260,7 @@ def test_lambda_held_at_a_bound_is_said_once_per_stretch_with_what_it_means():
     from raytrain_scu.config.schema import ControllerConfig
     from raytrain_scu.core.bounds import BoundWatch
 
-    c = ControllerConfig(lambda_min=1e-4, lambda_max=10.0, target_s=0.01, bound_notice_steps=3)
+    c = ControllerConfig(law="spec", lambda_min=1e-4, lambda_max=10.0, target_s=0.01, bound_notice_steps=3)
     w = BoundWatch(c)
     said = [w.update(step, lam, s_hat) for step, lam, s_hat in
             [(1, 5.0, 0.5), (2, 10.0, 0.4), (3, 10.0, 0.3), (4, 10.0, 0.2), (5, 10.0, 0.1), (6, 10.0, 0.05)]]
@@ -271,6 +271,7 @@ def test_lambda_held_at_a_bound_is_said_once_per_stretch_with_what_it_means():
     assert w.update(7, 3.0, 0.02) is None  # λ left the bound: the next stretch is a new one
     later = [w.update(step, 10.0, 5e-5) for step in range(8, 12)]
     assert later[:3] == [None] * 3 and "Ŝ is already below S*, yet λ stays up: the plant is saturated" in later[3]
+    assert "controller.integral_limit" in later[3]  # the spec's law: its integral holds λ there
     low = BoundWatch(c)
     assert [low.update(k, 1e-4, 0.001) for k in range(1, 5)][-1].startswith("λ has sat at its lower bound 0.0001")
     assert BoundWatch(ControllerConfig(mode="fixed", bound_notice_steps=1)).update(5, 10.0, 0.5) is None

@@ -180,15 +180,17 @@ def test_every_law_has_the_spec_telemetry_and_the_loop_can_call_it():
 def test_spec_law_from_the_table_is_the_spec_law_unchanged():
     rows = inputs(100)
     direct = SCUController(target_s=0.2, lambda_max=1e3)
-    built = laws.build(ControllerConfig(target_s=0.2, lambda_max=1e3))  # law defaults to spec
+    built = laws.build(ControllerConfig(law="spec", target_s=0.2, lambda_max=1e3))
     for t, (d, p, f) in enumerate(rows):
         assert laws.update(built, d, p, step=t + 1, lr_factor=f) == direct.update(d, p, step=t + 1)
 
 
 def test_config_defaults_and_checks_for_the_new_keys():
     c = ControllerConfig()
-    assert c.law == "spec" and (c.kp, c.ki, c.lambda_init, c.lambda_max) == (0.8, 0.15, 1.0, 10.0)
-    check_controller(ControllerConfig(law="logodds"))
+    assert c.law == "logodds" and (c.kp, c.ki, c.lambda_init, c.lambda_max) == (0.8, 0.15, 1.0, 10.0)
+    assert (c.logodds_kp, c.logodds_ki) == (2.0, 0.2)
+    assert isinstance(laws.build(c), LogOddsController)  # the default config runs the logodds law
+    check_controller(ControllerConfig(law="spec"))
     for key, value in (("law", "pid"), ("logodds_kp", -1.0), ("logodds_ki", -0.1), ("logodds_data_alpha", 0.0),
                        ("logodds_data_alpha", 1.5), ("logodds_max_error", 0.0), ("logodds_max_step", -1.0),
                        ("logodds_hold_error", 0.0)):
@@ -198,6 +200,31 @@ def test_config_defaults_and_checks_for_the_new_keys():
         LogOddsController(ki=-1.0)
 
 
+def test_each_law_reads_exactly_its_own_keys_of_law_keys():
+    """config.schema.LAW_KEYS (the keys config.checks refuses where their law does not run) are the keys one law's
+    builder reads and the other's does not: ema_alpha, deadband, leak and integral_limit are the spec's alone."""
+    from raytrain_scu.config.schema import LAW_KEYS
+
+    class Reads:
+        """A ControllerConfig that records the keys read from it."""
+
+        def __init__(self, law):
+            self.c, self.keys = ControllerConfig(law=law), set()
+
+        def __getattr__(self, name):
+            self.keys.add(f"controller.{name}")
+            return getattr(self.c, name)
+
+    reads = {}
+    for law in LAWS:
+        r = Reads(law)
+        laws.build(r)
+        reads[law] = r.keys
+    only = {law: keys - set().union(*(reads[o] for o in LAWS if o != law)) for law, keys in reads.items()}
+    assert only == {law: set(keys) for law, keys in LAW_KEYS.items()}
+    assert {"controller.target_s", "controller.lambda_max", "controller.mode"} <= reads["spec"] & reads["logodds"]
+
+
 def test_config_file_override_selects_the_law():
     from conftest import TINY
 
@@ -205,6 +232,8 @@ def test_config_file_override_selects_the_law():
 
     cfg = load_config(TINY, ["controller.law=logodds", "controller.logodds_kp=1.5"])
     assert isinstance(laws.build(cfg.controller), LogOddsController) and laws.build(cfg.controller).kp == 1.5
+    cfg = load_config(TINY, ["controller.law=spec", "controller.kp=0.5"])
+    assert isinstance(laws.build(cfg.controller), SCUController) and laws.build(cfg.controller).kp == 0.5
     with pytest.raises(ConfigError, match="controller.law"):
         load_config(TINY, ["controller.law=bang_bang"])
 
@@ -237,7 +266,10 @@ def test_the_loop_runs_a_law_from_the_table_and_logs_its_own_telemetry(tmp_path)
     assert all({"ctrl/log_odds_error", "ctrl/raw_error", "ctrl/d_hat", "ctrl/held", "ctrl/s_hat"} <= set(r)
                for r in rows)
     assert len({r["ctrl/lambda"] for r in rows}) > 1
-    spec = structure_of(tiny_cfg(tmp_path, "logodds"))
+    spec = structure_of(tiny_cfg(tmp_path, "logodds", "controller.law=spec"))
     with pytest.raises(CheckpointError, match="controller.law: checkpoint has 'logodds', config has 'spec'"):
         check_structure({"structure": structure_of(cfg)}, spec)
-    check_structure({"structure": {k: v for k, v in spec.items() if k != "controller.law"}}, spec)  # older: spec
+    older = {"structure": {k: v for k, v in spec.items() if k != "controller.law"}}  # from before the key: spec's
+    check_structure(older, spec)
+    with pytest.raises(CheckpointError, match="controller.law: checkpoint has 'spec', config has 'logodds'"):
+        check_structure(older, structure_of(tiny_cfg(tmp_path, "logodds")))  # the default law resumes no spec state

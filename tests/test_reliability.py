@@ -577,8 +577,10 @@ def test_nonfinite_steps_are_skipped_and_counted(tmp_path, monkeypatch):
     # the loop in this process: what a skipped step leaves unchanged needs no Ray (the ranks agree on a skip
     # because the skip is decided on all-reduced values: the two-rank test below)
     monkeypatch.setenv("RAYTRAIN_SCU_NAN_AT_STEPS", "5,6")  # the loss of steps 5 and 6 is multiplied by NaN
+    # the spec's law: it moves λ at every update outside its deadband, so step 7's λ shows the updates resumed (the
+    # logodds law may hold λ on an update, while a large error is closing)
     hooks = local_run(tmp_path, "nan", "tracking.enabled=false", "train.max_steps=8", "train.checkpoint_every=2",
-                      "train.report_every=2")
+                      "train.report_every=2", "controller.law=spec")
     assert [r["step"] for r in hooks.reports] == [2, 4, 6, 8]
     c = {int(d.name[-8:]): d for d in checkpoint_dirs(tmp_path / "nan")}
     assert sorted(c) == [2, 4, 6, 8]
@@ -634,7 +636,7 @@ def nan_on_one_rank_worker(r: int, port: int, tmp: str) -> None:
     hooks.faults = Faults(nan_at=NAN_ON_RANK1 if r == 1 else set())
     cfg = tiny_cfg(tmp, "nan-rank1", "tracking.enabled=false", "scaling.num_workers=2", "train.max_steps=8",
                    "train.report_every=1", "train.eval_every=8", "train.checkpoint_every=8",
-                   "train.max_consecutive_skips=3")
+                   "train.max_consecutive_skips=3", "controller.law=spec")  # λ moves at every update: see above
     error = None
     try:
         run_loop(cfg, hooks=hooks)

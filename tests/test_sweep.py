@@ -39,8 +39,14 @@ def base(tmp_path, *overrides):
 def test_default_space_tunes_the_global_batch_on_a_loss_and_the_micro_batch_on_speed(tmp_path):
     cfg = base(tmp_path)  # batch 4 x accum 2 x 1 worker x block 64 = 512 tokens per step
     space = sweep_space.resolve_space(cfg)
-    assert list(space) == ["global_batch_tokens", "controller.kp", "controller.ki", "controller.target_s"]
+    assert list(space) == ["global_batch_tokens", "controller.logodds_kp", "controller.logodds_ki",
+                           "controller.target_s"]  # the gains of the config's law, logodds by default
+    assert (space["controller.logodds_kp"], space["controller.logodds_ki"]) == (
+        {"loguniform": [0.5, 8.0]}, {"loguniform": [0.05, 0.8]})  # around its defaults, 2.0 and 0.2
     assert space["global_batch_tokens"] == {"choice": [256, 512, 1024]}
+    spec = sweep_space.resolve_space(base(tmp_path, "controller.law=spec"))
+    assert list(spec) == ["global_batch_tokens", "controller.kp", "controller.ki", "controller.target_s"]
+    assert (spec["controller.kp"], spec["controller.ki"]) == ({"loguniform": [0.2, 3.2]}, {"loguniform": [0.02, 0.6]})
     assert "optim.lr" in sweep_space.resolve_space(cfg, with_lr=True)
     # a global batch no whole grad_accum reaches is left out, and the controller is not swept when it is off
     space = sweep_space.resolve_space(base(tmp_path, "data.grad_accum=1", "controller.mode=none"))
@@ -174,7 +180,7 @@ def test_space_kinds_become_tune_domains(tmp_path):
 
 
 def test_search_and_space_checks(tmp_path, monkeypatch):
-    with pytest.raises(sweep_space.SweepError, match="tune.search=grid .* controller.kp"):
+    with pytest.raises(sweep_space.SweepError, match="tune.search=grid .* controller.logodds_kp"):
         sweep_space.resolve_space(base(tmp_path, "tune.search=grid"))
     with pytest.raises(sweep_space.SweepError, match="use choice instead of grid"):
         sweep_space.resolve_space(base(tmp_path, "tune.search=optuna", "tune.space={seed: {grid: [0, 1]}}"))
@@ -360,7 +366,8 @@ def test_tiny_sweep_experiment_resolves():
     cfg = load_config(ROOT / "experiments" / "tiny-sweep.yaml")
     space = sweep_space.resolve_space(cfg)
     assert cfg.scaling.num_workers == 1
-    assert space == {"global_batch_tokens": {"choice": [256, 512, 1024]}, "controller.kp": {"loguniform": [0.2, 3.2]},
+    assert space == {"global_batch_tokens": {"choice": [256, 512, 1024]},
+                     "controller.logodds_kp": {"loguniform": [0.5, 8.0]},
                      "controller.target_s": {"loguniform": [0.002, 0.05]}}
     assert [sweep_space.apply_params(cfg, {"global_batch_tokens": g}).data.grad_accum for g in (256, 512, 1024)] == [1, 2, 4]
 

@@ -114,15 +114,16 @@ class TrainConfig:
 @dataclass
 class ControllerConfig:
     mode: str = "scu"  # scu | fixed | none
-    # the update law under scu (core.laws.LAWS): spec (SCU_SPEC.md, exact) | logodds (PI on ln λ, log-odds error)
-    law: str = "spec"
+    # the update law under scu (core.laws.LAWS): logodds (PI on ln λ, log-odds error; docs/control.md), the GPU
+    # study v2's choice (docs/ablation-v2.md) | spec (SCU_SPEC.md, exact). Each reads its own gains (LAW_KEYS)
+    law: str = "logodds"
     target_s: float = 0.01  # S*: the information ratio ParamBPT / (DataBPT + ParamBPT) to hold
-    kp: float = 0.8  # proportional gain
-    ki: float = 0.15  # integral gain
-    ema_alpha: float = 0.1  # smoothing of S into Ŝ (Ŝ ← α·S + (1−α)·Ŝ)
-    deadband: float = 0.002  # |Ŝ − S*| at or below this leaves λ unchanged
-    leak: float = 0.995  # the integral decays by this factor each update
-    integral_limit: float = 0.2  # the integral is clipped to ± this
+    kp: float = 0.8  # spec law: proportional gain
+    ki: float = 0.15  # spec law: integral gain
+    ema_alpha: float = 0.1  # spec law: smoothing of S into Ŝ (Ŝ ← α·S + (1−α)·Ŝ)
+    deadband: float = 0.002  # spec law: |Ŝ − S*| at or below this leaves λ unchanged
+    leak: float = 0.995  # spec law: the integral decays by this factor each update
+    integral_limit: float = 0.2  # spec law: the integral is clipped to ± this
     lambda_init: float = 1.0  # λ at the start (scu), or the fixed λ (fixed)
     lambda_min: float = 1e-4  # λ's lower bound under the SCU law
     lambda_max: float = 10.0  # λ's upper bound under the SCU law
@@ -143,6 +144,16 @@ class ControllerConfig:
     # 0 = measured from the training split. A resume refuses a checkpoint whose tokens_per_epoch differs from the
     # measured one (changed data would rescale ParamBPT and S silently); set here, it wins over both.
     tokens_per_epoch: int = 0
+
+
+# the keys only one law reads, by law (core.laws: each law's from_config reads its own and no other's): set or swept
+# for a law that no run of a config uses, one changes nothing, and config.checks.check_law_keys refuses it
+LAW_KEYS = {
+    "spec": ("controller.kp", "controller.ki", "controller.ema_alpha", "controller.deadband", "controller.leak",
+             "controller.integral_limit"),
+    "logodds": ("controller.logodds_kp", "controller.logodds_ki", "controller.logodds_data_alpha",
+                "controller.logodds_max_error", "controller.logodds_max_step", "controller.logodds_hold_error"),
+}
 
 
 @dataclass

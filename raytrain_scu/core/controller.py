@@ -85,9 +85,9 @@ class SCUController:
                  mode: str = _D.mode):
         # defaults and checks live in config.py alone (ControllerConfig, check_controller): one truth for both
         check_controller(ControllerConfig(
-            mode=mode, target_s=target_s, kp=kp, ki=ki, ema_alpha=ema_alpha, deadband=deadband, leak=leak,
-            integral_limit=integral_limit, lambda_init=lambda_init, lambda_min=lambda_min, lambda_max=lambda_max,
-            saturation_window=saturation_window, saturation_rel_tol=saturation_rel_tol))
+            mode=mode, law="spec", target_s=target_s, kp=kp, ki=ki, ema_alpha=ema_alpha, deadband=deadband,
+            leak=leak, integral_limit=integral_limit, lambda_init=lambda_init, lambda_min=lambda_min,
+            lambda_max=lambda_max, saturation_window=saturation_window, saturation_rel_tol=saturation_rel_tol))
         self.target_s = float(target_s)
         self.kp, self.ki = float(kp), float(ki)
         self.ema_alpha, self.deadband, self.leak = float(ema_alpha), float(deadband), float(leak)

@@ -203,9 +203,9 @@ def structure_of(cfg) -> dict:
 
 
 def structure_signature(*, name: str, gguf_file: str, r: int, alpha: int, targets, block_size: int,
-                        load_in_4bit: bool, embedding_int8: bool = False, law: str = "spec") -> dict:
+                        load_in_4bit: bool, embedding_int8: bool = False, law: str) -> dict:
     """What a checkpoint must match to be resumed (base model, LoRA shape, block size, the control law whose state it
-    holds)."""
+    holds). ``law`` has no default: a caller names the law, never one that a changed default would swap."""
     return {"model.name": name, "model.gguf_file": gguf_file, "lora.r": r, "lora.alpha": alpha,
             "lora.target_modules": list(targets), "data.block_size": block_size, "quant.load_in_4bit": load_in_4bit,
             "quant.embedding_int8": embedding_int8, "controller.law": law}

@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import asdict
 
+from raytrain_scu.config.checks import check_space_laws
 from raytrain_scu.config.io import get_dotted, set_dotted
 from raytrain_scu.config.load import build_config
 from raytrain_scu.config.paths import run_dir
@@ -19,6 +20,13 @@ from raytrain_scu.tracking.store import tracking_uri
 GLOBAL_BATCH = "global_batch_tokens"  # the space key of the global batch (config.SPACE_ONLY_KEYS), in tokens per step
 ARM = "arm"  # the space key of a bundle of config values set together (config.SPACE_ONLY_KEYS)
 THROUGHPUT_PREFIX = "perf/"  # metrics that score speed, not the loss (the loop reports perf/tokens_per_s)
+# the default space's ranges of each law's two gains, log-uniform around the law's defaults (logodds: 2.0 and 0.2,
+# 4x either side; spec: 0.8 and 0.15)
+LAW_GAINS = {
+    "logodds": {"controller.logodds_kp": {"loguniform": [0.5, 8.0]},
+                "controller.logodds_ki": {"loguniform": [0.05, 0.8]}},
+    "spec": {"controller.kp": {"loguniform": [0.2, 3.2]}, "controller.ki": {"loguniform": [0.02, 0.6]}},
+}
 
 
 def default_space(cfg: Config) -> dict:
@@ -27,7 +35,8 @@ def default_space(cfg: Config) -> dict:
     On a throughput metric (``perf/...``): the micro-batch (data.batch_size), half, same and double the config's. On
     a loss: the global batch (``global_batch_tokens``: half, same and double the config's, those a whole
     data.grad_accum reaches at the config's micro-batch), or with ``tune.keep_tokens_per_step=false`` the micro-batch,
-    which then moves the global batch; and the SCU's gains and target when it is on.
+    which then moves the global batch; and under controller.mode=scu the target and the two gains of the config's
+    controller.law (``LAW_GAINS``: logodds_kp and logodds_ki, or the spec's kp and ki).
     """
     b, per_step = cfg.data.batch_size, cfg.data.batch_size * cfg.data.grad_accum
     batches = sorted({x for x in (b // 2, b, 2 * b) if x >= 1})
@@ -42,8 +51,7 @@ def default_space(cfg: Config) -> dict:
     else:
         space = {"data.batch_size": {"choice": batches}}
     if cfg.controller.mode == "scu":
-        space["controller.kp"] = {"loguniform": [0.2, 3.2]}
-        space["controller.ki"] = {"loguniform": [0.02, 0.6]}
+        space.update(LAW_GAINS[cfg.controller.law])
         space["controller.target_s"] = {"loguniform": [0.002, 0.05]}
     return space
 
@@ -126,6 +134,10 @@ def resolve_space(cfg: Config, *, with_lr: bool = False) -> dict:
     kinds = {key: next(iter(spec)) for key, spec in space.items()}
     if ARM in space:
         _check_arms(space, kinds[ARM])
+    try:  # here too: a study sets its stage's space on a config already resolved
+        check_space_laws(cfg.controller.law, space)
+    except ConfigError as e:
+        raise SweepError(str(e)) from None
     _check_search(t.search, kinds)
     _check_batch_keys(cfg, space, kinds)
     if t.metric == "perf/tokens_per_s" and t.mode != "max":

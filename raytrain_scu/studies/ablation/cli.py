@@ -11,7 +11,15 @@ from raytrain_scu.config.resolve import resolve
 from raytrain_scu.errors import USER_ERRORS, AblationError, CheckpointError
 from raytrain_scu.studies.ablation import report as ablation_report
 from raytrain_scu.studies.ablation.results import save
-from raytrain_scu.studies.ablation.run import NEEDS, STAGES, check_rules, choose_targets, run_stage, setting
+from raytrain_scu.studies.ablation.run import (
+    NEEDS,
+    STAGES,
+    check_law,
+    check_rules,
+    choose_targets,
+    run_stage,
+    setting,
+)
 
 
 def parse_args(argv):
@@ -56,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         if bad:
             raise ValueError(f"--stages: unknown {bad}, expected some of {', '.join(STAGES)}")
         cfg = resolve(a.config, a.overrides)  # a bad config fails here, before any sweep starts
+        check_law(cfg)
     except (*USER_ERRORS, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

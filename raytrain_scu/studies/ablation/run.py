@@ -3,7 +3,8 @@
 The study runs in stages, each one Ray Tune sweep of Ray Train runs (one GPU each on a GPU cluster) recorded in
 MLflow; every stage's trials are kept in ``DIR/results.json`` as they finish, so a re-run skips the stages done and a
 later call (another machine) goes on from the file. The settings of every stage follow from the ones before by rules
-fixed here, before any SCU result comes in:
+fixed here, before any SCU result comes in. The study is of the spec's law (``LAW``; :func:`check_law` refuses a config
+of another before any stage):
 
 1. ``fixed``: ``none`` and fixed λ on the ``--lambdas`` grid, over ``--seeds``. The best fixed λ is the one with the
    lowest held-out BPT (mean over seeds); S* for the SCU arms is the S it ends at (mean Ŝ over the last 20% of
@@ -36,11 +37,12 @@ from raytrain_scu.config.resolve import resolve
 from raytrain_scu.config.schema import Config
 from raytrain_scu.core.checkpoint import newest_good_local, read_meta
 from raytrain_scu.core.model.flops import bits_per_token
-from raytrain_scu.errors import AblationError
+from raytrain_scu.errors import AblationError, ConfigError
 from raytrain_scu.ray.tune.space import flat_params, trial_config
 from raytrain_scu.studies.ablation.report import end_level
 
 STAGES = ("fixed", "scu", "sweep", "tuned")
+LAW = "spec"  # the law the stages are written for: the stability grid and the sweep set its controller.kp and .ki
 NEEDS = {"fixed": (), "scu": ("fixed",), "sweep": ("fixed",), "tuned": ("fixed", "sweep")}  # whose results a stage uses
 UNIT_CHARS = 2000  # held-out documents are cut at blank lines into units of at least this many characters
 HISTORY_KEYS = ("step", "train/data_bpt", "train/param_bpt", "train/param_bpt_a", "train/param_bpt_b",
@@ -67,6 +69,14 @@ def family_of(stage: str, params: dict) -> str:
     if params.get("controller.prior_center") == "init":
         return "scu_init"
     return "gains" if "controller.kp" in params else "scu"
+
+
+def check_law(cfg: Config) -> None:
+    """The study runs the spec's law (``LAW``): a config of another is refused before any stage starts."""
+    if cfg.controller.law != LAW:
+        raise ConfigError(f"controller.law: this study is of the {LAW} law (its --gains grid and its sweep set "
+                          f"controller.kp and controller.ki), got {cfg.controller.law!r}: set controller.law={LAW} "
+                          f"(experiments/ablation-gpu.yaml does), or compare the laws with --protocol v2")
 
 
 def fixed_arms(seeds, lambdas) -> list[dict]:
