@@ -31,8 +31,9 @@ def test_ranks_agree_on_lambda_and_s_every_step(ray_local, tmp_path):
                 f.write(json.dumps([{k: m[k] for k in ("step", "ctrl/lambda", "ctrl/s", "ctrl/s_hat",
                                                        "perf/report_wait_s")} for m in metrics]) + "\n")
 
+    # S* near the tiny run's S: far from it, the logodds law (the default) holds λ while the error closes
     cfg = tiny_cfg(tmp_path, "ranks", "train.max_steps=8", "train.report_every=1", "train.checkpoint_every=4",
-                   "tracking.enabled=false")
+                   "tracking.enabled=false", "controller.target_s=0.2")
     assert cfg.scaling.num_workers == 2
     result = build_trainer(cfg, use_gpu=False, run_id=None, callbacks=[Collect()]).fit()
     assert result.error is None
