@@ -75,23 +75,6 @@ def test_without_the_kernels_evaluation_and_training_are_transformers_own():
     assert keep_out_proj_a_module(torch.nn.Linear(2, 2)) == 0
 
 
-@pytest.mark.skipif(importlib.util.find_spec("mamba_ssm") is not None, reason="the kernels are installed here")
-def test_without_the_kernels_each_training_step_projects_once():
-    """The fused function returns None without a kernel: once seen, a mixer goes straight to the torch path, so a
-    step runs in_proj once per mixer rather than once for the discarded kernel call and again for the torch path."""
-    model = tiny_granite()
-    mixers = [m for m in model.modules() if isinstance(m, modeling.GraniteMoeHybridMambaLayer)]
-    calls = []
-    for mixer in mixers:
-        mixer.in_proj.register_forward_hook(lambda *_: calls.append(1))
-    model.train()
-    x = torch.randint(0, 2000, (2, 16))
-    model(input_ids=x)  # the first step finds out that there is no kernel
-    calls.clear()
-    model(input_ids=x).logits.sum().backward()
-    assert mixers and len(calls) == len(mixers)
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU and the mamba_ssm / causal_conv1d kernels")
 def test_the_kernel_path_matches_the_torch_path(monkeypatch):

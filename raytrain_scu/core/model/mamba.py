@@ -4,8 +4,8 @@ their out projection kept a module.
 transformers' training path hands the fused kernel ``self.out_proj.weight`` and lets the kernel do the out projection
 itself: a LoRA adapter on ``out_proj`` then takes no part in the forward and gets no gradient, and a 4-bit ``out_proj``
 hands over packed storage. :func:`keep_out_proj_a_module` makes each mixer call the kernel without the projection and
-apply ``out_proj`` (with its adapter, or its 4-bit weight) after it. Where the kernel is absent, transformers' torch
-path runs, and it applies ``out_proj`` as a module already.
+apply ``out_proj`` (with its adapter, or its 4-bit weight) after it. Where the kernel is absent the torch path runs as
+before: it applies ``out_proj`` as a module already.
 """
 from __future__ import annotations
 
@@ -20,32 +20,25 @@ def _modeling():
     return modeling_granitemoehybrid
 
 
-# the fused functions found to return None (transformers' stand-in where no kernel is installed): a mixer calling one
-# of them goes straight to the torch path, without a projection the kernel call would discard
-_NO_KERNEL: set = set()
-
-
 def _forward(self, hidden_states, *args, **kwargs):
     """GraniteMoeHybridMambaLayer.forward's training branch with the out projection as a module; every other case
     (a cache, evaluation, no kernel) is transformers' own forward. transformers names the cache ``cache`` (5.24) or
     ``cache_params`` (5.17): both are read."""
     m = _modeling()
-    fused = m.mamba2_split_conv1d_scan_combined
     cache = kwargs.get("cache", kwargs.get("cache_params", args[0] if args else None))
     attention_mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
-    if not (self.training and cache is None) or fused in _NO_KERNEL:
+    if not (self.training and cache is None):
         return type(self).forward(self, hidden_states, *args, **kwargs)
     projected = self.in_proj(m.apply_mask_to_padding_states(hidden_states, attention_mask))
     A = -torch.exp(self.A_log.float())
     extra = {"seq_idx": kwargs["seq_idx"]} if kwargs.get("seq_idx") is not None else {}
-    out = fused(
+    out = m.mamba2_split_conv1d_scan_combined(
         projected, self.conv1d.weight.squeeze(1), self.conv1d.bias, self.dt_bias, A, D=self.D,
         chunk_size=self.chunk_size, activation=self.activation, rmsnorm_weight=self.norm.weight,
         rmsnorm_eps=self.norm.variance_epsilon, outproj_weight=None, outproj_bias=None, headdim=self.head_dim,
         ngroups=self.n_groups, norm_before_gate=False, return_final_states=False, dt_limit=self.time_step_limit,
         **extra)
     if out is None:  # no kernel: the torch path, which applies out_proj as a module
-        _NO_KERNEL.add(fused)
         return type(self).forward(self, hidden_states, *args, **kwargs)
     return self.out_proj(out)
 
