@@ -316,6 +316,16 @@ def test_a_key_of_a_law_that_no_run_uses_is_refused_where_it_is_set(tmp_path):
     with pytest.raises(ConfigError, match=r"^controller\.kp=0\.5: "):
         resolved(TINY, "controller.mode=fixed", "controller.kp=0.5")
     assert resolved(TINY, "controller.logodds_kp=3").controller.logodds_kp == 3.0
+    # the law left to its default: a spec gain is refused at its default value too (a file written for the spec's
+    # law would run the logodds law); with the law named, a gain at its default passes
+    with pytest.raises(ConfigError, match=r"^controller\.kp=0\.8: a key of the spec law"):
+        resolved(TINY, "controller.kp=0.8")
+    assert resolved(TINY, "controller.law=logodds", "controller.kp=0.8").controller.law == "logodds"
+    # the law set by tune.space: the way out is there
+    with pytest.raises(ConfigError, match=r"^controller\.logodds_kp=3\.0: .*every run of this config uses the spec "
+                                          r"law \(tune\.space sets the law\), so it changes nothing: run the logodds "
+                                          r"law in tune\.space to use it"):
+        resolved(TINY, "controller.logodds_kp=3", "tune.space={arm: {grid: [{controller.law: spec}]}}")
     # a full config sets every key, the other law's at its defaults: it passes (this CLI prints one)
     full = tmp_path / "full.yaml"
     full.write_text(to_yaml(load_config(TINY, ["controller.logodds_kp=3"])))
@@ -370,3 +380,8 @@ def test_a_search_space_over_a_law_that_no_trial_runs_is_refused(tmp_path):
     for arm in cfg.tune.space["arm"]["grid"]:
         trial = sweep_space.trial_config(cfg, {"arm": arm}, "t")
         assert trial.controller.law == arm.get("controller.law", "logodds")
+    # a trial whose values sweep another law's key (a restored Tune experiment keeps the space it started with)
+    with pytest.raises(ConfigError, match=r"^trial value controller\.kp=0\.5: a key of the spec law, but this trial "
+                                          r"runs the logodds law, so it changes nothing: the Tune experiment was "
+                                          r"started for the spec law"):
+        sweep_space.trial_config(cfg, {"controller.kp": 0.5}, "t")

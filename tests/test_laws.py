@@ -271,5 +271,6 @@ def test_the_loop_runs_a_law_from_the_table_and_logs_its_own_telemetry(tmp_path)
         check_structure({"structure": structure_of(cfg)}, spec)
     older = {"structure": {k: v for k, v in spec.items() if k != "controller.law"}}  # from before the key: spec's
     check_structure(older, spec)
-    with pytest.raises(CheckpointError, match="controller.law: checkpoint has 'spec', config has 'logodds'"):
+    with pytest.raises(CheckpointError, match=r"controller.law: checkpoint has 'spec', config has 'logodds'\)\. To "
+                                              r"resume it, set controller\.law=spec\."):
         check_structure(older, structure_of(tiny_cfg(tmp_path, "logodds")))  # the default law resumes no spec state

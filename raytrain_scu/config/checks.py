@@ -292,10 +292,10 @@ def check_space_laws(law: str, space: dict) -> None:
     than the one it runs (:func:`trial_laws`; ``law``: controller.law): ConfigError naming the entry and what to do.
     Pure."""
     running, runs = _running(law, space)
+    fix = "set controller.law={law} to sweep it" if running == {law} else "run the {law} law in tune.space to sweep it"
     for key in space:
         if key in _KEY_LAW and _KEY_LAW[key] not in running:
-            raise _unused(f"tune.space.{key}", "sweeps", key, runs, "set controller.law={law} to sweep it",
-                          "sweep {key} instead")
+            raise _unused(f"tune.space.{key}", "sweeps", key, runs, fix, "sweep {key} instead")
     for i, (arm, laws) in enumerate(zip(_listed(space.get(_ARM)), trial_laws(law, space)[1])):
         for key in arm:
             if key in _KEY_LAW and _KEY_LAW[key] not in laws:
@@ -314,15 +314,30 @@ def check_law_keys(cfg: Config, explicit: set[str]) -> None:
     sweep's or study's arms set the mode per trial on one base config (the ablations' none, fixed and scu arms), so
     the gains of the config's own law are read by some of its runs whatever the base's mode.
 
-    A key at its default passes: a full config (``python -m raytrain_scu.config``'s output, a run's saved config.yaml)
-    sets every key, and a default changes nothing it would not change unset. Run by ``config.resolve`` on the config
-    as written, and not by :func:`validate`, which also runs on each trial's config: there an arm's law has replaced
-    the base's, which the other arms still run.
+    Where controller.law is set too, a key at its default passes: a full config (``python -m raytrain_scu.config``'s
+    output, a run's saved config.yaml) sets every key, and a default changes nothing it would not change unset. Where
+    the law is left to its default, any key of another law is refused, whatever its value: a file written for that
+    law (its gains at their defaults included) would otherwise run the default law silently. Run by
+    ``config.resolve`` on the config as written, and not by :func:`validate`, which also runs on each trial's config:
+    there an arm's law has replaced the base's, which the other arms still run.
     """
     running, runs = _running(cfg.controller.law, cfg.tune.space)
     default = Config()
+    fix = ("set controller.law={law} to use it" if running == {cfg.controller.law}
+           else "run the {law} law in tune.space to use it")
     for key in sorted(k for k in explicit if k in _KEY_LAW and _KEY_LAW[k] not in running):
         value = get_dotted(cfg, key)
-        if value != get_dotted(default, key):
-            raise _unused(f"{key}={value}", "", key, runs, "set controller.law={law} to use it", "tune {key} instead")
+        if "controller.law" not in explicit or value != get_dotted(default, key):
+            raise _unused(f"{key}={value}", "", key, runs, fix, "tune {key} instead")
     check_space_laws(cfg.controller.law, cfg.tune.space)
+
+
+def check_trial_law(law: str, params: dict) -> None:
+    """One trial's values against the law it runs (``law``, after its values are applied): a key of another law is a
+    ConfigError. ``resolve_space`` refuses such a space before launch; a restored Tune experiment keeps the space it
+    was started with, which this check meets in the trial instead."""
+    for key, value in params.items():
+        if key in _KEY_LAW and _KEY_LAW[key] != law:
+            raise _unused(f"trial value {key}={value}", "", key, f"this trial runs the {law} law",
+                          "the Tune experiment was started for the {law} law: run it again with "
+                          "controller.law={law}, or start a new one under another run.name", "sweep {key} instead")

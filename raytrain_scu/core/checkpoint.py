@@ -206,8 +206,11 @@ def check_structure(meta: dict, structure: dict) -> None:
     diffs = [f"{k}: checkpoint has {saved.get(k)!r}, config has {v!r}" for k, v in structure.items()
              if saved.get(k) != v]
     if diffs:
+        law = saved.get("controller.law")
+        keep = (f" To resume it, set controller.law={law}." if "controller.law" in structure
+                and law != structure["controller.law"] else "")
         raise CheckpointError("cannot resume: the checkpoint was made for a structurally different run ("
-                              + "; ".join(diffs) + "). Use a new run.name to start fresh.")
+                              + "; ".join(diffs) + ")." + keep + " Use a new run.name to start fresh.")
 
 
 def load_training_state(ckpt_dir: str | Path, *, model, optimizer, scaler, rank: int = 0, world_size: int = 1,

@@ -117,8 +117,8 @@ def _activation_bytes(*, tokens: int, a: int, hidden: int, ffn: int, layers: int
     # the copy of each adapted layer's input that the LoRA matmuls save when peft casts it to float32 and autocast
     # casts it back; torch.compile fuses it away (see the constants above). The loop turns that cast off under
     # autocast (core.model.build.keep_lora_inputs_in_autocast_dtype), so its eager steps save no such copy: the term
-    # stays until the eager calibration points are measured again with the loop's setting. It over-estimates, which
-    # can only lower a default batch.
+    # over-estimates them, which lowers a default batch or refuses an explicit one that would fit. The eager
+    # calibration points (docs/benchmarks.md) were measured with the copy, so the term is kept with them.
     adapter_inputs = 0 if (a == 4 or compile) else a * sum(dims[t][0] for t in targets)
     if compile:  # inductor fuses the norms' fp32 copies and recomputes the SwiGLU product
         per_layer = tokens * a * (7 * hidden + 3 * ffn + len(targets) * lora_r)

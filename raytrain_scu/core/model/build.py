@@ -175,10 +175,13 @@ def apply_lora(model, *, r: int = 16, alpha: int = 32, dropout: float = 0.0, tar
 
 def keep_lora_inputs_in_autocast_dtype(model) -> int:
     """Stop peft's LoRA layers casting their input to the adapters' float32 before the adapter product; returns how
-    many layers changed. For training under autocast only: autocast casts that float32 copy straight back to its own
-    dtype for the matmul, so the cast only writes the activation at twice its size (and, in the backward, its
-    gradient). Leaving it out changes no value: a bf16 or fp16 number survives the round trip through float32. Without
-    autocast, a float32 adapter needs its input cast, so the loop calls this only under autocast."""
+    many layers changed. For a model every forward of which runs under autocast (the loop's step and evaluation):
+    autocast casts that float32 copy straight back to its own dtype for the matmul, so the cast only writes the
+    activation at twice its size, and the separate copy the adapter's matmul then saves for the backward. Without
+    dropout the adapter product is the same: a bf16 or fp16 number survives the round trip through float32 (the CPU
+    test checks loss and gradients bit for bit); with lora.dropout > 0 the dropout runs on the autocast dtype. A
+    forward outside autocast fails afterwards (a float32 adapter meets a bf16 input), so the loop calls this only
+    when it trains under autocast."""
     from peft.tuners.lora import LoraLayer
 
     layers = [m for m in model.modules() if isinstance(m, LoraLayer)]

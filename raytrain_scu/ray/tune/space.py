@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import asdict
 
-from raytrain_scu.config.checks import check_space_laws
+from raytrain_scu.config.checks import check_space_laws, check_trial_law
 from raytrain_scu.config.io import get_dotted, set_dotted
 from raytrain_scu.config.load import build_config
 from raytrain_scu.config.paths import run_dir
@@ -285,6 +285,7 @@ def trial_config(base: Config, params: dict, trial_id: str) -> Config:
     """A trial's full config: its values, its own Train run under the sweep's directory (``config.run_dir`` of the
     sweep's config: the Tune experiment and the sweep's outputs live there too), the sweep's MLflow store."""
     cfg = apply_params(base, params)
+    check_trial_law(cfg.controller.law, flat_params(params))
     cfg.run.name = f"{base.run.name}-{trial_id}"
     cfg.run.storage_path = f"{run_dir(base)}/trials"
     # the store and experiment are the sweep's, not derived from the trial's own storage path and name
