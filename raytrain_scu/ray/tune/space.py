@@ -20,8 +20,8 @@ from raytrain_scu.tracking.store import tracking_uri
 GLOBAL_BATCH = "global_batch_tokens"  # the space key of the global batch (config.SPACE_ONLY_KEYS), in tokens per step
 ARM = "arm"  # the space key of a bundle of config values set together (config.SPACE_ONLY_KEYS)
 THROUGHPUT_PREFIX = "perf/"  # metrics that score speed, not the loss (the loop reports perf/tokens_per_s)
-# the default space's ranges of each law's two gains, log-uniform around the law's defaults (logodds: 2.0 and 0.2,
-# 4x either side; spec: 0.8 and 0.15)
+# the default space's ranges of each law's two gains, log-uniform around the law's defaults: logodds' 4x either side
+# of each; the spec's kp 4x either side, its ki 0.02-0.6 (not centred on its 0.15)
 LAW_GAINS = {
     "logodds": {"controller.logodds_kp": {"loguniform": [0.5, 8.0]},
                 "controller.logodds_ki": {"loguniform": [0.05, 0.8]}},
