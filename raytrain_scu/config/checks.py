@@ -7,6 +7,7 @@ from typing import Any
 from raytrain_scu.config.io import coerce, get_dotted, type_name
 from raytrain_scu.config.schema import (
     ALL_LINEAR,
+    ARM,
     FUSED_LORA_TARGETS,
     LAW_KEYS,
     REMOVED_KEYS,
@@ -245,7 +246,6 @@ def _check_arm(where: str, arm: Any) -> None:
 
 # ---------------------------------------------------------------- the laws' own keys
 
-_ARM = "arm"  # tune.space's key of value bundles (SPACE_ONLY_KEYS; ray.tune.space.ARM)
 _KEY_LAW = {key: law for law, keys in LAW_KEYS.items() for key in keys}
 # a law's key -> the other law's key that does the same job, named in a refusal
 _COUNTERPART = {"controller.kp": "controller.logodds_kp", "controller.ki": "controller.logodds_ki",
@@ -265,7 +265,7 @@ def trial_laws(law: str, space: dict) -> tuple[set[str], list[set[str]]]:
     """The laws the runs of a config use, as ``(base, [each arm's])``: base is the values of a tune.space entry over
     controller.law, else ``law`` (controller.law); an arm runs its own controller.law, else the base's."""
     base = {v for v in _listed(space.get("controller.law")) if isinstance(v, str)} or {law}
-    arms = [a for a in _listed(space.get(_ARM)) if isinstance(a, dict)]
+    arms = [a for a in _listed(space.get(ARM)) if isinstance(a, dict)]
     return base, [{a["controller.law"]} if "controller.law" in a else base for a in arms]
 
 
@@ -296,10 +296,10 @@ def check_space_laws(law: str, space: dict) -> None:
     for key in space:
         if key in _KEY_LAW and _KEY_LAW[key] not in running:
             raise _unused(f"tune.space.{key}", "sweeps", key, runs, fix, "sweep {key} instead")
-    for i, (arm, laws) in enumerate(zip(_listed(space.get(_ARM)), trial_laws(law, space)[1])):
+    for i, (arm, laws) in enumerate(zip(_listed(space.get(ARM)), trial_laws(law, space)[1])):
         for key in arm:
             if key in _KEY_LAW and _KEY_LAW[key] not in laws:
-                raise _unused(f"tune.space.{_ARM}[{i}]", f"sets {key},", key,
+                raise _unused(f"tune.space.{ARM}[{i}]", f"sets {key},", key,
                               f"this arm runs the {' or '.join(sorted(laws))} law",
                               "set controller.law={law} in the arm to use it", "set {key} instead")
 

@@ -240,7 +240,9 @@ TUNE_KINDS = ("choice", "grid", "uniform", "loguniform", "randint")
 # tune.space keys that are not config keys (sweep_space.apply_params maps them): global_batch_tokens, tokens per
 # optimizer step (the optimisation knob); a trial's data.grad_accum = it / (batch_size x num_workers x block_size)
 # arm: bundles {config key: value} set together, so unlike trials (the ablation's arms) run as one grid
-SPACE_ONLY_KEYS = {"global_batch_tokens": int, "arm": dict}
+GLOBAL_BATCH = "global_batch_tokens"  # the space key of the global batch, in tokens per step
+ARM = "arm"  # the space key of a bundle of config values set together
+SPACE_ONLY_KEYS = {GLOBAL_BATCH: int, ARM: dict}
 
 
 def check_not_removed(key: str) -> None:

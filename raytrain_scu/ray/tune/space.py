@@ -13,12 +13,10 @@ from raytrain_scu.config.checks import check_space_laws, check_trial_law
 from raytrain_scu.config.io import get_dotted, set_dotted
 from raytrain_scu.config.load import build_config
 from raytrain_scu.config.paths import run_dir
-from raytrain_scu.config.schema import Config, global_batch_tokens
+from raytrain_scu.config.schema import ARM, GLOBAL_BATCH, Config, global_batch_tokens
 from raytrain_scu.errors import ConfigError, SweepError
 from raytrain_scu.tracking.store import tracking_uri
 
-GLOBAL_BATCH = "global_batch_tokens"  # the space key of the global batch (config.SPACE_ONLY_KEYS), in tokens per step
-ARM = "arm"  # the space key of a bundle of config values set together (config.SPACE_ONLY_KEYS)
 THROUGHPUT_PREFIX = "perf/"  # metrics that score speed, not the loss (the loop reports perf/tokens_per_s)
 # the default space's ranges of each law's two gains, log-uniform around the law's defaults: logodds' 4x either side
 # of each; the spec's kp 4x either side, its ki 0.02-0.6 (not centred on its 0.15)
