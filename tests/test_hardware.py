@@ -265,6 +265,52 @@ def test_estimate_matches_h200_measurements_at_block_2048():
         assert 0.9 <= ratio <= 1.1, (batch, ckpt, comp, ratio)
 
 
+def _granite_config(preset="granite-4.0-h-1b-shape", **over):
+    import transformers
+
+    from raytrain_scu.core.model.presets import PRESETS
+
+    return transformers.GraniteMoeHybridConfig(**{**{k: v for k, v in PRESETS[preset].items() if k != "model_type"},
+                                                  **over})
+
+
+def test_a_mamba_hybrid_shape_counts_its_parameters_and_adapters_as_the_model_has_them():
+    """The tiny Granite-4.0-H (Mamba-2 + attention, fused MLP): n_params and the LoRA parameters on all linear layers
+    equal the built model's."""
+    import transformers
+
+    from raytrain_scu.core.model.build import apply_lora
+
+    config = _granite_config("tiny-granite-4.0-h")
+    shape = memory.shape_from_hf_config(config)
+    assert (shape["mamba_layers"], shape["fused_mlp"]) == (2, True)
+    model = transformers.GraniteMoeHybridForCausalLM(config)
+    assert shape["n_params"] == sum(p.numel() for p in model.parameters())
+    lora = apply_lora(model, r=4, alpha=8, targets=["all-linear"])
+    adapters = sum(p.numel() for n, p in lora.named_parameters() if "lora_" in n)
+    kw = run_kwargs(lora_r=4, lora_targets=["all-linear"], batch_size=1)
+    assert memory.estimate_peak_memory_gib(**shape, **kw)["lora_params"] == adapters
+    with pytest.raises(ValueError, match="routed experts"):
+        memory.shape_from_hf_config(_granite_config("tiny-granite-4.0-h", num_local_experts=4))
+
+
+def test_the_granite_estimate_matches_h200_measurements():
+    """Peak torch.cuda.max_memory_allocated() of the bench's granite parts on an H200 (docs/benchmarks.md), against
+    the estimate without its CUDA-context term: within 10% with the kernels (compiled and eager, bf16) and on
+    transformers' torch path with checkpointing; the layer-as-attention estimate it replaces put 32 x 1024 at 64 GiB."""
+    shape = memory.shape_from_hf_config(_granite_config())
+    for batch, block, comp, ckpt, kernels, measured in [(8, 2048, True, False, True, 42.61),
+                                                        (32, 1024, True, False, True, 79.88),
+                                                        (8, 2048, False, False, True, 53.98),
+                                                        (2, 1024, False, True, False, 27.93)]:
+        e = memory.estimate_peak_memory_gib(**{**shape, "mamba_kernels": kernels}, lora_r=16,
+                                              lora_targets=["all-linear"], load_in_4bit=False, precision="bf16",
+                                              batch_size=batch, block_size=block, gradient_checkpointing=ckpt,
+                                              compile=comp)
+        ratio = (e["total_gib"] - memory.CUDA_OVERHEAD_GIB) / measured
+        assert 0.9 <= ratio <= 1.1, (batch, block, comp, kernels, ratio)
+
+
 def test_fit_batch_size_returns_the_largest_batch_that_fits():
     kw = run_kwargs(block_size=1024)
     b = memory.fit_batch_size(gpu_mem_gib=40, max_batch_size=256, **LLAMA_1B, **kw)

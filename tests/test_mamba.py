@@ -63,6 +63,44 @@ def _kernel(zxbcdt, width, outproj_weight, calls):
     return out @ outproj_weight.T if outproj_weight is not None else out
 
 
+def test_a_compiled_layer_compiles_the_mixer_projections_and_leaves_only_the_kernel_out(monkeypatch):
+    """Under torch.compile the mixer's in_proj and out_proj (with their adapters) are traced into graphs and only the
+    kernel call breaks the graph; the compiled decoder layers train to eager's loss and adapter gradients (fp32)."""
+    from raytrain_scu.core.loss import CausalLMLoss, compile_for_training
+
+    model = tiny_granite()
+    width = model.get_base_model().model.layers[0].mamba.intermediate_size
+    monkeypatch.setattr(modeling, "mamba2_split_conv1d_scan_combined",
+                        lambda z, *a, outproj_weight=None, **k: _kernel(z, width, outproj_weight, []))
+    model.train()
+    mixer = model.get_base_model().model.layers[0].mamba
+    torch._dynamo.reset()
+    seen = torch._dynamo.explain(mixer)(torch.randn(2, 16, mixer.in_proj.in_features))
+    assert seen.graph_count == 2 and seen.graph_break_count == 1, seen.break_reasons
+    assert "disable" in seen.break_reasons[0].reason
+    for graph in seen.graphs:  # in_proj before the kernel, out_proj after: base GEMM and both adapter GEMMs each
+        assert sum(n.target is torch._C._nn.linear for n in graph.graph.nodes) == 3
+
+    x = torch.randint(0, 2000, (2, 32))
+    y = torch.roll(x, -1, 1)
+    out = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        model = tiny_granite()
+        loss_model = CausalLMLoss(model)
+        if compiled:
+            loss_model = compile_for_training(loss_model, scope="layers")
+        model.train()
+        nats, n = loss_model(x, y)
+        (nats / n).backward()
+        out.append(((nats / n).item(), [p.grad.clone() for p in adapter_params(model)]))
+    torch._dynamo.reset()
+    (eager_loss, eager_grads), (compiled_loss, compiled_grads) = out
+    assert abs(eager_loss - compiled_loss) < 1e-5
+    for e, c in zip(eager_grads, compiled_grads):
+        assert (e - c).norm() <= 1e-4 * e.norm() + 1e-8
+
+
 @pytest.mark.skipif(importlib.util.find_spec("mamba_ssm") is not None, reason="the kernels are installed here")
 def test_without_the_kernels_evaluation_and_training_are_transformers_own():
     """No mamba_ssm here: the prepared mixer falls back to transformers' torch path, computing the same numbers."""
@@ -78,13 +116,18 @@ def test_without_the_kernels_evaluation_and_training_are_transformers_own():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU and the mamba_ssm / causal_conv1d kernels")
 def test_the_kernel_path_matches_the_torch_path(monkeypatch):
-    """Loss within 1e-3 (fp32) and every adapter's gradient within 1e-3 relative, kernel path against torch path."""
+    """Loss within 1e-3 (fp32) and every adapter's gradient within 1e-3 relative, the kernel path (eager, and with
+    each decoder layer compiled around the kernel) against the torch path."""
     pytest.importorskip("mamba_ssm")
     pytest.importorskip("causal_conv1d")
     x = torch.randint(0, 2000, (2, 64), device="cuda")
 
-    def loss_and_grads():
+    def loss_and_grads(compiled=False):
+        torch._dynamo.reset()
         model = tiny_granite("cuda")
+        if compiled:  # each decoder layer, as the loop compiles it: the kernel runs between two graphs
+            for layer in model.get_base_model().model.layers:
+                layer.compile()
         model.train()
         loss = torch.nn.functional.cross_entropy(model(input_ids=x).logits[:, :-1].flatten(0, 1).float(),
                                                  x[:, 1:].flatten())
@@ -92,12 +135,14 @@ def test_the_kernel_path_matches_the_torch_path(monkeypatch):
         return loss.item(), [p.grad.detach().clone() for p in adapter_params(model)]
 
     kernel_loss, kernel_grads = loss_and_grads()
+    compiled_loss, compiled_grads = loss_and_grads(compiled=True)
     for name in KERNELS:  # transformers' own torch functions, under the kernels' names
         monkeypatch.setattr(modeling, name, getattr(modeling, name).__wrapped__)
     torch_loss, torch_grads = loss_and_grads()
-    assert abs(kernel_loss - torch_loss) < 1e-3
-    for k, t in zip(kernel_grads, torch_grads):
-        assert (k - t).norm() <= 1e-3 * t.norm() + 1e-8
+    for loss, grads in ((kernel_loss, kernel_grads), (compiled_loss, compiled_grads)):
+        assert abs(loss - torch_loss) < 1e-3
+        for k, t in zip(grads, torch_grads):
+            assert (k - t).norm() <= 1e-3 * t.norm() + 1e-8
 
 
 def test_the_mixer_forward_passes_both_transformers_call_conventions_through():

@@ -1,7 +1,8 @@
-"""profiling.idle_account on a hand-made Chrome trace: the idle time inside the profiled steps, each idle stretch
-charged to what ended it (the launching operator and its phase, or a host wait). The GPU run writes the real one
+"""profiling.idle_account and copy_account on hand-made Chrome traces: the idle time inside the profiled steps, each
+idle stretch charged to what ended it (the launching operator and its phase, or a host wait); each copy's device time
+charged to the operators around its launch. The GPU run writes the real one
 (docs/bench/profiles/); the CPU profile itself is tested in test_learning.py."""
-from raytrain_scu.worker.profiling import idle_account
+from raytrain_scu.worker.profiling import copy_account, idle_account
 
 
 def x(name, cat, ts, dur, pid=1, tid=1, **args):
@@ -33,3 +34,29 @@ def test_idle_stretches_are_charged_to_what_ended_them():
 
 def test_a_trace_without_steps_says_so():
     assert idle_account({"traceEvents": []}, steps=1).startswith("device idle: no ProfilerStep")
+
+
+def test_copies_are_charged_to_the_operators_around_their_launch():
+    ev = [x("ProfilerStep#3", "user_annotation", 0, 1000), x("ProfilerStep#4", "user_annotation", 1000, 1000),
+          # two casts inside a backward's contiguous call, one per step; one memcpy under aten::to; a GEMM and a
+          # Triton kernel named after a cast it fused (no copies)
+          x("MyFnBackward", "cpu_op", 100, 200), x("aten::contiguous", "cpu_op", 110, 50), x("aten::copy_", "cpu_op",
+                                                                                           120, 20),
+          x("cudaLaunchKernel", "cuda_runtime", 125, 5, correlation=1),
+          x("MyFnBackward", "cpu_op", 1100, 200), x("aten::contiguous", "cpu_op", 1110, 50),
+          x("aten::copy_", "cpu_op", 1120, 20), x("cudaLaunchKernel", "cuda_runtime", 1125, 5, correlation=2),
+          x("aten::to", "cpu_op", 1400, 30), x("cudaMemcpyAsync", "cuda_runtime", 1405, 5, correlation=3),
+          x("aten::mm", "cpu_op", 1500, 30), x("cudaLaunchKernel", "cuda_runtime", 1505, 5, correlation=4),
+          x("void at::native::direct_copy_kernel_cuda", "kernel", 200, 300, pid=0, tid=7, correlation=1),
+          x("void at::native::direct_copy_kernel_cuda", "kernel", 1200, 100, pid=0, tid=7, correlation=2),
+          x("Memcpy HtoD (Pageable -> Device)", "gpu_memcpy", 1410, 40, pid=0, tid=7, correlation=3),
+          x("nvjet_gemm", "kernel", 1510, 400, pid=0, tid=7, correlation=4),
+          x("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0", "kernel", 1920, 50, pid=0, tid=7),  # a norm
+          x("void at::native::direct_copy_kernel_cuda", "kernel", 2500, 100, pid=0, tid=7, correlation=2)]  # after
+    text = copy_account({"traceEvents": ev}, steps=2)
+    assert text.startswith("device copies per step: 0.22 ms in 1.5 copies"), text
+    rows = text.splitlines()[2:]
+    assert rows[0].split() == ["0.20", "1.0", "MyFnBackward", ">", "aten::contiguous", ">", "aten::copy_"]
+    assert rows[1].split() == ["0.02", "0.5", "aten::to"]
+    assert len(rows) == 2
+    assert copy_account({"traceEvents": []}, steps=1).startswith("device copies: no ProfilerStep")

@@ -33,9 +33,22 @@ With ``a`` = bytes of the compute dtype (4 for fp32, else 2), ``tokens = batch_s
 
 The backward pass goes through the frozen base too, so activations are those of full fine-tuning;
 only the weight gradients and optimizer states shrink to the adapters'.
+
+A hybrid with Mamba-2 layers (Granite-4.0-H: ``mamba_layers`` of the ``L``, each with in_proj H -> P =
+2I + 2GN + nH and out_proj I -> H, I the mixer width; its MLP one fused H -> 2F projection and F -> H)
+keeps per Mamba layer and token, with the field's kernels (``mamba_ssm``, ``causal_conv1d``)::
+
+    a * (4H + P + 2I + 3F + n_targets*r)              compiled (the mixer's projections compile with the layer)
+    a * (4H + P + 2I + 4F + n_targets*r) + 8H         eager (the fp32 norm copies)
+                   4H: the two norms' inputs and outputs; P: in_proj's output, which the fused kernel saves;
+                   2I: the kernel's pre-norm output (saved) and its output (out_proj's input)
+
+and on transformers' torch path (no kernels) 16·Q·I bytes more, Q the chunk: the chunked scan's fp32
+(Q x I) intermediates per token (measured once: 2 x 1024 with checkpointing). Attention layers count as above.
 """
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
 from raytrain_scu.errors import MemoryFitError
@@ -50,6 +63,10 @@ GIB = 2**30
 # torch.compile they are fused away. A compiled layer keeps neither the RMSNorms' fp32 copies nor the SwiGLU product
 # (inductor recomputes SiLU(gate)*up in the backward): 3 ffn-wide tensors per token, not 4, and no 8H term. The
 # 4-bit constants come from bitsandbytes' storage format, not from a measurement.
+# Granite-4.0-H-1B's shape with the kernels, on an H200, against the estimate without its CUDA-context term: compiled
+# 8 x 2048 42.6 GiB (1.05x) and 32 x 1024 79.9 GiB (1.02x), eager 8 x 2048 54.0 GiB (1.05x); 4-bit with checkpointing
+# 4 x 1024 4.85 GiB (0.92x) and 4 x 2048 6.90 GiB (0.78x: that case's recomputed layer holds more than modelled).
+MAMBA_TORCH_PATH_BYTES = 16  # per token, per chunk position and mixer channel: the torch path's fp32 scan intermediates
 NF4_BYTES_PER_PARAM = 0.52  # 4 bits + blockwise absmax (64-blocks, double-quantised)
 ADAPTER_BYTES_PER_PARAM = 16  # fp32 weight + fp32 grad + AdamW exp_avg + exp_avg_sq
 COMPILE_EXTRA_GIB = 2.0  # torch.compile (inductor): its own buffers and workspaces
@@ -62,11 +79,25 @@ def _dtype_bytes(precision: str) -> int:
     return 4 if precision == "fp32" else 2
 
 
-def _lora_dims(hidden: int, heads: int, kv_heads: int, ffn: int, head_dim: int) -> dict[str, tuple[int, int]]:
+def _lora_dims(hidden: int, heads: int, kv_heads: int, ffn: int, head_dim: int,
+               fused_mlp: bool = False) -> dict[str, tuple[int, int]]:
+    """(in, out) of an attention layer's linear layers by module name: q/k/v/o and the SwiGLU MLP (Llama's three
+    projections, or Granite's fused gate+up ``input_linear`` and ``output_linear``)."""
     q_out, kv_out = heads * head_dim, kv_heads * head_dim
+    mlp = ({"input_linear": (hidden, 2 * ffn), "output_linear": (ffn, hidden)} if fused_mlp else
+           {"gate_proj": (hidden, ffn), "up_proj": (hidden, ffn), "down_proj": (ffn, hidden)})
     return {"q_proj": (hidden, q_out), "k_proj": (hidden, kv_out), "v_proj": (hidden, kv_out),
-            "o_proj": (q_out, hidden), "gate_proj": (hidden, ffn), "up_proj": (hidden, ffn),
-            "down_proj": (ffn, hidden)}
+            "o_proj": (q_out, hidden), **mlp}
+
+
+def _mamba_dims(dims: dict, hidden: int, inner: int, in_proj: int) -> dict[str, tuple[int, int]]:
+    """A Mamba-2 layer's linear layers: the attention layer's MLP, in_proj and out_proj."""
+    mlp = {k: v for k, v in dims.items() if k not in ("q_proj", "k_proj", "v_proj", "o_proj")}
+    return {"in_proj": (hidden, in_proj), "out_proj": (inner, hidden), **mlp}
+
+
+def _targeted(dims: dict, lora_targets) -> list[str]:
+    return list(dims) if "all-linear" in lora_targets else [t for t in lora_targets if t in dims]
 
 
 def estimate_peak_memory_gib(*, n_params: int, hidden: int, layers: int, heads: int, kv_heads: int, ffn: int,
@@ -74,25 +105,36 @@ def estimate_peak_memory_gib(*, n_params: int, hidden: int, layers: int, heads: 
                              load_in_4bit: bool, precision: str, batch_size: int, block_size: int,
                              gradient_checkpointing: bool, compile: bool, fused_loss: bool = True,
                              loss_chunk_tokens: int = 4096, head_dim: int = 0, embedding_int8: bool = False,
-                             offload_embedding: bool = False) -> dict[str, float]:
-    """Peak GPU memory (GiB) of one training step of LoRA/QLoRA on a Llama-style decoder, by part: the formula is in
-    the module docstring."""
+                             offload_embedding: bool = False, fused_mlp: bool = False, mamba_layers: int = 0,
+                             mamba_inner: int = 0, mamba_in_proj: int = 0, mamba_chunk: int = 0,
+                             mamba_kernels: bool = True) -> dict[str, float]:
+    """Peak GPU memory (GiB) of one training step of LoRA/QLoRA on a Llama-style decoder, or a hybrid with
+    ``mamba_layers`` Mamba-2 layers, by part: the formula is in the module docstring."""
     a = _dtype_bytes(precision)
     head_dim = head_dim or hidden // heads
     tokens = batch_size * block_size
-    dims = _lora_dims(hidden, heads, kv_heads, ffn, head_dim)
-    linear_params = layers * sum(i * o for i, o in dims.values())
+    dims = _lora_dims(hidden, heads, kv_heads, ffn, head_dim, fused_mlp)
+    m_dims = _mamba_dims(dims, hidden, mamba_inner, mamba_in_proj) if mamba_layers else {}
+    kinds = [(layers - mamba_layers, dims), (mamba_layers, m_dims)]  # (how many layers, their linear layers)
+    linear_params = sum(n * sum(i * o for i, o in d.values()) for n, d in kinds)
     other_params = max(n_params - linear_params, 0)
     weights = _weight_bytes(linear_params, other_params, a=a, load_in_4bit=load_in_4bit, layers=layers, hidden=hidden,
                             vocab=vocab, embedding_int8=embedding_int8, offload_embedding=offload_embedding)
 
-    targets = [t for t in lora_targets if t in dims]
-    lora_params = layers * sum(lora_r * sum(dims[t]) for t in targets)
+    lora_params = sum(n * sum(lora_r * sum(d[t]) for t in _targeted(d, lora_targets)) for n, d in kinds)
     adapters = lora_params * ADAPTER_BYTES_PER_PARAM
 
-    per_layer, activations = _activation_bytes(tokens=tokens, a=a, hidden=hidden, ffn=ffn, layers=layers,
-                                               lora_r=lora_r, targets=targets, dims=dims, compile=compile,
-                                               gradient_checkpointing=gradient_checkpointing)
+    common = dict(tokens=tokens, a=a, hidden=hidden, ffn=ffn, lora_r=lora_r, compile=compile)
+    per_attn = _attention_layer_bytes(targets=_targeted(dims, lora_targets), dims=dims, **common)
+    per_mamba = (_mamba_layer_bytes(targets=_targeted(m_dims, lora_targets), inner=mamba_inner,
+                                    in_proj=mamba_in_proj, torch_path_chunk=0 if mamba_kernels else mamba_chunk,
+                                    **common) if mamba_layers else 0)
+    per_layer = max(per_attn, per_mamba)
+    if gradient_checkpointing:  # every layer's input, and one layer recomputed
+        activations = tokens * layers * hidden * a + per_layer
+    else:
+        activations = (layers - mamba_layers) * per_attn + mamba_layers * per_mamba
+    activations += tokens * (3 * hidden * a + 4 * hidden)  # embeddings out, final norm, lm_head input
     if fused_loss:
         logits = min(loss_chunk_tokens, tokens) * vocab * (4 + a) + tokens * hidden * a
     else:
@@ -100,7 +142,7 @@ def estimate_peak_memory_gib(*, n_params: int, hidden: int, layers: int, heads: 
 
     overhead = (CUDA_OVERHEAD_GIB + (COMPILE_EXTRA_GIB if compile else 0.0)) * GIB
     if load_in_4bit:
-        overhead += max(i * o for i, o in dims.values()) * a
+        overhead += max(i * o for _, d in kinds for i, o in d.values()) * a
     parts = {"weights_gib": weights, "adapters_gib": adapters, "activations_gib": activations,
              "logits_gib": logits, "overhead_gib": overhead}
     out = {k: v / GIB for k, v in parts.items()}
@@ -110,32 +152,38 @@ def estimate_peak_memory_gib(*, n_params: int, hidden: int, layers: int, heads: 
     return out
 
 
-def _activation_bytes(*, tokens: int, a: int, hidden: int, ffn: int, layers: int, lora_r: int, targets: list,
-                      dims: dict, compile: bool, gradient_checkpointing: bool) -> tuple[float, float]:
-    """(one layer's, all) activations kept for the backward: :func:`estimate_peak_memory_gib`'s per layer and
-    activations terms."""
-    # the copy of each adapted layer's input that the LoRA matmuls save when peft casts it to float32 and autocast
-    # casts it back; torch.compile fuses it away (see the constants above). The loop turns that cast off under
-    # autocast (core.model.build.keep_lora_inputs_in_autocast_dtype), so its eager steps save no such copy: the term
-    # over-estimates them, which lowers a default batch or refuses an explicit one that would fit. The eager
-    # calibration points (docs/benchmarks.md) were measured with the copy, so the term is kept with them.
-    adapter_inputs = 0 if (a == 4 or compile) else a * sum(dims[t][0] for t in targets)
+def _adapter_inputs(a: int, compile: bool, targets: list, dims: dict) -> int:
+    """Bytes per token of the input copies the adapted layers' LoRA matmuls save, when peft casts each input to
+    float32 and autocast casts it back; torch.compile fuses them away (see the constants above). The loop turns that
+    cast off under autocast (core.model.build.keep_lora_inputs_in_autocast_dtype), so its eager steps save no such
+    copy: the term over-estimates them, which lowers a default batch or refuses an explicit one that would fit. The
+    eager calibration points (docs/benchmarks.md) were measured with the copy, so the term is kept with them."""
+    return 0 if (a == 4 or compile) else a * sum(dims[t][0] for t in targets)
+
+
+def _attention_layer_bytes(*, tokens: int, a: int, hidden: int, ffn: int, lora_r: int, targets: list, dims: dict,
+                           compile: bool) -> int:
+    """One attention layer's activations kept for the backward (the module docstring's per layer)."""
     if compile:  # inductor fuses the norms' fp32 copies and recomputes the SwiGLU product
-        per_layer = tokens * a * (7 * hidden + 3 * ffn + len(targets) * lora_r)
-    else:
-        per_layer = tokens * (a * (7 * hidden + 4 * ffn + len(targets) * lora_r) + 8 * hidden + adapter_inputs)
-    if gradient_checkpointing:
-        activations = tokens * layers * hidden * a + per_layer
-    else:
-        activations = layers * per_layer
-    activations += tokens * (3 * hidden * a + 4 * hidden)  # embeddings out, final norm, lm_head input
-    return per_layer, activations
+        return tokens * a * (7 * hidden + 3 * ffn + len(targets) * lora_r)
+    return tokens * (a * (7 * hidden + 4 * ffn + len(targets) * lora_r) + 8 * hidden
+                     + _adapter_inputs(a, compile, targets, dims))
+
+
+def _mamba_layer_bytes(*, tokens: int, a: int, hidden: int, ffn: int, lora_r: int, targets: list,
+                       compile: bool, inner: int, in_proj: int, torch_path_chunk: int) -> int:
+    """One Mamba-2 layer's activations kept for the backward (the module docstring's hybrid terms)."""
+    kept = 4 * hidden + in_proj + 2 * inner + len(targets) * lora_r
+    # eager: no adapter input copies, measured on the kernel path after the loop kept LoRA inputs in bf16
+    per_token = a * (kept + 3 * ffn) if compile else a * (kept + 4 * ffn) + 8 * hidden
+    return tokens * (per_token + MAMBA_TORCH_PATH_BYTES * torch_path_chunk * inner)
 
 
 def _weight_bytes(linear_params: int, other_params: int, *, a: int, load_in_4bit: bool, layers: int, hidden: int,
                   vocab: int, embedding_int8: bool, offload_embedding: bool) -> float:
     """The frozen weights on the device (:func:`estimate_peak_memory_gib`'s ``weights``)."""
-    tables = max(0, round((other_params - (2 * layers + 1) * hidden) / (vocab * hidden)))  # 1 tied, 2 untied
+    # 1 table tied, 2 untied; a layer's other parameters (norms; a Mamba layer's conv and scan) are far fewer
+    tables = max(0, round((other_params - (2 * layers + 1) * hidden) / (vocab * hidden)))
     on_gpu = tables - (1 if offload_embedding and tables == 2 else 0)
     table_bytes = vocab * (hidden + 4) if embedding_int8 else vocab * hidden * a
     return (linear_params * (NF4_BYTES_PER_PARAM if load_in_4bit else a)
@@ -144,7 +192,10 @@ def _weight_bytes(linear_params: int, other_params: int, *, a: int, load_in_4bit
 
 def shape_from_hf_config(hf_config: Any) -> dict[str, int]:
     """Estimator shape keywords from a transformers config (object or dict): hidden, layers, heads,
-    kv_heads, ffn, vocab, head_dim and n_params (counted from the shape, tied embeddings once)."""
+    kv_heads, ffn, vocab, head_dim and n_params (counted from the shape, tied embeddings once); for a Mamba-2 hybrid
+    (GraniteMoeHybrid) also its Mamba layers' count and widths, and whether the field's kernels are installed here
+    (``mamba_kernels``: importable ``mamba_ssm`` and ``causal_conv1d``; without them transformers runs its torch path).
+    A hybrid with routed experts is refused (ValueError): the estimate does not model them."""
     get = hf_config.get if isinstance(hf_config, dict) else (lambda k, d=None: getattr(hf_config, k, d))
     text = get("text_config")  # multimodal configs nest the language model's
     if text is not None:
@@ -154,12 +205,36 @@ def shape_from_hf_config(hf_config: Any) -> dict[str, int]:
     kv_heads = int(get("num_key_value_heads") or heads)
     ffn, vocab = int(get("intermediate_size")), int(get("vocab_size"))
     head_dim = int(get("head_dim") or hidden // heads)
-    dims = _lora_dims(hidden, heads, kv_heads, ffn, head_dim)
+    hybrid = _mamba_shape(get, hidden, layers)
+    if hybrid:
+        ffn = int(get("shared_intermediate_size"))
+    dims = _lora_dims(hidden, heads, kv_heads, ffn, head_dim, fused_mlp=bool(hybrid))
     per_layer = sum(i * o for i, o in dims.values()) + 2 * hidden  # + two RMSNorm weights
+    n_params = (layers - hybrid.get("mamba_layers", 0)) * per_layer
+    if hybrid:  # a Mamba layer: in_proj, out_proj and the MLP, two norms, the depthwise conv, the gated norm, A, D, dt
+        inner, proj, n_heads = hybrid["mamba_inner"], hybrid["mamba_in_proj"], int(get("mamba_n_heads"))
+        conv = (proj - inner - n_heads) * (int(get("mamba_d_conv")) + 1)
+        mixer = sum(i * o for i, o in _mamba_dims(dims, hidden, inner, proj).values())
+        n_params += hybrid["mamba_layers"] * (mixer + 2 * hidden + conv + inner + 3 * n_heads)
     tied = bool(get("tie_word_embeddings", True))
-    n_params = layers * per_layer + hidden + vocab * hidden * (1 if tied else 2)
+    n_params += hidden + vocab * hidden * (1 if tied else 2)
     return {"n_params": n_params, "hidden": hidden, "layers": layers, "heads": heads, "kv_heads": kv_heads,
-            "ffn": ffn, "vocab": vocab, "head_dim": head_dim}
+            "ffn": ffn, "vocab": vocab, "head_dim": head_dim, **hybrid}
+
+
+def _mamba_shape(get, hidden: int, layers: int) -> dict[str, int]:
+    """The Mamba-2 keywords of a GraniteMoeHybrid config; empty for a model without Mamba layers."""
+    kinds = get("layer_types") or []
+    mamba = sum(k in ("mamba", "linear_attention") for k in kinds)
+    if not mamba or get("mamba_n_heads") is None:
+        return {}
+    if int(get("num_local_experts") or 0):
+        raise ValueError("a Mamba hybrid with routed experts: the memory estimate does not model them")
+    inner = int(get("mamba_expand")) * hidden
+    heads, groups, state = int(get("mamba_n_heads")), int(get("mamba_n_groups")), int(get("mamba_d_state"))
+    kernels = all(importlib.util.find_spec(m) is not None for m in ("mamba_ssm", "causal_conv1d"))
+    return {"mamba_layers": mamba, "mamba_inner": inner, "mamba_in_proj": 2 * inner + 2 * groups * state + heads,
+            "mamba_chunk": int(get("mamba_chunk_size")), "mamba_kernels": kernels, "fused_mlp": True}
 
 
 # ---------------------------------------------------------------- fit

@@ -7,6 +7,9 @@ stretch is charged to what ended it: the host operator that launched the next de
 around its launch call) and the longest operator around that one (the phase: the optimizer step, a compiled layer's
 backward, ...). A stretch that ends right after a host wait (a synchronize, a device-to-host copy) is charged to
 that wait: the device ran dry while the host waited for it, then waited for the host.
+
+The copy account, from the same trace, charges the device time of every copy (a copy kernel, or a memcpy) to the
+host operators around its launch, innermost last: which cast, ``contiguous`` or ``cat`` in which phase wrote it.
 """
 from __future__ import annotations
 
@@ -52,7 +55,8 @@ def profiled(*, steps: int, left: int, cuda: bool, out_dir: Path):
         trace = out_dir / f"rank{rank()}.trace.json.gz"
         prof.export_chrome_trace(str(trace))
         with gzip.open(trace, "rt") as f:
-            text += "\n" + idle_account(json.load(f), steps=active)
+            trace_events = json.load(f)
+        text += "\n" + idle_account(trace_events, steps=active) + "\n" + copy_account(trace_events, steps=active)
     (out_dir / f"rank{rank()}.txt").write_text(text)
     print0(f"[raytrain_scu] profile of the last {active} step(s): {out_dir}/rank<k>.txt")
 
@@ -83,14 +87,7 @@ def idle_account(trace: dict, *, steps: int, top: int = 15) -> str:
         return "device idle: no ProfilerStep in the trace\n"
     t0, t1 = min(e["ts"] for e in marks), max(e["ts"] + e["dur"] for e in marks)
     device = sorted((e for e in ev if e.get("cat") in DEVICE_CATS and t0 <= e["ts"] < t1), key=lambda e: e["ts"])
-    launches = {e["args"]["correlation"]: e for e in ev if e.get("cat") in ("cuda_runtime", "cuda_driver")
-                and "correlation" in e.get("args", {})}
-    host = defaultdict(list)  # thread -> its operators, by start
-    for e in ev:
-        if e.get("cat") in ("cpu_op", "user_annotation") and not e["name"].startswith("ProfilerStep#"):
-            host[(e["pid"], e["tid"])].append(e)
-    for ops in host.values():
-        ops.sort(key=lambda e: e["ts"])
+    launches, host = _launches_and_host(ev)
     waits = sorted((e["ts"] + e["dur"], e["name"]) for e in launches.values()
                    if "Synchronize" in e["name"] or "MemcpyDtoH" in e["name"]
                    or ("Memcpy" in e["name"] and "Async" not in e["name"]))
@@ -112,6 +109,64 @@ def idle_account(trace: dict, *, steps: int, top: int = 15) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _is_copy(e: dict) -> bool:
+    """A memcpy, or a copy kernel of ATen's (a cast, ``contiguous``, ``cat``); not a Triton kernel that inductor named
+    after a cast it fused into real work."""
+    name = e.get("name", "")
+    return e.get("cat") == "gpu_memcpy" or (e.get("cat") == "kernel" and "copy" in name.lower()
+                                            and not name.startswith("triton_"))
+
+
+def copy_account(trace: dict, *, steps: int, top: int = 15, depth: int = 4) -> str:
+    """The device time of copies per profiled step (see the module's docstring), by the ``depth`` innermost host
+    operators around each copy's launch, the largest first."""
+    ev = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "ts" in e and "dur" in e]
+    marks = [e for e in ev if e.get("name", "").startswith("ProfilerStep#") and e.get("cat") != "gpu_user_annotation"]
+    if not marks:
+        return "device copies: no ProfilerStep in the trace\n"
+    t0, t1 = min(e["ts"] for e in marks), max(e["ts"] + e["dur"] for e in marks)
+    copies = [e for e in ev if _is_copy(e) and t0 <= e["ts"] < t1]
+    launches, host = _launches_and_host(ev)
+    by_chain, total = defaultdict(lambda: [0.0, 0]), 0.0
+    for e in copies:
+        around = _around(e, launches, host)
+        chain = " > ".join(o["name"] for o in sorted(around, key=lambda o: o["dur"])[:depth][::-1]) or "-"
+        by_chain[chain][0] += e["dur"]
+        by_chain[chain][1] += 1
+        total += e["dur"]
+    lines = [f"device copies per step: {total / 1e3 / steps:.2f} ms in {len(copies) / steps:.1f} copies; by the host "
+             f"operators around their launch (outermost first), per step:", f"{'ms/step':>8}  {'count/step':>10}  operators"]
+    for chain, (us, n) in sorted(by_chain.items(), key=lambda kv: -kv[1][0])[:top]:
+        lines.append(f"{us / 1e3 / steps:8.2f}  {n / steps:10.1f}  {chain}")
+    return "\n".join(lines) + "\n"
+
+
+def _launches_and_host(ev: list) -> tuple[dict, dict]:
+    """Launch calls by correlation id, and each host thread's operators by start time."""
+    launches = {e["args"]["correlation"]: e for e in ev if e.get("cat") in ("cuda_runtime", "cuda_driver")
+                and "correlation" in e.get("args", {})}
+    host = defaultdict(list)
+    for e in ev:
+        if e.get("cat") in ("cpu_op", "user_annotation") and not e["name"].startswith("ProfilerStep#"):
+            host[(e["pid"], e["tid"])].append(e)
+    for ops in host.values():
+        ops.sort(key=lambda e: e["ts"])
+    return launches, host
+
+
+def _around(kernel: dict, launches: dict, host: dict) -> list:
+    """The host operators open at the launch call of ``kernel``: every one among the last few thousand to start, and
+    the long ones among all; empty when its launch is not in the trace."""
+    launch = launches.get(kernel.get("args", {}).get("correlation"))
+    if launch is None:
+        return []
+    ops = host.get((launch["pid"], launch["tid"]), [])
+    t = launch["ts"]
+    j = bisect.bisect_right(ops, t, key=lambda o: o["ts"])
+    around = [o for o in ops[max(0, j - 4000):j] if o["ts"] + o["dur"] >= t]
+    return around + [o for o in ops[:max(0, j - 4000)] if o["dur"] >= 1000.0 and o["ts"] + o["dur"] >= t]
+
+
 def _cause(kernel: dict, launches: dict, host: dict, waits: list, gap_start: float) -> tuple[str, str]:
     """(phase, operator) that ended the idle stretch before ``kernel``: a host wait that ended inside the stretch,
     else the operators around the launch call of ``kernel``."""
@@ -121,12 +176,7 @@ def _cause(kernel: dict, launches: dict, host: dict, waits: list, gap_start: flo
     launch = launches.get(kernel.get("args", {}).get("correlation"))
     if launch is None:
         return "-", "launch not in the trace"
-    ops = host.get((launch["pid"], launch["tid"]), [])
-    t = launch["ts"]
-    j = bisect.bisect_right(ops, t, key=lambda o: o["ts"])
-    # the operators open at the launch: the innermost among the last few thousand, the longest among all long ones
-    around = [o for o in ops[max(0, j - 4000):j] if o["ts"] + o["dur"] >= t]
-    around += [o for o in ops[:max(0, j - 4000)] if o["dur"] >= 1000.0 and o["ts"] + o["dur"] >= t]
+    around = _around(kernel, launches, host)  # the innermost is the launching operator, the longest the phase
     if not around:
         return "-", launch["name"]
     inner = min(around, key=lambda o: o["dur"])["name"]

@@ -78,7 +78,8 @@ def granite_hybrid_layers(c) -> list[tuple[int, float]]:
 def granite_hybrid_preset() -> dict:
     """Granite-4.0-H on a card: gradient checkpointing only on transformers' torch path (its scan keeps each chunk's
     Q x Q scores for the backward); with the kernels none (measured: 8 x 2048 compiled peaks at 42.6 GiB on an
-    H200). Each decoder layer compiles around the Mamba mixer (``mamba.py``), so the card's compile choice stands."""
+    H200). A compiled decoder layer compiles the mixer's projections and leaves only the kernel out (``mamba.py``), so
+    the card's compile choice stands."""
     return {"model.gradient_checkpointing": mamba_kernels()["path"] == "torch path"}
 
 

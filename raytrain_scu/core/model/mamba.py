@@ -20,26 +20,39 @@ def _modeling():
     return modeling_granitemoehybrid
 
 
-def _forward(self, hidden_states, *args, **kwargs):
-    """GraniteMoeHybridMambaLayer.forward's training branch with the out projection as a module; every other case
-    (a cache, evaluation, no kernel) is transformers' own forward. transformers names the cache ``cache`` (5.24) or
-    ``cache_params`` (5.17): both are read."""
-    m = _modeling()
-    cache = kwargs.get("cache", kwargs.get("cache_params", args[0] if args else None))
-    attention_mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
-    if not (self.training and cache is None):
-        return type(self).forward(self, hidden_states, *args, **kwargs)
-    projected = self.in_proj(m.apply_mask_to_padding_states(hidden_states, attention_mask))
+@torch.compiler.disable
+def _own_forward(self, hidden_states, *args, **kwargs):
+    """transformers' own forward, out of torch.compile: inductor cannot compile the torch path's chunked scan."""
+    return type(self).forward(self, hidden_states, *args, **kwargs)
+
+
+@torch.compiler.disable
+def _scan(self, projected, seq_idx):
+    """The fused kernel from the split of in_proj's output to the gated RMSNorm, without the out projection; None
+    where the kernel is absent. Out of torch.compile: the kernels are compiled already (Triton and CUDA)."""
     A = -torch.exp(self.A_log.float())
-    extra = {"seq_idx": kwargs["seq_idx"]} if kwargs.get("seq_idx") is not None else {}
-    out = m.mamba2_split_conv1d_scan_combined(
+    extra = {"seq_idx": seq_idx} if seq_idx is not None else {}
+    return _modeling().mamba2_split_conv1d_scan_combined(
         projected, self.conv1d.weight.squeeze(1), self.conv1d.bias, self.dt_bias, A, D=self.D,
         chunk_size=self.chunk_size, activation=self.activation, rmsnorm_weight=self.norm.weight,
         rmsnorm_eps=self.norm.variance_epsilon, outproj_weight=None, outproj_bias=None, headdim=self.head_dim,
         ngroups=self.n_groups, norm_before_gate=False, return_final_states=False, dt_limit=self.time_step_limit,
         **extra)
+
+
+def _forward(self, hidden_states, *args, **kwargs):
+    """GraniteMoeHybridMambaLayer.forward's training branch with the out projection as a module; every other case
+    (a cache, evaluation, no kernel) is transformers' own forward. transformers names the cache ``cache`` (5.24) or
+    ``cache_params`` (5.17): both are read. Under a compiled decoder layer, in_proj and out_proj (with their adapters)
+    compile with the layer's norms and MLP, and only the kernel runs outside the graph."""
+    cache = kwargs.get("cache", kwargs.get("cache_params", args[0] if args else None))
+    attention_mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
+    if not (self.training and cache is None):
+        return _own_forward(self, hidden_states, *args, **kwargs)
+    projected = self.in_proj(_modeling().apply_mask_to_padding_states(hidden_states, attention_mask))
+    out = _scan(self, projected, kwargs.get("seq_idx"))
     if out is None:  # no kernel: the torch path, which applies out_proj as a module
-        return type(self).forward(self, hidden_states, *args, **kwargs)
+        return _own_forward(self, hidden_states, *args, **kwargs)
     return self.out_proj(out)
 
 
@@ -50,8 +63,6 @@ def keep_out_proj_a_module(model) -> int:
     n = 0
     for module in model.modules():
         if cls is not None and isinstance(module, cls):
-            # left out of torch.compile: inductor cannot compile the torch path's chunked scan, and the kernels are
-            # compiled already; a compiled decoder layer runs its norms, attention and MLP compiled around this call
-            module.forward = torch.compiler.disable(types.MethodType(_forward, module))
+            module.forward = types.MethodType(_forward, module)
             n += 1
     return n
