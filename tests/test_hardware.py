@@ -292,15 +292,22 @@ def test_a_mamba_hybrid_shape_counts_its_parameters_and_adapters_as_the_model_ha
     assert memory.estimate_peak_memory_gib(**shape, **kw)["lora_params"] == adapters
     with pytest.raises(ValueError, match="routed experts"):
         memory.shape_from_hf_config(_granite_config("tiny-granite-4.0-h", num_local_experts=4))
+    as_dict = config.to_dict()
+    del as_dict["mamba_d_conv"]
+    with pytest.raises(ValueError, match="without mamba_d_conv"):
+        memory.shape_from_hf_config(as_dict)
+    with pytest.raises(ValueError, match="'bamba' model with Mamba layers"):
+        memory.shape_from_hf_config({**config.to_dict(), "model_type": "bamba"})
 
 
 def test_the_granite_estimate_matches_h200_measurements():
     """Peak torch.cuda.max_memory_allocated() of the bench's granite parts on an H200 (docs/benchmarks.md), against
-    the estimate without its CUDA-context term: within 10% with the kernels (compiled and eager, bf16) and on
-    transformers' torch path with checkpointing; the layer-as-attention estimate it replaces put 32 x 1024 at 64 GiB."""
+    the estimate without its CUDA-context term, within 10%: with the kernels, compiled (32 x 1024; 8 x 2048 measured
+    with the whole mixer eager) and eager, bf16; and on transformers' torch path with checkpointing, the one point
+    its scan term was fitted on (so that row checks only that the formula keeps it)."""
     shape = memory.shape_from_hf_config(_granite_config())
     for batch, block, comp, ckpt, kernels, measured in [(8, 2048, True, False, True, 42.61),
-                                                        (32, 1024, True, False, True, 79.88),
+                                                        (32, 1024, True, False, True, 79.50),
                                                         (8, 2048, False, False, True, 53.98),
                                                         (2, 1024, False, True, False, 27.93)]:
         e = memory.estimate_peak_memory_gib(**{**shape, "mamba_kernels": kernels}, lora_r=16,

@@ -38,8 +38,8 @@ def test_a_trace_without_steps_says_so():
 
 def test_copies_are_charged_to_the_operators_around_their_launch():
     ev = [x("ProfilerStep#3", "user_annotation", 0, 1000), x("ProfilerStep#4", "user_annotation", 1000, 1000),
-          # two casts inside a backward's contiguous call, one per step; one memcpy under aten::to; a GEMM and a
-          # Triton kernel named after a cast it fused (no copies)
+          # two casts inside a backward's contiguous call, one per step; one memcpy under aten::to; a Triton cast and
+          # transpose; a GEMM and a Triton kernel named after a cast it fused (no copies)
           x("MyFnBackward", "cpu_op", 100, 200), x("aten::contiguous", "cpu_op", 110, 50), x("aten::copy_", "cpu_op",
                                                                                            120, 20),
           x("cudaLaunchKernel", "cuda_runtime", 125, 5, correlation=1),
@@ -52,11 +52,13 @@ def test_copies_are_charged_to_the_operators_around_their_launch():
           x("Memcpy HtoD (Pageable -> Device)", "gpu_memcpy", 1410, 40, pid=0, tid=7, correlation=3),
           x("nvjet_gemm", "kernel", 1510, 400, pid=0, tid=7, correlation=4),
           x("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0", "kernel", 1920, 50, pid=0, tid=7),  # a norm
+          x("triton_poi_fused__to_copy_t_1", "kernel", 1975, 20, pid=0, tid=7),  # a cast and a transpose only
           x("void at::native::direct_copy_kernel_cuda", "kernel", 2500, 100, pid=0, tid=7, correlation=2)]  # after
     text = copy_account({"traceEvents": ev}, steps=2)
-    assert text.startswith("device copies per step: 0.22 ms in 1.5 copies"), text
+    assert text.startswith("device copies per step: 0.23 ms in 2.0 copies"), text
     rows = text.splitlines()[2:]
     assert rows[0].split() == ["0.20", "1.0", "MyFnBackward", ">", "aten::contiguous", ">", "aten::copy_"]
     assert rows[1].split() == ["0.02", "0.5", "aten::to"]
-    assert len(rows) == 2
+    assert rows[2].split() == ["0.01", "0.5", "-"]  # its launch is not in the trace
+    assert len(rows) == 3
     assert copy_account({"traceEvents": []}, steps=1).startswith("device copies: no ProfilerStep")

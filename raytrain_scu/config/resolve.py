@@ -140,9 +140,14 @@ def shape_of(hf_config: Any) -> Optional[dict[str, int]]:
     if hf_config is None:
         return None
     try:
-        return shape_from_hf_config(hf_config)
+        shape = shape_from_hf_config(hf_config)
     except Exception:  # noqa: BLE001 - no estimate; the pre-flight check reports a model it cannot use
         return None
+    if shape.get("mamba_layers"):  # the path the family's preset chose checkpointing by: kernels or torch
+        from raytrain_scu.core.model.families import mamba_kernels
+
+        shape["mamba_kernels"] = mamba_kernels()["path"] == "kernels"
+    return shape
 
 
 def model_shape(cfg: Config) -> Optional[dict[str, int]]:

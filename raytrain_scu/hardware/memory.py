@@ -44,11 +44,12 @@ keeps per Mamba layer and token, with the field's kernels (``mamba_ssm``, ``caus
                    2I: the kernel's pre-norm output (saved) and its output (out_proj's input)
 
 and on transformers' torch path (no kernels) 16·Q·I bytes more, Q the chunk: the chunked scan's fp32
-(Q x I) intermediates per token (measured once: 2 x 1024 with checkpointing). Attention layers count as above.
+(Q x I) intermediates per token (measured once: 2 x 1024 with checkpointing). Attention layers count as above;
+``linear`` and ``lora_params`` sum over both kinds of layer, and with checkpointing the recomputed layer is the
+larger kind. ``all-linear`` targets every linear layer of each kind.
 """
 from __future__ import annotations
 
-import importlib.util
 from typing import Any
 
 from raytrain_scu.errors import MemoryFitError
@@ -64,8 +65,9 @@ GIB = 2**30
 # (inductor recomputes SiLU(gate)*up in the backward): 3 ffn-wide tensors per token, not 4, and no 8H term. The
 # 4-bit constants come from bitsandbytes' storage format, not from a measurement.
 # Granite-4.0-H-1B's shape with the kernels, on an H200, against the estimate without its CUDA-context term: compiled
-# 8 x 2048 42.6 GiB (1.05x) and 32 x 1024 79.9 GiB (1.02x), eager 8 x 2048 54.0 GiB (1.05x); 4-bit with checkpointing
-# 4 x 1024 4.85 GiB (0.92x) and 4 x 2048 6.90 GiB (0.78x: that case's recomputed layer holds more than modelled).
+# 32 x 1024 79.5 GiB (1.03x), and with the whole mixer eager 8 x 2048 42.6 GiB (1.05x); eager 8 x 2048 54.0 GiB
+# (1.05x); 4-bit with checkpointing 4 x 1024 4.85 GiB (0.90x) and 4 x 2048 6.90 GiB (0.76x: that case's recomputed
+# layer holds more than modelled). The torch path's term is fitted on its one measured point.
 MAMBA_TORCH_PATH_BYTES = 16  # per token, per chunk position and mixer channel: the torch path's fp32 scan intermediates
 NF4_BYTES_PER_PARAM = 0.52  # 4 bits + blockwise absmax (64-blocks, double-quantised)
 ADAPTER_BYTES_PER_PARAM = 16  # fp32 weight + fp32 grad + AdamW exp_avg + exp_avg_sq
@@ -124,7 +126,7 @@ def estimate_peak_memory_gib(*, n_params: int, hidden: int, layers: int, heads: 
     lora_params = sum(n * sum(lora_r * sum(d[t]) for t in _targeted(d, lora_targets)) for n, d in kinds)
     adapters = lora_params * ADAPTER_BYTES_PER_PARAM
 
-    common = dict(tokens=tokens, a=a, hidden=hidden, ffn=ffn, lora_r=lora_r, compile=compile)
+    common = {"tokens": tokens, "a": a, "hidden": hidden, "ffn": ffn, "lora_r": lora_r, "compile": compile}
     per_attn = _attention_layer_bytes(targets=_targeted(dims, lora_targets), dims=dims, **common)
     per_mamba = (_mamba_layer_bytes(targets=_targeted(m_dims, lora_targets), inner=mamba_inner,
                                     in_proj=mamba_in_proj, torch_path_chunk=0 if mamba_kernels else mamba_chunk,
@@ -174,7 +176,8 @@ def _mamba_layer_bytes(*, tokens: int, a: int, hidden: int, ffn: int, lora_r: in
                        compile: bool, inner: int, in_proj: int, torch_path_chunk: int) -> int:
     """One Mamba-2 layer's activations kept for the backward (the module docstring's hybrid terms)."""
     kept = 4 * hidden + in_proj + 2 * inner + len(targets) * lora_r
-    # eager: no adapter input copies, measured on the kernel path after the loop kept LoRA inputs in bf16
+    # eager: no adapter input copy term (the loop keeps LoRA inputs in the autocast dtype; the eager point, measured
+    # with peft's float32 casts still on, lands at 1.05x without it)
     per_token = a * (kept + 3 * ffn) if compile else a * (kept + 4 * ffn) + 8 * hidden
     return tokens * (per_token + MAMBA_TORCH_PATH_BYTES * torch_path_chunk * inner)
 
@@ -190,12 +193,12 @@ def _weight_bytes(linear_params: int, other_params: int, *, a: int, load_in_4bit
             + (other_params - tables * vocab * hidden) * a + on_gpu * table_bytes)
 
 
-def shape_from_hf_config(hf_config: Any) -> dict[str, int]:
+def shape_from_hf_config(hf_config: Any) -> dict[str, Any]:
     """Estimator shape keywords from a transformers config (object or dict): hidden, layers, heads,
     kv_heads, ffn, vocab, head_dim and n_params (counted from the shape, tied embeddings once); for a Mamba-2 hybrid
-    (GraniteMoeHybrid) also its Mamba layers' count and widths, and whether the field's kernels are installed here
-    (``mamba_kernels``: importable ``mamba_ssm`` and ``causal_conv1d``; without them transformers runs its torch path).
-    A hybrid with routed experts is refused (ValueError): the estimate does not model them."""
+    (GraniteMoeHybrid) also its Mamba layers' count and widths (whether the field's kernels run, ``mamba_kernels``,
+    is the caller's: ``config.resolve.shape_of`` asks the model family). A hybrid it does not model is refused
+    (ValueError naming why)."""
     get = hf_config.get if isinstance(hf_config, dict) else (lambda k, d=None: getattr(hf_config, k, d))
     text = get("text_config")  # multimodal configs nest the language model's
     if text is not None:
@@ -205,7 +208,7 @@ def shape_from_hf_config(hf_config: Any) -> dict[str, int]:
     kv_heads = int(get("num_key_value_heads") or heads)
     ffn, vocab = int(get("intermediate_size")), int(get("vocab_size"))
     head_dim = int(get("head_dim") or hidden // heads)
-    hybrid = _mamba_shape(get, hidden, layers)
+    hybrid = _mamba_shape(get, hidden)
     if hybrid:
         ffn = int(get("shared_intermediate_size"))
     dims = _lora_dims(hidden, heads, kv_heads, ffn, head_dim, fused_mlp=bool(hybrid))
@@ -222,19 +225,29 @@ def shape_from_hf_config(hf_config: Any) -> dict[str, int]:
             "ffn": ffn, "vocab": vocab, "head_dim": head_dim, **hybrid}
 
 
-def _mamba_shape(get, hidden: int, layers: int) -> dict[str, int]:
-    """The Mamba-2 keywords of a GraniteMoeHybrid config; empty for a model without Mamba layers."""
+MAMBA_KEYS = ("shared_intermediate_size", "mamba_expand", "mamba_n_heads", "mamba_n_groups", "mamba_d_state",
+              "mamba_d_conv", "mamba_chunk_size")
+
+
+def _mamba_shape(get, hidden: int) -> dict[str, int]:
+    """The Mamba-2 keywords of a GraniteMoeHybrid config; empty for a model without Mamba layers. Another Mamba
+    hybrid, or one missing a key the estimate reads, is refused (ValueError naming it)."""
     kinds = get("layer_types") or []
     mamba = sum(k in ("mamba", "linear_attention") for k in kinds)
-    if not mamba or get("mamba_n_heads") is None:
+    if not mamba:
         return {}
+    if get("model_type") != "granitemoehybrid":
+        raise ValueError(f"a {get('model_type')!r} model with Mamba layers: the memory estimate models "
+                         f"GraniteMoeHybrid's only")
+    missing = [k for k in MAMBA_KEYS if get(k) is None]
+    if missing:
+        raise ValueError(f"GraniteMoeHybrid config without {', '.join(missing)}: no memory estimate")
     if int(get("num_local_experts") or 0):
         raise ValueError("a Mamba hybrid with routed experts: the memory estimate does not model them")
-    inner = int(get("mamba_expand")) * hidden
+    inner = int(get("mamba_expand") * hidden)  # transformers' own rounding
     heads, groups, state = int(get("mamba_n_heads")), int(get("mamba_n_groups")), int(get("mamba_d_state"))
-    kernels = all(importlib.util.find_spec(m) is not None for m in ("mamba_ssm", "causal_conv1d"))
     return {"mamba_layers": mamba, "mamba_inner": inner, "mamba_in_proj": 2 * inner + 2 * groups * state + heads,
-            "mamba_chunk": int(get("mamba_chunk_size")), "mamba_kernels": kernels, "fused_mlp": True}
+            "mamba_chunk": int(get("mamba_chunk_size")), "fused_mlp": True}
 
 
 # ---------------------------------------------------------------- fit

@@ -55,8 +55,8 @@ def profiled(*, steps: int, left: int, cuda: bool, out_dir: Path):
         trace = out_dir / f"rank{rank()}.trace.json.gz"
         prof.export_chrome_trace(str(trace))
         with gzip.open(trace, "rt") as f:
-            trace_events = json.load(f)
-        text += "\n" + idle_account(trace_events, steps=active) + "\n" + copy_account(trace_events, steps=active)
+            trace = json.load(f)
+        text += "\n" + idle_account(trace, steps=active) + "\n" + copy_account(trace, steps=active)
     (out_dir / f"rank{rank()}.txt").write_text(text)
     print0(f"[raytrain_scu] profile of the last {active} step(s): {out_dir}/rank<k>.txt")
 
@@ -109,12 +109,21 @@ def idle_account(trace: dict, *, steps: int, top: int = 15) -> str:
     return "\n".join(lines) + "\n"
 
 
+COPY_OPS = {"", "to", "copy", "t", "view", "unsafe", "transpose", "permute", "clone", "expand", "contiguous"}
+
+
 def _is_copy(e: dict) -> bool:
-    """A memcpy, or a copy kernel of ATen's (a cast, ``contiguous``, ``cat``); not a Triton kernel that inductor named
-    after a cast it fused into real work."""
+    """A memcpy, an ATen copy kernel (a cast, ``contiguous``, ``cat``), or a Triton kernel that inductor fused from
+    copies and views only (``triton_poi_fused__to_copy_t_1``); not one named after a cast it fused into real work."""
     name = e.get("name", "")
-    return e.get("cat") == "gpu_memcpy" or (e.get("cat") == "kernel" and "copy" in name.lower()
-                                            and not name.startswith("triton_"))
+    if e.get("cat") == "gpu_memcpy":
+        return True
+    if e.get("cat") != "kernel" or "copy" not in name.lower():
+        return False
+    if not name.startswith("triton_"):
+        return True
+    ops = name.split("fused_", 1)[-1].split("_")
+    return all(op in COPY_OPS or op.isdigit() for op in ops)
 
 
 def copy_account(trace: dict, *, steps: int, top: int = 15, depth: int = 4) -> str:
@@ -134,8 +143,9 @@ def copy_account(trace: dict, *, steps: int, top: int = 15, depth: int = 4) -> s
         by_chain[chain][0] += e["dur"]
         by_chain[chain][1] += 1
         total += e["dur"]
-    lines = [f"device copies per step: {total / 1e3 / steps:.2f} ms in {len(copies) / steps:.1f} copies; by the host "
-             f"operators around their launch (outermost first), per step:", f"{'ms/step':>8}  {'count/step':>10}  operators"]
+    head = (f"device copies per step: {total / 1e3 / steps:.2f} ms in {len(copies) / steps:.1f} copies; by the host "
+            f"operators around their launch (outermost first), per step:")
+    lines = [head, f"{'ms/step':>8}  {'count/step':>10}  operators"]
     for chain, (us, n) in sorted(by_chain.items(), key=lambda kv: -kv[1][0])[:top]:
         lines.append(f"{us / 1e3 / steps:8.2f}  {n / steps:10.1f}  {chain}")
     return "\n".join(lines) + "\n"

@@ -4,8 +4,8 @@ their out projection kept a module.
 transformers' training path hands the fused kernel ``self.out_proj.weight`` and lets the kernel do the out projection
 itself: a LoRA adapter on ``out_proj`` then takes no part in the forward and gets no gradient, and a 4-bit ``out_proj``
 hands over packed storage. :func:`keep_out_proj_a_module` makes each mixer call the kernel without the projection and
-apply ``out_proj`` (with its adapter, or its 4-bit weight) after it. Where the kernel is absent the torch path runs as
-before: it applies ``out_proj`` as a module already.
+apply ``out_proj`` (with its adapter, or its 4-bit weight) after it. Where the kernel is absent transformers' torch path
+runs, which applies ``out_proj`` as a module already.
 """
 from __future__ import annotations
 
@@ -44,7 +44,8 @@ def _forward(self, hidden_states, *args, **kwargs):
     """GraniteMoeHybridMambaLayer.forward's training branch with the out projection as a module; every other case
     (a cache, evaluation, no kernel) is transformers' own forward. transformers names the cache ``cache`` (5.24) or
     ``cache_params`` (5.17): both are read. Under a compiled decoder layer, in_proj and out_proj (with their adapters)
-    compile with the layer's norms and MLP, and only the kernel runs outside the graph."""
+    compile, each in a graph of its own (dynamo traces this method as a frame of its own and breaks it at the
+    kernel), and only the kernel runs outside a graph."""
     cache = kwargs.get("cache", kwargs.get("cache_params", args[0] if args else None))
     attention_mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
     if not (self.training and cache is None):
