@@ -352,8 +352,11 @@ def test_a_search_space_over_a_law_that_no_trial_runs_is_refused(tmp_path):
         resolved(TINY, "controller.law=spec", "tune.space={controller.logodds_max_step: {choice: [0.1, 0.5]}}")
     assert resolved(TINY, "tune.space={controller.logodds_kp: {loguniform: [0.5, 8.0]}}").tune.space
     # the trials run both laws: either law's keys may be swept
-    assert resolved(TINY, "tune.space={controller.law: {choice: [spec, logodds]}, controller.kp: {loguniform: "
-                          "[0.1, 2.0]}, controller.logodds_kp: {loguniform: [0.5, 8.0]}}").tune.space
+    both = resolved(TINY, f"run.storage_path={tmp_path}", "tune.space={controller.law: {choice: [spec, logodds]}, "
+                          "controller.kp: {loguniform: [0.1, 2.0]}, controller.logodds_kp: {loguniform: [0.5, 8.0]}}")
+    for law in ("spec", "logodds"):  # each trial carries both gains: the one of the law it does not run is idle
+        params = {"controller.law": law, "controller.kp": 0.5, "controller.logodds_kp": 3.0}
+        assert sweep_space.trial_config(both, params, "t").controller.law == law
     # an arm: its own law, else the base's
     mixed = ("tune.space={arm: {grid: [{controller.law: spec, controller.kp: 0.5}, {controller.logodds_kp: 3.0}, "
              "{controller.law: logodds, controller.logodds_ki: 0.1}]}}")
@@ -379,7 +382,7 @@ def test_a_search_space_over_a_law_that_no_trial_runs_is_refused(tmp_path):
     cfg.run.storage_path = str(tmp_path)
     for arm in cfg.tune.space["arm"]["grid"]:
         trial = sweep_space.trial_config(cfg, {"arm": arm}, "t")
-        assert trial.controller.law == arm.get("controller.law", "logodds")
+        assert trial.controller.law == arm.get("controller.law", Config().controller.law)
     # a trial whose values sweep another law's key (a restored Tune experiment keeps the space it started with)
     with pytest.raises(ConfigError, match=r"^trial value controller\.kp=0\.5: a key of the spec law, but this trial "
                                           r"runs the logodds law, so it changes nothing: the Tune experiment was "

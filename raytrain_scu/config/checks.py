@@ -335,7 +335,10 @@ def check_law_keys(cfg: Config, explicit: set[str]) -> None:
 def check_trial_law(law: str, params: dict) -> None:
     """One trial's values against the law it runs (``law``, after its values are applied): a key of another law is a
     ConfigError. ``resolve_space`` refuses such a space before launch; a restored Tune experiment keeps the space it
-    was started with, which this check meets in the trial instead."""
+    was started with, which this check meets in the trial instead. A trial whose values set controller.law comes from
+    a space that sweeps the law (or an arm that sets it), whose keys :func:`check_space_laws` judged: it passes."""
+    if "controller.law" in params:
+        return
     for key, value in params.items():
         if key in _KEY_LAW and _KEY_LAW[key] != law:
             raise _unused(f"trial value {key}={value}", "", key, f"this trial runs the {law} law",
