@@ -154,13 +154,13 @@ def estimate_peak_memory_gib(*, n_params: int, hidden: int, layers: int, heads: 
     return out
 
 
-def _adapter_inputs(a: int, compile: bool, targets: list, dims: dict) -> int:
-    """Bytes per token of the input copies the adapted layers' LoRA matmuls save, when peft casts each input to
-    float32 and autocast casts it back; torch.compile fuses them away (see the constants above). The loop turns that
+def _adapter_inputs(a: int, targets: list, dims: dict) -> int:
+    """Bytes per token of the input copies the adapted layers' eager LoRA matmuls save, when peft casts each input to
+    float32 and autocast casts it back (torch.compile fuses them away: see the constants above). The loop turns that
     cast off under autocast (core.model.build.keep_lora_inputs_in_autocast_dtype), so its eager steps save no such
     copy: the term over-estimates them, which lowers a default batch or refuses an explicit one that would fit. The
     eager calibration points (docs/benchmarks.md) were measured with the copy, so the term is kept with them."""
-    return 0 if (a == 4 or compile) else a * sum(dims[t][0] for t in targets)
+    return 0 if a == 4 else a * sum(dims[t][0] for t in targets)
 
 
 def _attention_layer_bytes(*, tokens: int, a: int, hidden: int, ffn: int, lora_r: int, targets: list, dims: dict,
@@ -169,7 +169,7 @@ def _attention_layer_bytes(*, tokens: int, a: int, hidden: int, ffn: int, lora_r
     if compile:  # inductor fuses the norms' fp32 copies and recomputes the SwiGLU product
         return tokens * a * (7 * hidden + 3 * ffn + len(targets) * lora_r)
     return tokens * (a * (7 * hidden + 4 * ffn + len(targets) * lora_r) + 8 * hidden
-                     + _adapter_inputs(a, compile, targets, dims))
+                     + _adapter_inputs(a, targets, dims))
 
 
 def _mamba_layer_bytes(*, tokens: int, a: int, hidden: int, ffn: int, lora_r: int, targets: list,

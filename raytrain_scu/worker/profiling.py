@@ -81,11 +81,9 @@ def profile_table(events, *, steps: int, device: str) -> str:
 def idle_account(trace: dict, *, steps: int, top: int = 15) -> str:
     """Where the device sat idle in a Chrome trace (torch.profiler's ``export_chrome_trace``), per profiled step, and
     what ended each idle stretch (see the module's docstring), the largest first."""
-    ev = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "ts" in e and "dur" in e]
-    marks = [e for e in ev if e.get("name", "").startswith("ProfilerStep#") and e.get("cat") != "gpu_user_annotation"]
-    if not marks:
+    ev, t0, t1 = _steps(trace)
+    if not ev:
         return "device idle: no ProfilerStep in the trace\n"
-    t0, t1 = min(e["ts"] for e in marks), max(e["ts"] + e["dur"] for e in marks)
     device = sorted((e for e in ev if e.get("cat") in DEVICE_CATS and t0 <= e["ts"] < t1), key=lambda e: e["ts"])
     launches, host = _launches_and_host(ev)
     waits = sorted((e["ts"] + e["dur"], e["name"]) for e in launches.values()
@@ -129,11 +127,9 @@ def _is_copy(e: dict) -> bool:
 def copy_account(trace: dict, *, steps: int, top: int = 15, depth: int = 4) -> str:
     """The device time of copies per profiled step (see the module's docstring), by the ``depth`` innermost host
     operators around each copy's launch, the largest first."""
-    ev = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "ts" in e and "dur" in e]
-    marks = [e for e in ev if e.get("name", "").startswith("ProfilerStep#") and e.get("cat") != "gpu_user_annotation"]
-    if not marks:
+    ev, t0, t1 = _steps(trace)
+    if not ev:
         return "device copies: no ProfilerStep in the trace\n"
-    t0, t1 = min(e["ts"] for e in marks), max(e["ts"] + e["dur"] for e in marks)
     copies = [e for e in ev if _is_copy(e) and t0 <= e["ts"] < t1]
     launches, host = _launches_and_host(ev)
     by_chain, total = defaultdict(lambda: [0.0, 0]), 0.0
@@ -149,6 +145,16 @@ def copy_account(trace: dict, *, steps: int, top: int = 15, depth: int = 4) -> s
     for chain, (us, n) in sorted(by_chain.items(), key=lambda kv: -kv[1][0])[:top]:
         lines.append(f"{us / 1e3 / steps:8.2f}  {n / steps:10.1f}  {chain}")
     return "\n".join(lines) + "\n"
+
+
+def _steps(trace: dict) -> tuple[list, float, float]:
+    """A Chrome trace's complete events and the span of its profiled steps (first start, last end); no events when it
+    has no ProfilerStep."""
+    ev = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "ts" in e and "dur" in e]
+    marks = [e for e in ev if e.get("name", "").startswith("ProfilerStep#") and e.get("cat") != "gpu_user_annotation"]
+    if not marks:
+        return [], 0.0, 0.0
+    return ev, min(e["ts"] for e in marks), max(e["ts"] + e["dur"] for e in marks)
 
 
 def _launches_and_host(ev: list) -> tuple[dict, dict]:
