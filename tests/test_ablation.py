@@ -188,7 +188,7 @@ def test_bad_stage_and_bad_config_exit_2_before_ray(capsys, tmp_path):
     assert ablation_cli.main([TINY, "--stages", "fixed,nope"]) == 2
     assert "unknown ['nope']" in capsys.readouterr().err
     assert ablation_cli.main([TINY, "controller.kp=-1"]) == 2
-    assert "controller.kp" in capsys.readouterr().err
+    assert "controller.kp: must be >= 0" in capsys.readouterr().err
     # the study is of the spec's law: a config of the logodds law (the default) is refused before any stage
     assert ablation_cli.main([TINY, "--stages", "", "--out", str(tmp_path / "out")]) == 2
     assert "controller.law: this study is of the spec law" in capsys.readouterr().err

@@ -115,7 +115,7 @@ def arm(family: str, seed: int, extra: dict | None = None, **controller) -> dict
 def family_of(params: dict) -> str:
     """none | fixed | spec | logodds."""
     mode = params["controller.mode"]
-    return mode if mode in ("none", "fixed") else params.get("controller.law", "spec")
+    return mode if mode in ("none", "fixed") else params["controller.law"]  # every scu arm of the study names it
 
 
 def label(params: dict) -> str:

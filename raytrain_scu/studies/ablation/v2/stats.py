@@ -159,7 +159,7 @@ def decision(numbers: dict, plants, seeds, n_targets: int) -> dict:
     elif tracking_ok and all(bpt_ok.values()):
         verdict = "both rules hold: the logodds law is proposed as the default law"
     else:
-        verdict = "the rules do not both hold: the defaults stay (controller.law=spec)"
+        verdict = "the rules do not both hold: the logodds law is not proposed as the default law"
     lines = [f"1. Tracking: the logodds law passes in {passes} of {len(runs)} recorded runs ({expected} in the study; "
              f"it needs {need}): {'holds' if tracking_ok else 'fails' if complete else 'not decided'}."]
     for letter, (pl, g) in zip("abcdefghij", gaps.items()):
