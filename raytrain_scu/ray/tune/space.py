@@ -18,12 +18,19 @@ from raytrain_scu.errors import ConfigError, SweepError
 from raytrain_scu.tracking.store import tracking_uri
 
 THROUGHPUT_PREFIX = "perf/"  # metrics that score speed, not the loss (the loop reports perf/tokens_per_s)
-# the default space's ranges of each law's two gains, log-uniform around the law's defaults: logodds' 4x either side
-# of each; the spec's kp 4x either side, its ki 0.02-0.6 (not centred on its 0.15)
+
+
+def _around_default(key: str) -> dict:
+    """Log-uniform from a quarter to four times the config's default of ``key`` (``controller.<name>``)."""
+    d = getattr(Config().controller, key.removeprefix("controller."))
+    return {"loguniform": [d / 4, d * 4]}
+
+
+# the default space's ranges of each law's two gains: logodds' 4x either side of each default; the spec's kp 4x
+# either side, its ki 0.02-0.6 (not centred on its 0.15)
 LAW_GAINS = {
-    "logodds": {"controller.logodds_kp": {"loguniform": [0.5, 8.0]},
-                "controller.logodds_ki": {"loguniform": [0.05, 0.8]}},
-    "spec": {"controller.kp": {"loguniform": [0.2, 3.2]}, "controller.ki": {"loguniform": [0.02, 0.6]}},
+    "logodds": {k: _around_default(k) for k in ("controller.logodds_kp", "controller.logodds_ki")},
+    "spec": {"controller.kp": _around_default("controller.kp"), "controller.ki": {"loguniform": [0.02, 0.6]}},
 }
 
 
