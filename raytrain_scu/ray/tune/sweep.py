@@ -140,8 +140,7 @@ class PlacementGroupReaper:
             try:
                 ray.get(controller.__ray_ready__.remote(), timeout=5)
             except ray.exceptions.RayActorError:  # the controller died: its workers' placement group is left behind
-                if placement_group_table(pg).get("state", "REMOVED") != "REMOVED":
-                    remove_placement_group(pg)
+                _remove(pg)
                 continue
             except ray.exceptions.GetTimeoutError:  # busy, not dead
                 pass
@@ -150,12 +149,22 @@ class PlacementGroupReaper:
         return len(alive)
 
     def run(self, stop: threading.Event, every_s: float = 2.0) -> None:
-        """Release every ``every_s`` seconds until ``stop``; then wait up to 30 s for the last controllers to die."""
+        """Release every ``every_s`` seconds until ``stop`` (set when Tune has ended every trial); then wait up to 30 s
+        for the last controllers to end, and remove the placement groups of those still up: no trial uses them any
+        more, and a controller that is slow to die on a loaded machine would otherwise keep its workers' resources
+        until the job ends."""
         while not stop.wait(every_s):
             self.release()
         deadline = time.monotonic() + 30
         while self.release() and time.monotonic() < deadline:
             time.sleep(1)
+        for _, pg in self.watched:
+            _remove(pg)
+
+
+def _remove(pg) -> None:
+    if placement_group_table(pg).get("state", "REMOVED") != "REMOVED":
+        remove_placement_group(pg)
 
 
 # ---------------------------------------------------------------- one trial
