@@ -250,7 +250,12 @@ _KEY_LAW = {key: law for law, keys in LAW_KEYS.items() for key in keys}
 # a law's key -> the other law's key that does the same job, named in a refusal
 _COUNTERPART = {"controller.kp": "controller.logodds_kp", "controller.ki": "controller.logodds_ki",
                 "controller.ema_alpha": "controller.logodds_data_alpha"}
-_COUNTERPART.update({v: k for k, v in list(_COUNTERPART.items())})
+_COUNTERPART.update({v: k for k, v in _COUNTERPART.copy().items()})
+
+
+def _foreign(keys, laws: set[str]) -> list[str]:
+    """The keys among ``keys`` that belong to a law not in ``laws``, in order."""
+    return [k for k in keys if k in _KEY_LAW and _KEY_LAW[k] not in laws]
 
 
 def _listed(spec: Any) -> list:
@@ -278,30 +283,29 @@ def _unused(where: str, what: str, key: str, runs: str, fix: str, instead: str) 
                        f"nothing: {fix}")
 
 
-def _running(law: str, space: dict) -> tuple[set[str], str]:
-    """The laws some run of a config uses (:func:`trial_laws`), and the words a refusal says it with."""
+def _running(law: str, space: dict) -> tuple[set[str], str, str]:
+    """The laws some run of a config uses (:func:`trial_laws`), the words a refusal says it with, and the start of the
+    fix it names (``{law}``: the refused key's law)."""
     base, arms = trial_laws(law, space)
     running = set().union(*arms) if arms else base
     if running == {law}:
-        return running, f"controller.law is {law}"
-    return running, f"every run of this config uses the {' or '.join(sorted(running))} law (tune.space sets the law)"
+        return running, f"controller.law is {law}", "set controller.law={law}"
+    return (running, f"every run of this config uses the {' or '.join(sorted(running))} law (tune.space sets the law)",
+            "run the {law} law in tune.space")
 
 
 def check_space_laws(law: str, space: dict) -> None:
     """Refuse a tune.space entry over a key of a law that no trial runs, and an arm that sets a key of a law other
     than the one it runs (:func:`trial_laws`; ``law``: controller.law): ConfigError naming the entry and what to do.
     Pure."""
-    running, runs = _running(law, space)
-    fix = "set controller.law={law} to sweep it" if running == {law} else "run the {law} law in tune.space to sweep it"
-    for key in space:
-        if key in _KEY_LAW and _KEY_LAW[key] not in running:
-            raise _unused(f"tune.space.{key}", "sweeps", key, runs, fix, "sweep {key} instead")
+    running, runs, fix = _running(law, space)
+    for key in _foreign(space, running):
+        raise _unused(f"tune.space.{key}", "sweeps", key, runs, fix + " to sweep it", "sweep {key} instead")
     for i, (arm, laws) in enumerate(zip(_listed(space.get(ARM)), trial_laws(law, space)[1])):
-        for key in arm:
-            if key in _KEY_LAW and _KEY_LAW[key] not in laws:
-                raise _unused(f"tune.space.{ARM}[{i}]", f"sets {key},", key,
-                              f"this arm runs the {' or '.join(sorted(laws))} law",
-                              "set controller.law={law} in the arm to use it", "set {key} instead")
+        for key in _foreign(arm, laws):
+            raise _unused(f"tune.space.{ARM}[{i}]", f"sets {key},", key,
+                          f"this arm runs the {' or '.join(sorted(laws))} law",
+                          "set controller.law={law} in the arm to use it", "set {key} instead")
 
 
 def check_law_keys(cfg: Config, explicit: set[str]) -> None:
@@ -321,14 +325,12 @@ def check_law_keys(cfg: Config, explicit: set[str]) -> None:
     ``config.resolve`` on the config as written, and not by :func:`validate`, which also runs on each trial's config:
     there an arm's law has replaced the base's, which the other arms still run.
     """
-    running, runs = _running(cfg.controller.law, cfg.tune.space)
+    running, runs, fix = _running(cfg.controller.law, cfg.tune.space)
     default = Config()
-    fix = ("set controller.law={law} to use it" if running == {cfg.controller.law}
-           else "run the {law} law in tune.space to use it")
-    for key in sorted(k for k in explicit if k in _KEY_LAW and _KEY_LAW[k] not in running):
+    for key in sorted(_foreign(explicit, running)):
         value = get_dotted(cfg, key)
         if "controller.law" not in explicit or value != get_dotted(default, key):
-            raise _unused(f"{key}={value}", "", key, runs, fix, "tune {key} instead")
+            raise _unused(f"{key}={value}", "", key, runs, fix + " to use it", "tune {key} instead")
     check_space_laws(cfg.controller.law, cfg.tune.space)
 
 
@@ -339,8 +341,7 @@ def check_trial_law(law: str, params: dict) -> None:
     a space that sweeps the law (or an arm that sets it), whose keys :func:`check_space_laws` judged: it passes."""
     if "controller.law" in params:
         return
-    for key, value in params.items():
-        if key in _KEY_LAW and _KEY_LAW[key] != law:
-            raise _unused(f"trial value {key}={value}", "", key, f"this trial runs the {law} law",
-                          "the Tune experiment was started for the {law} law: run it again with "
-                          "controller.law={law}, or start a new one under another run.name", "sweep {key} instead")
+    for key in _foreign(params, {law}):
+        raise _unused(f"trial value {key}={params[key]}", "", key, f"this trial runs the {law} law",
+                      "the Tune experiment was started for the {law} law: run it again with controller.law={law}, or "
+                      "start a new one under another run.name", "sweep {key} instead")
