@@ -93,14 +93,8 @@ def _check_model_and_data(cfg: Config) -> None:
     q = cfg.quant
     _one_of("quant.quant_type", q.quant_type, ("nf4", "fp4"))
     for bad, need in ((q.load_in_4bit, "an unquantised base, not quant.load_in_4bit=true"),
-                      (m.fuse_lora, "model.fuse_lora=false (the fused GEMMs bypass the base Linears it converts)"),
-                      (m.lora_in_gemm, "model.lora_in_gemm=false (its GEMMs bypass the base Linears it converts)")):
+                      (m.fuse_lora, "model.fuse_lora=false (the fused GEMMs bypass the base Linears it converts)")):
         _check(not (m.base_fp8 and bad), "model.base_fp8", f"needs {need}")
-    if m.lora_in_gemm:  # what lora_in_gemm runs: plain LoRA Linears over an unquantised base
-        for bad, need in ((q.load_in_4bit, "a bf16/fp16/fp32 base, not quant.load_in_4bit=true"),
-                          (lo.dropout > 0, f"lora.dropout=0 (the A-product reads the GEMM's own input), got "
-                                           f"{lo.dropout}")):
-            _check(not bad, "model.lora_in_gemm", f"needs {need}")
     if m.fuse_lora:  # what fused_lora.py fuses: plain LoRA on q/k/v and gate/up of an unquantised base
         covered = ALL_LINEAR if "all-linear" in lo.target_modules else lo.target_modules
         missing = [t for t in FUSED_LORA_TARGETS if t not in covered]

@@ -41,9 +41,6 @@ class ModelConfig:
     fused_loss: bool = True  # chunked linear + cross-entropy: logits are never materialised in fp32
     loss_chunk_size: int = 4096  # tokens per chunk of the fused loss
     fuse_lora: bool = False  # Llama: q/k/v, gate/up one frozen GEMM each + one of their LoRA A's (fused_lora.py)
-    # every plain LoRA Linear as one autograd function; where its output is at least as wide as its input, the
-    # B-product runs inside the frozen GEMM, [x | x·Aᵀ]·[W | s·B]ᵀ (fused_lora.lora_in_gemm)
-    lora_in_gemm: bool = False
     base_fp8: bool = False  # LoRA-base GEMMs in FP8 e4m3, rowwise (fp8.py): CUDA >= 8.9; CPU: torch 2.13, not 2.11
     trust_remote_code: bool = False  # allow a hub model's own Python code (transformers' trust_remote_code)
     cache_dir: str = ""  # where converted GGUF models and tokenizers are cached ("" = ~/.cache/raytrain_scu)

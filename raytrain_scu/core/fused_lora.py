@@ -36,11 +36,9 @@ class _FusedLoraLinear(torch.autograd.Function):
     columns. ``factors`` are A_1..A_k then B_1..B_k. The base product runs in ``weight.dtype``, the LoRA products in
     ``lora_dtype`` (under autocast both are the autocast dtype, as peft's own layers get them).
 
-    The B-products are one GEMM against the block-diagonal matrix of the s_i·B_i (Σr columns): where
-    :func:`_in_gemm` holds, inside the frozen GEMM itself (``[x | xa] @ [W | blockdiag].T``, and in the backward
-    ``g @ [W | blockdiag]`` gives the input's and the A-products' gradients together); elsewhere added in place to the
-    whole output, not to column slices, which torch.compile would turn into a copy of the output per branch. The zero
-    blocks cost 2·tokens·N·Σr FLOPs, under 3 % of the frozen GEMM at r=16, d=2048."""
+    The B-products are one GEMM too, against the block-diagonal matrix of the s_i·B_i (tokens x Σr times Σr x N):
+    added in place to the whole output, not to column slices, which torch.compile would turn into a copy of the
+    output per branch. Its zero blocks cost 2·tokens·N·Σr FLOPs, under 3 % of the frozen GEMM at r=16, d=2048."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, scales, lora_dtype, *factors):
@@ -48,22 +46,17 @@ class _FusedLoraLinear(torch.autograd.Function):
         a_s, b_s = factors[:k], factors[k:]
         x2 = x.reshape(-1, x.shape[-1])
         xw = x2.to(weight.dtype)
+        out = torch.mm(xw, weight.t()) if bias is None else torch.addmm(bias.to(weight.dtype), xw, weight.t())
         xl = x2.to(lora_dtype)
         a_cat = torch.cat([a.to(lora_dtype) for a in a_s])  # [Σr, d]: one GEMM for the group's A-products
         xa = torch.mm(xl, a_cat.t())
         b_diag = torch.block_diag(*[b.to(lora_dtype) * s for b, s in zip(b_s, scales)])  # [N, Σr]
-        concat = _in_gemm(weight, lora_dtype)
-        if concat:  # [x | xa] @ [W | s·B].T: the B-products accumulate inside the frozen GEMM
-            u, v = torch.cat([xw, xa], dim=1), torch.cat([weight, b_diag], dim=1)
-            out = torch.mm(u, v.t()) if bias is None else torch.addmm(bias.to(weight.dtype), u, v.t())
-        else:
-            out = torch.mm(xw, weight.t()) if bias is None else torch.addmm(bias.to(weight.dtype), xw, weight.t())
-            if lora_dtype == out.dtype:
-                out.addmm_(xa, b_diag.t())
-            else:  # peft adds a float32 LoRA term to a lower-precision base output in float32, then rounds
-                out = (out + torch.mm(xa, b_diag.t())).to(out.dtype)
+        if lora_dtype == out.dtype:
+            out.addmm_(xa, b_diag.t())
+        else:  # peft adds a float32 LoRA term to a lower-precision base output in float32, then rounds
+            out = (out + torch.mm(xa, b_diag.t())).to(out.dtype)
         ctx.save_for_backward(xl, weight, a_cat, xa, b_diag)
-        ctx.scales, ctx.shapes, ctx.x_dtype, ctx.concat = scales, [b.shape for b in b_s], x.dtype, concat
+        ctx.scales, ctx.shapes, ctx.x_dtype = scales, [b.shape for b in b_s], x.dtype
         ctx.factor_dtypes = [f.dtype for f in factors]
         return out.view(*x.shape[:-1], out.shape[-1])
 
@@ -72,34 +65,19 @@ class _FusedLoraLinear(torch.autograd.Function):
         xl, weight, a_cat, xa, b_diag = ctx.saved_tensors
         g = grad_out.reshape(-1, grad_out.shape[-1])
         gl = g.to(xl.dtype)
-        gx = None
-        if ctx.needs_input_grad[0] and ctx.concat:  # g @ [W | s·B]: the input's gradient and the A-products' in one
-            gu = torch.mm(gl, torch.cat([weight, b_diag], dim=1))
-            width = weight.shape[1]
-            gxa = gu[:, width:]
-            gx = torch.addmm(gu[:, :width], gxa, a_cat)
-        else:
-            gxa = torch.mm(gl, b_diag)  # [tokens, Σr], the scales included
-            if ctx.needs_input_grad[0]:  # the frozen weight's own gradient is never formed
-                gx = torch.mm(g.to(weight.dtype), weight)
-                gx = gx.addmm_(gxa, a_cat) if gx.dtype == xl.dtype else gx + torch.mm(gxa, a_cat).to(gx.dtype)
+        gxa = torch.mm(gl, b_diag)  # [tokens, Σr], the scales included
         gbs, col, rank = [], 0, 0
         for (n, r), s in zip(ctx.shapes, ctx.scales):  # each B's own block only
             gbs.append(torch.mm(gl[:, col:col + n].t(), xa[:, rank:rank + r]).mul_(s))
             col, rank = col + n, rank + r
         gas = torch.mm(gxa.t(), xl).split([r for _, r in ctx.shapes])
-        if gx is not None:
+        gx = None
+        if ctx.needs_input_grad[0]:  # the frozen weight's own gradient is never formed
+            gx = torch.mm(g.to(weight.dtype), weight)
+            gx = gx.addmm_(gxa, a_cat) if gx.dtype == xl.dtype else gx + torch.mm(gxa, a_cat).to(gx.dtype)
             gx = gx.to(ctx.x_dtype).view(*grad_out.shape[:-1], gx.shape[-1])
         grads = [t.to(dt) for t, dt in zip([*gas, *gbs], ctx.factor_dtypes)]
         return gx, None, None, None, None, *grads
-
-
-def _in_gemm(weight: torch.Tensor, lora_dtype) -> bool:
-    """Whether the B-products run inside the frozen GEMM (``[x | xa] @ [W | s·B].T``): when base and adapters compute
-    in one dtype and the output is at least as wide as the input. That GEMM needs ``[x | xa]``, a copy of the input,
-    and saves the separate pass that adds the B-products to the output (and, in the backward, one read of the output's
-    gradient): a win where the output is the wider of the two."""
-    return weight.dtype == lora_dtype and weight.shape[0] >= weight.shape[1]
 
 
 def fused_lora_linear(x: torch.Tensor, weight: torch.Tensor, bias, branches) -> torch.Tensor:
@@ -168,41 +146,6 @@ def _fused_class(cls: type, forward) -> type:
 _CLASSES: dict = {}
 
 
-def _in_gemm_forward(self, x, *args, **kwargs):
-    """peft's LoRA Linear forward as one :func:`fused_lora_linear` of its own frozen weight; peft's own forward for
-    its other paths (adapter_names for a mixed batch, a merged or disabled adapter)."""
-    if args or kwargs or self.merged or self.disable_adapters:
-        return _peft_linear().forward(self, x, *args, **kwargs)
-    return fused_lora_linear(x, self.base_layer.weight, self.base_layer.bias, (self,))
-
-
-def _peft_linear() -> type:
-    from peft.tuners.lora import Linear
-
-    return Linear
-
-
-def lora_in_gemm(model) -> tuple[int, list[str]]:
-    """Run every plain peft LoRA Linear of ``model`` (one adapter over a frozen nn.Linear, no dropout, DoRA or LoRA
-    bias) through :class:`_FusedLoraLinear` alone, so its B-product lands inside the frozen GEMM where
-    :func:`_in_gemm` says it pays (``model.lora_in_gemm``). Returns how many changed, and the LoRA Linears left on
-    peft's own forward with the reason (each raises nothing: the option is for speed, and their results stay
-    peft's)."""
-    peft_linear, changed, left = _peft_linear(), 0, []
-    for name, m in model.named_modules():
-        if not isinstance(m, peft_linear):
-            continue
-        problem = _branch_problem(m) or (
-            "" if type(m) in (peft_linear, _fused_class(peft_linear, _in_gemm_forward)) else
-            f"a {type(m).__name__}, not peft's own lora.Linear")
-        if problem:
-            left.append(f"{name}: {problem}")
-            continue
-        m.__class__ = _fused_class(peft_linear, _in_gemm_forward)
-        changed += 1
-    return changed, left
-
-
 def check_fusable_config(hf_config) -> None:
     """Preflight, on the model's config alone: a family whose q/k/v and gate/up fuse (Llama). Raises ModelError naming
     the key."""
@@ -266,19 +209,14 @@ def _plain_lora_branch(m, where: str):
         raise ModelError(f"model.fuse_lora=true: {where} is a {type(m).__name__}, not a peft LoRA Linear over a "
                          f"plain Linear (lora.target_modules must cover {', '.join(FUSED_LORA_TARGETS)}; no 4-bit "
                          f"base)")
-    problem = _branch_problem(m)
+    adapters = list(m.lora_A)
+    problem = ("it has several adapters" if len(adapters) != 1 else
+               "its base is not a plain nn.Linear" if type(m.base_layer) is not nn.Linear else
+               "its base weight is trainable" if m.base_layer.weight.requires_grad else
+               "DoRA (or another LoRA variant) is not fused" if m.lora_variant.get(adapters[0]) else
+               "a LoRA bias is not fused" if m.lora_bias.get(adapters[0]) else
+               "lora.dropout > 0 is not fused" if not isinstance(m.lora_dropout[adapters[0]], nn.Identity) else
+               "it is merged" if m.merged else "")
     if problem:
         raise ModelError(f"model.fuse_lora=true: {where}: {problem}")
     return m
-
-
-def _branch_problem(m) -> str:
-    """Why the peft LoRA Linear ``m`` cannot run fused ("" when it can): one plain adapter over a frozen nn.Linear."""
-    adapters = list(m.lora_A)
-    return ("it has several adapters" if len(adapters) != 1 else
-            "its base is not a plain nn.Linear" if type(m.base_layer) is not nn.Linear else
-            "its base weight is trainable" if m.base_layer.weight.requires_grad else
-            "DoRA (or another LoRA variant) is not fused" if m.lora_variant.get(adapters[0]) else
-            "a LoRA bias is not fused" if m.lora_bias.get(adapters[0]) else
-            "lora.dropout > 0 is not fused" if not isinstance(m.lora_dropout[adapters[0]], nn.Identity) else
-            "it is merged" if m.merged else "")

@@ -16,7 +16,7 @@ from raytrain_scu.core.bounds import BoundWatch
 from raytrain_scu.core.data.blocks import prepare_data
 from raytrain_scu.core.dist import broadcast_params, notice0, rank, world_size
 from raytrain_scu.core.fp8 import convert_base_to_fp8
-from raytrain_scu.core.fused_lora import fuse_lora_projections, lora_in_gemm
+from raytrain_scu.core.fused_lora import fuse_lora_projections
 from raytrain_scu.core.loss import CausalLMLoss, compile_for_training
 from raytrain_scu.core.model.build import (
     apply_lora,
@@ -28,7 +28,7 @@ from raytrain_scu.core.model.build import (
 from raytrain_scu.core.model.flops import flops_per_token
 from raytrain_scu.core.model.source import load_tokenizer
 from raytrain_scu.core.regularizer import adapter_params, centers_fingerprint, initial_centers
-from raytrain_scu.errors import CheckpointError, ModelError
+from raytrain_scu.errors import CheckpointError
 from raytrain_scu.tracking.tracker import for_rank
 from raytrain_scu.worker.oom import Phase
 from raytrain_scu.worker.state import Control, Metering, Optimisation, Position, Record, State
@@ -49,23 +49,9 @@ def _model(cfg: Config, *, vocab_size: int, dtype, device):
                        gradient_checkpointing=m.gradient_checkpointing)
     if m.fuse_lora:  # on the device already: the base weights become views into the fused ones, not copies
         fuse_lora_projections(model)
-    if m.lora_in_gemm:
-        _run_lora_in_gemm(model)
     if m.base_fp8:  # on the device already: the weights are quantised there, once
         convert_base_to_fp8(model)
     return base, model
-
-
-def _run_lora_in_gemm(model) -> None:
-    """``model.lora_in_gemm``: every LoRA Linear that qualifies; those left on peft's forward are named, and none
-    qualifying is an error."""
-    changed, left = lora_in_gemm(model)
-    if not changed:
-        raise ModelError(f"model.lora_in_gemm=true: no LoRA Linear of this model qualifies ({'; '.join(left[:3])}); "
-                         f"set model.lora_in_gemm=false")
-    if left:
-        notice0(f"model.lora_in_gemm: {len(left)} LoRA Linear(s) keep peft's own forward: {'; '.join(left[:3])}"
-                + (" ..." if len(left) > 3 else ""))
 
 
 def _optimisation(cfg: Config, hooks, model, *, device, dtype) -> Optimisation:

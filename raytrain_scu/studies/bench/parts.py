@@ -67,7 +67,7 @@ def _mem(load_in_4bit: bool, int8: bool = False, offload: bool = False) -> Calla
                                      offload_embedding=offload), c.args.warmup_reports)
 
 
-def _granite(load_in_4bit: bool, eager: bool = False, **kw) -> Callable[[Ctx], dict]:
+def _granite(load_in_4bit: bool, eager: bool = False) -> Callable[[Ctx], dict]:
     """Ours at the Granite shape, LoRA on all linear layers; checkpointing where the torch path's scan needs it."""
     def run(c: Ctx) -> dict:
         kernels = mamba_kernels()
@@ -76,7 +76,7 @@ def _granite(load_in_4bit: bool, eager: bool = False, **kw) -> Callable[[Ctx], d
         batch = a.mem_batch * 2 if load_in_4bit else a.granite_batch
         r = ours_bare(c.cfg(batch=batch, block=c.block, targets=("all-linear",), load_in_4bit=load_in_4bit,
                             compile=c.compile and not load_in_4bit and not eager,
-                            checkpointing=torch_path or load_in_4bit, **kw), a.warmup_reports)
+                            checkpointing=torch_path or load_in_4bit), a.warmup_reports)
         return {**r, "mamba": kernels, "gradient_checkpointing": torch_path or load_in_4bit,
                 "compiled": c.compile and not load_in_4bit and not eager}
     return run
@@ -97,7 +97,6 @@ PEERS_AT_EVERY_SHAPE = {
     "ours": Part(_ours(), loop=True),
     "ours_fp8": Part(_ours(base_fp8=True), loop=True),
     "ours_fused": Part(_ours(fuse_lora=True), loop=True),
-    "ours_in_gemm": Part(_ours(lora_in_gemm=True), loop=True),
 }
 PARTS: dict[str, Part] = {
     **PEERS_AT_EVERY_SHAPE,
@@ -115,7 +114,6 @@ PARTS: dict[str, Part] = {
     "qlora_emb8_8b": Part(_mem(load_in_4bit=True, int8=True), loop=True),
     "qlora_offload_8b": Part(_mem(load_in_4bit=True, offload=True), loop=True),
     "granite_h1b": Part(_granite(load_in_4bit=False), loop=True),
-    "granite_h1b_in_gemm": Part(_granite(load_in_4bit=False, lora_in_gemm=True), loop=True),
     "granite_h1b_eager": Part(_granite(load_in_4bit=False, eager=True), loop=True),
     "granite_qlora": Part(_granite(load_in_4bit=True), loop=True),
 }
