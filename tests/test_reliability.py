@@ -568,6 +568,38 @@ def test_a_real_grad_scaler_overflow_is_an_overflow_not_a_skipped_step():
     assert torch.equal(layer.weight, w2) and layer.weight.grad is None
 
 
+def test_a_step_launched_on_the_device_is_skipped_there_when_a_number_is_nonfinite():
+    """The loop's path without a host sync (bf16/fp32, fused AdamW): the step is launched before the host reads the
+    step's numbers, and a non-finite flag leaves the weights, AdamW's moments and its step count as they were; fp16's
+    loss scaler keeps the host path."""
+    from raytrain_scu.worker.state import Optimisation
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(4, 4)
+    opt = Optimisation(model=layer, params=list(layer.parameters()), loss_model=layer, centers=[None, None],
+                       optimizer=torch.optim.AdamW(layer.parameters(), lr=0.1, fused=True),
+                       scaler=torch.amp.GradScaler("cpu", enabled=False), autocast=None)
+    assert opt.steps_on_device
+    x = torch.randn(8, 4)
+
+    def step(nonfinite: float):
+        layer(x).pow(2).mean().backward()
+        opt.launch(torch.tensor(nonfinite))
+        return [p.detach().clone() for p in layer.parameters()], {k: v.clone() for k, v in
+                                                                 opt.optimizer.state[layer.weight].items()}
+
+    w0 = [p.detach().clone() for p in layer.parameters()]
+    w1, state1 = step(0.0)
+    assert not torch.equal(w1[0], w0[0]) and float(state1["step"]) == 1 and layer.weight.grad is None
+    w2, state2 = step(1.0)
+    assert all(torch.equal(a, b) for a, b in zip(w1, w2)) and all(torch.equal(state1[k], state2[k]) for k in state1)
+    assert not hasattr(opt.optimizer, "found_inf")  # the flag is the launch's alone
+    assert opt.step(data_bpt=float("nan"), param_bpt=0.1, grad_norm=1.0, launched=True) == "skipped"
+    assert opt.skipped_total == 1
+    opt.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    assert not opt.steps_on_device
+
+
 def local_run(tmp_path, name, *overrides):
     """The loop in this process (no Ray), one worker, its checkpoints kept in ``<tmp_path>/<name>`` as Ray would keep
     them, resuming from the newest good one there; returns its hooks (the reports)."""

@@ -67,10 +67,31 @@ class Optimisation:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
-    def step(self, *, data_bpt: float, param_bpt: float, grad_norm: float) -> str:
-        """The optimizer step (or a counted skip) after the backward passes; returns its outcome."""
-        outcome = optimizer_step(self.optimizer, self.scaler, data_bpt=data_bpt, param_bpt=param_bpt,
-                                 grad_norm=grad_norm)
+    @property
+    def steps_on_device(self) -> bool:
+        """Whether the step can be launched before the host reads the step's numbers: fused AdamW skips it on the
+        device where the loss or a gradient is non-finite. fp16's loss scaler decides on the host."""
+        return not self.scaler.is_enabled() and bool(self.optimizer.defaults.get("fused"))
+
+    def launch(self, nonfinite: torch.Tensor) -> None:
+        """The optimizer step without a host sync (:attr:`steps_on_device`): fused AdamW reads ``nonfinite`` (a 0-d
+        float on the parameters' device, 1 = skip) as GradScaler's ``found_inf`` and then leaves the adapters, its
+        moments and its step count as they were."""
+        self.optimizer.found_inf = nonfinite
+        try:
+            self.optimizer.step()
+        finally:
+            del self.optimizer.found_inf
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def step(self, *, data_bpt: float, param_bpt: float, grad_norm: float, launched: bool = False) -> str:
+        """The optimizer step (or a counted skip) after the backward passes; returns its outcome. ``launched``: the
+        step ran already (:meth:`launch`), and only its outcome is counted."""
+        if launched:
+            outcome = step_outcome(data_bpt, param_bpt, grad_norm, loss_scaling=False)
+        else:
+            outcome = optimizer_step(self.optimizer, self.scaler, data_bpt=data_bpt, param_bpt=param_bpt,
+                                     grad_norm=grad_norm)
         self.skipped_in_a_row = self.skipped_in_a_row + 1 if outcome == "skipped" else 0
         self.skipped_total += outcome == "skipped"
         self.overflows_total += outcome == "overflow"  # fp16 only: GradScaler's own skip, not a failure
@@ -132,6 +153,7 @@ class Position:
     seqs_per_step: int  # sequences per optimizer step, over all ranks
     block_size: int
     position: int = 0
+    ahead: Optional[tuple] = None  # ((position, micro-step), (x, y)): a batch already on its way to the device
 
     def advance(self) -> None:
         self.position += self.seqs_per_step

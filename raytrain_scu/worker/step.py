@@ -1,5 +1,10 @@
-"""One optimizer step, all ranks: the learning rate, the micro-steps, one all-reduce of (nats, tokens, stop), one host
-sync, the optimizer step or a counted skip, the control update. Returns the step's metrics row."""
+"""One optimizer step, all ranks: the learning rate, the micro-steps, one all-reduce of (nats, tokens, stop), the
+optimizer step (or a skip), one host sync, the control update. Returns the step's metrics row.
+
+The device is kept busy across the host sync: the step's numbers start back to the host, then the optimizer step is
+launched (fused AdamW skips it on the device where the loss or a gradient is non-finite) and the next step's first
+batch is sent, and only then does the host wait, for the numbers alone; the control update and the next forward
+follow while the optimizer runs."""
 from __future__ import annotations
 
 import math
@@ -33,31 +38,69 @@ def loss_step(s: State, x, y, *, step: int, lam: float, last: bool):
     return nats.detach().float(), n.float(), pbpt
 
 
+def device_batch(s: State, micro: int):
+    """(x, y) of micro-step ``micro`` of the step at the current position, on the device: the one sent ahead
+    (:func:`send_ahead`) where it is that batch."""
+    key = (s.pos.position, micro)
+    ahead, s.pos.ahead = s.pos.ahead, None
+    if ahead is not None and ahead[0] == key:
+        return ahead[1]
+    d = s.cfg.data
+    x, y = train_batch(s.pos.data, position=s.pos.position, micro_step=micro, rank=rank(), world_size=world_size(),
+                       batch_size=d.batch_size, seed=s.cfg.seed, pin_memory=s.device.type == "cuda")
+    return x.to(s.device, non_blocking=True), y.to(s.device, non_blocking=True)
+
+
+def send_ahead(s: State) -> None:
+    """The next step's first batch, on its way to the device while this step's last kernels run."""
+    s.pos.ahead = ((s.pos.position, 0), device_batch(s, 0))
+
+
 def micro_steps(s: State, step: int, lam: float):
     """All ranks: the ``data.grad_accum`` micro-batches; returns this rank's summed nats and tokens, and ParamBPT."""
     d = s.cfg.data
     nats_sum = torch.zeros((), dtype=torch.float32, device=s.device)
     tokens = torch.zeros((), dtype=torch.float32, device=s.device)
     for micro in range(d.grad_accum):
-        x, y = train_batch(s.pos.data, position=s.pos.position, micro_step=micro, rank=rank(), world_size=world_size(),
-                           batch_size=d.batch_size, seed=s.cfg.seed, pin_memory=s.device.type == "cuda")
-        x, y = x.to(s.device, non_blocking=True), y.to(s.device, non_blocking=True)
+        x, y = device_batch(s, micro)
         nats, n, pbpt = loss_step(s, x, y, step=step, lam=lam, last=micro == d.grad_accum - 1)
         nats_sum += nats
         tokens += n
     return nats_sum, tokens, pbpt
 
 
-def global_sums(s: State, nats_sum, tokens, pbpt, grad_norm) -> dict:
-    """All ranks: one all-reduce of (nats, tokens, stop), then the one host sync of the step. Rank 0 adds whether a stop
-    was asked for (Ctrl-C), so every rank agrees without another collective."""
+def global_sums(s: State, nats_sum, tokens, pbpt, grad_norm):
+    """All ranks: one all-reduce of (nats, tokens, stop), with ParamBPT, the gradient norm and ParamBPT's parts as
+    one float32 tensor on the device, whose copy to the host has started; and whether any of DataBPT, ParamBPT and
+    the norm is non-finite, on the device. Rank 0 adds whether a stop was asked for (Ctrl-C), so every rank agrees
+    without another collective."""
     # a fill on the device, not torch.tensor(): a host->device copy from pageable memory would sync mid-step
     stop = tokens.new_full((), float(rank() == 0 and s.stop_path is not None and s.stop_path.exists()))
     stats = all_reduce_sum(torch.stack([nats_sum, tokens, stop]))
     parts = param_bpt_parts(s.opt.params, s.opt.centers, sigma=s.cfg.controller.prior_sigma,
                             tokens_per_epoch=s.ctrl.tokens_per_epoch)  # telemetry: ParamBPT's A and B parts
-    nats, n, stop_f, pbpt_f, norm, pa, pb, pu = torch.cat(
-        [stats, pbpt.detach().float().reshape(1), grad_norm.float().reshape(1), parts]).tolist()
+    sums = torch.cat([stats, pbpt.detach().float().reshape(1), grad_norm.float().reshape(1), parts])
+    nonfinite = (~torch.isfinite(torch.stack([sums[0] / sums[1], sums[3], sums[4]]))).any().float()
+    return _to_host(sums), nonfinite
+
+
+def _to_host(t: torch.Tensor):
+    """``t``'s copy to the host, started; :func:`_read` waits for it alone, not for what is queued after it."""
+    if t.device.type != "cuda":
+        return t, None
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    return host, done
+
+
+def _read(copy) -> dict:
+    """The one host sync of the step: the values of :func:`global_sums` as the row's numbers."""
+    host, done = copy
+    if done is not None:
+        done.synchronize()
+    nats, n, stop_f, pbpt_f, norm, pa, pb, pu = host.tolist()
     return {"data_bpt": nats / n / LN2, "param_bpt": pbpt_f, "grad_norm": norm, "stop": stop_f > 0,
             "param_bpt_a": pa, "param_bpt_b": pb, "param_bpt_update": pu}
 
@@ -85,9 +128,14 @@ def train_step(s: State, step: int) -> dict:
     average_gradients(s.opt.params)  # all ranks: one all-reduce of the adapters' gradients, their data-parallel mean
     s.opt.scaler.unscale_(s.opt.optimizer)
     grad_norm = torch.nn.utils.clip_grad_norm_(s.opt.params, cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else 1e30)
-    g = global_sums(s, nats_sum, tokens, pbpt, grad_norm)
+    copy, nonfinite = global_sums(s, nats_sum, tokens, pbpt, grad_norm)
+    launched = s.opt.steps_on_device
+    if launched:
+        s.opt.launch(nonfinite)
+    send_ahead(s)
+    g = _read(copy)
     s.stopping = g["stop"]
-    s.opt.step(data_bpt=g["data_bpt"], param_bpt=g["param_bpt"], grad_norm=g["grad_norm"])
+    s.opt.step(data_bpt=g["data_bpt"], param_bpt=g["param_bpt"], grad_norm=g["grad_norm"], launched=launched)
     _refuse_repeated_skips(s, step)
     s.ctrl.update(step + 1, data_bpt=g["data_bpt"], param_bpt=g["param_bpt"], lr_factor=lr / cfg.optim.lr)
     s.metering.meter.steps += 1
