@@ -600,6 +600,60 @@ def test_a_step_launched_on_the_device_is_skipped_there_when_a_number_is_nonfini
     assert not opt.steps_on_device
 
 
+@pytest.mark.parametrize("bad", ["nats", "tokens", "pbpt", "grad_norm", None])
+def test_the_device_flag_skips_exactly_where_the_host_outcome_says_skipped(bad):
+    """global_sums' device-side flag (what the launched optimizer step reads) against step_outcome on the values the
+    host then reads: each of DataBPT (a NaN loss, or no tokens), ParamBPT and the gradient norm alone."""
+    from types import SimpleNamespace
+
+    from raytrain_scu.worker.state import step_outcome
+    from raytrain_scu.worker.step import _read, global_sums
+
+    params = [torch.randn(3, 4), torch.zeros(4, 3)]
+    s = SimpleNamespace(stop_path=None, opt=SimpleNamespace(params=params, centers=[params[0].clone(), None]),
+                        cfg=SimpleNamespace(controller=SimpleNamespace(prior_sigma=0.01)),
+                        ctrl=SimpleNamespace(tokens_per_epoch=1000))
+    value = {"nats": 5.0, "tokens": 10.0, "pbpt": 0.1, "grad_norm": 1.0}
+    if bad is not None:
+        value[bad] = 0.0 if bad == "tokens" else float("nan")
+    t = {k: torch.tensor(v) for k, v in value.items()}
+    copy, nonfinite = global_sums(s, t["nats"], t["tokens"], t["pbpt"], t["grad_norm"])
+    g = _read(copy)
+    outcome = step_outcome(g["data_bpt"], g["param_bpt"], g["grad_norm"], loss_scaling=False)
+    assert outcome == ("ok" if bad is None else "skipped")
+    assert float(nonfinite) == float(outcome == "skipped")
+
+
+def test_the_batch_sent_ahead_is_the_one_its_step_would_build():
+    """The next step's first batch, sent ahead, is used only by the step at that position and micro-step; any other
+    step builds its own, as train_batch gives it."""
+    from types import SimpleNamespace
+
+    from raytrain_scu.core.data.batches import train_batch
+    from raytrain_scu.worker.state import Position
+    from raytrain_scu.worker.step import device_batch, send_ahead
+
+    data = SimpleNamespace(train=torch.arange(40 * 5).reshape(40, 5).numpy())
+    s = SimpleNamespace(pos=Position(data=data, seqs_per_step=4, block_size=4, position=8), device=torch.device("cpu"),
+                        cfg=SimpleNamespace(data=SimpleNamespace(batch_size=2), seed=3))
+
+    def built(position, micro):
+        return train_batch(data, position=position, micro_step=micro, rank=0, world_size=1, batch_size=2, seed=3)
+
+    send_ahead(s)
+    ahead = s.pos.ahead[1]
+    assert all(torch.equal(a, b) for a, b in zip(ahead, built(8, 0)))
+    got = device_batch(s, 0)
+    assert got[0] is ahead[0] and s.pos.ahead is None  # used once
+    send_ahead(s)
+    s.pos.advance()  # a batch sent for another position is never used
+    got = device_batch(s, 0)
+    assert got[0] is not ahead[0] and all(torch.equal(a, b) for a, b in zip(got, built(12, 0)))
+    send_ahead(s)
+    got = device_batch(s, 1)  # nor for another micro-step
+    assert all(torch.equal(a, b) for a, b in zip(got, built(12, 1))) and s.pos.ahead is None
+
+
 def local_run(tmp_path, name, *overrides):
     """The loop in this process (no Ray), one worker, its checkpoints kept in ``<tmp_path>/<name>`` as Ray would keep
     them, resuming from the newest good one there; returns its hooks (the reports)."""

@@ -70,7 +70,7 @@ class Optimisation:
     @property
     def steps_on_device(self) -> bool:
         """Whether the step can be launched before the host reads the step's numbers: fused AdamW skips it on the
-        device where the loss or a gradient is non-finite. fp16's loss scaler decides on the host."""
+        device where DataBPT, ParamBPT or the gradient norm is non-finite. fp16's loss scaler decides on the host."""
         return not self.scaler.is_enabled() and bool(self.optimizer.defaults.get("fused"))
 
     def launch(self, nonfinite: torch.Tensor) -> None:
@@ -147,13 +147,15 @@ class Control:
 
 @dataclass
 class Position:
-    """Where the loop is in the data: sequences consumed over all ranks (the resume point) and per step."""
+    """Where the loop is in the data: sequences consumed over all ranks (the resume point) and per step; and the
+    batch sent to the device ahead of its step (a cache, never saved)."""
 
     data: TokenData
     seqs_per_step: int  # sequences per optimizer step, over all ranks
     block_size: int
     position: int = 0
-    ahead: Optional[tuple] = None  # ((position, micro-step), (x, y)): a batch already on its way to the device
+    # ((position, micro-step), (x, y)): a batch sent to the device ahead of its step; never saved (rebuilt at will)
+    ahead: Optional[tuple] = None
 
     def advance(self) -> None:
         self.position += self.seqs_per_step

@@ -52,7 +52,8 @@ def device_batch(s: State, micro: int):
 
 
 def send_ahead(s: State) -> None:
-    """The next step's first batch, on its way to the device while this step's last kernels run."""
+    """The next step's first batch, gathered and pinned on the host while the device runs this step's last kernels;
+    its copy is queued behind them."""
     s.pos.ahead = ((s.pos.position, 0), device_batch(s, 0))
 
 
@@ -91,7 +92,7 @@ def _to_host(t: torch.Tensor):
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     host.copy_(t, non_blocking=True)
     done = torch.cuda.Event()
-    done.record()
+    done.record(torch.cuda.current_stream(t.device))
     return host, done
 
 
@@ -101,7 +102,8 @@ def _read(copy) -> dict:
     if done is not None:
         done.synchronize()
     nats, n, stop_f, pbpt_f, norm, pa, pb, pu = host.tolist()
-    return {"data_bpt": nats / n / LN2, "param_bpt": pbpt_f, "grad_norm": norm, "stop": stop_f > 0,
+    data_bpt = nats / n / LN2 if n > 0 else float("nan")  # no tokens: skipped, as the device's flag says
+    return {"data_bpt": data_bpt, "param_bpt": pbpt_f, "grad_norm": norm, "stop": stop_f > 0,
             "param_bpt_a": pa, "param_bpt_b": pb, "param_bpt_update": pu}
 
 
@@ -132,7 +134,8 @@ def train_step(s: State, step: int) -> dict:
     launched = s.opt.steps_on_device
     if launched:
         s.opt.launch(nonfinite)
-    send_ahead(s)
+    if step + 1 < cfg.train.max_steps:
+        send_ahead(s)
     g = _read(copy)
     s.stopping = g["stop"]
     s.opt.step(data_bpt=g["data_bpt"], param_bpt=g["param_bpt"], grad_norm=g["grad_norm"], launched=launched)
