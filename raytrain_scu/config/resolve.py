@@ -144,9 +144,9 @@ def shape_of(hf_config: Any) -> Optional[dict[str, int]]:
     except Exception:  # noqa: BLE001 - no estimate; the pre-flight check reports a model it cannot use
         return None
     if shape.get("mamba_layers"):  # the path the family's preset chose checkpointing by: kernels or torch
-        from raytrain_scu.core.model.families import mamba_kernels
+        from raytrain_scu.core.model.families import mamba_kernels_run
 
-        shape["mamba_kernels"] = mamba_kernels()["path"] == "kernels"
+        shape["mamba_kernels"] = mamba_kernels_run()
     return shape
 
 

@@ -13,12 +13,11 @@ from raytrain_scu.console import ETA, NOTICES, VAL_STEP, take_notices
 from raytrain_scu.core import checkpoint as ckpt
 from raytrain_scu.core.data.batches import val_batches
 from raytrain_scu.core.dist import all_gather_object, all_reduce_sum, rank, world_size
+from raytrain_scu.core.model.flops import bits_per_token
 from raytrain_scu.core.regularizer import centers_fingerprint, lora_b_norm
 from raytrain_scu.errors import NotLearningError
 from raytrain_scu.hardware.gpus import mfu
 from raytrain_scu.worker.state import State
-
-LN2 = math.log(2.0)
 
 
 @torch.no_grad()
@@ -35,7 +34,7 @@ def evaluate(loss_model, data, *, device, batch_size: int, max_blocks: int, auto
         stats += torch.stack([nats.double(), n.double()])
     loss_model.train()
     nats, n = all_reduce_sum(stats).tolist()
-    return nats / n / LN2 if n > 0 else float("nan")
+    return bits_per_token(nats, n)
 
 
 def evaluate_now(s: State, step: int) -> float:

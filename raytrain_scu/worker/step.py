@@ -13,6 +13,7 @@ import torch
 
 from raytrain_scu.core.data.batches import train_batch
 from raytrain_scu.core.dist import all_reduce_sum, average_gradients, barrier, rank, world_size
+from raytrain_scu.core.model.flops import bits_per_token
 from raytrain_scu.core.regularizer import param_bpt, param_bpt_parts
 from raytrain_scu.core.schedule import lr_at
 from raytrain_scu.errors import NonFiniteError
@@ -102,8 +103,8 @@ def _read(copy) -> dict:
     if done is not None:
         done.synchronize()
     nats, n, stop_f, pbpt_f, norm, pa, pb, pu = host.tolist()
-    data_bpt = nats / n / LN2 if n > 0 else float("nan")  # no tokens: skipped, as the device's flag says
-    return {"data_bpt": data_bpt, "param_bpt": pbpt_f, "grad_norm": norm, "stop": stop_f > 0,
+    # no tokens: NaN, a skipped step, as the device's flag says
+    return {"data_bpt": bits_per_token(nats, n), "param_bpt": pbpt_f, "grad_norm": norm, "stop": stop_f > 0,
             "param_bpt_a": pa, "param_bpt_b": pb, "param_bpt_update": pu}
 
 

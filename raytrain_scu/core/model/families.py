@@ -80,7 +80,13 @@ def granite_hybrid_preset() -> dict:
     Q x Q scores for the backward); with the kernels none (measured: 8 x 2048 compiled peaks at 42.6 GiB on an
     H200). A compiled decoder layer compiles the mixer's projections and leaves only the kernel out (``mamba.py``), so
     the card's compile choice stands."""
-    return {"model.gradient_checkpointing": mamba_kernels()["path"] == "torch path"}
+    return {"model.gradient_checkpointing": not mamba_kernels_run()}
+
+
+def mamba_kernels_run() -> bool:
+    """Whether Granite-4.0-H's Mamba layers run the field's kernels here (:func:`mamba_kernels`), not the torch
+    path."""
+    return mamba_kernels()["path"] == "kernels"
 
 
 def mamba_kernels() -> dict:

@@ -36,4 +36,5 @@ def flops_per_token(hf_config, seq_len: int) -> float:
 
 
 def bits_per_token(nats: float, tokens: float) -> float:
+    """Bits per token of summed nats over counted tokens; NaN where no token counted."""
     return nats / tokens / math.log(2.0) if tokens > 0 else float("nan")

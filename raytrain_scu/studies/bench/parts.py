@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable
 
-from raytrain_scu.core.model.families import mamba_kernels
+from raytrain_scu.core.model.families import mamba_kernels, mamba_kernels_run
 from raytrain_scu.studies.bench.attention import attention_bench
 from raytrain_scu.studies.bench.ours import ours_bare, ours_ray
 from raytrain_scu.studies.bench.reference import reference_loop
@@ -71,7 +71,7 @@ def _granite(load_in_4bit: bool, eager: bool = False) -> Callable[[Ctx], dict]:
     """Ours at the Granite shape, LoRA on all linear layers; checkpointing where the torch path's scan needs it."""
     def run(c: Ctx) -> dict:
         kernels = mamba_kernels()
-        torch_path = kernels["path"] == "torch path"
+        torch_path = not mamba_kernels_run()
         a = c.args
         batch = a.mem_batch * 2 if load_in_4bit else a.granite_batch
         r = ours_bare(c.cfg(batch=batch, block=c.block, targets=("all-linear",), load_in_4bit=load_in_4bit,

@@ -13,7 +13,8 @@ import math
 import numpy as np
 
 from raytrain_scu.core import settling
-from raytrain_scu.studies.ablation.numbers import LN2, bootstrap_interval, mean_ci
+from raytrain_scu.core.model.flops import bits_per_token
+from raytrain_scu.studies.ablation.numbers import bootstrap_interval, mean_ci
 from raytrain_scu.studies.ablation.report import aligned, end_level
 from raytrain_scu.studies.ablation.v2 import protocol as p
 
@@ -30,7 +31,7 @@ def t_interval(values) -> dict:
 
 def bpt(nats, tokens) -> float:
     """Bits per token of per-unit nats and token counts, summed over the units (the study's one BPT)."""
-    return float(np.sum(nats)) / float(np.sum(tokens)) / LN2
+    return bits_per_token(float(np.sum(nats)), float(np.sum(tokens)))
 
 
 def gap(arm: dict, ref: dict, tokens: dict, n_boot: int) -> dict:
