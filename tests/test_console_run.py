@@ -319,8 +319,12 @@ def _press_ctrl_c(proc, presses: int, before=None) -> tuple[str, float]:
         if before is not None:
             before()
         for i in range(presses):
-            if i:
-                time.sleep(0.05)  # the second press, before any worker could finish its step
+            if i:  # the second press once the driver has taken the first, as a person presses it: two signals a
+                # few ms apart can reach a loaded driver as one (a pending signal is not counted twice)
+                for line in proc.stdout:
+                    lines.append(line)
+                    if "Ctrl-C: stopping after this step" in line:
+                        break
             os.killpg(proc.pid, signal.SIGINT)
         t0 = time.time()
         rest, _ = proc.communicate(timeout=300)
