@@ -341,10 +341,10 @@ def test_val_batches_score_one_fixed_set_whatever_the_batch_and_world(max_blocks
 def test_eval_is_the_same_number_for_any_batch_and_world():
     # a real (tiny, random-init) model: the token-weighted held-out BPT of a capped eval must not depend on the
     # batch size or the worker count (the issue: 10.98755 at batch 8 against 10.9927 at batch 4)
+    from raytrain_scu.core.bootstrap import LN2
     from raytrain_scu.core.loss import CausalLMLoss
     from raytrain_scu.core.model.build import build_model
     from raytrain_scu.worker.periodic import evaluate
-    from raytrain_scu.worker.step import LN2
 
     rng = np.random.default_rng(0)
     block, vocab = 16, 96

@@ -594,7 +594,7 @@ def test_a_step_launched_on_the_device_is_skipped_there_when_a_number_is_nonfini
     w2, state2 = step(1.0)
     assert all(torch.equal(a, b) for a, b in zip(w1, w2)) and all(torch.equal(state1[k], state2[k]) for k in state1)
     assert not hasattr(opt.optimizer, "found_inf")  # the flag is the launch's alone
-    assert opt.step(data_bpt=float("nan"), param_bpt=0.1, grad_norm=1.0, launched=True) == "skipped"
+    assert opt.step(data_bpt=float("nan"), param_bpt=0.1, grad_norm=1.0) == "skipped"
     assert opt.skipped_total == 1
     opt.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
     assert not opt.steps_on_device

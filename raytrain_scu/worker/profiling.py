@@ -52,9 +52,9 @@ def profiled(*, steps: int, left: int, cuda: bool, out_dir: Path):
     out_dir.mkdir(parents=True, exist_ok=True)
     text = profile_table(prof.key_averages(), steps=active, device="cuda" if cuda else "cpu")
     if cuda:
-        trace = out_dir / f"rank{rank()}.trace.json.gz"
-        prof.export_chrome_trace(str(trace))
-        with gzip.open(trace, "rt") as f:
+        trace_file = out_dir / f"rank{rank()}.trace.json.gz"
+        prof.export_chrome_trace(str(trace_file))
+        with gzip.open(trace_file, "rt") as f:
             trace = json.load(f)
         text += "\n" + idle_account(trace, steps=active) + "\n" + copy_account(trace, steps=active)
     (out_dir / f"rank{rank()}.txt").write_text(text)

@@ -84,10 +84,10 @@ class Optimisation:
             del self.optimizer.found_inf
         self.optimizer.zero_grad(set_to_none=True)
 
-    def step(self, *, data_bpt: float, param_bpt: float, grad_norm: float, launched: bool = False) -> str:
-        """The optimizer step (or a counted skip) after the backward passes; returns its outcome. ``launched``: the
-        step ran already (:meth:`launch`), and only its outcome is counted."""
-        if launched:
+    def step(self, *, data_bpt: float, param_bpt: float, grad_norm: float) -> str:
+        """The optimizer step (or a counted skip) after the backward passes; returns its outcome. Where
+        :attr:`steps_on_device`, the step was launched already (:meth:`launch`) and only its outcome is counted."""
+        if self.steps_on_device:
             outcome = step_outcome(data_bpt, param_bpt, grad_norm, loss_scaling=False)
         else:
             outcome = optimizer_step(self.optimizer, self.scaler, data_bpt=data_bpt, param_bpt=param_bpt,

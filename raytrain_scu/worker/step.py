@@ -2,15 +2,14 @@
 optimizer step (or a skip), one host sync, the control update. Returns the step's metrics row.
 
 The device is kept busy across the host sync: the step's numbers start back to the host, then the optimizer step is
-launched (fused AdamW skips it on the device where the loss or a gradient is non-finite) and the next step's first
-batch is sent, and only then does the host wait, for the numbers alone; the control update and the next forward
-follow while the optimizer runs."""
+launched (fused AdamW skips it on the device where DataBPT, ParamBPT or the gradient norm is non-finite) and the next
+step's first batch is sent, and only then does the host wait, for the numbers alone; the control update and the next
+forward follow while the optimizer runs."""
 from __future__ import annotations
-
-import math
 
 import torch
 
+from raytrain_scu.core.bootstrap import LN2
 from raytrain_scu.core.data.batches import train_batch
 from raytrain_scu.core.dist import all_reduce_sum, average_gradients, barrier, rank, world_size
 from raytrain_scu.core.model.flops import bits_per_token
@@ -18,8 +17,6 @@ from raytrain_scu.core.regularizer import param_bpt, param_bpt_parts
 from raytrain_scu.core.schedule import lr_at
 from raytrain_scu.errors import NonFiniteError
 from raytrain_scu.worker.state import State
-
-LN2 = math.log(2.0)
 
 
 def loss_step(s: State, x, y, *, step: int, lam: float, last: bool):
@@ -132,14 +129,13 @@ def train_step(s: State, step: int) -> dict:
     s.opt.scaler.unscale_(s.opt.optimizer)
     grad_norm = torch.nn.utils.clip_grad_norm_(s.opt.params, cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else 1e30)
     copy, nonfinite = global_sums(s, nats_sum, tokens, pbpt, grad_norm)
-    launched = s.opt.steps_on_device
-    if launched:
+    if s.opt.steps_on_device:
         s.opt.launch(nonfinite)
     if step + 1 < cfg.train.max_steps:
         send_ahead(s)
     g = _read(copy)
     s.stopping = g["stop"]
-    s.opt.step(data_bpt=g["data_bpt"], param_bpt=g["param_bpt"], grad_norm=g["grad_norm"], launched=launched)
+    s.opt.step(data_bpt=g["data_bpt"], param_bpt=g["param_bpt"], grad_norm=g["grad_norm"])
     _refuse_repeated_skips(s, step)
     s.ctrl.update(step + 1, data_bpt=g["data_bpt"], param_bpt=g["param_bpt"], lr_factor=lr / cfg.optim.lr)
     s.metering.meter.steps += 1
