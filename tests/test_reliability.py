@@ -654,6 +654,27 @@ def test_the_batch_sent_ahead_is_the_one_its_step_would_build():
     assert all(torch.equal(a, b) for a, b in zip(got, built(12, 1))) and s.pos.ahead is None
 
 
+def test_each_batch_is_built_once_and_each_step_steps_the_optimizer_once(tmp_path, monkeypatch):
+    """The loop with accumulation: every micro-batch is gathered once (the next step's first is the one sent ahead,
+    not built again) and fused AdamW steps once per optimizer step."""
+    from raytrain_scu.worker import step as step_mod
+
+    calls = []
+    real = step_mod.train_batch
+
+    def counted(data, **kw):
+        calls.append((kw["position"], kw["micro_step"]))
+        return real(data, **kw)
+
+    monkeypatch.setattr(step_mod, "train_batch", counted)
+    local_run(tmp_path, "once", "tracking.enabled=false", "train.max_steps=4", "train.checkpoint_every=4",
+              "train.report_every=2", "data.grad_accum=2")
+    assert len(calls) == len(set(calls)) == 4 * 2, calls
+    (last,) = [d for d in checkpoint_dirs(tmp_path / "once") if d.name.endswith("00000004")]
+    state = torch.load(last / "state.pt", weights_only=False)["optimizer"]["state"]
+    assert state and all(float(v["step"]) == 4 for v in state.values())
+
+
 def local_run(tmp_path, name, *overrides):
     """The loop in this process (no Ray), one worker, its checkpoints kept in ``<tmp_path>/<name>`` as Ray would keep
     them, resuming from the newest good one there; returns its hooks (the reports)."""
