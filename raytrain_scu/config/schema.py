@@ -38,6 +38,9 @@ class ModelConfig:
     compile_mode: str = "default"
     # layers: each decoder layer compiled alone, all sharing one compiled code (seconds); model: one graph (minutes)
     compile_scope: str = "layers"
+    # under compile, the backward recomputes elementwise ops (norms, activations, RoPE) instead of saving their
+    # outputs: about a third less activation memory (docs/benchmarks.md); never a GEMM, attention or a custom kernel
+    recompute_elementwise: bool = True
     fused_loss: bool = True  # chunked linear + cross-entropy: logits are never materialised in fp32
     loss_chunk_size: int = 4096  # tokens per chunk of the fused loss
     fuse_lora: bool = False  # Llama: q/k/v, gate/up one frozen GEMM each + one of their LoRA A's (fused_lora.py)

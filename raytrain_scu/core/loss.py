@@ -4,6 +4,7 @@ compiling it for training. No ray, mlflow or torch.distributed.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -233,3 +234,26 @@ def compile_for_training(loss_model: CausalLMLoss, *, scope: str = "layers", mod
     for layer in layers:
         layer.compile(mode=mode)
     return loss_model
+
+
+# the partitioner's bans that keep elementwise ops from being recomputed in the backward (torch._functorch.config):
+# lifted, the min-cut saves fewer, larger-K inputs and recomputes norms, activations and RoPE beside the kernels that
+# read them; still only ops on its recompute allowlist, never a matmul, attention or a custom (Triton) kernel
+ELEMENTWISE_RECOMPUTE_BANS = ("ban_recompute_used_far_apart", "ban_recompute_long_fusible_chains",
+                              "ban_recompute_materialized_backward")
+
+
+def compile_settings(recompute_elementwise: bool):
+    """The context the compiled graphs are built in (compilation is lazy: the first step's forward and backward, and
+    any recompile after): with ``recompute_elementwise`` the partitioner's :data:`ELEMENTWISE_RECOMPUTE_BANS` lifted
+    (``model.recompute_elementwise``). A torch without those settings keeps its defaults, with a note."""
+    if not recompute_elementwise:
+        return contextlib.nullcontext()
+    import torch._functorch.config as functorch_config
+
+    missing = [k for k in ELEMENTWISE_RECOMPUTE_BANS if not hasattr(functorch_config, k)]
+    if missing:
+        _note_once(f"model.recompute_elementwise: torch {torch.__version__} has no {', '.join(missing)}; the compiled "
+                   f"layers save their activations as torch's default partitioner chooses")
+        return contextlib.nullcontext()
+    return functorch_config.patch(**{k: False for k in ELEMENTWISE_RECOMPUTE_BANS})

@@ -11,6 +11,7 @@ import torch
 from raytrain_scu.config.paths import RunPaths
 from raytrain_scu.config.schema import Config
 from raytrain_scu.core.dist import notice0, print0, world_size
+from raytrain_scu.core.loss import compile_settings
 from raytrain_scu.hardware.gpus import peak_flops
 from raytrain_scu.tracking.tracker import derived_params
 from raytrain_scu.worker.build import build, resume
@@ -79,8 +80,9 @@ def run_loop(cfg: Config, *, hooks, run_id: Optional[str] = None) -> None:
     device memory anywhere is a :class:`~raytrain_scu.errors.DeviceOutOfMemory` naming the phase."""
     phase = Phase()
     try:
-        s = setup(cfg, hooks, run_id, phase)
-        train(s)
+        with compile_settings(cfg.model.recompute_elementwise):  # the graphs compile lazily, in the first steps
+            s = setup(cfg, hooks, run_id, phase)
+            train(s)
     except torch.cuda.OutOfMemoryError as e:
         hooks.faults.ballast = None  # an injected fill of the card goes with the error
         raise out_of_memory(cfg, phase, hooks.get_device(), e) from e

@@ -1,9 +1,11 @@
-"""What every bench part shares: the device, synchronised timing, peak memory, freeing a part's memory and compiled
-graphs, the proof that a timed loop trained, and the versions a result was measured with."""
+"""What every bench part shares: the device, the peers' batches and their timing, peak memory, freeing a part's memory
+and compiled graphs, the proof that a timed loop trained, and the versions a result was measured with."""
 from __future__ import annotations
 
 import gc
+import time
 from importlib.metadata import PackageNotFoundError, version
+from typing import Callable
 
 import torch
 
@@ -17,6 +19,44 @@ def device_name() -> str:
 def sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+
+
+def batch_rows(blocks, i: int, batch: int, block: int):
+    """Step ``i``'s rows of ``blocks`` (int64 token ids, ``batch`` x ``block``): the peers' walk through the data."""
+    return torch.as_tensor(blocks[(i * batch) % (len(blocks) - batch):][:batch, :block].astype("int64"))
+
+
+def pinned_batches(blocks, batch: int, block: int, count: int) -> list:
+    """The batches of steps 0 .. count-1, built before any timing and, with a GPU here, in pinned host memory: what a
+    DataLoader with ``pin_memory=True`` hands a loop, so that ``.to(device, non_blocking=True)`` overlaps the copy."""
+    rows = [batch_rows(blocks, i, batch, block) for i in range(count)]
+    return [r.pin_memory() for r in rows] if torch.cuda.is_available() else rows
+
+
+def interval_times(step: Callable[[int], None], *, warmup: int, steps: int, interval: int) -> list[float]:
+    """Seconds per step of each timed interval: ``step(i)`` for ``warmup`` untimed steps, then ``steps`` more in
+    intervals of ``interval`` steps with the device synchronised only at an interval's ends, which is how our loop's
+    report intervals are timed: between the two syncs the host queues work ahead as a loop that never waits on the
+    device does. A last, shorter interval is divided by its own step count."""
+    for i in range(warmup):
+        step(i)
+    sync()
+    times, i, end = [], warmup, warmup + steps
+    while i < end:
+        n = min(interval, end - i)
+        t0 = time.perf_counter()
+        for j in range(i, i + n):
+            step(j)
+        sync()
+        times.append((time.perf_counter() - t0) / n)
+        i += n
+    return times
+
+
+def timing_note(interval: int) -> str:
+    """How a peer part was timed, for its JSON."""
+    return (f"median of intervals of {interval} steps after warm-up, synchronised at their ends; batches from pinned "
+            f"memory, copied non-blocking")
 
 
 def reset_mem() -> None:

@@ -43,7 +43,7 @@ def _ref(**kw) -> Callable[[Ctx], dict]:
     def run(c: Ctx) -> dict:
         a = c.args
         return reference_loop(preset=c.preset, batch=a.batch, block=c.block, steps=a.steps,
-                              warmup=max(3, a.warmup_reports), blocks=c.blocks, **kw)
+                              warmup=max(3, a.warmup_reports), interval=a.report_every, blocks=c.blocks, **kw)
     return run
 
 
@@ -51,8 +51,8 @@ def _unsloth(load_in_4bit: bool) -> Callable[[Ctx], dict]:
     def run(c: Ctx) -> dict:
         a = c.args
         return unsloth_loop(preset=c.preset, batch=a.mem_batch if load_in_4bit else a.batch, block=c.block,
-                            steps=a.steps, warmup=max(3, a.warmup_reports), blocks=c.blocks,
-                            load_in_4bit=load_in_4bit)
+                            steps=a.steps, warmup=max(3, a.warmup_reports), interval=a.report_every,
+                            blocks=c.blocks, load_in_4bit=load_in_4bit)
     return run
 
 
@@ -67,7 +67,7 @@ def _mem(load_in_4bit: bool, int8: bool = False, offload: bool = False) -> Calla
                                      offload_embedding=offload), c.args.warmup_reports)
 
 
-def _granite(load_in_4bit: bool, eager: bool = False) -> Callable[[Ctx], dict]:
+def _granite(load_in_4bit: bool, eager: bool = False, recompute_elementwise: bool = True) -> Callable[[Ctx], dict]:
     """Ours at the Granite shape, LoRA on all linear layers; checkpointing where the torch path's scan needs it."""
     def run(c: Ctx) -> dict:
         kernels = mamba_kernels()
@@ -76,7 +76,8 @@ def _granite(load_in_4bit: bool, eager: bool = False) -> Callable[[Ctx], dict]:
         batch = a.mem_batch * 2 if load_in_4bit else a.granite_batch
         r = ours_bare(c.cfg(batch=batch, block=c.block, targets=("all-linear",), load_in_4bit=load_in_4bit,
                             compile=c.compile and not load_in_4bit and not eager,
-                            checkpointing=torch_path or load_in_4bit), a.warmup_reports)
+                            checkpointing=torch_path or load_in_4bit, recompute_elementwise=recompute_elementwise),
+                      a.warmup_reports)
         return {**r, "mamba": kernels, "gradient_checkpointing": torch_path or load_in_4bit,
                 "compiled": c.compile and not load_in_4bit and not eager}
     return run
@@ -97,6 +98,8 @@ PEERS_AT_EVERY_SHAPE = {
     "ours": Part(_ours(), loop=True),
     "ours_fp8": Part(_ours(base_fp8=True), loop=True),
     "ours_fused": Part(_ours(fuse_lora=True), loop=True),
+    # the compiled layers save every elementwise output, as torch's default partitioner chooses
+    "ours_acts_kept": Part(_ours(recompute_elementwise=False), loop=True),
 }
 PARTS: dict[str, Part] = {
     **PEERS_AT_EVERY_SHAPE,
@@ -115,6 +118,7 @@ PARTS: dict[str, Part] = {
     "qlora_offload_8b": Part(_mem(load_in_4bit=True, offload=True), loop=True),
     "granite_h1b": Part(_granite(load_in_4bit=False), loop=True),
     "granite_h1b_eager": Part(_granite(load_in_4bit=False, eager=True), loop=True),
+    "granite_h1b_acts_kept": Part(_granite(load_in_4bit=False, recompute_elementwise=False), loop=True),
     "granite_qlora": Part(_granite(load_in_4bit=True), loop=True),
 }
 SCALE_NS = (2, 4, 8)  # the `scale` group: ray1 and rayN for these N up to the GPUs here

@@ -1,6 +1,7 @@
-"""The peers: hand-written HF + peft LoRA loops, each in the configuration its users would pick, timed per
-synchronised step after warm-up. They share the shape, random init, block, batch, LoRA r16/α32 on the 7 projections,
-bf16 autocast and fused AdamW with our loop.
+"""The peers: hand-written HF + peft LoRA loops, each in the configuration its users would pick. They share the shape,
+random init, block, batch, LoRA r16/α32 on the 7 projections, bf16 autocast and fused AdamW with our loop, and its
+timing: after warm-up, intervals of ``interval`` steps (our report interval) with the device synchronised only at
+their ends, batches from pinned host memory copied without blocking (``measure.interval_times``).
 
 - ``default``: ``model(input_ids, labels).loss`` with transformers' own SDPA. Under torch.compile transformers cannot
   rule out a padding mask while tracing, so it builds an explicit T x T mask and SDPA loses its causal kernel: this is
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import math
 import statistics
-import time
 
 import torch
 import torch.nn.functional as F
@@ -23,7 +23,16 @@ import torch.nn.functional as F
 from raytrain_scu.config.schema import ALL_LINEAR as PROJ
 from raytrain_scu.core.model.presets import PRESET_TOKENIZER_VOCAB, preset_config
 from raytrain_scu.core.regularizer import lora_b_norm
-from raytrain_scu.studies.bench.measure import free, peak_mem, proof_of_training, reset_mem, sync
+from raytrain_scu.studies.bench.measure import (
+    free,
+    interval_times,
+    peak_mem,
+    pinned_batches,
+    proof_of_training,
+    reset_mem,
+    sync,
+    timing_note,
+)
 
 CAUSAL_ATTENTION = "bench_causal_sdpa"
 
@@ -81,8 +90,8 @@ def _compiled(model, scope: str):
     return model
 
 
-def reference_loop(*, preset: str, batch: int, block: int, steps: int, warmup: int, blocks, compile_scope: str,
-                   attention: str = "causal", liger: bool = False, lora_r: int = 16) -> dict:
+def reference_loop(*, preset: str, batch: int, block: int, steps: int, warmup: int, interval: int, blocks,
+                   compile_scope: str, attention: str = "causal", liger: bool = False, lora_r: int = 16) -> dict:
     """One peer loop: ``attention`` "causal" or "default", ``compile_scope`` "model", "layers" or "none", ``liger``:
     Liger's kernels patched in first (they stay patched for the rest of the process, so a Liger part runs in a
     process of its own)."""
@@ -90,43 +99,37 @@ def reference_loop(*, preset: str, batch: int, block: int, steps: int, warmup: i
         from liger_kernel.transformers import apply_liger_kernel_to_llama  # the `bench` extra
 
         apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, fused_linear_cross_entropy=True)
-    out = _timed(preset=preset, batch=batch, block=block, steps=steps, warmup=warmup, blocks=blocks,
-                 compile_scope=compile_scope, attention=attention, lora_r=lora_r)
+    out = _timed(preset=preset, batch=batch, block=block, steps=steps, warmup=warmup, interval=interval,
+                 blocks=blocks, compile_scope=compile_scope, attention=attention, lora_r=lora_r)
     free()  # the model and its graphs went with _timed's frame
     return {**out, "attention": attention, "compile_scope": compile_scope, "liger": liger}
 
 
-def _timed(*, preset, batch, block, steps, warmup, blocks, compile_scope, attention, lora_r) -> dict:
+def _timed(*, preset, batch, block, steps, warmup, interval, blocks, compile_scope, attention, lora_r) -> dict:
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     model = _model(preset, dev=dev, dtype=dtype, attention=attention, lora_r=lora_r)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=dev.type == "cuda")
     step_fn = _compiled(model, compile_scope if dev.type == "cuda" else "none")
-
-    def batch_at(i):
-        return torch.as_tensor(blocks[(i * batch) % (len(blocks) - batch):][:batch, :block].astype("int64")).to(dev)
+    batches = pinned_batches(blocks, batch, block, warmup + steps)
 
     def fixed_batch_loss():  # the first training batch, scored without a gradient
+        x = batches[0].to(dev)
         with torch.no_grad(), torch.autocast(dev.type, dtype=dtype, enabled=dev.type == "cuda"):
-            return model(input_ids=batch_at(0), labels=batch_at(0)).loss.item() / math.log(2.0)
+            return model(input_ids=x, labels=x).loss.item() / math.log(2.0)
 
     def train_step(i):
+        x = batches[i].to(dev, non_blocking=True)  # the labels are the inputs: the model shifts them
         with torch.autocast(dev.type, dtype=dtype, enabled=dev.type == "cuda"):
-            loss = step_fn(input_ids=batch_at(i), labels=batch_at(i)).loss
+            loss = step_fn(input_ids=x, labels=x).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
     loss_before = fixed_batch_loss()
-    times = []
     reset_mem()
-    for i in range(warmup + steps):
-        sync()
-        t0 = time.perf_counter()
-        train_step(i)
-        sync()
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
+    times = interval_times(train_step, warmup=warmup, steps=steps, interval=interval)
     return {"tokens_per_s": batch * block / statistics.median(times), "peak_mem_gib": peak_mem(), "batch": batch,
+            "interval_ms": [round(1e3 * t, 2) for t in times], "timing": timing_note(interval),
             "kernels": kernel_profile(lambda: train_step(0)) if dev.type == "cuda" else "-",
             **proof_of_training(loss_before, fixed_batch_loss(), lora_b_norm(model).item())}

@@ -10,8 +10,8 @@ Each part is the reference loop (``reference_loop`` in the bench) with Unsloth's
   ``FastLanguageModel.get_peft_model(r=16, lora_alpha=32, the 7 projections, lora_dropout=0, bias="none",
   use_gradient_checkpointing="unsloth")``: Unsloth's defaults and its recommended checkpointing (its own, which
   offloads the checkpointed activations to CPU memory; Unsloth turns it into plain checkpointing below 512 tokens);
-- the same blocks, batch and steps as the reference, timed the same way (per synchronised step after ``warmup``
-  steps; tokens/s from the median), the same fused AdamW (lr 1e-4) under bf16 autocast (what Unsloth's trainer does
+- the same blocks, batch and steps as the reference, timed the same way (after ``warmup`` steps, intervals of
+  ``interval`` steps synchronised at their ends, batches from pinned memory; tokens/s from the median), the same fused AdamW (lr 1e-4) under bf16 autocast (what Unsloth's trainer does
   with ``bf16=True``);
 - the loss is Unsloth's own: ``model(input_ids, labels=input_ids).loss``, which in Unsloth's Llama forward runs
   ``unsloth_zoo``'s chunked fused cross-entropy (``unsloth_fused_ce_loss``; no logits are materialised);
@@ -75,8 +75,8 @@ def model_root() -> Path:
     return Path(os.environ.get("RTSCU_UNSLOTH_MODELS") or Path(tempfile.gettempdir()) / "rtscu_unsloth_models")
 
 
-def unsloth_loop(*, preset: str, batch: int, block: int, steps: int, warmup: int, blocks, lora_r: int = 16,
-                 load_in_4bit: bool = False, gradient_checkpointing=GRADIENT_CHECKPOINTING, root: str = "",
+def unsloth_loop(*, preset: str, batch: int, block: int, steps: int, warmup: int, interval: int, blocks,
+                 lora_r: int = 16, load_in_4bit: bool = False, gradient_checkpointing=GRADIENT_CHECKPOINTING, root: str = "",
                  timeout_s: float = 1800.0, profile: bool = True) -> dict:
     """Unsloth's LoRA (or QLoRA with ``load_in_4bit``) loop at the preset's shape, timed as ``reference_loop`` is,
     in a subprocess; returns the same fields (tokens_per_s, peak_mem_gib, batch, bpt_before, bpt_after,
@@ -92,7 +92,8 @@ def unsloth_loop(*, preset: str, batch: int, block: int, steps: int, warmup: int
     work = Path(tempfile.mkdtemp(prefix="rtscu_unsloth_"))
     try:
         np.save(work / "blocks.npy", np.ascontiguousarray(blocks))
-        spec = dict(preset=preset, batch=batch, block=block, steps=steps, warmup=warmup, lora_r=lora_r,
+        spec = dict(preset=preset, batch=batch, block=block, steps=steps, warmup=warmup, interval=interval,
+                    lora_r=lora_r,
                     load_in_4bit=load_in_4bit, gradient_checkpointing=gradient_checkpointing, profile=profile,
                     blocks=str(work / "blocks.npy"), root=str(root or model_root()), out=str(work / "result.json"))
         (work / "spec.json").write_text(json.dumps(spec))

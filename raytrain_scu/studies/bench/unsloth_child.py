@@ -121,23 +121,18 @@ def run_part(spec: dict) -> dict:
     from raytrain_scu.studies.bench import measure as bench
     with _recording_attention() as backends:  # only around this untimed pass: a wrapper could change compiled code
         loss_before, logits = _fixed_batch_loss(model, ctx)
-    times = []  # every step's, the warm-up's first: the JSON keeps them all (did compilation end in the warm-up?)
     bench.reset_mem()
-    for i in range(spec["warmup"] + spec["steps"]):
-        x = ctx["batch_at"](i)
-        bench.sync()
-        t = time.perf_counter()
-        _step(model, opt, x, ctx)
-        bench.sync()
-        times.append(time.perf_counter() - t)
+    batches = bench.pinned_batches(ctx["blocks"], spec["batch"], spec["block"], spec["warmup"] + spec["steps"])
+    times = bench.interval_times(lambda i: _step(model, opt, batches[i].to(ctx["dev"], non_blocking=True), ctx),
+                                 warmup=spec["warmup"], steps=spec["steps"], interval=spec["interval"])
     peak = bench.peak_mem()
-    info["step_ms"] = [round(1e3 * t, 1) for t in times]
+    info.update(interval_ms=[round(1e3 * t, 2) for t in times], timing=bench.timing_note(spec["interval"]))
     proof = bench.proof_of_training(loss_before, _fixed_batch_loss(model, ctx)[0], lora_b_norm(model).item())
     info.update(versions=package_versions(), imported=_imported(), attention=_attention_info(backends),
                 loss=_loss_path(logits), **_what_ran(model, spec, ctx["gpu"]))
     if spec.get("profile") and ctx["gpu"]:  # one more step, after the proof, untimed
         info["top_kernels"] = _top_kernels(lambda: _step(model, opt, ctx["batch_at"](0), ctx))
-    return summarize(times[spec["warmup"]:], batch=spec["batch"], block=spec["block"], peak_mem_gib=peak, proof=proof,
+    return summarize(times, batch=spec["batch"], block=spec["block"], peak_mem_gib=peak, proof=proof,
                      info=info)
 
 
@@ -146,6 +141,8 @@ def _load(spec: dict, info: dict):
     import numpy as np
     import torch
     from unsloth import FastLanguageModel
+
+    from raytrain_scu.studies.bench import measure as bench
 
     gpu = torch.cuda.is_available()
     dev, dtype = torch.device("cuda" if gpu else "cpu"), torch.bfloat16 if gpu else torch.float32
@@ -166,9 +163,9 @@ def _load(spec: dict, info: dict):
     blocks = np.load(spec["blocks"], mmap_mode="r")
 
     def batch_at(i):  # the reference loop's batches
-        return torch.as_tensor(blocks[(i * batch) % (len(blocks) - batch):][:batch, :block].astype("int64")).to(dev)
+        return bench.batch_rows(blocks, i, batch, block).to(dev)
 
-    return model, opt, dict(gpu=gpu, dev=dev, dtype=dtype, batch_at=batch_at)
+    return model, opt, dict(gpu=gpu, dev=dev, dtype=dtype, batch_at=batch_at, blocks=blocks)
 
 
 def _fixed_batch_loss(model, ctx):
