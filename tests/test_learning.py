@@ -82,7 +82,8 @@ def test_compiled_gpu_loop_learns_like_eager_on_the_real_model(tmp_path):
     print(f"\n[gpu] {torch.cuda.get_device_name(0)}: train BPT eager {[round(r['train/data_bpt'], 4) for r in eager]} "
           f"compiled {[round(r['train/data_bpt'], 4) for r in compiled]}; val {eager[-1]['val/data_bpt_start']:.4f} -> "
           f"eager {eager[-1]['val/data_bpt']:.4f} / compiled {compiled[-1]['val/data_bpt']:.4f}; B norm {b_e:.4f} / "
-          f"{b_c:.4f}")
+          f"{b_c:.4f}; peak GiB eager {max(r.get('perf/max_mem_gib', 0.0) for r in eager):.2f} / compiled "
+          f"{max(r.get('perf/max_mem_gib', 0.0) for r in compiled):.2f}")
 
 
 @pytest.mark.gpu
