@@ -66,6 +66,7 @@ def test_overrides_are_typed_by_field():
     ("scaling.poll_interval_s=0", "scaling.poll_interval_s"),
     ("train.checkpoint_every=7", "train.checkpoint_every"),
     ("model.precision=fp8", "model.precision"),
+    ("model.recompute_elementwise=true", "model.recompute_elementwise"),
     ("tracking.uri=file:///tmp/mlruns", "tracking.uri"),
     ("run.name=a/b", "run.name"),
     ("lora.r=0", "lora.r"),

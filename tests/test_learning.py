@@ -115,6 +115,28 @@ def test_an_int8_embedding_learns_like_the_bf16_one_on_the_real_model(tmp_path):
             assert abs(a["train/data_bpt"] - b["train/data_bpt"]) < BPT_TOL, (label, a["step"])
 
 
+@pytest.mark.parametrize("compile_, setting, applied", [("true", "auto", True), ("true", "never", False),
+                                                         ("false", "always", False)])
+def test_the_loop_trains_inside_the_recompute_setting_it_resolved(tmp_path, monkeypatch, compile_, setting, applied):
+    """model.recompute_elementwise reaches the steps: the loop trains inside compile_settings with what the build
+    resolved (auto: the Llama family's choice, on), and eager runs have no compiled graphs to change."""
+    import raytrain_scu.worker.loop as loop_mod
+    from raytrain_scu.core.loss import compile_settings
+
+    seen = []
+
+    def spy(recompute):
+        seen.append(recompute)
+        return compile_settings(recompute)
+
+    monkeypatch.setattr(loop_mod, "compile_settings", spy)
+    hooks = LocalHooks(torch.device("cpu"))
+    run_loop(_cfg(tmp_path, f"model.compile={compile_}", f"model.recompute_elementwise={setting}",
+                  "train.max_steps=2", "train.report_every=1", "train.checkpoint_every=2"), hooks=hooks)
+    assert seen == [applied] and hooks.reports[-1]["train/lora_b_norm"] > 0
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("scope", ["layers", "model"])
 def test_compiled_training_matches_eager_on_cpu(scope):
     """Both compile scopes give eager's losses and adapters (fp32 on the CPU; the GPU test above covers bf16)."""

@@ -275,3 +275,14 @@ def test_recomputing_elementwise_ops_saves_fewer_activations_with_the_same_gradi
     assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(grads_kept, grads_less))
     assert any(g.abs().sum() > 0 for g in grads_less)
     assert {k: getattr(functorch_config, k) for k in ELEMENTWISE_RECOMPUTE_BANS} == before
+
+
+def test_recompute_elementwise_auto_is_the_familys_choice(tok):
+    """auto recomputes for Llama (measured free on an H100) and not for Granite-4.0-H's Mamba hybrid (measured
+    slower); always and never decide for every family."""
+    from raytrain_scu.core.loss import recompute_elementwise
+
+    llama = build_model("tiny", vocab_size=len(tok), seed=1)
+    granite = build_model("tiny-granite-4.0-h", vocab_size=len(tok), seed=1)
+    assert [recompute_elementwise(s, llama) for s in ("auto", "always", "never")] == [True, True, False]
+    assert [recompute_elementwise(s, granite) for s in ("auto", "always", "never")] == [False, True, False]

@@ -83,6 +83,7 @@ def _check_model_and_data(cfg: Config) -> None:
     _one_of("model.compile_mode", m.compile_mode, ("default", "reduce-overhead", "max-autotune",
                                                    "max-autotune-no-cudagraphs"))
     _check(m.loss_chunk_size >= 1, "model.loss_chunk_size", f"must be >= 1, got {m.loss_chunk_size}")
+    _one_of("model.recompute_elementwise", m.recompute_elementwise, ("auto", "always", "never"))
 
     lo = cfg.lora
     _check(lo.r >= 1, "lora.r", f"must be >= 1, got {lo.r}")

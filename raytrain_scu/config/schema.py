@@ -39,8 +39,9 @@ class ModelConfig:
     # layers: each decoder layer compiled alone, all sharing one compiled code (seconds); model: one graph (minutes)
     compile_scope: str = "layers"
     # under compile, the backward recomputes elementwise ops (norms, activations, RoPE) instead of saving their
-    # outputs: about a third less activation memory (docs/benchmarks.md); never a GEMM, attention or a custom kernel
-    recompute_elementwise: bool = True
+    # outputs (never a GEMM, attention or a custom kernel): auto | always | never. auto: where measured free, every
+    # family but Granite-4.0-H's Mamba hybrids (core.model.families; docs/benchmarks.md has the H100 figures)
+    recompute_elementwise: str = "auto"
     fused_loss: bool = True  # chunked linear + cross-entropy: logits are never materialised in fp32
     loss_chunk_size: int = 4096  # tokens per chunk of the fused loss
     fuse_lora: bool = False  # Llama: q/k/v, gate/up one frozen GEMM each + one of their LoRA A's (fused_lora.py)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from raytrain_scu.console import notice
 from raytrain_scu.core.embed_quant import Int8Head, int8_grad_input, int8_logits
-from raytrain_scu.core.model.families import HeadTransform, head_of_class
+from raytrain_scu.core.model.families import HeadTransform, family_of, head_of_class
 
 
 def fused_head(model) -> tuple[Optional[HeadTransform], str]:
@@ -243,10 +243,19 @@ ELEMENTWISE_RECOMPUTE_BANS = ("ban_recompute_used_far_apart", "ban_recompute_lon
                               "ban_recompute_materialized_backward")
 
 
+def recompute_elementwise(setting: str, model) -> bool:
+    """``model.recompute_elementwise`` for ``model``: ``always`` / ``never``, or with ``auto`` its family's choice
+    (:class:`~raytrain_scu.core.model.families.Family`; a family not listed recomputes)."""
+    if setting != "auto":
+        return setting == "always"
+    return family_of(model.config).recompute_elementwise
+
+
 def compile_settings(recompute_elementwise: bool):
-    """The context the compiled graphs are built in (compilation is lazy: the first step's forward and backward, and
+    """The context the training graphs are built in (compilation is lazy: the first step's forward and backward, and
     any recompile after): with ``recompute_elementwise`` the partitioner's :data:`ELEMENTWISE_RECOMPUTE_BANS` lifted
-    (``model.recompute_elementwise``). A torch without those settings keeps its defaults, with a note."""
+    (``model.recompute_elementwise``, :func:`recompute_elementwise`). A torch without those settings keeps its
+    defaults, with a note."""
     if not recompute_elementwise:
         return contextlib.nullcontext()
     import torch._functorch.config as functorch_config

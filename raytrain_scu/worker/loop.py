@@ -80,8 +80,8 @@ def run_loop(cfg: Config, *, hooks, run_id: Optional[str] = None) -> None:
     device memory anywhere is a :class:`~raytrain_scu.errors.DeviceOutOfMemory` naming the phase."""
     phase = Phase()
     try:
-        with compile_settings(cfg.model.recompute_elementwise):  # the graphs compile lazily, in the first steps
-            s = setup(cfg, hooks, run_id, phase)
+        s = setup(cfg, hooks, run_id, phase)  # no backward here: the training graphs compile in the first steps
+        with compile_settings(s.opt.recompute_elementwise):
             train(s)
     except torch.cuda.OutOfMemoryError as e:
         hooks.faults.ballast = None  # an injected fill of the card goes with the error

@@ -115,7 +115,8 @@ class Family:
     ``fusable``: ``model.fuse_lora`` applies; ``layers``: per-layer (matmul parameters, mixer FLOPs per token) where
     the Llama count does not hold; ``kernels``: the optional fast kernels and which path runs; ``prepare``: what a base
 model of the family needs before training (Granite-4.0-H: its Mamba mixers keep out_proj a module, ``mamba.py``);
-``preset``: the values a hardware preset sets for the family on top of the card's (config.resolve)."""
+``preset``: the values a hardware preset sets for the family on top of the card's (config.resolve);
+``recompute_elementwise``: what ``model.recompute_elementwise=auto`` picks (off where it was measured slower)."""
 
     classes: tuple[str, ...]
     head: Callable = plain_head
@@ -124,6 +125,7 @@ model of the family needs before training (Granite-4.0-H: its Mamba mixers keep 
     kernels: Optional[Callable[[], dict]] = None
     prepare: Optional[Callable] = None  # run on every base model of the family as it is built
     preset: Optional[Callable[[], dict]] = None  # config values a hardware preset adds for the family
+    recompute_elementwise: bool = True
 
 
 def _plain(*classes: str, **kw) -> Family:
@@ -143,7 +145,8 @@ FAMILIES: dict[str, Family] = {
     "granitemoe": Family(("GraniteMoeForCausalLM",), head=granite_head),
     "granitemoeshared": Family(("GraniteMoeSharedForCausalLM",), head=granite_head),
     "granitemoehybrid": Family(("GraniteMoeHybridForCausalLM",), head=granite_head, layers=granite_hybrid_layers,
-                               kernels=mamba_kernels, prepare=keep_out_proj_a_module, preset=granite_hybrid_preset),
+                               kernels=mamba_kernels, prepare=keep_out_proj_a_module, preset=granite_hybrid_preset,
+                               recompute_elementwise=False),  # 10.8% slower on an H100 (docs/benchmarks.md)
     "gemma2": Family(("Gemma2ForCausalLM",), head=gemma_head),
     "gemma3_text": Family(("Gemma3ForCausalLM",), head=gemma_head),
     "cohere": Family(("CohereForCausalLM",), head=cohere_head),
