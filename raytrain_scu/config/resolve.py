@@ -161,6 +161,7 @@ def memory_kwargs(cfg: Config) -> dict[str, Any]:
             "load_in_4bit": cfg.quant.load_in_4bit, "precision": cfg.model.precision,
             "batch_size": cfg.data.batch_size, "block_size": cfg.data.block_size,
             "gradient_checkpointing": cfg.model.gradient_checkpointing, "compile": cfg.model.compile,
+            "recompute_elementwise": cfg.model.recompute_elementwise,
             "fused_loss": cfg.model.fused_loss, "loss_chunk_tokens": cfg.model.loss_chunk_size,
             "embedding_int8": cfg.quant.embedding_int8, "offload_embedding": cfg.quant.offload_embedding}
 

@@ -22,7 +22,9 @@ With ``a`` = bytes of the compute dtype (4 for fp32, else 2), ``tokens = batch_s
     activations  = L * per layer                      without checkpointing
                  = tokens * L * H * a + per layer     with it (layer inputs + one layer recomputed)
                    torch.compile: a * (7H + 3F + n_targets*r) per token and layer (measured: no fp32 norm
-                   copies, the SwiGLU product recomputed), and 2 GiB more overhead
+                   copies, the SwiGLU product recomputed), and 2 GiB more overhead; with the backward
+                   recomputing elementwise ops (model.recompute_elementwise) a * (5H + 2F + n_targets*r):
+                   the norm outputs and SiLU(gate)*up recomputed (fitted to the H100 A/B at 1B and 8B)
     logits       = min(chunk, tokens) * V * (4 + a) + tokens * H * a
                                                       fused chunked loss (loss.CausalLMLoss): one
                                                       chunk's fp32 logits, their softmax-grad in the
@@ -109,9 +111,11 @@ def estimate_peak_memory_gib(*, n_params: int, hidden: int, layers: int, heads: 
                              loss_chunk_tokens: int = 4096, head_dim: int = 0, embedding_int8: bool = False,
                              offload_embedding: bool = False, fused_mlp: bool = False, mamba_layers: int = 0,
                              mamba_inner: int = 0, mamba_in_proj: int = 0, mamba_chunk: int = 0,
-                             mamba_kernels: bool = True) -> dict[str, float]:
+                             mamba_kernels: bool = True, recompute_elementwise: str = "never") -> dict[str, float]:
     """Peak GPU memory (GiB) of one training step of LoRA/QLoRA on a Llama-style decoder, or a hybrid with
-    ``mamba_layers`` Mamba-2 layers, by part: the formula is in the module docstring."""
+    ``mamba_layers`` Mamba-2 layers, by part: the formula is in the module docstring. ``recompute_elementwise`` is
+    ``model.recompute_elementwise``: under compile its ``auto`` recomputes in every family but the Mamba hybrid
+    (core.model.families), and only the attention layers' term models it."""
     a = _dtype_bytes(precision)
     head_dim = head_dim or hidden // heads
     tokens = batch_size * block_size
@@ -127,7 +131,9 @@ def estimate_peak_memory_gib(*, n_params: int, hidden: int, layers: int, heads: 
     adapters = lora_params * ADAPTER_BYTES_PER_PARAM
 
     common = {"tokens": tokens, "a": a, "hidden": hidden, "ffn": ffn, "lora_r": lora_r, "compile": compile}
-    per_attn = _attention_layer_bytes(targets=_targeted(dims, lora_targets), dims=dims, **common)
+    recomputes = compile and (recompute_elementwise == "always" or recompute_elementwise == "auto" and not mamba_layers)
+    per_attn = _attention_layer_bytes(targets=_targeted(dims, lora_targets), dims=dims, recomputes=recomputes,
+                                      **common)
     per_mamba = (_mamba_layer_bytes(targets=_targeted(m_dims, lora_targets), inner=mamba_inner,
                                     in_proj=mamba_in_proj, torch_path_chunk=0 if mamba_kernels else mamba_chunk,
                                     **common) if mamba_layers else 0)
@@ -164,8 +170,10 @@ def _adapter_inputs(a: int, targets: list, dims: dict) -> int:
 
 
 def _attention_layer_bytes(*, tokens: int, a: int, hidden: int, ffn: int, lora_r: int, targets: list, dims: dict,
-                           compile: bool) -> int:
+                           compile: bool, recomputes: bool = False) -> int:
     """One attention layer's activations kept for the backward (the module docstring's per layer)."""
+    if recomputes:  # the norm outputs and SiLU(gate)*up recomputed beside the kernels that read them
+        return tokens * a * (5 * hidden + 2 * ffn + len(targets) * lora_r)
     if compile:  # inductor fuses the norms' fp32 copies and recomputes the SwiGLU product
         return tokens * a * (7 * hidden + 3 * ffn + len(targets) * lora_r)
     return tokens * (a * (7 * hidden + 4 * ffn + len(targets) * lora_r) + 8 * hidden
