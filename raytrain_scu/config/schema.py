@@ -38,7 +38,7 @@ class ModelConfig:
     compile_mode: str = "default"
     # layers: each decoder layer compiled alone, all sharing one compiled code (seconds); model: one graph (minutes)
     compile_scope: str = "layers"
-    # under compile, the backward recomputes elementwise ops (norms, activations, RoPE) instead of saving their
+    # under compile, the backward recomputes elementwise results (norm outputs, SiLU(gate)*up) instead of saving their
     # outputs (never a GEMM, attention or a custom kernel): auto | always | never. auto: where measured free, every
     # family but Granite-4.0-H's Mamba hybrids (core.model.families; docs/benchmarks.md has the H100 figures)
     recompute_elementwise: str = "auto"

@@ -74,7 +74,8 @@ def table(res: dict) -> str:
              "| variant | device batch | tokens/s per GPU | MFU | peak mem (GiB) | trained: fixed-set BPT, LoRA B norm |",
              "|---|---|---|---|---|---|"]
     lines += [_row(name, r) for name, r in res["parts"].items()]
-    lines += ["", "| shape | best peer (speed) | tokens/s | smallest peer peak at our batch (GiB) |", "|---|---|---|---|"]
+    lines += ["", "| shape | best peer (speed) | tokens/s | smallest peer peak at our batch (GiB) |",
+              "|---|---|---|---|"]
     for shape in ("1b", "8b"):
         name, v = best_peer(res, shape)
         if name:

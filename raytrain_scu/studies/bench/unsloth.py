@@ -76,8 +76,8 @@ def model_root() -> Path:
 
 
 def unsloth_loop(*, preset: str, batch: int, block: int, steps: int, warmup: int, interval: int, blocks,
-                 lora_r: int = 16, load_in_4bit: bool = False, gradient_checkpointing=GRADIENT_CHECKPOINTING, root: str = "",
-                 timeout_s: float = 1800.0, profile: bool = True) -> dict:
+                 lora_r: int = 16, load_in_4bit: bool = False, gradient_checkpointing=GRADIENT_CHECKPOINTING,
+                 root: str = "", timeout_s: float = 1800.0, profile: bool = True) -> dict:
     """Unsloth's LoRA (or QLoRA with ``load_in_4bit``) loop at the preset's shape, timed as ``reference_loop`` is,
     in a subprocess; returns the same fields (tokens_per_s, peak_mem_gib, batch, bpt_before, bpt_after,
     lora_b_norm) plus ``versions``, ``gradient_checkpointing``, ``compiled`` and ``unsloth`` (what ran: attention
