@@ -238,7 +238,8 @@ def compile_for_training(loss_model: CausalLMLoss, *, scope: str = "layers", mod
 
 # the partitioner's bans that keep elementwise ops from being recomputed in the backward (torch._functorch.config):
 # lifted, the min-cut recomputes elementwise results (the norms' outputs, SiLU(gate)*up) beside the kernels that read
-# them instead of saving them; still only ops on its recompute allowlist, never a matmul, attention or a custom (Triton) kernel
+# them instead of saving them; still only ops on its recompute allowlist, never a matmul, attention or a custom
+# (Triton) kernel
 ELEMENTWISE_RECOMPUTE_BANS = ("ban_recompute_used_far_apart", "ban_recompute_long_fusible_chains",
                               "ban_recompute_materialized_backward")
 
