@@ -70,8 +70,8 @@ def test_each_part_runs_at_its_shape_batch_and_base(monkeypatch):
     assert {p: (k["batch"], k["load_in_4bit"]) for p, k in calls.items()} == {
         "ref_unsloth": (8, False), "ref_unsloth_8b": (8, False),
         "ref_unsloth_qlora": (2, True), "ref_unsloth_qlora_8b": (2, True)}
-    assert all(k["warmup"] == 3 and k["block"] == 2048 and k["steps"] == 20 and k["interval"] == 5
-               for k in calls.values())  # timed in our loop's report intervals
+    assert all(k["warmup"] == 10 and k["block"] == 2048 and k["steps"] == 20 and k["interval"] == 5
+               for k in calls.values())  # warmed up and timed as our loop: 2 reports of 5 steps, then intervals of 5
     assert [parts.shape_of(p, "1b") for p in UNSLOTH_PARTS] == ["1b", "8b", "1b", "8b"]
     assert [parts.PARTS[p].peer for p in UNSLOTH_PARTS] == [True, True, False, False]
 

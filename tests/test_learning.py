@@ -118,23 +118,32 @@ def test_an_int8_embedding_learns_like_the_bf16_one_on_the_real_model(tmp_path):
 @pytest.mark.parametrize("compile_, setting, applied", [("true", "auto", True), ("true", "never", False),
                                                          ("false", "always", False)])
 def test_the_loop_trains_inside_the_recompute_setting_it_resolved(tmp_path, monkeypatch, compile_, setting, applied):
-    """model.recompute_elementwise reaches the steps: the loop trains inside compile_settings with what the build
-    resolved (auto: the Llama family's choice, on), and eager runs have no compiled graphs to change."""
+    """model.recompute_elementwise reaches the steps: every training step runs with the partitioner's bans lifted
+    exactly when the build resolved it on (auto: the Llama family's choice), eager runs have no compiled graphs to
+    change, and torch's own settings are back once the run ends."""
+    import torch._functorch.config as functorch_config
+
     import raytrain_scu.worker.loop as loop_mod
-    from raytrain_scu.core.loss import compile_settings
+    from raytrain_scu.core.loss import ELEMENTWISE_RECOMPUTE_BANS
 
-    seen = []
+    real_step, seen = loop_mod.train_step, []
 
-    def spy(recompute):
-        seen.append(recompute)
-        return compile_settings(recompute)
+    def step_seeing_the_settings(s, step):
+        seen.append(tuple(getattr(functorch_config, k) for k in ELEMENTWISE_RECOMPUTE_BANS))
+        return real_step(s, step)
 
-    monkeypatch.setattr(loop_mod, "compile_settings", spy)
+    monkeypatch.setattr(loop_mod, "train_step", step_seeing_the_settings)
+    before = tuple(getattr(functorch_config, k) for k in ELEMENTWISE_RECOMPUTE_BANS)
     hooks = LocalHooks(torch.device("cpu"))
-    run_loop(_cfg(tmp_path, f"model.compile={compile_}", f"model.recompute_elementwise={setting}",
-                  "train.max_steps=2", "train.report_every=1", "train.checkpoint_every=2"), hooks=hooks)
-    assert seen == [applied] and hooks.reports[-1]["train/lora_b_norm"] > 0
-    torch._dynamo.reset()
+    try:
+        run_loop(_cfg(tmp_path, f"model.compile={compile_}", f"model.recompute_elementwise={setting}",
+                      "train.max_steps=2", "train.report_every=1", "train.checkpoint_every=2"), hooks=hooks)
+    finally:
+        torch._dynamo.reset()
+    lifted = (False,) * len(ELEMENTWISE_RECOMPUTE_BANS)
+    assert before != lifted and seen == [lifted if applied else before] * 2
+    assert tuple(getattr(functorch_config, k) for k in ELEMENTWISE_RECOMPUTE_BANS) == before
+    assert hooks.reports[-1]["train/lora_b_norm"] > 0
 
 
 @pytest.mark.parametrize("scope", ["layers", "model"])

@@ -39,8 +39,8 @@ class ModelConfig:
     # layers: each decoder layer compiled alone, all sharing one compiled code (seconds); model: one graph (minutes)
     compile_scope: str = "layers"
     # under compile, the backward recomputes elementwise results (norm outputs, SiLU(gate)*up) instead of saving their
-    # outputs (never a GEMM, attention or a custom kernel): auto | always | never. auto: where measured free, every
-    # family but Granite-4.0-H's Mamba hybrids (core.model.families; docs/benchmarks.md has the H100 figures)
+    # outputs (never a GEMM, attention or a custom kernel): auto | always | never. auto: on for every family but
+    # Granite-4.0-H's Mamba hybrid, where it measured slower (core.model.families; docs/benchmarks.md, H100 A/Bs)
     recompute_elementwise: str = "auto"
     fused_loss: bool = True  # chunked linear + cross-entropy: logits are never materialised in fp32
     loss_chunk_size: int = 4096  # tokens per chunk of the fused loss

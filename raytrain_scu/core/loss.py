@@ -256,7 +256,8 @@ def compile_settings(recompute_elementwise: bool):
     """The context the training graphs are built in (compilation is lazy: the first step's forward and backward, and
     any recompile after): with ``recompute_elementwise`` the partitioner's :data:`ELEMENTWISE_RECOMPUTE_BANS` lifted
     (``model.recompute_elementwise``, :func:`recompute_elementwise`). A torch without those settings keeps its
-    defaults, with a note."""
+    defaults, with a note. dynamo's guards do not read these settings: a later run in the same process reuses the
+    graphs compiled under the first one's until ``torch._dynamo.reset()`` (the bench resets between parts)."""
     if not recompute_elementwise:
         return contextlib.nullcontext()
     import torch._functorch.config as functorch_config

@@ -131,6 +131,8 @@ def estimate_peak_memory_gib(*, n_params: int, hidden: int, layers: int, heads: 
     adapters = lora_params * ADAPTER_BYTES_PER_PARAM
 
     common = {"tokens": tokens, "a": a, "hidden": hidden, "ffn": ffn, "lora_r": lora_r, "compile": compile}
+    # auto: the family's choice, which is off for the Mamba hybrid alone, the one hybrid this estimate models
+    # (tests/test_hardware.py holds the family table to that)
     recomputes = compile and (recompute_elementwise == "always" or recompute_elementwise == "auto" and not mamba_layers)
     per_attn = _attention_layer_bytes(targets=_targeted(dims, lora_targets), dims=dims, recomputes=recomputes,
                                       **common)

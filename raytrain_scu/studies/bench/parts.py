@@ -43,7 +43,8 @@ def _ref(**kw) -> Callable[[Ctx], dict]:
     def run(c: Ctx) -> dict:
         a = c.args
         return reference_loop(preset=c.preset, batch=a.batch, block=c.block, steps=a.steps,
-                              warmup=max(3, a.warmup_reports), interval=a.report_every, blocks=c.blocks, **kw)
+                              warmup=a.warmup_reports * a.report_every, interval=a.report_every, blocks=c.blocks,
+                              **kw)
     return run
 
 
@@ -51,7 +52,7 @@ def _unsloth(load_in_4bit: bool) -> Callable[[Ctx], dict]:
     def run(c: Ctx) -> dict:
         a = c.args
         return unsloth_loop(preset=c.preset, batch=a.mem_batch if load_in_4bit else a.batch, block=c.block,
-                            steps=a.steps, warmup=max(3, a.warmup_reports), interval=a.report_every,
+                            steps=a.steps, warmup=a.warmup_reports * a.report_every, interval=a.report_every,
                             blocks=c.blocks, load_in_4bit=load_in_4bit)
     return run
 
@@ -100,6 +101,7 @@ PEERS_AT_EVERY_SHAPE = {
     "ours_fused": Part(_ours(fuse_lora=True), loop=True),
     # the compiled layers save every elementwise output, as torch's default partitioner chooses
     "ours_acts_kept": Part(_ours(recompute_elementwise="never"), loop=True),
+    "ours_fp8_acts_kept": Part(_ours(base_fp8=True, recompute_elementwise="never"), loop=True),
 }
 PARTS: dict[str, Part] = {
     **PEERS_AT_EVERY_SHAPE,

@@ -79,8 +79,8 @@ def table(res: dict) -> str:
     for shape in ("1b", "8b"):
         name, v = best_peer(res, shape)
         if name:
-            low, gib = best_peer(res, shape, key="peak_mem_gib",
-                                 batch=res["parts"].get("ours" + SHAPE_SUFFIX[shape], {}).get("batch"))
+            ours = res["parts"].get("ours" + SHAPE_SUFFIX[shape], {})
+            low, gib = best_peer(res, shape, key="peak_mem_gib", batch=ours["batch"]) if "batch" in ours else ("", 0)
             lines.append(f"| {shape} | {name} | {v:.0f} | {f'{low} {gib:.2f}' if low else '-'} |")
     lines += ["", "| target | measured | bound | status |", "|---|---|---|---|"]
     lines += [f"| {label} | {measured} | {bound} | {status} |" for label, measured, bound, status in target_rows(res)]
@@ -112,9 +112,12 @@ def _memory_vs_peer(res: dict, shape: str) -> tuple:
     r = res["parts"].get(ours, {})
     label = f"{shape}: our peak memory / the best peer's at equal batch"
     peer, _ = best_peer(res, shape)
-    v = res["parts"].get(peer, {}).get("peak_mem_gib") if res["parts"].get(peer, {}).get("batch") == r.get("batch") \
-        else None
-    if "peak_mem_gib" not in r or not peer or not v:  # no peer at our batch, or no device memory (a CPU)
+    p = res["parts"].get(peer, {})
+    if "peak_mem_gib" in r and peer and p.get("batch") != r.get("batch"):
+        return label, "-", "<= 0.75", \
+            f"not comparable ({peer} ran at batch {p.get('batch')}, {ours} at {r.get('batch')})"
+    v = p.get("peak_mem_gib")
+    if "peak_mem_gib" not in r or not peer or not v:  # no peer, or no device memory to compare (a CPU)
         return label, "-", "<= 0.75", _missing(res, [ours])
     x = r["peak_mem_gib"] / v
     return label, f"{x:.3f} ({r['peak_mem_gib']:.2f} / {peer} {v:.2f} GiB)", "<= 0.75", \

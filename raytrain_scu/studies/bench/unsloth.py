@@ -11,8 +11,8 @@ Each part is the reference loop (``reference_loop`` in the bench) with Unsloth's
   use_gradient_checkpointing="unsloth")``: Unsloth's defaults and its recommended checkpointing (its own, which
   offloads the checkpointed activations to CPU memory; Unsloth turns it into plain checkpointing below 512 tokens);
 - the same blocks, batch and steps as the reference, timed the same way (after ``warmup`` steps, intervals of
-  ``interval`` steps synchronised at their ends, batches from pinned memory; tokens/s from the median), the same fused AdamW (lr 1e-4) under bf16 autocast (what Unsloth's trainer does
-  with ``bf16=True``);
+  ``interval`` steps synchronised at their ends, batches from pinned memory; tokens/s from the median), the same
+  fused AdamW (lr 1e-4) under bf16 autocast (what Unsloth's trainer does with ``bf16=True``);
 - the loss is Unsloth's own: ``model(input_ids, labels=input_ids).loss``, which in Unsloth's Llama forward runs
   ``unsloth_zoo``'s chunked fused cross-entropy (``unsloth_fused_ce_loss``; no logits are materialised);
 - the same proof of training: the BPT of the first batch before and after, and the LoRA B norm.
