@@ -277,7 +277,7 @@ def test_the_elementwise_recompute_term_matches_the_h100_ab():
                                                gradient_checkpointing=False, compile=True,
                                                recompute_elementwise=setting)["total_gib"]
     assert est_granite("auto") == est_granite("never") > est_granite("always")
-    from raytrain_scu.core.model.families import FAMILIES  # auto above is "not a Mamba hybrid": the table agrees
+    from raytrain_scu.core.model.families import FAMILIES  # auto is off for the Mamba hybrid alone
 
     assert {name for name, fam in FAMILIES.items() if not fam.recompute_elementwise} == {"granitemoehybrid"}
 

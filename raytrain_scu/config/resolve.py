@@ -136,17 +136,19 @@ def read_model_config(cfg: Config) -> Any:
 
 
 def shape_of(hf_config: Any) -> Optional[dict[str, int]]:
-    """The estimator's shape of a transformers config, or None for none or one it cannot read."""
+    """The estimator's shape of a transformers config, with what its family decides (the Mamba path, and what
+    ``model.recompute_elementwise=auto`` picks), or None for none or one it cannot read."""
     if hf_config is None:
         return None
     try:
         shape = shape_from_hf_config(hf_config)
     except Exception:  # noqa: BLE001 - no estimate; the pre-flight check reports a model it cannot use
         return None
-    if shape.get("mamba_layers"):  # the path the family's preset chose checkpointing by: kernels or torch
-        from raytrain_scu.core.model.families import mamba_kernels_run
+    from raytrain_scu.core.model.families import family_of, mamba_kernels_run
 
+    if shape.get("mamba_layers"):  # the path the family's preset chose checkpointing by: kernels or torch
         shape["mamba_kernels"] = mamba_kernels_run()
+    shape["recompute_auto"] = family_of(hf_config).recompute_elementwise
     return shape
 
 

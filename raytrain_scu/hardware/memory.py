@@ -111,11 +111,12 @@ def estimate_peak_memory_gib(*, n_params: int, hidden: int, layers: int, heads: 
                              loss_chunk_tokens: int = 4096, head_dim: int = 0, embedding_int8: bool = False,
                              offload_embedding: bool = False, fused_mlp: bool = False, mamba_layers: int = 0,
                              mamba_inner: int = 0, mamba_in_proj: int = 0, mamba_chunk: int = 0,
-                             mamba_kernels: bool = True, recompute_elementwise: str = "never") -> dict[str, float]:
+                             mamba_kernels: bool = True, recompute_elementwise: str = "never",
+                             recompute_auto: bool = True) -> dict[str, float]:
     """Peak GPU memory (GiB) of one training step of LoRA/QLoRA on a Llama-style decoder, or a hybrid with
     ``mamba_layers`` Mamba-2 layers, by part: the formula is in the module docstring. ``recompute_elementwise`` is
-    ``model.recompute_elementwise``: under compile its ``auto`` recomputes in every family but the Mamba hybrid
-    (core.model.families), and only the attention layers' term models it."""
+    ``model.recompute_elementwise`` and ``recompute_auto`` what its ``auto`` picks for the model's family
+    (``config.resolve.shape_of`` reads it from core.model.families); only the attention layers' term models it."""
     a = _dtype_bytes(precision)
     head_dim = head_dim or hidden // heads
     tokens = batch_size * block_size
@@ -131,9 +132,7 @@ def estimate_peak_memory_gib(*, n_params: int, hidden: int, layers: int, heads: 
     adapters = lora_params * ADAPTER_BYTES_PER_PARAM
 
     common = {"tokens": tokens, "a": a, "hidden": hidden, "ffn": ffn, "lora_r": lora_r, "compile": compile}
-    # auto: the family's choice, which is off for the Mamba hybrid alone, the one hybrid this estimate models
-    # (tests/test_hardware.py holds the family table to that)
-    recomputes = compile and (recompute_elementwise == "always" or recompute_elementwise == "auto" and not mamba_layers)
+    recomputes = compile and (recompute_elementwise == "always" or recompute_elementwise == "auto" and recompute_auto)
     per_attn = _attention_layer_bytes(targets=_targeted(dims, lora_targets), dims=dims, recomputes=recomputes,
                                       **common)
     per_mamba = (_mamba_layer_bytes(targets=_targeted(m_dims, lora_targets), inner=mamba_inner,

@@ -93,8 +93,7 @@ def unsloth_loop(*, preset: str, batch: int, block: int, steps: int, warmup: int
     try:
         np.save(work / "blocks.npy", np.ascontiguousarray(blocks))
         spec = dict(preset=preset, batch=batch, block=block, steps=steps, warmup=warmup, interval=interval,
-                    lora_r=lora_r,
-                    load_in_4bit=load_in_4bit, gradient_checkpointing=gradient_checkpointing, profile=profile,
+                    lora_r=lora_r, load_in_4bit=load_in_4bit, gradient_checkpointing=gradient_checkpointing, profile=profile,
                     blocks=str(work / "blocks.npy"), root=str(root or model_root()), out=str(work / "result.json"))
         (work / "spec.json").write_text(json.dumps(spec))
         _run_child([sys.executable, "-m", child_module(), "--child", str(work / "spec.json")], child_env(),
