@@ -17,7 +17,7 @@ from raytrain_scu.core.data.blocks import prepare_data
 from raytrain_scu.core.dist import broadcast_params, notice0, rank, world_size
 from raytrain_scu.core.fp8 import convert_base_to_fp8
 from raytrain_scu.core.fused_lora import fuse_lora_projections
-from raytrain_scu.core.loss import CausalLMLoss, compile_for_training, recompute_elementwise
+from raytrain_scu.core.loss import CausalLMLoss, compile_for_training
 from raytrain_scu.core.model.build import (
     apply_lora,
     build_model,
@@ -73,8 +73,7 @@ def _optimisation(cfg: Config, hooks, model, *, device, dtype) -> Optimisation:
     return Optimisation(model=model, params=params, loss_model=loss_model, optimizer=optimizer,
                         scaler=torch.amp.GradScaler(device.type, enabled=use_amp and dtype == torch.float16),
                         autocast=torch.autocast(device_type=device.type, dtype=dtype, enabled=use_amp),
-                        centers=initial_centers(model),
-                        recompute_elementwise=m.compile and recompute_elementwise(m.recompute_elementwise, model))
+                        centers=initial_centers(model))
 
 
 def build(cfg: Config, hooks, run_id: Optional[str] = None, phase: Optional[Phase] = None) -> State:

@@ -11,7 +11,7 @@ import torch
 from raytrain_scu.config.paths import RunPaths
 from raytrain_scu.config.schema import Config
 from raytrain_scu.core.dist import notice0, print0, world_size
-from raytrain_scu.core.loss import compile_settings
+from raytrain_scu.core.loss import compile_settings, recompute_elementwise
 from raytrain_scu.hardware.gpus import peak_flops
 from raytrain_scu.tracking.tracker import derived_params
 from raytrain_scu.worker.build import build, resume
@@ -81,7 +81,8 @@ def run_loop(cfg: Config, *, hooks, run_id: Optional[str] = None) -> None:
     phase = Phase()
     try:
         s = setup(cfg, hooks, run_id, phase)  # no backward here: the training graphs compile in the first steps
-        with compile_settings(s.opt.recompute_elementwise):
+        m = cfg.model
+        with compile_settings(m.compile and recompute_elementwise(m.recompute_elementwise, s.opt.model)):
             train(s)
     except torch.cuda.OutOfMemoryError as e:
         hooks.faults.ballast = None  # an injected fill of the card goes with the error

@@ -59,7 +59,6 @@ class Optimisation:
     scaler: torch.amp.GradScaler
     autocast: Any  # torch.autocast context for the forward passes
     centers: list  # per adapter tensor: its initial value (A), or None (B, from 0)
-    recompute_elementwise: bool = False  # the compiled layers' backward recomputes elementwise ops (core.loss)
     skipped_total: int = 0
     skipped_in_a_row: int = 0
     overflows_total: int = 0
