@@ -115,6 +115,43 @@ def test_an_int8_embedding_learns_like_the_bf16_one_on_the_real_model(tmp_path):
             assert abs(a["train/data_bpt"] - b["train/data_bpt"]) < BPT_TOL, (label, a["step"])
 
 
+# decided before the run (#29): an FP8 run learns within a hundredth of a bit of the bf16 run on held-out data
+FP8_VAL_TOL = 0.01
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_fp8_base_and_head_learn_within_a_hundredth_of_a_bit_of_bf16_on_the_real_model(tmp_path):
+    """The compiled loop on the real model (as above), bf16 against model.base_fp8 and against base_fp8 + head_fp8:
+    every run learns, and each FP8 run's held-out BPT after the last step is within FP8_VAL_TOL of the bf16 run's
+    (the FP8 runs evaluate through their own FP8 products, so this bounds training and evaluation error together)."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 needs compute capability >= 8.9")
+    runs = {}
+    for label, extra in (("bf16", []), ("fp8-base", ["model.base_fp8=true"]),
+                         ("fp8-base-head", ["model.base_fp8=true", "model.head_fp8=true"])):
+        hooks = LocalHooks()
+        run_loop(_cfg(tmp_path, f"run.name=real-{label}", "model.precision=bf16", "model.compile=true",
+                      "controller.mode=none", "data.block_size=1024", "data.batch_size=16", "data.grad_accum=1",
+                      f"train.max_steps={STEPS}", "train.report_every=1", f"train.eval_every={STEPS}",
+                      f"train.checkpoint_every={STEPS}", "scaling.use_gpu=true", *extra, path=REAL), hooks=hooks)
+        runs[label] = hooks.reports
+        torch._dynamo.reset()
+    for label, reports in runs.items():
+        bpt = [r["train/data_bpt"] for r in reports]
+        print(f"\n[gpu] {torch.cuda.get_device_name(0)} {label}: train BPT {[round(v, 4) for v in bpt]}; val "
+              f"{reports[-1]['val/data_bpt_start']:.4f} -> {reports[-1]['val/data_bpt']:.4f}; B norm "
+              f"{reports[-1]['train/lora_b_norm']:.4f}; peak "
+              f"{max(r.get('perf/max_mem_gib', 0.0) for r in reports):.2f} GiB")
+    for label, reports in runs.items():
+        bpt = [r["train/data_bpt"] for r in reports]
+        assert bpt[-1] < bpt[0] - 0.2 and reports[-1]["val/data_bpt"] < reports[-1]["val/data_bpt_start"] - 0.05, \
+            (label, bpt)
+    want = runs["bf16"][-1]["val/data_bpt"]
+    for label in ("fp8-base", "fp8-base-head"):
+        assert abs(runs[label][-1]["val/data_bpt"] - want) < FP8_VAL_TOL, (label, runs[label][-1]["val/data_bpt"], want)
+
+
 @pytest.mark.parametrize("compile_, setting, applied", [("true", "auto", True), ("true", "never", False),
                                                          ("false", "always", False)])
 def test_the_loop_trains_inside_the_recompute_setting_it_resolved(tmp_path, monkeypatch, compile_, setting, applied):

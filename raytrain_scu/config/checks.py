@@ -96,6 +96,8 @@ def _check_model_and_data(cfg: Config) -> None:
     for bad, need in ((q.load_in_4bit, "an unquantised base, not quant.load_in_4bit=true"),
                       (m.fuse_lora, "model.fuse_lora=false (the fused GEMMs bypass the base Linears it converts)")):
         _check(not (m.base_fp8 and bad), "model.base_fp8", f"needs {need}")
+    _check(not (m.head_fp8 and q.embedding_int8), "model.head_fp8",
+           "needs quant.embedding_int8=false (the int8 table is the head then)")
     if m.fuse_lora:  # what fused_lora.py fuses: plain LoRA on q/k/v and gate/up of an unquantised base
         covered = ALL_LINEAR if "all-linear" in lo.target_modules else lo.target_modules
         missing = [t for t in FUSED_LORA_TARGETS if t not in covered]

@@ -9,8 +9,13 @@ The frozen weight W [N, K] never gets a gradient, so a base layer has two produc
 W is quantised once, into two e4m3 copies (one per product, each scaled along the axis its product reduces over):
 2 bytes per weight, as much again as the bf16 base. Only activations and output-gradients are quantised per step;
 under torch.compile inductor fuses that (amax, scale, cast) into the neighbouring kernels, where eager it costs more
-than the FP8 GEMM saves (docs/benchmarks.md: 10.0 ms/layer eager vs 2.77 fused vs 5.09 bf16 at the 1B shape). The forward
-saves nothing for the backward but the weight's second copy, which the module holds anyway.
+than the FP8 GEMM saves (docs/benchmarks.md: 10.0 ms/layer eager vs 2.77 fused vs 5.09 bf16 at the 1B shape). The
+forward saves nothing for the backward but the weight's second copy, which the module holds anyway.
+
+The LM head (``model.head_fp8``) is converted the same way (:func:`convert_head_to_fp8`): the fused loss (loss.py)
+runs its two products from the copies, chunk by chunk, quantising each chunk's hidden rows before the forward product
+and its logit gradient as the softmax forms it; the model's own forward runs :class:`Fp8FrozenLinear`'s. Its errors
+name model.head_fp8.
 
 Both copies and their scales are frozen Parameters on the base Linear (``fp8_weight``, ``fp8_weight_t`` and their
 ``*_scale``), computed by each rank from its own base (no DDP wrapper broadcasts them: dist.average_gradients). The
@@ -40,6 +45,14 @@ def quantize_rows(t: torch.Tensor):
     so torch.compile traces it without a graph break."""
     amax = t.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12)
     q = (t.float() * (E4M3_MAX / amax)).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+    return q, amax / E4M3_MAX
+
+
+def quantize_rows_(t: torch.Tensor):
+    """:func:`quantize_rows` of a float32 buffer that is not needed afterwards: scaled and clamped in place, so no
+    second buffer of its size is made (the fused loss' eager path, whose buffer is a chunk of logit gradients)."""
+    amax = torch.linalg.vector_norm(t, ord=float("inf"), dim=-1, keepdim=True).clamp_(min=1e-12)
+    q = t.mul_(E4M3_MAX / amax).clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3)
     return q, amax / E4M3_MAX
 
 
@@ -84,17 +97,17 @@ class Fp8FrozenLinear(nn.Linear):
     forward = _fp8_linear_forward
 
 
-def check_fp8_device(device: torch.device, *, probe: bool = True) -> None:
-    """Raise ModelError naming model.base_fp8 where ``device`` cannot run e4m3 rowwise ``_scaled_mm``: a CUDA GPU
+def check_fp8_device(device: torch.device, *, probe: bool = True, key: str = "model.base_fp8") -> None:
+    """Raise ModelError naming ``key`` where ``device`` cannot run e4m3 rowwise ``_scaled_mm``: a CUDA GPU
     below compute capability 8.9 (no FP8 tensor cores), or (``probe``: one tiny GEMM) a torch whose kernel refuses
     the product here (a CPU torch without it, say). The driver's preflight skips the probe on a GPU: it would give
     the driver a CUDA context, memory on the GPU the workers train on, for the whole run."""
     if device.type == "cuda":
         cap = torch.cuda.get_device_capability(device)
         if cap < (8, 9):
-            raise ModelError(f"model.base_fp8=true needs FP8 tensor cores (compute capability >= 8.9: Ada, Hopper "
+            raise ModelError(f"{key}=true needs FP8 tensor cores (compute capability >= 8.9: Ada, Hopper "
                              f"or newer); {torch.cuda.get_device_name(device)} is {cap[0]}.{cap[1]}; set "
-                             f"model.base_fp8=false")
+                             f"{key}=false")
     if not probe:
         return
     a, b = torch.ones(MM_ALIGN, MM_ALIGN, device=device), torch.ones(MM_ALIGN, MM_ALIGN, device=device)
@@ -103,8 +116,8 @@ def check_fp8_device(device: torch.device, *, probe: bool = True) -> None:
         bq, sb = quantize_rows(b)
         torch._scaled_mm(aq, bq.t(), scale_a=sa, scale_b=sb.t(), out_dtype=torch.bfloat16)
     except (RuntimeError, NotImplementedError) as e:
-        raise ModelError(f"model.base_fp8=true: torch {torch.__version__} cannot run an e4m3 rowwise "
-                         f"torch._scaled_mm on {device.type} ({str(e).splitlines()[0]}); set model.base_fp8=false"
+        raise ModelError(f"{key}=true: torch {torch.__version__} cannot run an e4m3 rowwise "
+                         f"torch._scaled_mm on {device.type} ({str(e).splitlines()[0]}); set {key}=false"
                          ) from None
 
 
@@ -135,6 +148,50 @@ def convert_base_to_fp8(model) -> int:
         raise ModelError("model.base_fp8=true: the model has no peft LoRA Linear whose base could run in FP8 "
                          "(lora.target_modules names no nn.Linear?); set model.base_fp8=false")
     return done
+
+
+def convert_head_to_fp8(model) -> Fp8FrozenLinear:
+    """``model.head_fp8``: the LM head (``get_output_embeddings()``) made an :class:`Fp8FrozenLinear` in place, on the
+    device the model is on. The fused loss (loss.py) then runs both of the head's products in FP8 from its two copies;
+    the model's own forward (generation, the unfused loss) runs the same FP8 forward. A tied head keeps its bf16 weight
+    shared with the input embedding, which looks its rows up in bf16 as before. Raises ModelError (naming
+    model.head_fp8) for a head that is not a plain frozen nn.Linear with dimensions multiples of 16."""
+    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    head = lm.get_output_embeddings()
+    problem = ("missing (the model has no output embeddings)" if head is None else
+               "converted already" if isinstance(head, Fp8FrozenLinear) else
+               f"a {type(head).__name__}, not a plain nn.Linear (LoRA or int8 on it?)" if type(head) is not nn.Linear
+               else "trainable" if head.weight.requires_grad else
+               f"{head.out_features} x {head.in_features}: both must be multiples of {MM_ALIGN} for torch._scaled_mm"
+               if head.in_features % MM_ALIGN or head.out_features % MM_ALIGN else "")
+    if problem:
+        raise ModelError(f"model.head_fp8=true: the LM head is {problem}; set model.head_fp8=false")
+    check_fp8_device(head.weight.device, key="model.head_fp8")
+    return to_fp8(head)
+
+
+def check_fp8_head_config(hf_config) -> None:
+    """Before any model is built: raise ModelError naming model.head_fp8 where the config's LM head (vocab x hidden)
+    cannot run ``torch._scaled_mm``."""
+    text = hf_config.get_text_config()
+    vocab, hidden = getattr(text, "vocab_size", 0) or 0, getattr(text, "hidden_size", 0) or 0
+    if not vocab or not hidden or vocab % MM_ALIGN or hidden % MM_ALIGN:
+        raise ModelError(f"model.head_fp8=true: the LM head is {vocab} x {hidden}: both must be multiples of "
+                         f"{MM_ALIGN} for torch._scaled_mm; set model.head_fp8=false")
+
+
+def fp8_head_logits(h: torch.Tensor, head: Fp8FrozenLinear) -> torch.Tensor:
+    """``h @ W.T`` (no bias) of an FP8 head, bf16: h quantised per row now, W per output row (its ``fp8_weight``)."""
+    hq, h_scale = quantize_rows(h)
+    return torch._scaled_mm(hq, head.fp8_weight.view(E4M3).t(), scale_a=h_scale, scale_b=head.fp8_weight_scale,
+                            out_dtype=torch.bfloat16)
+
+
+def fp8_head_grad(gq: torch.Tensor, g_scale: torch.Tensor, head: Fp8FrozenLinear) -> torch.Tensor:
+    """``g @ W`` of an FP8 head, bf16, from ``g`` already quantised per row (``gq``, ``g_scale``: the fused loss writes
+    its logit gradient that way) and W per input column (its ``fp8_weight_t``)."""
+    return torch._scaled_mm(gq, head.fp8_weight_t.view(E4M3).t(), scale_a=g_scale, scale_b=head.fp8_weight_t_scale,
+                            out_dtype=torch.bfloat16)
 
 
 def to_fp8(linear: nn.Linear) -> Fp8FrozenLinear:

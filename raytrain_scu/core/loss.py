@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from raytrain_scu.console import notice
 from raytrain_scu.core.embed_quant import Int8Head, int8_grad_input, int8_logits
+from raytrain_scu.core.fp8 import Fp8FrozenLinear, fp8_head_grad, fp8_head_logits, quantize_rows, quantize_rows_
 from raytrain_scu.core.model.families import HeadTransform, family_of, head_of_class
 
 
@@ -34,11 +35,12 @@ def fused_head(model) -> tuple[Optional[HeadTransform], str]:
     return transform, f"{cls.__name__}: logits = {transform} with z = lm_head(h), in the fused loss"
 
 
-def _chunk_ce_fused(z, y, bias, scale: float, softcap: float, need_grad: bool):
+def _chunk_ce_fused(z, y, bias, scale: float, softcap: float, need_grad: bool, fp8_grad: bool = False):
     """One chunk's Σ CE nats (float32) of ``transform(z + bias)`` against ``y``, and with ``need_grad`` its gradient
-    with respect to ``z`` in z's dtype, written without in-place ops or a one-hot so that inductor fuses the float32
-    softmax into two passes over ``z`` (:data:`_chunk_ce_compiled`). The same math as the eager loop of
-    :class:`_ChunkedLinearCE`; tests/test_loss_arch.py holds the two together."""
+    with respect to ``z`` in z's dtype (with ``fp8_grad``: in e4m3 with its row scales, :func:`quantize_rows`, for an
+    FP8 head's product), written without in-place ops or a one-hot so that inductor fuses the float32 softmax into
+    passes over ``z`` (:data:`_chunk_ce_compiled`). The same math as the eager loop of :class:`_ChunkedLinearCE`;
+    tests/test_loss_arch.py holds the two together."""
     logits = z.float() if bias is None else z.float() + bias.float()
     logits = logits * scale
     if softcap:
@@ -53,7 +55,7 @@ def _chunk_ce_fused(z, y, bias, scale: float, softcap: float, need_grad: bool):
     grad = (torch.exp(logits - lse) - target.float()) * valid[:, None] * scale
     if softcap:
         grad = grad * (1.0 - (logits / softcap) ** 2)
-    return nats, grad.to(z.dtype)
+    return nats, quantize_rows(grad) if fp8_grad else grad.to(z.dtype)
 
 
 # built on first use: compiling costs seconds, once per chunk shape (the last chunk of a batch may differ)
@@ -76,24 +78,26 @@ class _ChunkedLinearCE(torch.autograd.Function):
     hidden) is saved. The lm_head weight ``W`` (and bias ``b``) is frozen under LoRA, so it needs no gradient.
     With ``compiled``, each chunk's float32 part between the two GEMMs is :func:`_chunk_ce_fused` under
     torch.compile (no autograd in it: the gradient is computed here, by hand); otherwise in-place eager kernels.
+    With ``fp8_head`` (``model.head_fp8``) both GEMMs run in FP8 from that module's copies (fp8.py): each chunk's
+    ``h`` and its logit gradient are quantised per row, the gradient as it is formed.
     """
 
     @staticmethod
     def forward(ctx, h, weight, bias, y, chunk_size: int, scale: float, softcap: float, compiled: bool,
-                need_grad: bool, weight_scale):
+                need_grad: bool, weight_scale, fp8_head):
         n = h.shape[0]
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         grad_h = torch.empty_like(h) if need_grad else None
         for s in range(0, n, chunk_size):
             hc, yc = h[s:s + chunk_size], y[s:s + chunk_size]
             if compiled:
-                nats, dz = _compiled_chunk_ce()(_head(hc, weight, weight_scale), yc, bias, scale, softcap,
-                                                grad_h is not None)
+                nats, dz = _compiled_chunk_ce()(_head(hc, weight, weight_scale, fp8_head), yc, bias, scale, softcap,
+                                                grad_h is not None, fp8_head is not None)
                 total += nats
                 if dz is not None:
-                    grad_h[s:s + chunk_size] = _head_grad(dz, weight, weight_scale, h.dtype).to(h.dtype)
+                    grad_h[s:s + chunk_size] = _head_grad(dz, weight, weight_scale, fp8_head, h.dtype).to(h.dtype)
                 continue
-            logits = _head(hc, weight, weight_scale).float()
+            logits = _head(hc, weight, weight_scale, fp8_head).float()
             if bias is not None:
                 logits += bias.float()
             if scale != 1.0:
@@ -117,23 +121,30 @@ class _ChunkedLinearCE(torch.autograd.Function):
                     del dcap
                 if scale != 1.0:
                     probs.mul_(scale)
-                grad_h[s:s + chunk_size] = _head_grad(probs, weight, weight_scale, h.dtype).to(h.dtype)
+                dz = probs if fp8_head is None else quantize_rows_(probs)
+                grad_h[s:s + chunk_size] = _head_grad(dz, weight, weight_scale, fp8_head, h.dtype).to(h.dtype)
         ctx.save_for_backward(grad_h if grad_h is not None else torch.empty(0))
         return total
 
     @staticmethod
     def backward(ctx, grad_out):
         (grad_h,) = ctx.saved_tensors
-        return grad_h * grad_out.to(grad_h.dtype), None, None, None, None, None, None, None, None, None
+        return grad_h * grad_out.to(grad_h.dtype), None, None, None, None, None, None, None, None, None, None
 
 
-def _head(h, weight, weight_scale):
-    """The head's product ``h @ W.T``; an int8 ``weight`` with its row scales is dequantised slice by slice."""
+def _head(h, weight, weight_scale, fp8_head):
+    """The head's product ``h @ W.T``; an int8 ``weight`` with its row scales is dequantised slice by slice; an FP8
+    head runs it from its e4m3 copy (bf16 out)."""
+    if fp8_head is not None:
+        return fp8_head_logits(h, fp8_head)
     return h @ weight.t() if weight_scale is None else int8_logits(h, weight, weight_scale)
 
 
-def _head_grad(g, weight, weight_scale, dtype):
-    """``g @ W``, in the weight's dtype, or for an int8 weight in ``dtype`` (h's: the dtype the table stands in for)."""
+def _head_grad(g, weight, weight_scale, fp8_head, dtype):
+    """``g @ W``, in the weight's dtype, or for an int8 weight in ``dtype`` (h's: the dtype the table stands in for);
+    for an FP8 head ``g`` is (e4m3 rows, their scales) and the product bf16."""
+    if fp8_head is not None:
+        return fp8_head_grad(*g, fp8_head)
     if weight_scale is None:
         return g.to(weight.dtype) @ weight
     return int8_grad_input(g.to(dtype), weight, weight_scale)
@@ -142,7 +153,8 @@ def _head_grad(g, weight, weight_scale, dtype):
 @torch.compiler.disable
 def chunked_ce_sum(h: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, chunk_size: int = 4096, *,
                    bias: Optional[torch.Tensor] = None, transform: HeadTransform = HeadTransform(),
-                   compiled: bool = False, weight_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+                   compiled: bool = False, weight_scale: Optional[torch.Tensor] = None,
+                   fp8_head: Optional[Fp8FrozenLinear] = None) -> torch.Tensor:
     """Σ CE nats of the logits ``transform(h @ weight.T + bias)`` against ``y`` (-100 ignored), chunk by chunk.
 
     Never traced by the model's compile, on purpose: traced by dynamo/inductor on CUDA (torch 2.11) this
@@ -150,11 +162,16 @@ def chunked_ce_sum(h: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, chunk
     would never leave zero (the CPU build compiles it correctly); the decoder before it stays compiled (one graph
     break). With ``compiled`` only the float32 softmax between each chunk's two GEMMs
     runs compiled, as a function with no autograd in it (:func:`_chunk_ce_fused`). With ``weight_scale`` the weight is
-    an int8 table with those row scales (``quant.embedding_int8``, embed_quant.py).
+    an int8 table with those row scales (``quant.embedding_int8``, embed_quant.py); with ``fp8_head`` (the head
+    module, ``model.head_fp8``) both products run in FP8 from its copies.
     """
     need_grad = h.requires_grad and torch.is_grad_enabled()  # an eval pass (no_grad) forms no gradient
     return _ChunkedLinearCE.apply(h, weight, bias, y, chunk_size, float(transform.scale), float(transform.softcap),
-                                  compiled, need_grad, weight_scale)
+                                  compiled, need_grad, weight_scale, fp8_head)
+
+
+def _fp8(head) -> Optional[Fp8FrozenLinear]:
+    return head if isinstance(head, Fp8FrozenLinear) else None
 
 
 _notes: set = set()
@@ -193,7 +210,7 @@ class CausalLMLoss(nn.Module):
             head = self.model.get_output_embeddings()
             nats = chunked_ce_sum(hidden.reshape(-1, hidden.shape[-1]), head.weight, y.reshape(-1), self.chunk_size,
                                   bias=head.bias, transform=self.transform, compiled=self.compiled_ce,
-                                  weight_scale=getattr(head, "weight_scale", None))
+                                  weight_scale=getattr(head, "weight_scale", None), fp8_head=_fp8(head))
         else:
             logits = self.model(input_ids=x, return_dict=True).logits
             nats = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1),
@@ -207,7 +224,7 @@ class CausalLMLoss(nn.Module):
             head = self.model.get_output_embeddings()
             return torch.stack([chunked_ce_sum(h, head.weight, t, self.chunk_size, bias=head.bias,
                                                transform=self.transform, compiled=self.compiled_ce,
-                                               weight_scale=getattr(head, "weight_scale", None))
+                                               weight_scale=getattr(head, "weight_scale", None), fp8_head=_fp8(head))
                                 for h, t in zip(hidden, y)])
         logits = self.model(input_ids=x, return_dict=True).logits.float()
         return F.cross_entropy(logits.transpose(1, 2), y, ignore_index=-100, reduction="none").sum(dim=1)

@@ -18,7 +18,7 @@ from raytrain_scu.core.checkpoint import check_structure, check_tokens_per_epoch
 from raytrain_scu.core.data.blocks import prepare_data
 from raytrain_scu.core.data.sources import check_source
 from raytrain_scu.core.embed_quant import EMBEDDING_TARGETS, TIED_OFFLOAD, embedding_targets, ties_embeddings
-from raytrain_scu.core.fp8 import check_fp8_device
+from raytrain_scu.core.fp8 import check_fp8_device, check_fp8_head_config
 from raytrain_scu.core.fused_lora import check_fusable_config
 from raytrain_scu.core.model.build import missing_targets, structure_of
 from raytrain_scu.core.model.source import check_model_source, load_tokenizer, max_positions, model_config
@@ -113,8 +113,11 @@ def _check_model(cfg: Config, *, use_gpu: bool, gpus: int):
         if m.fuse_lora:
             check_fusable_config(hf_config)
         # a remote cluster's GPUs, and the GEMM probe on any GPU: each worker checks its own as it converts
-        if m.base_fp8 and (gpus or not use_gpu):
-            check_fp8_device(torch.device("cuda" if use_gpu else "cpu"), probe=not use_gpu)
+        if m.head_fp8:
+            check_fp8_head_config(hf_config)
+        for key in ("base_fp8", "head_fp8"):
+            if getattr(m, key) and (gpus or not use_gpu):
+                check_fp8_device(torch.device("cuda" if use_gpu else "cpu"), probe=not use_gpu, key=f"model.{key}")
     positions = max_positions(hf_config)
     if positions and cfg.data.block_size > positions:
         raise PreflightError(f"data.block_size={cfg.data.block_size} is beyond the model's {positions} positions "

@@ -15,7 +15,7 @@ from raytrain_scu.core import laws
 from raytrain_scu.core.bounds import BoundWatch
 from raytrain_scu.core.data.blocks import prepare_data
 from raytrain_scu.core.dist import broadcast_params, notice0, rank, world_size
-from raytrain_scu.core.fp8 import convert_base_to_fp8
+from raytrain_scu.core.fp8 import convert_base_to_fp8, convert_head_to_fp8
 from raytrain_scu.core.fused_lora import fuse_lora_projections
 from raytrain_scu.core.loss import CausalLMLoss, compile_for_training
 from raytrain_scu.core.model.build import (
@@ -51,6 +51,8 @@ def _model(cfg: Config, *, vocab_size: int, dtype, device):
         fuse_lora_projections(model)
     if m.base_fp8:  # on the device already: the weights are quantised there, once
         convert_base_to_fp8(model)
+    if m.head_fp8:
+        convert_head_to_fp8(model)
     return base, model
 
 

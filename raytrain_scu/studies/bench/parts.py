@@ -102,6 +102,12 @@ PEERS_AT_EVERY_SHAPE = {
     # the compiled layers save every elementwise output, as torch's default partitioner chooses
     "ours_acts_kept": Part(_ours(recompute_elementwise="never"), loop=True),
     "ours_fp8_acts_kept": Part(_ours(base_fp8=True, recompute_elementwise="never"), loop=True),
+    "ours_fp8_head": Part(_ours(base_fp8=True, head_fp8=True), loop=True),  # the LM head's GEMMs in FP8 too
+    # each compiled layer replayed as a CUDA graph (torch's cudagraph trees): fewer launches from the host
+    "ours_graphs": Part(_ours(compile_mode="reduce-overhead"), loop=True),
+    "ours_fp8_graphs": Part(_ours(base_fp8=True, compile_mode="reduce-overhead"), loop=True),
+    # the input embedding in host memory and a 1024-token loss chunk: what an untied model can shed (8B memory)
+    "ours_lowmem": Part(_ours(offload_embedding=True, chunk=1024), loop=True),
 }
 PARTS: dict[str, Part] = {
     **PEERS_AT_EVERY_SHAPE,
