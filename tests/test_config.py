@@ -80,6 +80,19 @@ def test_bad_values_name_the_key(override, key):
         load_config(TINY, [override])
 
 
+@pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune"])
+def test_cuda_graph_modes_need_the_whole_model_compiled_on_a_gpu(mode):
+    gpu = ["model.compile=true", f"model.compile_mode={mode}", "scaling.use_gpu=true"]
+    with pytest.raises(ConfigError, match=rf"model\.compile_mode: {mode} replays CUDA graphs, which needs "
+                                          rf"model\.compile_scope=model on a GPU"):
+        load_config(TINY, gpu)
+    with pytest.raises(ConfigError, match=r"model\.compile_mode"):  # auto-detect may find a GPU
+        load_config(TINY, [*gpu[:2], "scaling.use_gpu=null"])
+    assert load_config(TINY, [*gpu, "model.compile_scope=model"]).model.compile_mode == mode
+    assert load_config(TINY, [*gpu[:2], "scaling.use_gpu=false"]).model.compile_scope == "layers"  # no graphs on CPUs
+    assert load_config(TINY, [gpu[0], "model.compile_mode=max-autotune-no-cudagraphs", gpu[2]]).model.compile
+
+
 def test_a_profile_needs_a_local_run_directory():
     assert load_config(TINY, ["train.profile_steps=3"]).train.profile_steps == 3
     with pytest.raises(ConfigError, match=r"train\.profile_steps: .*must be a local path, not 's3://bucket/runs'"):

@@ -115,41 +115,77 @@ def test_an_int8_embedding_learns_like_the_bf16_one_on_the_real_model(tmp_path):
             assert abs(a["train/data_bpt"] - b["train/data_bpt"]) < BPT_TOL, (label, a["step"])
 
 
-# decided before the run (#29): an FP8 run learns within a hundredth of a bit of the bf16 run on held-out data
+# decided before the runs (#29): an FP8 run learns within a hundredth of a bit of the bf16 run on held-out data
 FP8_VAL_TOL = 0.01
+FP8_RUNS = (("bf16", []), ("fp8-base", ["model.base_fp8=true"]),
+            ("fp8-base-head", ["model.base_fp8=true", "model.head_fp8=true"]))
+
+
+@pytest.fixture(scope="module")
+def fp8_runs(tmp_path_factory):
+    """The compiled loop on the real model (as above), bf16, model.base_fp8 and base_fp8 + head_fp8: each run's
+    reports, its config and the directory of its checkpoints."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 needs a CUDA GPU of compute capability >= 8.9")
+    tmp = tmp_path_factory.mktemp("fp8-real")
+    runs = {}
+    for label, extra in FP8_RUNS:
+        cfg = _cfg(tmp, f"run.name=real-{label}", "model.precision=bf16", "model.compile=true", "controller.mode=none",
+                   "data.block_size=1024", "data.batch_size=16", "data.grad_accum=1", f"train.max_steps={STEPS}",
+                   "train.report_every=1", f"train.eval_every={STEPS}", f"train.checkpoint_every={STEPS}",
+                   "scaling.use_gpu=true", *extra, path=REAL)
+        hooks = LocalHooks(run_dir=tmp / label)
+        run_loop(cfg, hooks=hooks)
+        runs[label] = (hooks.reports, cfg, max((tmp / label).glob("checkpoint_*")))  # the last step's
+        torch._dynamo.reset()
+        bpt = [r["train/data_bpt"] for r in hooks.reports]
+        print(f"\n[gpu] {torch.cuda.get_device_name(0)} {label}: train BPT {[round(v, 4) for v in bpt]}; val "
+              f"{hooks.reports[-1]['val/data_bpt_start']:.4f} -> {hooks.reports[-1]['val/data_bpt']:.4f}; B norm "
+              f"{hooks.reports[-1]['train/lora_b_norm']:.4f}; peak "
+              f"{max(r.get('perf/max_mem_gib', 0.0) for r in hooks.reports):.2f} GiB")
+    return runs
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_fp8_base_and_head_learn_within_a_hundredth_of_a_bit_of_bf16_on_the_real_model(tmp_path):
-    """The compiled loop on the real model (as above), bf16 against model.base_fp8 and against base_fp8 + head_fp8:
-    every run learns, and each FP8 run's held-out BPT after the last step is within FP8_VAL_TOL of the bf16 run's
-    (the FP8 runs evaluate through their own FP8 products, so this bounds training and evaluation error together)."""
-    if torch.cuda.get_device_capability() < (8, 9):
-        pytest.skip("FP8 needs compute capability >= 8.9")
-    runs = {}
-    for label, extra in (("bf16", []), ("fp8-base", ["model.base_fp8=true"]),
-                         ("fp8-base-head", ["model.base_fp8=true", "model.head_fp8=true"])):
-        hooks = LocalHooks()
-        run_loop(_cfg(tmp_path, f"run.name=real-{label}", "model.precision=bf16", "model.compile=true",
-                      "controller.mode=none", "data.block_size=1024", "data.batch_size=16", "data.grad_accum=1",
-                      f"train.max_steps={STEPS}", "train.report_every=1", f"train.eval_every={STEPS}",
-                      f"train.checkpoint_every={STEPS}", "scaling.use_gpu=true", *extra, path=REAL), hooks=hooks)
-        runs[label] = hooks.reports
-        torch._dynamo.reset()
-    for label, reports in runs.items():
-        bpt = [r["train/data_bpt"] for r in reports]
-        print(f"\n[gpu] {torch.cuda.get_device_name(0)} {label}: train BPT {[round(v, 4) for v in bpt]}; val "
-              f"{reports[-1]['val/data_bpt_start']:.4f} -> {reports[-1]['val/data_bpt']:.4f}; B norm "
-              f"{reports[-1]['train/lora_b_norm']:.4f}; peak "
-              f"{max(r.get('perf/max_mem_gib', 0.0) for r in reports):.2f} GiB")
-    for label, reports in runs.items():
+def test_every_fp8_run_learns_on_the_real_model(fp8_runs):
+    for label, (reports, _, _) in fp8_runs.items():
         bpt = [r["train/data_bpt"] for r in reports]
         assert bpt[-1] < bpt[0] - 0.2 and reports[-1]["val/data_bpt"] < reports[-1]["val/data_bpt_start"] - 0.05, \
             (label, bpt)
-    want = runs["bf16"][-1]["val/data_bpt"]
+        assert reports[-1]["train/lora_b_norm"] > 0.0, label
+
+
+@pytest.mark.gpu
+@pytest.mark.xfail(strict=True, reason="measured on an H200 (2026-11-28): the FP8 runs' own held-out BPT is 0.032 "
+                                       "(base) and 0.089 (base + head) bits above bf16's; most of it is there before "
+                                       "training, in the FP8 forward itself (docs/benchmarks.md)")
+def test_fp8_runs_end_within_a_hundredth_of_a_bit_of_bf16_on_held_out_data(fp8_runs):
+    """Each FP8 run's in-loop held-out BPT after the last step (through its own FP8 products,
+    so training and evaluation error together) is within FP8_VAL_TOL of the bf16 run's."""
+    want = fp8_runs["bf16"][0][-1]["val/data_bpt"]
+    gaps = {label: fp8_runs[label][0][-1]["val/data_bpt"] - want for label in ("fp8-base", "fp8-base-head")}
+    assert all(abs(gap) < FP8_VAL_TOL for gap in gaps.values()), gaps
+
+
+@pytest.mark.gpu
+@pytest.mark.xfail(strict=True, reason="measured on an H200 (2026-11-28): the base_fp8-trained adapters score 0.0155 "
+                                       "bits (95% CI 0.0143 to 0.0171) above the bf16-trained ones in bf16")
+def test_fp8_trained_adapters_score_within_a_hundredth_of_a_bit_of_bf16_ones_in_bf16(fp8_runs):
+    """The adapters each FP8 run trained, scored in bf16 (no FP8 anywhere: the model a user deploys) by ``evaluate``
+    on the held-out split against the bf16-trained adapters, on the same tokens: within FP8_VAL_TOL bits. This
+    separates what FP8 does to training from what it does to the forward (the test above)."""
+    from raytrain_scu.driver.evaluate import evaluate
+
+    _, bf16_cfg, bf16_ckpt = fp8_runs["bf16"]
+    gaps = {}
     for label in ("fp8-base", "fp8-base-head"):
-        assert abs(runs[label][-1]["val/data_bpt"] - want) < FP8_VAL_TOL, (label, runs[label][-1]["val/data_bpt"], want)
+        result = evaluate(bf16_cfg, adapter=str(fp8_runs[label][2]), compare_adapter=str(bf16_ckpt), workers=0)
+        c = result["comparison"]
+        print(f"\n[gpu] {torch.cuda.get_device_name(0)} {label} adapters scored in bf16: "
+              f"{result['models']['A']['bpt']:.4f} vs bf16-trained {result['models']['B']['bpt']:.4f} on "
+              f"{result['tokens']:,} tokens: A - B {c['diff_bpt']:+.4f}, CI [{c['ci_low']:+.4f}, {c['ci_high']:+.4f}]")
+        gaps[label] = c["diff_bpt"]
+    assert all(abs(gap) < FP8_VAL_TOL for gap in gaps.values()), gaps
 
 
 @pytest.mark.parametrize("compile_, setting, applied", [("true", "auto", True), ("true", "never", False),

@@ -66,6 +66,9 @@ def check_controller(c: ControllerConfig) -> None:
     _check(c.bound_notice_steps >= 0, "controller.bound_notice_steps", f"must be >= 0, got {c.bound_notice_steps}")
 
 
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # torch.compile modes that replay CUDA graphs
+
+
 def validate(cfg: Config) -> None:
     """Cross-field checks. Pure: no I/O, no imports of heavy libraries."""
     check_controller(cfg.controller)
@@ -83,6 +86,13 @@ def _check_model_and_data(cfg: Config) -> None:
     _one_of("model.compile_mode", m.compile_mode, ("default", "reduce-overhead", "max-autotune",
                                                    "max-autotune-no-cudagraphs"))
     _check(m.loss_chunk_size >= 1, "model.loss_chunk_size", f"must be >= 1, got {m.loss_chunk_size}")
+    # both replay the compiled code as CUDA graphs on a GPU; per layer, every decoder layer replays the same graph and
+    # each replay overwrites the outputs the next layer still reads (a RuntimeError in the first step on an H200)
+    _check(not (m.compile and m.compile_mode in CUDA_GRAPH_MODES and m.compile_scope == "layers"
+                and cfg.scaling.use_gpu is not False), "model.compile_mode",
+           f"{m.compile_mode} replays CUDA graphs, which needs model.compile_scope=model on a GPU (with layers each "
+           f"layer's replay overwrites the previous layer's output); or use compile_mode=default / "
+           f"max-autotune-no-cudagraphs")
     _one_of("model.recompute_elementwise", m.recompute_elementwise, ("auto", "always", "never"))
 
     lo = cfg.lora

@@ -103,9 +103,11 @@ PEERS_AT_EVERY_SHAPE = {
     "ours_acts_kept": Part(_ours(recompute_elementwise="never"), loop=True),
     "ours_fp8_acts_kept": Part(_ours(base_fp8=True, recompute_elementwise="never"), loop=True),
     "ours_fp8_head": Part(_ours(base_fp8=True, head_fp8=True), loop=True),  # the LM head's GEMMs in FP8 too
-    # each compiled layer replayed as a CUDA graph (torch's cudagraph trees): fewer launches from the host
-    "ours_graphs": Part(_ours(compile_mode="reduce-overhead"), loop=True),
-    "ours_fp8_graphs": Part(_ours(base_fp8=True, compile_mode="reduce-overhead"), loop=True),
+    # the whole model's compiled forward and backward replayed as CUDA graphs (torch's cudagraph trees): fewer
+    # launches from the host (per layer, config.checks refuses it: each layer's replay overwrites the last one's output)
+    "ours_model_graphs": Part(_ours(compile_scope="model", compile_mode="reduce-overhead"), loop=True),
+    "ours_fp8_model_graphs": Part(_ours(base_fp8=True, compile_scope="model", compile_mode="reduce-overhead"),
+                                  loop=True),
     # the input embedding in host memory and a 1024-token loss chunk: what an untied model can shed (8B memory)
     "ours_lowmem": Part(_ours(offload_embedding=True, chunk=1024), loop=True),
 }
