@@ -87,7 +87,7 @@ def _check_model_and_data(cfg: Config) -> None:
                                                    "max-autotune-no-cudagraphs"))
     _check(m.loss_chunk_size >= 1, "model.loss_chunk_size", f"must be >= 1, got {m.loss_chunk_size}")
     # both replay the compiled code as CUDA graphs on a GPU; per layer, every decoder layer replays the same graph and
-    # each replay overwrites the outputs the next layer still reads (a RuntimeError in the first step on an H200)
+    # each replay overwrites the outputs the next layer still reads (a RuntimeError at once on an H200)
     _check(not (m.compile and m.compile_mode in CUDA_GRAPH_MODES and m.compile_scope == "layers"
                 and cfg.scaling.use_gpu is not False), "model.compile_mode",
            f"{m.compile_mode} replays CUDA graphs, which needs model.compile_scope=model on a GPU (with layers each "
