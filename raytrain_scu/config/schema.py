@@ -48,7 +48,9 @@ class ModelConfig:
     # LoRA-base GEMMs in FP8 e4m3, rowwise (fp8.py): CUDA >= 8.9; CPU: torch 2.13, not 2.11. Faster, at a held-out cost
     # (SmolLM2-135M: +0.03 bits, docs/benchmarks.md)
     base_fp8: bool = False
-    head_fp8: bool = False  # the frozen LM head's two GEMMs in FP8 e4m3, rowwise (fp8.py); as base_fp8, a larger cost
+    # the frozen LM head's two GEMMs in FP8 e4m3, rowwise (fp8.py), on base_fp8's devices. Faster, at a larger held-out
+    # cost (with base_fp8: +0.09 bits, docs/benchmarks.md)
+    head_fp8: bool = False
     trust_remote_code: bool = False  # allow a hub model's own Python code (transformers' trust_remote_code)
     cache_dir: str = ""  # where converted GGUF models and tokenizers are cached ("" = ~/.cache/raytrain_scu)
 
