@@ -10,7 +10,9 @@ With ``a`` = bytes of the compute dtype (4 for fp32, else 2), ``tokens = batch_s
                    linear = L * (2*H*q_out + 2*H*kv_out + 3*H*F): the projections bitsandbytes quantises;
                    embeddings, lm_head and norms stay in the compute dtype; with embedding_int8 the
                    V x H tables (one when tied, else two) take 1 byte + a 4-byte scale per row, and with
-                   offload_embedding an untied model's input table is in CPU memory (0 here)
+                   offload_embedding an untied model's input table is in CPU memory (0 here);
+                   base_fp8 adds 2 bytes per adapted projection weight (its two e4m3 copies), head_fp8
+                   2*V*H bytes (the LM head's)
     adapters     = lora_params * 16   (fp32 weight, grad, AdamW exp_avg and exp_avg_sq)
                    lora_params = L * sum over targets of r * (in + out)
     per layer    = tokens * (a * (7H + 4F + n_targets*r) + 8H + 4 * sum of the targets' in-features)
@@ -112,7 +114,8 @@ def estimate_peak_memory_gib(*, n_params: int, hidden: int, layers: int, heads: 
                              offload_embedding: bool = False, fused_mlp: bool = False, mamba_layers: int = 0,
                              mamba_inner: int = 0, mamba_in_proj: int = 0, mamba_chunk: int = 0,
                              mamba_kernels: bool = True, recompute_elementwise: str = "never",
-                             recompute_auto: bool = True) -> dict[str, float]:
+                             recompute_auto: bool = True, base_fp8: bool = False,
+                             head_fp8: bool = False) -> dict[str, float]:
     """Peak GPU memory (GiB) of one training step of LoRA/QLoRA on a Llama-style decoder, or a hybrid with
     ``mamba_layers`` Mamba-2 layers, by part: the formula is in the module docstring. ``recompute_elementwise`` is
     ``model.recompute_elementwise`` and ``recompute_auto`` what its ``auto`` picks for the model's family
@@ -129,6 +132,10 @@ def estimate_peak_memory_gib(*, n_params: int, hidden: int, layers: int, heads: 
                             vocab=vocab, embedding_int8=embedding_int8, offload_embedding=offload_embedding)
 
     lora_params = sum(n * sum(lora_r * sum(d[t]) for t in _targeted(d, lora_targets)) for n, d in kinds)
+    if base_fp8:  # the adapted projections' two e4m3 copies (fp8.py), one byte a weight each; the bf16 base stays
+        weights += 2 * sum(n * sum(d[t][0] * d[t][1] for t in _targeted(d, lora_targets)) for n, d in kinds)
+    if head_fp8:
+        weights += 2 * vocab * hidden
     adapters = lora_params * ADAPTER_BYTES_PER_PARAM
 
     common = {"tokens": tokens, "a": a, "hidden": hidden, "ffn": ffn, "lora_r": lora_r, "compile": compile}
