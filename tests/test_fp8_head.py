@@ -94,7 +94,7 @@ def test_heads_that_cannot_run_in_fp8_are_refused_with_the_key():
         convert_head_to_fp8(odd)
     int8 = apply_lora(build_model("tiny", vocab_size=VOCAB, seed=0), r=4)
     shrink_embeddings(int8, int8=True)
-    with pytest.raises(ModelError, match="model.head_fp8=true: the LM head is a Int8Head, not a plain nn.Linear"):
+    with pytest.raises(ModelError, match="model.head_fp8=true: the LM head is of type Int8Head, not a plain nn.Linear"):
         convert_head_to_fp8(int8)
     if not CPU_FP8_MISSING:
         twice = head_model()
@@ -150,3 +150,55 @@ def test_preflight_refuses_a_head_fp8_cannot_run_before_any_worker_starts(tmp_pa
     monkeypatch.setattr(pf, "model_config", lambda *a, **kw: real_config(*a, **{**kw, "vocab_size": 250}))
     with pytest.raises(PreflightError, match="model.head_fp8=true: the LM head is 250 x 64: both must be multiples"):
         preflight(cfg)
+
+
+def test_the_head_fp8_refusals_name_the_key_before_any_worker(tmp_path):
+    from conftest import TINY, tiny_cfg
+
+    from raytrain_scu.core.fp8 import check_fp8_head_config
+    from raytrain_scu.driver.preflight import preflight
+    from raytrain_scu.errors import PreflightError
+
+    with pytest.raises(ConfigError, match="model.head_fp8.*not quant.load_in_4bit=true"):
+        load_config(TINY, ["model.head_fp8=true", "quant.load_in_4bit=true"])
+    with pytest.raises(ModelError, match="model.head_fp8=true: the model's config gives no vocab_size"):
+        check_fp8_head_config(type("Cfg", (), {"get_text_config": lambda self: self})())
+    cfg = tiny_cfg(tmp_path, "head-lora", "model.head_fp8=true", "scaling.use_gpu=false", "tracking.enabled=false",
+                   "lora.target_modules=q_proj,lm_head")
+    with pytest.raises(PreflightError, match=r"model.head_fp8=true: lora.target_modules \['lm_head'\] puts LoRA on "
+                                             r"the LM head"):
+        preflight(cfg)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_fp8_head_on_cuda_under_autocast_eager_and_compiled():
+    """As the loop runs on a GPU (a bf16 base, float32 adapters, bf16 autocast): the FP8 head against the model's own
+    FP8 logits and against the bf16 head, eager and with the layers compiled, within this file's bounds."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 needs compute capability >= 8.9")
+    torch._dynamo.reset()
+    dev = torch.device("cuda")
+    x, y = (t.cuda() for t in batch(cols=64))
+
+    def run(model, loss_model):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = loss_model(x, y)[0]
+        loss.backward()
+        grads = adapter_grads(model)
+        model.zero_grad()
+        return loss.item(), grads
+
+    plain = lora_model(torch.bfloat16, dev, base_fp8=True)
+    want, ref = run(plain, CausalLMLoss(plain))
+    head = head_model(dtype=torch.bfloat16, device=dev, base_fp8=True)
+    fused, fused_grads = run(head, CausalLMLoss(head))
+    own, own_grads = run(head, CausalLMLoss(head, fused=False))
+    compiled = head_model(dtype=torch.bfloat16, device=dev, base_fp8=True)
+    comp, comp_grads = run(compiled, compile_for_training(CausalLMLoss(compiled), scope="layers"))
+    assert fused == pytest.approx(own, rel=1e-3) and comp == pytest.approx(fused, rel=1e-3)
+    for got, grads in ((fused, fused_grads), (comp, comp_grads)):
+        assert got == pytest.approx(want, rel=LOSS_TOL)
+        for name in ref:
+            assert rel(grads[name], ref[name]) < GRAD_TOL, name
+            assert rel(grads[name], own_grads[name]) < 5 * SAME_GRAD_TOL, name  # bf16 rounding on top of e4m3 flips

@@ -115,7 +115,7 @@ def test_an_int8_embedding_learns_like_the_bf16_one_on_the_real_model(tmp_path):
             assert abs(a["train/data_bpt"] - b["train/data_bpt"]) < BPT_TOL, (label, a["step"])
 
 
-# decided before the runs (#29): an FP8 run learns within a hundredth of a bit of the bf16 run on held-out data
+# decided before the runs: an FP8 run learns within a hundredth of a bit of the bf16 run on held-out data
 FP8_VAL_TOL = 0.01
 FP8_RUNS = (("bf16", []), ("fp8-base", ["model.base_fp8=true"]),
             ("fp8-base-head", ["model.base_fp8=true", "model.head_fp8=true"]))
@@ -156,9 +156,10 @@ def test_every_fp8_run_learns_on_the_real_model(fp8_runs):
 
 
 @pytest.mark.gpu
-@pytest.mark.xfail(strict=True, reason="measured on an H200 (2026-11-28): the FP8 runs' own held-out BPT is 0.032 "
-                                       "(base) and 0.089 (base + head) bits above bf16's; most of it is there before "
-                                       "training, in the FP8 forward itself (docs/benchmarks.md)")
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="measured on an H200 (docs/benchmarks.md): the FP8 runs' own held-out BPT is 0.032 "
+                          "(base) and 0.089 (base + head) bits above bf16's; most of it is there before training, "
+                          "in the FP8 forward itself")
 def test_fp8_runs_end_within_a_hundredth_of_a_bit_of_bf16_on_held_out_data(fp8_runs):
     """Each FP8 run's in-loop held-out BPT after the last step (through its own FP8 products,
     so training and evaluation error together) is within FP8_VAL_TOL of the bf16 run's."""
@@ -168,8 +169,10 @@ def test_fp8_runs_end_within_a_hundredth_of_a_bit_of_bf16_on_held_out_data(fp8_r
 
 
 @pytest.mark.gpu
-@pytest.mark.xfail(strict=True, reason="measured on an H200 (2026-11-28): the base_fp8-trained adapters score 0.0155 "
-                                       "bits (95% CI 0.0143 to 0.0171) above the bf16-trained ones in bf16")
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="measured on an H200 (docs/benchmarks.md): the base_fp8-trained adapters score 0.0155 "
+                          "bits (95% CI 0.0143 to 0.0171) above the bf16-trained ones in bf16; the head's are not "
+                          "yet scored")
 def test_fp8_trained_adapters_score_within_a_hundredth_of_a_bit_of_bf16_ones_in_bf16(fp8_runs):
     """The adapters each FP8 run trained, scored in bf16 (no FP8 anywhere: the model a user deploys) by ``evaluate``
     on the held-out split against the bf16-trained adapters, on the same tokens: within FP8_VAL_TOL bits. This

@@ -91,8 +91,8 @@ def _check_model_and_data(cfg: Config) -> None:
     _check(not (m.compile and m.compile_mode in CUDA_GRAPH_MODES and m.compile_scope == "layers"
                 and cfg.scaling.use_gpu is not False), "model.compile_mode",
            f"{m.compile_mode} replays CUDA graphs, which needs model.compile_scope=model on a GPU (with layers each "
-           f"layer's replay overwrites the previous layer's output); or use compile_mode=default / "
-           f"max-autotune-no-cudagraphs")
+           f"layer's replay overwrites the previous layer's output); or use model.compile_mode=default / "
+           f"max-autotune-no-cudagraphs, or scaling.use_gpu=false on a CPU")
     _one_of("model.recompute_elementwise", m.recompute_elementwise, ("auto", "always", "never"))
 
     lo = cfg.lora
@@ -106,8 +106,10 @@ def _check_model_and_data(cfg: Config) -> None:
     for bad, need in ((q.load_in_4bit, "an unquantised base, not quant.load_in_4bit=true"),
                       (m.fuse_lora, "model.fuse_lora=false (the fused GEMMs bypass the base Linears it converts)")):
         _check(not (m.base_fp8 and bad), "model.base_fp8", f"needs {need}")
-    _check(not (m.head_fp8 and q.embedding_int8), "model.head_fp8",
-           "needs quant.embedding_int8=false (the int8 table is the head then)")
+    for bad, need in ((q.embedding_int8, "quant.embedding_int8=false (the int8 table is the head then)"),
+                      (q.load_in_4bit, "an unquantised base, not quant.load_in_4bit=true (it would add to, not "
+                                       "shrink, a QLoRA run's memory)")):
+        _check(not (m.head_fp8 and bad), "model.head_fp8", f"needs {need}")
     if m.fuse_lora:  # what fused_lora.py fuses: plain LoRA on q/k/v and gate/up of an unquantised base
         covered = ALL_LINEAR if "all-linear" in lo.target_modules else lo.target_modules
         missing = [t for t in FUSED_LORA_TARGETS if t not in covered]

@@ -34,7 +34,8 @@ class ModelConfig:
     attn_implementation: str = "sdpa"
     gradient_checkpointing: bool = False  # recompute activations in the backward pass: less memory, ~30 % slower
     compile: bool = False  # torch.compile the model (what hardware presets pick on A100/H100/H200/4090)
-    # torch.compile mode: default | reduce-overhead | max-autotune | max-autotune-no-cudagraphs
+    # torch.compile mode: default | reduce-overhead | max-autotune | max-autotune-no-cudagraphs (the CUDA-graph
+    # modes, reduce-overhead and max-autotune, need compile_scope=model on a GPU)
     compile_mode: str = "default"
     # layers: each decoder layer compiled alone, all sharing one compiled code (seconds); model: one graph (minutes)
     compile_scope: str = "layers"

@@ -202,6 +202,14 @@ def embedding_targets(model, targets) -> list[str]:
     return [t for t in targets if t in names]
 
 
+def head_target(model, targets) -> list[str]:
+    """The LoRA target names in ``targets`` that name ``model``'s LM head module (none for a model without one)."""
+    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    head = lm.get_output_embeddings()
+    names = {n.rsplit(".", 1)[-1] for n, m in lm.named_modules() if m is head} if head is not None else set()
+    return [t for t in targets if t in names]
+
+
 EMBEDDING_TARGETS = ("lora.target_modules: {hit} would put LoRA on the embedding or LM head, which "
                      "quant.embedding_int8 / quant.offload_embedding replace with frozen tables; drop them from the "
                      "targets or turn those off")

@@ -160,8 +160,8 @@ def convert_head_to_fp8(model) -> Fp8FrozenLinear:
     head = lm.get_output_embeddings()
     problem = ("missing (the model has no output embeddings)" if head is None else
                "converted already" if isinstance(head, Fp8FrozenLinear) else
-               f"a {type(head).__name__}, not a plain nn.Linear (LoRA or int8 on it?)" if type(head) is not nn.Linear
-               else "trainable" if head.weight.requires_grad else
+               f"of type {type(head).__name__}, not a plain nn.Linear (LoRA or int8 on it?)"
+               if type(head) is not nn.Linear else "trainable" if head.weight.requires_grad else
                f"{head.out_features} x {head.in_features}: both must be multiples of {MM_ALIGN} for torch._scaled_mm"
                if head.in_features % MM_ALIGN or head.out_features % MM_ALIGN else "")
     if problem:
@@ -175,7 +175,10 @@ def check_fp8_head_config(hf_config) -> None:
     cannot run ``torch._scaled_mm``."""
     text = hf_config.get_text_config()
     vocab, hidden = getattr(text, "vocab_size", 0) or 0, getattr(text, "hidden_size", 0) or 0
-    if not vocab or not hidden or vocab % MM_ALIGN or hidden % MM_ALIGN:
+    if not vocab or not hidden:
+        raise ModelError("model.head_fp8=true: the model's config gives no vocab_size and hidden_size to check its LM "
+                         "head by; set model.head_fp8=false")
+    if vocab % MM_ALIGN or hidden % MM_ALIGN:
         raise ModelError(f"model.head_fp8=true: the LM head is {vocab} x {hidden}: both must be multiples of "
                          f"{MM_ALIGN} for torch._scaled_mm; set model.head_fp8=false")
 

@@ -17,7 +17,13 @@ from raytrain_scu.config.schema import Config, sequences_per_step
 from raytrain_scu.core.checkpoint import check_structure, check_tokens_per_epoch, newest_good_local, read_meta
 from raytrain_scu.core.data.blocks import prepare_data
 from raytrain_scu.core.data.sources import check_source
-from raytrain_scu.core.embed_quant import EMBEDDING_TARGETS, TIED_OFFLOAD, embedding_targets, ties_embeddings
+from raytrain_scu.core.embed_quant import (
+    EMBEDDING_TARGETS,
+    TIED_OFFLOAD,
+    embedding_targets,
+    head_target,
+    ties_embeddings,
+)
 from raytrain_scu.core.fp8 import check_fp8_device, check_fp8_head_config
 from raytrain_scu.core.fused_lora import check_fusable_config
 from raytrain_scu.core.model.build import missing_targets, structure_of
@@ -112,9 +118,9 @@ def _check_model(cfg: Config, *, use_gpu: bool, gpus: int):
                                  trust_remote_code=m.trust_remote_code)
         if m.fuse_lora:
             check_fusable_config(hf_config)
-        # a remote cluster's GPUs, and the GEMM probe on any GPU: each worker checks its own as it converts
         if m.head_fp8:
             check_fp8_head_config(hf_config)
+        # a remote cluster's GPUs, and the GEMM probe on any GPU: each worker checks its own as it converts
         for key in ("base_fp8", "head_fp8"):
             if getattr(m, key) and (gpus or not use_gpu):
                 check_fp8_device(torch.device("cuda" if use_gpu else "cpu"), probe=not use_gpu, key=f"model.{key}")
@@ -131,6 +137,10 @@ def _check_model(cfg: Config, *, use_gpu: bool, gpus: int):
     hit = embedding_targets(skeleton, cfg.lora.target_modules) if skeleton is not None else []
     if hit and (cfg.quant.offload_embedding or cfg.quant.embedding_int8):
         raise PreflightError(EMBEDDING_TARGETS.format(hit=hit))
+    head = head_target(skeleton, cfg.lora.target_modules) if skeleton is not None and m.head_fp8 else []
+    if head:
+        raise PreflightError(f"model.head_fp8=true: lora.target_modules {head} puts LoRA on the LM head, whose frozen "
+                             f"product the FP8 head replaces; drop it from the targets or set model.head_fp8=false")
     return where, tok
 
 

@@ -12,7 +12,7 @@ With ``a`` = bytes of the compute dtype (4 for fp32, else 2), ``tokens = batch_s
                    V x H tables (one when tied, else two) take 1 byte + a 4-byte scale per row, and with
                    offload_embedding an untied model's input table is in CPU memory (0 here);
                    base_fp8 adds 2 bytes per adapted projection weight (its two e4m3 copies), head_fp8
-                   2*V*H bytes (the LM head's)
+                   2*V*H bytes (the LM head's), and its loss chunk's logit gradient takes 1 byte, not a
     adapters     = lora_params * 16   (fp32 weight, grad, AdamW exp_avg and exp_avg_sq)
                    lora_params = L * sum over targets of r * (in + out)
     per layer    = tokens * (a * (7H + 4F + n_targets*r) + 8H + 4 * sum of the targets' in-features)
@@ -152,7 +152,8 @@ def estimate_peak_memory_gib(*, n_params: int, hidden: int, layers: int, heads: 
         activations = (layers - mamba_layers) * per_attn + mamba_layers * per_mamba
     activations += tokens * (3 * hidden * a + 4 * hidden)  # embeddings out, final norm, lm_head input
     if fused_loss:
-        logits = min(loss_chunk_tokens, tokens) * vocab * (4 + a) + tokens * hidden * a
+        # an FP8 head's softmax writes the chunk's logit gradient in e4m3: one byte, not a
+        logits = min(loss_chunk_tokens, tokens) * vocab * (4 + (1 if head_fp8 else a)) + tokens * hidden * a
     else:
         logits = tokens * vocab * (a + 8)
 
