@@ -73,19 +73,13 @@ def validate(cfg: Config) -> None:
     """Cross-field checks. Pure: no I/O, no imports of heavy libraries."""
     check_controller(cfg.controller)
     _check_model_and_data(cfg)
+    _check_fast_paths(cfg)
     _check_run(cfg)
 
 
-def _check_model_and_data(cfg: Config) -> None:
-    """model, lora, quant, data and optim."""
-    m = cfg.model
-    _check(bool(m.name.strip()), "model.name", "must not be empty")
-    _one_of("model.precision", m.precision, ("auto", "bf16", "fp16", "fp32"))
-    _one_of("model.attn_implementation", m.attn_implementation, ("sdpa", "eager", "flash_attention_2"))
-    _one_of("model.compile_scope", m.compile_scope, ("layers", "model"))
-    _one_of("model.compile_mode", m.compile_mode, ("default", "reduce-overhead", "max-autotune",
-                                                   "max-autotune-no-cudagraphs"))
-    _check(m.loss_chunk_size >= 1, "model.loss_chunk_size", f"must be >= 1, got {m.loss_chunk_size}")
+def _check_fast_paths(cfg: Config) -> None:
+    """The opt-in fast paths (CUDA graphs, the FP8 base and head, fused LoRA) against what they cannot run with."""
+    m, q, lo = cfg.model, cfg.quant, cfg.lora
     # both replay the compiled code as CUDA graphs on a GPU; per layer, every decoder layer replays the same graph and
     # each replay overwrites the outputs the next layer still reads (a RuntimeError at once on an H200)
     _check(not (m.compile and m.compile_mode in CUDA_GRAPH_MODES and m.compile_scope == "layers"
@@ -93,16 +87,6 @@ def _check_model_and_data(cfg: Config) -> None:
            f"{m.compile_mode} replays CUDA graphs, which needs model.compile_scope=model on a GPU (with layers each "
            f"layer's replay overwrites the previous layer's output); or use model.compile_mode=default / "
            f"max-autotune-no-cudagraphs, or scaling.use_gpu=false on a CPU")
-    _one_of("model.recompute_elementwise", m.recompute_elementwise, ("auto", "always", "never"))
-
-    lo = cfg.lora
-    _check(lo.r >= 1, "lora.r", f"must be >= 1, got {lo.r}")
-    _check(lo.alpha > 0, "lora.alpha", f"must be > 0, got {lo.alpha}")
-    _check(0.0 <= lo.dropout < 1.0, "lora.dropout", f"must be in [0, 1), got {lo.dropout}")
-    _check(len(lo.target_modules) > 0, "lora.target_modules", "must name at least one module")
-
-    q = cfg.quant
-    _one_of("quant.quant_type", q.quant_type, ("nf4", "fp4"))
     for bad, need in ((q.load_in_4bit, "an unquantised base, not quant.load_in_4bit=true"),
                       (m.fuse_lora, "model.fuse_lora=false (the fused GEMMs bypass the base Linears it converts)")):
         _check(not (m.base_fp8 and bad), "model.base_fp8", f"needs {need}")
@@ -117,6 +101,28 @@ def _check_model_and_data(cfg: Config) -> None:
                           (lo.dropout > 0, f"lora.dropout=0 (q/k/v share one A-product input), got {lo.dropout}"),
                           (missing, f"lora.target_modules to cover {FUSED_LORA_TARGETS}, missing {missing}")):
             _check(not bad, "model.fuse_lora", f"needs {need}")
+
+
+def _check_model_and_data(cfg: Config) -> None:
+    """model, lora, quant, data and optim."""
+    m = cfg.model
+    _check(bool(m.name.strip()), "model.name", "must not be empty")
+    _one_of("model.precision", m.precision, ("auto", "bf16", "fp16", "fp32"))
+    _one_of("model.attn_implementation", m.attn_implementation, ("sdpa", "eager", "flash_attention_2"))
+    _one_of("model.compile_scope", m.compile_scope, ("layers", "model"))
+    _one_of("model.compile_mode", m.compile_mode, ("default", "reduce-overhead", "max-autotune",
+                                                   "max-autotune-no-cudagraphs"))
+    _check(m.loss_chunk_size >= 1, "model.loss_chunk_size", f"must be >= 1, got {m.loss_chunk_size}")
+    _one_of("model.recompute_elementwise", m.recompute_elementwise, ("auto", "always", "never"))
+
+    lo = cfg.lora
+    _check(lo.r >= 1, "lora.r", f"must be >= 1, got {lo.r}")
+    _check(lo.alpha > 0, "lora.alpha", f"must be > 0, got {lo.alpha}")
+    _check(0.0 <= lo.dropout < 1.0, "lora.dropout", f"must be in [0, 1), got {lo.dropout}")
+    _check(len(lo.target_modules) > 0, "lora.target_modules", "must name at least one module")
+
+    q = cfg.quant
+    _one_of("quant.quant_type", q.quant_type, ("nf4", "fp4"))
 
     d = cfg.data
     _one_of("data.source", d.source, ("shakespeare", "text", "jsonl", "hf_disk", "hf_hub", "auto"))

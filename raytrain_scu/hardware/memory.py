@@ -151,11 +151,8 @@ def estimate_peak_memory_gib(*, n_params: int, hidden: int, layers: int, heads: 
     else:
         activations = (layers - mamba_layers) * per_attn + mamba_layers * per_mamba
     activations += tokens * (3 * hidden * a + 4 * hidden)  # embeddings out, final norm, lm_head input
-    if fused_loss:
-        # an FP8 head's softmax writes the chunk's logit gradient in e4m3: one byte, not a
-        logits = min(loss_chunk_tokens, tokens) * vocab * (4 + (1 if head_fp8 else a)) + tokens * hidden * a
-    else:
-        logits = tokens * vocab * (a + 8)
+    logits = _loss_bytes(tokens=tokens, vocab=vocab, hidden=hidden, a=a, fused_loss=fused_loss,
+                         chunk=loss_chunk_tokens, head_fp8=head_fp8)
 
     overhead = (CUDA_OVERHEAD_GIB + (COMPILE_EXTRA_GIB if compile else 0.0)) * GIB
     if load_in_4bit:
@@ -167,6 +164,14 @@ def estimate_peak_memory_gib(*, n_params: int, hidden: int, layers: int, heads: 
     out["total_gib"] = sum(parts.values()) / GIB
     out["lora_params"] = float(lora_params)
     return out
+
+
+def _loss_bytes(*, tokens: int, vocab: int, hidden: int, a: int, fused_loss: bool, chunk: int, head_fp8: bool) -> int:
+    """The loss' buffers (:func:`estimate_peak_memory_gib`'s ``logits``): one chunk's with the fused loss (an FP8
+    head's softmax writes the chunk's logit gradient in e4m3, one byte, not a), the whole logits without."""
+    if fused_loss:
+        return min(chunk, tokens) * vocab * (4 + (1 if head_fp8 else a)) + tokens * hidden * a
+    return tokens * vocab * (a + 8)
 
 
 def _adapter_inputs(a: int, targets: list, dims: dict) -> int:
