@@ -291,18 +291,19 @@ def test_without_the_probe_only_the_capability_is_read(monkeypatch):
 
 
 @cpu_fp8
-def test_preflight_checks_the_device(tmp_path, monkeypatch):
+@pytest.mark.parametrize("key", ["model.base_fp8", "model.head_fp8"])
+def test_preflight_checks_the_device(tmp_path, monkeypatch, key):
     from raytrain_scu.driver.preflight import preflight
     from raytrain_scu.errors import PreflightError
 
-    cfg = tiny_cfg(tmp_path, "fp8-run", "model.base_fp8=true", "scaling.use_gpu=false", "tracking.enabled=false")
+    cfg = tiny_cfg(tmp_path, "fp8-run", f"{key}=true", "scaling.use_gpu=false", "tracking.enabled=false")
     assert preflight(cfg)["use_gpu"] is False
 
     def no_fp8(*args, **kwargs):
         raise RuntimeError("not supported")
 
     monkeypatch.setattr(torch, "_scaled_mm", no_fp8)
-    with pytest.raises(PreflightError, match="model.base_fp8=true: torch .* cannot run an e4m3 rowwise"):
+    with pytest.raises(PreflightError, match=f"{key}=true: torch .* cannot run an e4m3 rowwise"):
         preflight(cfg)
 
 

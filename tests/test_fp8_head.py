@@ -127,25 +127,15 @@ def test_the_loop_trains_with_an_fp8_head_and_base_close_to_the_plain_run(tmp_pa
     assert proofs[True]["bpt_after"] != proofs[False]["bpt_after"]
 
 
-def test_preflight_refuses_a_head_fp8_cannot_run_before_any_worker_starts(tmp_path, monkeypatch):
+def test_preflight_refuses_a_head_whose_shape_fp8_cannot_run_before_any_worker_starts(tmp_path, monkeypatch):
+    """(The device check for both FP8 keys: tests/test_fp8.py's test_preflight_checks_the_device.)"""
     from conftest import tiny_cfg
 
+    import raytrain_scu.driver.preflight as pf
     from raytrain_scu.driver.preflight import preflight
     from raytrain_scu.errors import PreflightError
 
     cfg = tiny_cfg(tmp_path, "head-run", "model.head_fp8=true", "scaling.use_gpu=false", "tracking.enabled=false")
-    if not CPU_FP8_MISSING:
-        assert preflight(cfg)["use_gpu"] is False
-
-    def no_fp8(*args, **kwargs):
-        raise RuntimeError("not supported")
-
-    monkeypatch.setattr(torch, "_scaled_mm", no_fp8)
-    with pytest.raises(PreflightError, match="model.head_fp8=true: torch .* cannot run an e4m3 rowwise"):
-        preflight(cfg)
-    monkeypatch.undo()
-    import raytrain_scu.driver.preflight as pf
-
     real_config = pf.model_config
     monkeypatch.setattr(pf, "model_config", lambda *a, **kw: real_config(*a, **{**kw, "vocab_size": 250}))
     with pytest.raises(PreflightError, match="model.head_fp8=true: the LM head is 250 x 64: both must be multiples"):

@@ -196,17 +196,15 @@ def shrink_embeddings(model, *, int8: bool = False, offload: bool = False) -> No
 def embedding_targets(model, targets) -> list[str]:
     """The LoRA target names in ``targets`` that name ``model``'s input embedding or LM head module (what
     quant.embedding_int8 / quant.offload_embedding replace with frozen tables, where peft has no adapter)."""
+    return embedding_targets_of(model, targets, head_only=False)
+
+
+def embedding_targets_of(model, targets, *, head_only: bool) -> list[str]:
+    """:func:`embedding_targets`, or with ``head_only`` those naming the LM head alone (``model.head_fp8``)."""
     lm = model.get_base_model() if hasattr(model, "get_base_model") else model
-    mods = {id(m) for m in (lm.get_input_embeddings(), lm.get_output_embeddings()) if m is not None}
+    tables = (lm.get_output_embeddings(),) if head_only else (lm.get_input_embeddings(), lm.get_output_embeddings())
+    mods = {id(m) for m in tables if m is not None}
     names = {n.rsplit(".", 1)[-1] for n, m in lm.named_modules() if id(m) in mods}
-    return [t for t in targets if t in names]
-
-
-def head_target(model, targets) -> list[str]:
-    """The LoRA target names in ``targets`` that name ``model``'s LM head module (none for a model without one)."""
-    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
-    head = lm.get_output_embeddings()
-    names = {n.rsplit(".", 1)[-1] for n, m in lm.named_modules() if m is head} if head is not None else set()
     return [t for t in targets if t in names]
 
 

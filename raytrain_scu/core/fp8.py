@@ -121,6 +121,21 @@ def check_fp8_device(device: torch.device, *, probe: bool = True, key: str = "mo
                          ) from None
 
 
+def _unconvertible(linear: nn.Module) -> str:
+    """Why :func:`to_fp8` cannot convert ``linear`` (a phrase after "is"), or "" where it can: it must be a plain
+    frozen nn.Linear, not converted yet, with both dimensions multiples of 16 (torch._scaled_mm's)."""
+    if isinstance(linear, Fp8FrozenLinear):
+        return "converted already"
+    if type(linear) is not nn.Linear:
+        return f"of type {type(linear).__name__}, not a plain nn.Linear (4-bit, LoRA or int8 on it?)"
+    if linear.weight.requires_grad:
+        return "trainable"
+    if linear.in_features % MM_ALIGN or linear.out_features % MM_ALIGN:
+        return (f"{linear.out_features} x {linear.in_features}: both must be multiples of {MM_ALIGN} for "
+                f"torch._scaled_mm")
+    return ""
+
+
 def convert_base_to_fp8(model) -> int:
     """Give the frozen base Linear under every peft LoRA Linear of ``model`` an FP8 forward, in place, on the device
     the model is on; returns how many were converted. Raises ModelError (naming model.base_fp8) where it cannot:
@@ -133,11 +148,7 @@ def convert_base_to_fp8(model) -> int:
         if not isinstance(m, LoraLinear):
             continue
         base, where = m.base_layer, f"{name}.base_layer"
-        problem = ("converted already" if isinstance(base, Fp8FrozenLinear) else
-                   f"a {type(base).__name__}, not a plain nn.Linear" if type(base) is not nn.Linear else
-                   "its weight is trainable" if base.weight.requires_grad else
-                   f"{base.out_features} x {base.in_features}: both must be multiples of {MM_ALIGN} for "
-                   f"torch._scaled_mm" if base.in_features % MM_ALIGN or base.out_features % MM_ALIGN else "")
+        problem = _unconvertible(base)
         if problem:
             raise ModelError(f"model.base_fp8=true: {where} is {problem}; set model.base_fp8=false")
         if done == 0:
@@ -158,12 +169,7 @@ def convert_head_to_fp8(model) -> Fp8FrozenLinear:
     model.head_fp8) for a head that is not a plain frozen nn.Linear with dimensions multiples of 16."""
     lm = model.get_base_model() if hasattr(model, "get_base_model") else model
     head = lm.get_output_embeddings()
-    problem = ("missing (the model has no output embeddings)" if head is None else
-               "converted already" if isinstance(head, Fp8FrozenLinear) else
-               f"of type {type(head).__name__}, not a plain nn.Linear (LoRA or int8 on it?)"
-               if type(head) is not nn.Linear else "trainable" if head.weight.requires_grad else
-               f"{head.out_features} x {head.in_features}: both must be multiples of {MM_ALIGN} for torch._scaled_mm"
-               if head.in_features % MM_ALIGN or head.out_features % MM_ALIGN else "")
+    problem = "missing (the model has no output embeddings)" if head is None else _unconvertible(head)
     if problem:
         raise ModelError(f"model.head_fp8=true: the LM head is {problem}; set model.head_fp8=false")
     check_fp8_device(head.weight.device, key="model.head_fp8")

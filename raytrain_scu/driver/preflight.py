@@ -21,7 +21,7 @@ from raytrain_scu.core.embed_quant import (
     EMBEDDING_TARGETS,
     TIED_OFFLOAD,
     embedding_targets,
-    head_target,
+    embedding_targets_of,
     ties_embeddings,
 )
 from raytrain_scu.core.fp8 import check_fp8_device, check_fp8_head_config
@@ -121,9 +121,9 @@ def _check_model(cfg: Config, *, use_gpu: bool, gpus: int):
         if m.head_fp8:
             check_fp8_head_config(hf_config)
         # a remote cluster's GPUs, and the GEMM probe on any GPU: each worker checks its own as it converts
-        for key in ("base_fp8", "head_fp8"):
-            if getattr(m, key) and (gpus or not use_gpu):
-                check_fp8_device(torch.device("cuda" if use_gpu else "cpu"), probe=not use_gpu, key=f"model.{key}")
+        fp8_keys = [f"model.{k}" for k in ("base_fp8", "head_fp8") if getattr(m, k)]
+        if fp8_keys and (gpus or not use_gpu):  # one device, one check: the first key set names it
+            check_fp8_device(torch.device("cuda" if use_gpu else "cpu"), probe=not use_gpu, key=fp8_keys[0])
     positions = max_positions(hf_config)
     if positions and cfg.data.block_size > positions:
         raise PreflightError(f"data.block_size={cfg.data.block_size} is beyond the model's {positions} positions "
@@ -137,7 +137,8 @@ def _check_model(cfg: Config, *, use_gpu: bool, gpus: int):
     hit = embedding_targets(skeleton, cfg.lora.target_modules) if skeleton is not None else []
     if hit and (cfg.quant.offload_embedding or cfg.quant.embedding_int8):
         raise PreflightError(EMBEDDING_TARGETS.format(hit=hit))
-    head = head_target(skeleton, cfg.lora.target_modules) if skeleton is not None and m.head_fp8 else []
+    head = (embedding_targets_of(skeleton, cfg.lora.target_modules, head_only=True)
+            if skeleton is not None and m.head_fp8 else [])
     if head:
         raise PreflightError(f"model.head_fp8=true: lora.target_modules {head} puts LoRA on the LM head, whose frozen "
                              f"product the FP8 head replaces; drop it from the targets or set model.head_fp8=false")
