@@ -87,6 +87,77 @@ def test_an_offloaded_embedding_changes_no_number_and_stays_off_the_device():
     assert mem["embedding"] == 0.0 and mem["embedding_offloaded"] == pytest.approx(table, abs=1e-6) and table > 0
 
 
+def staged_model(device: str = "cpu"):
+    model = apply_lora(build_model(UNTIED, vocab_size=512, gradient_checkpointing=True, offload_embedding=True,
+                                   device=torch.device(device)), r=4, alpha=8, targets=["q_proj"])
+    return model, model.get_input_embeddings()
+
+
+def test_the_forward_takes_the_rows_staged_for_its_ids_and_looks_up_any_others():
+    """The forward given the very device ids a batch was staged for returns the staged rows (here deliberately another
+    batch's, to see which it took), once; other ids, or the same ids a second time, are looked up."""
+    model, emb = staged_model()
+    g = torch.Generator().manual_seed(2)
+    x, other = torch.randint(0, 512, (2, 24), generator=g), torch.randint(0, 512, (2, 24), generator=g)
+    x_dev = x.clone()
+    emb.stage(other, x_dev)
+    assert torch.equal(emb(x_dev), emb.inner(other))  # the staged rows
+    assert torch.equal(emb(x_dev), emb.inner(x))  # consumed: looked up
+    emb.stage(other, x_dev)
+    assert torch.equal(emb(x.clone()), emb.inner(x))  # equal ids, another tensor: looked up, and the stage dropped
+    assert emb._staged is None
+    # checkpointing's input-requires-grad hook still applies to staged rows
+    emb.stage(x, x_dev)
+    assert emb(x_dev).requires_grad
+
+
+def test_the_loop_stages_every_training_batch_and_trains(tmp_path, monkeypatch):
+    from conftest import tiny_cfg
+
+    from raytrain_scu.worker.hooks import LocalHooks
+    from raytrain_scu.worker.loop import run_loop
+
+    taken = []
+    forward = OffloadedEmbedding.forward
+
+    def counting(self, ids):
+        taken.append(self._staged is not None and self._staged[0] is ids)
+        return forward(self, ids)
+
+    monkeypatch.setattr(OffloadedEmbedding, "forward", counting)
+    hooks = LocalHooks()
+    run_loop(tiny_cfg(tmp_path, "staged", f"model.name={UNTIED}", "quant.offload_embedding=true",
+                      "scaling.num_workers=1", "train.max_steps=4", "train.report_every=2", "train.eval_every=4",
+                      "train.checkpoint_every=4", "controller.mode=none"), hooks=hooks)
+    assert hooks.reports[-1]["train/lora_b_norm"] > 0
+    # steps x grad_accum (tiny-cpu.yaml): every training batch staged, one after another; the evaluations before and
+    # after (32 blocks, 8 batches each) look theirs up
+    training = 4 * 2
+    assert taken == [False] * 8 + [True] * training + [False] * 8, taken
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_staged_forward_on_cuda_never_syncs_and_changes_no_number():
+    model, emb = staged_model("cuda")
+    x = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(3)).pin_memory()
+    x_dev = x.to("cuda", non_blocking=True)
+    want = emb(x_dev)  # looked up: a device-to-host copy of the ids
+    emb.stage(x, x_dev)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = emb(x_dev)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(got, want)
+    with pytest.raises(RuntimeError, match="synchroniz"):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            emb(x_dev)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+
 def test_a_tied_model_cannot_offload_its_embedding():
     with pytest.raises(ModelError, match=r"quant.offload_embedding: this model ties its input embedding"):
         build_model(TIED, vocab_size=512, offload_embedding=True)

@@ -90,6 +90,8 @@ def _check_fast_paths(cfg: Config) -> None:
     for bad, need in ((q.load_in_4bit, "an unquantised base, not quant.load_in_4bit=true"),
                       (m.fuse_lora, "model.fuse_lora=false (the fused GEMMs bypass the base Linears it converts)")):
         _check(not (m.base_fp8 and bad), "model.base_fp8", f"needs {need}")
+    _check(m.base_fp8 or not m.fp8_exclude, "model.fp8_exclude",
+           f"keeps projections out of model.base_fp8, which is off; set model.base_fp8=true or drop {m.fp8_exclude}")
     for bad, need in ((q.embedding_int8, "quant.embedding_int8=false (the int8 table is the head then)"),
                       (q.load_in_4bit, "an unquantised base, not quant.load_in_4bit=true (it would add to, not "
                                        "shrink, a QLoRA run's memory)")):
@@ -114,6 +116,9 @@ def _check_model_and_data(cfg: Config) -> None:
                                                    "max-autotune-no-cudagraphs"))
     _check(m.loss_chunk_size >= 1, "model.loss_chunk_size", f"must be >= 1, got {m.loss_chunk_size}")
     _one_of("model.recompute_elementwise", m.recompute_elementwise, ("auto", "always", "never"))
+    _one_of("model.fp8_rounding", m.fp8_rounding, ("nearest", "gptq"))
+    _check(m.fp8_calibration_blocks >= 1, "model.fp8_calibration_blocks",
+           f"must be >= 1, got {m.fp8_calibration_blocks}")
 
     lo = cfg.lora
     _check(lo.r >= 1, "lora.r", f"must be >= 1, got {lo.r}")

@@ -49,6 +49,13 @@ class ModelConfig:
     # LoRA-base GEMMs in FP8 e4m3, rowwise (fp8.py): CUDA >= 8.9; CPU: torch 2.13, not 2.11. Faster, at a held-out cost
     # (SmolLM2-135M: +0.03 bits, docs/benchmarks.md)
     base_fp8: bool = False
+    # how base_fp8 picks each weight's e4m3 code: nearest | gptq (chosen against the inputs of fp8_calibration_blocks
+    # training blocks so each layer's output moves least; same speed, calibration costs seconds to minutes at start)
+    fp8_rounding: str = "nearest"
+    fp8_calibration_blocks: int = 32  # training blocks (seeded stream order) GPTQ calibrates on
+    # adapted projections whose base stays bf16 under base_fp8: fnmatch patterns over their names in the base model,
+    # e.g. model.layers.29.mlp.* (SmolLM2's last MLP, FP8's costliest layer, docs/benchmarks.md)
+    fp8_exclude: list[str] = field(default_factory=list)
     # the frozen LM head's two GEMMs in FP8 e4m3, rowwise (fp8.py), on base_fp8's devices. Faster, at a larger held-out
     # cost (with base_fp8: +0.09 bits, docs/benchmarks.md)
     head_fp8: bool = False

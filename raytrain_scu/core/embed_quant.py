@@ -16,6 +16,8 @@ table for both. Both weights are frozen under LoRA, so nothing here needs a weig
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -134,19 +136,46 @@ class Int8Head(nn.Module):
 
 
 class OffloadedEmbedding(nn.Module):
-    """The input embedding kept in CPU memory: each batch's ids go to the CPU, their rows come back to the ids'
-    device. The table is held outside the module tree, so moving the model never brings it to the GPU."""
+    """The input embedding kept in CPU memory: its rows for a batch are looked up on the CPU and copied to the ids'
+    device. The table is held outside the module tree, so moving the model never brings it to the GPU.
+
+    Looked up in the forward, the rows need the ids back on the host: a device-to-host copy that waits for every kernel
+    queued before it (the previous step's backward and optimizer step), so the device idles while the host looks up
+    and launches again. :meth:`stage` avoids that: given a batch's host ids as they are sent to the device, it looks
+    their rows up at once and queues their copy; the forward that gets those device ids (the same tensor) takes the
+    staged rows without a sync. Any other ids take the synchronous way."""
 
     def __init__(self, inner: nn.Module):
         super().__init__()
         object.__setattr__(self, "inner", inner.to("cpu"))
+        self._staged: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # (device ids, their rows on the device)
 
     @property
     def weight(self) -> torch.Tensor:
         return self.inner.weight
 
+    def stage(self, host_ids: torch.Tensor, device_ids: torch.Tensor) -> None:
+        """The rows of ``host_ids`` (CPU), looked up now and copied to ``device_ids``' device without waiting, for the
+        forward that gets ``device_ids`` (the same ids, sent there)."""
+        with torch.no_grad():
+            rows = self.inner(host_ids)
+            if device_ids.device.type == "cuda":
+                rows = rows.pin_memory()
+            self._staged = (device_ids, rows.to(device_ids.device, non_blocking=True))
+
+    @torch.compiler.disable  # the staged rows are matched by tensor identity: eager, never guarded on by dynamo
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        staged, self._staged = self._staged, None
+        if staged is not None and staged[0] is ids:
+            return staged[1]
         return self.inner(ids.to("cpu")).to(ids.device)
+
+
+def offloaded_embedding(model) -> Optional[OffloadedEmbedding]:
+    """``model``'s input embedding where it is an :class:`OffloadedEmbedding`, else None."""
+    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    emb = lm.get_input_embeddings()
+    return emb if isinstance(emb, OffloadedEmbedding) else None
 
 
 TIED_OFFLOAD = ("quant.offload_embedding: this model ties its input embedding to its LM head, which would leave the "

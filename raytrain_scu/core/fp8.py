@@ -29,6 +29,9 @@ takes rowwise scales: torch 2.13 does, 2.11's is per-tensor only, and :func:`che
 """
 from __future__ import annotations
 
+import fnmatch
+from typing import Optional
+
 import torch
 import torch.nn as nn
 
@@ -136,29 +139,53 @@ def _unconvertible(linear: nn.Module) -> str:
     return ""
 
 
-def convert_base_to_fp8(model) -> int:
-    """Give the frozen base Linear under every peft LoRA Linear of ``model`` an FP8 forward, in place, on the device
-    the model is on; returns how many were converted. Raises ModelError (naming model.base_fp8) where it cannot:
-    no LoRA Linear, a base that is not a plain frozen nn.Linear (4-bit, converted already), a trainable base weight,
-    or dimensions not multiples of 16."""
+def fp8_targets(model, exclude=()) -> list[tuple[str, nn.Linear]]:
+    """The frozen base Linear under every peft LoRA Linear of ``model`` that ``model.base_fp8`` converts, in model
+    order, each with the LoRA module's name in the base model (``model.layers.0.self_attn.q_proj``): all but those
+    whose name matches an fnmatch pattern of ``exclude`` (``model.fp8_exclude``). Raises ModelError (naming the key)
+    where there is no LoRA Linear, a pattern matches none of them (a typo keeps nothing out), a base is not a plain
+    frozen nn.Linear (4-bit, converted already), its weight is trainable, or its dimensions are not multiples of 16."""
     from peft.tuners.lora import Linear as LoraLinear
 
-    done = 0
-    for name, m in model.named_modules():
-        if not isinstance(m, LoraLinear):
-            continue
-        base, where = m.base_layer, f"{name}.base_layer"
-        problem = _unconvertible(base)
-        if problem:
-            raise ModelError(f"model.base_fp8=true: {where} is {problem}; set model.base_fp8=false")
-        if done == 0:
-            check_fp8_device(base.weight.device)
-        to_fp8(base)
-        done += 1
-    if not done:
+    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    adapted = [(name, m) for name, m in lm.named_modules() if isinstance(m, LoraLinear)]
+    if not adapted:
         raise ModelError("model.base_fp8=true: the model has no peft LoRA Linear whose base could run in FP8 "
                          "(lora.target_modules names no nn.Linear?); set model.base_fp8=false")
-    return done
+    for pattern in exclude:
+        if not any(fnmatch.fnmatchcase(name, pattern) for name, _ in adapted):
+            raise ModelError(f"model.fp8_exclude: {pattern!r} matches none of the adapted projections (names like "
+                             f"{adapted[0][0]!r}, {adapted[-1][0]!r})")
+    out = []
+    for name, m in adapted:
+        if any(fnmatch.fnmatchcase(name, pattern) for pattern in exclude):
+            continue
+        problem = _unconvertible(m.base_layer)
+        if problem:
+            raise ModelError(f"model.base_fp8=true: {name}.base_layer is {problem}; set model.base_fp8=false")
+        out.append((name, m.base_layer))
+    if not out:
+        raise ModelError(f"model.fp8_exclude {list(exclude)} keeps every adapted projection out of FP8; drop it or "
+                         f"set model.base_fp8=false")
+    return out
+
+
+def unmatched_exclude(model, exclude) -> list[str]:
+    """The patterns of ``exclude`` (``model.fp8_exclude``) that match no nn.Linear of ``model`` (a meta-device skeleton
+    will do): preflight's check before any worker; :func:`fp8_targets` checks against the adapted ones."""
+    names = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    return [p for p in exclude if not any(fnmatch.fnmatchcase(name, p) for name in names)]
+
+
+def convert_base_to_fp8(model, exclude=()) -> int:
+    """Give the frozen bases :func:`fp8_targets` picks an FP8 forward, in place, on the device the model is on, each
+    weight rounded to its nearest e4m3 code; returns how many were converted. Raises ModelError (naming
+    model.base_fp8) as :func:`fp8_targets` does, or where the device cannot run FP8."""
+    targets = fp8_targets(model, exclude)
+    check_fp8_device(targets[0][1].weight.device)
+    for _, base in targets:
+        to_fp8(base)
+    return len(targets)
 
 
 def convert_head_to_fp8(model) -> Fp8FrozenLinear:
@@ -203,12 +230,14 @@ def fp8_head_grad(gq: torch.Tensor, g_scale: torch.Tensor, head: Fp8FrozenLinear
                             out_dtype=torch.bfloat16)
 
 
-def to_fp8(linear: nn.Linear) -> Fp8FrozenLinear:
-    """``linear`` (frozen, dimensions multiples of 16: :func:`convert_base_to_fp8` checks) made an
-    :class:`Fp8FrozenLinear` in place: its weight quantised into the two e4m3 copies and their scales."""
+def to_fp8(linear: nn.Linear, codes: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> Fp8FrozenLinear:
+    """``linear`` (frozen, dimensions multiples of 16: :func:`fp8_targets` checks) made an :class:`Fp8FrozenLinear` in
+    place: its weight quantised into the two e4m3 copies and their scales. ``codes``: the forward copy's e4m3 codes
+    [N, K] and row scales [N, 1] chosen elsewhere (fp8_gptq.py) instead of each weight's nearest; the input-grad copy
+    is always the nearest rounding of the weight itself."""
     with torch.no_grad():
         w = linear.weight.detach()
-        w_q, w_scale = quantize_rows(w)  # per output row: the forward reduces over K
+        w_q, w_scale = codes if codes is not None else quantize_rows(w)  # per output row: the forward reduces over K
         wt_q, wt_scale = quantize_rows(w.t().contiguous())  # per input column: the input-grad reduces over N
     for attr, t in (("fp8_weight", w_q.view(torch.uint8)), ("fp8_weight_scale", w_scale.t().contiguous()),
                     ("fp8_weight_t", wt_q.view(torch.uint8)), ("fp8_weight_t_scale", wt_scale.t().contiguous())):

@@ -24,7 +24,7 @@ from raytrain_scu.core.embed_quant import (
     embedding_targets_of,
     ties_embeddings,
 )
-from raytrain_scu.core.fp8 import check_fp8_device, check_fp8_head_config
+from raytrain_scu.core.fp8 import check_fp8_device, check_fp8_head_config, unmatched_exclude
 from raytrain_scu.core.fused_lora import check_fusable_config
 from raytrain_scu.core.model.build import missing_targets, structure_of
 from raytrain_scu.core.model.source import check_model_source, load_tokenizer, max_positions, model_config
@@ -137,6 +137,10 @@ def _check_model(cfg: Config, *, use_gpu: bool, gpus: int):
     hit = embedding_targets(skeleton, cfg.lora.target_modules) if skeleton is not None else []
     if hit and (cfg.quant.offload_embedding or cfg.quant.embedding_int8):
         raise PreflightError(EMBEDDING_TARGETS.format(hit=hit))
+    unmatched = unmatched_exclude(skeleton, m.fp8_exclude) if skeleton is not None else []
+    if unmatched:
+        raise PreflightError(f"model.fp8_exclude: {unmatched} match no linear layer of {m.name} (names like "
+                             f"model.layers.0.mlp.down_proj)")
     head = (embedding_targets_of(skeleton, cfg.lora.target_modules, head_only=True)
             if skeleton is not None and m.head_fp8 else [])
     if head:

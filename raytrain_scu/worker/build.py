@@ -13,9 +13,12 @@ from raytrain_scu.config.schema import Config, sequences_per_step
 from raytrain_scu.core import checkpoint as ckpt
 from raytrain_scu.core import laws
 from raytrain_scu.core.bounds import BoundWatch
+from raytrain_scu.core.data.batches import calibration_batches
 from raytrain_scu.core.data.blocks import prepare_data
 from raytrain_scu.core.dist import broadcast_params, notice0, rank, world_size
+from raytrain_scu.core.embed_quant import offloaded_embedding
 from raytrain_scu.core.fp8 import convert_base_to_fp8, convert_head_to_fp8
+from raytrain_scu.core.fp8_gptq import convert_base_to_fp8_gptq
 from raytrain_scu.core.fused_lora import fuse_lora_projections
 from raytrain_scu.core.loss import CausalLMLoss, compile_for_training
 from raytrain_scu.core.model.build import (
@@ -34,8 +37,9 @@ from raytrain_scu.worker.oom import Phase
 from raytrain_scu.worker.state import Control, Metering, Optimisation, Position, Record, State
 
 
-def _model(cfg: Config, *, vocab_size: int, dtype, device):
-    """The base model with LoRA adapters, fused and FP8 as configured, seeded so every rank builds the same one."""
+def _model(cfg: Config, *, data, vocab_size: int, dtype, device):
+    """The base model with LoRA adapters, fused and FP8 as configured, seeded so every rank builds the same one (GPTQ's
+    calibration blocks are the same on every rank too)."""
     m, q = cfg.model, cfg.quant
     # frozen base weights are stored in the compute dtype; LoRA adapters stay float32 (peft's default)
     base = build_model(m.name, gguf_file=m.gguf_file, vocab_size=vocab_size, dtype=dtype, device=device,
@@ -49,8 +53,12 @@ def _model(cfg: Config, *, vocab_size: int, dtype, device):
                        gradient_checkpointing=m.gradient_checkpointing)
     if m.fuse_lora:  # on the device already: the base weights become views into the fused ones, not copies
         fuse_lora_projections(model)
-    if m.base_fp8:  # on the device already: the weights are quantised there, once
-        convert_base_to_fp8(model)
+    if m.base_fp8 and m.fp8_rounding == "gptq":  # on the device already: the weights are quantised there, once
+        batches = calibration_batches(data, blocks=m.fp8_calibration_blocks, batch_size=cfg.data.batch_size,
+                                      seed=cfg.seed)
+        convert_base_to_fp8_gptq(model, [ids.to(device) for ids in batches], exclude=m.fp8_exclude)
+    elif m.base_fp8:
+        convert_base_to_fp8(model, exclude=m.fp8_exclude)
     if m.head_fp8:
         convert_head_to_fp8(model)
     return base, model
@@ -75,7 +83,7 @@ def _optimisation(cfg: Config, hooks, model, *, device, dtype) -> Optimisation:
     return Optimisation(model=model, params=params, loss_model=loss_model, optimizer=optimizer,
                         scaler=torch.amp.GradScaler(device.type, enabled=use_amp and dtype == torch.float16),
                         autocast=torch.autocast(device_type=device.type, dtype=dtype, enabled=use_amp),
-                        centers=initial_centers(model))
+                        centers=initial_centers(model), offloaded=offloaded_embedding(model))
 
 
 def build(cfg: Config, hooks, run_id: Optional[str] = None, phase: Optional[Phase] = None) -> State:
@@ -90,7 +98,7 @@ def build(cfg: Config, hooks, run_id: Optional[str] = None, phase: Optional[Phas
     tok = load_tokenizer(m.name, m.gguf_file, m.tokenizer, m.cache_dir)
     data = prepare_data(tok, source=d.source, path=d.path, text_field=d.text_field, max_documents=d.max_documents,
                         block_size=d.block_size, val_fraction=d.val_fraction, seed=cfg.seed, cache_dir=d.cache_dir)
-    base, model = _model(cfg, vocab_size=len(tok), dtype=dtype, device=device)
+    base, model = _model(cfg, data=data, vocab_size=len(tok), dtype=dtype, device=device)
     ckpt.seed_all(ckpt.rank_seed(cfg.seed, rank()))  # then each rank its own stream: distinct dropout masks
     opt = _optimisation(cfg, hooks, model, device=device, dtype=dtype)
     control = Control(law=laws.build(cfg.controller), every=cfg.controller.control_every,

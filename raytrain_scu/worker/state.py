@@ -59,6 +59,7 @@ class Optimisation:
     scaler: torch.amp.GradScaler
     autocast: Any  # torch.autocast context for the forward passes
     centers: list  # per adapter tensor: its initial value (A), or None (B, from 0)
+    offloaded: Any = None  # the model's OffloadedEmbedding (quant.offload_embedding): batches stage its rows
     skipped_total: int = 0
     skipped_in_a_row: int = 0
     overflows_total: int = 0

@@ -46,7 +46,10 @@ def device_batch(s: State, micro: int):
     d = s.cfg.data
     x, y = train_batch(s.pos.data, position=s.pos.position, micro_step=micro, rank=rank(), world_size=world_size(),
                        batch_size=d.batch_size, seed=s.cfg.seed, pin_memory=s.device.type == "cuda")
-    return x.to(s.device, non_blocking=True), y.to(s.device, non_blocking=True)
+    x_dev = x.to(s.device, non_blocking=True)
+    if s.opt.offloaded is not None:  # its rows looked up from the host ids now: the forward then needs no sync
+        s.opt.offloaded.stage(x, x_dev)
+    return x_dev, y.to(s.device, non_blocking=True)
 
 
 def send_ahead(s: State) -> None:

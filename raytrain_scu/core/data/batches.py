@@ -62,6 +62,13 @@ def train_batch(data: TokenData, *, position: int, micro_step: int, rank: int, w
     return _to_xy(data.train[idx], pin_memory)
 
 
+def calibration_batches(data: TokenData, *, blocks: int, batch_size: int, seed: int) -> list[torch.Tensor]:
+    """The token ids (int64, CPU) of the first ``blocks`` train blocks in stream order (all of them where there are
+    fewer), in batches of at most ``batch_size``: the same on every rank."""
+    idx = stream_indices(0, min(blocks, len(data.train)), n_blocks=len(data.train), seed=seed)
+    return [_to_xy(data.train[idx[i:i + batch_size]], False)[0] for i in range(0, len(idx), batch_size)]
+
+
 def val_block_indices(n_val: int, max_blocks: int = 0) -> np.ndarray:
     """The validation blocks one evaluation scores: all ``n_val``, or ``max_blocks`` > 0 of them spread evenly over
     the split (block ``i * n_val // max_blocks``, so every part of the split is represented), or all of them when the

@@ -1,0 +1,141 @@
+"""GPTQ rounding for the FP8 frozen base (``model.fp8_rounding=gptq``): the forward copy's e4m3 codes chosen so the
+layer's output on real inputs moves least, instead of each weight rounded to its nearest code. No ray, mlflow or
+torch.distributed.
+
+The codes keep fp8.py's row scales and runtime GEMM; only which e4m3 value each weight gets changes. GPTQ (Frantar
+et al., 2022) rounds the input columns one at a time and spreads each column's rounding error over the columns not
+yet rounded, weighted by the inverse of the input second moment H = E[x xᵀ] from calibration blocks: correlated
+inputs let a later column cancel an earlier one's error in the product. On the real SmolLM2-135M this took FP8's
+held-out cost before training from 0.040 to 0.013 bits in a CPU emulation of the forward (docs/benchmarks.md).
+
+Calibration is sequential by decoder layer: layer i's projections see the inputs that layer i-1, already in FP8,
+gives them, as at training time. Each pass runs the model up to the end of the layer being calibrated and stops
+there, so calibrating L layers costs about L/2 forwards of the calibration blocks. The input-grad copy stays the
+nearest rounding of the bf16 weight (fp8.to_fp8): the backward is the bf16 model's gradient, as with nearest codes.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.nn as nn
+
+from raytrain_scu.core.fp8 import E4M3, E4M3_MAX, check_fp8_device, fp8_targets, to_fp8
+from raytrain_scu.errors import ModelError
+
+BLOCK = 128  # columns rounded between two rank-BLOCK updates of the rest (GPTQ's lazy batch update)
+DAMP = 0.01  # the fraction of H's mean diagonal added to its diagonal: keeps the Cholesky factor well conditioned
+
+
+def gptq_codes(weight: torch.Tensor, hessian: torch.Tensor, *, damp: float = DAMP):
+    """e4m3 codes [N, K] and float32 row scales [N, 1] for ``weight`` [N, K], its rows scaled as fp8.quantize_rows
+    scales them (largest magnitude to 448), its codes chosen by GPTQ against ``hessian`` [K, K] (the inputs' second
+    moment, float32). An input that is always zero gets code 0. With a diagonal ``hessian`` no error moves between
+    columns and the codes are the nearest ones."""
+    w = weight.detach().float().clone()
+    amax = w.abs().amax(dim=1, keepdim=True).clamp(min=1e-12)
+    inv, scale = E4M3_MAX / amax, amax / E4M3_MAX
+    h = hessian.detach().float().to(w.device).clone()
+    dead = torch.diagonal(h) == 0
+    h[dead, dead] = 1.0
+    w[:, dead] = 0.0
+    u = _inverse_cholesky(h, damp)
+    codes = torch.empty(w.shape, dtype=E4M3, device=w.device)
+    k = w.shape[1]
+    for i1 in range(0, k, BLOCK):
+        i2 = min(i1 + BLOCK, k)
+        w1, u1 = w[:, i1:i2].clone(), u[i1:i2, i1:i2]
+        err1 = torch.zeros_like(w1)
+        for i in range(i2 - i1):
+            c = (w1[:, i:i + 1] * inv).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+            codes[:, i1 + i:i1 + i + 1] = c
+            err = (w1[:, i:i + 1] - c.float() * scale) / u1[i, i]
+            w1[:, i:] -= err * u1[i:i + 1, i:]
+            err1[:, i:i + 1] = err
+        w[:, i2:] -= err1 @ u[i1:i2, i2:]
+    return codes, scale
+
+
+def _inverse_cholesky(h: torch.Tensor, damp: float) -> torch.Tensor:
+    """The upper Cholesky factor of (H + damping)⁻¹; the damping grows tenfold (up to three times) where H is too
+    ill-conditioned to factor."""
+    mean_diag = torch.diagonal(h).mean()
+    for attempt in range(4):
+        hd = h.clone()
+        hd.diagonal().add_(damp * 10 ** attempt * mean_diag)
+        lower, info = torch.linalg.cholesky_ex(hd)
+        if int(info) == 0:
+            return torch.linalg.cholesky(torch.cholesky_inverse(lower), upper=True)
+    raise ModelError(f"model.fp8_rounding=gptq: a calibration input's second moment ({h.shape[0]} x {h.shape[0]}) is "
+                     f"not positive definite even damped by {damp * 1000:g} x its mean diagonal; set "
+                     f"model.fp8_rounding=nearest")
+
+
+class _Stop(Exception):
+    """Raised by a hook after the last layer a calibration pass needs: the rest of the forward is not run."""
+
+
+def _raise_stop(module, args, output):
+    raise _Stop
+
+
+def _second_moments(model, bases: list[nn.Linear], stop_after, batches: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each of ``bases``' input second moment E[x xᵀ] (float32) over ``batches`` (token ids on the model's device), the
+    forward stopping after ``stop_after`` (None: the whole model)."""
+    sums = [torch.zeros(b.in_features, b.in_features, device=b.weight.device) for b in bases]
+    rows = [0] * len(bases)
+
+    def hook_for(i):
+        def hook(module, args):
+            x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
+            sums[i].addmm_(x.t(), x)
+            rows[i] += x.shape[0]
+        return hook
+
+    handles = [b.register_forward_pre_hook(hook_for(i)) for i, b in enumerate(bases)]
+    if stop_after is not None:
+        handles.append(stop_after.register_forward_hook(_raise_stop))
+    try:
+        with torch.no_grad():
+            for ids in batches:
+                try:
+                    model(input_ids=ids)
+                except _Stop:
+                    pass
+    finally:
+        for h in handles:
+            h.remove()
+    return [s / max(n, 1) for s, n in zip(sums, rows)]
+
+
+def _decoder_layers(model) -> list[nn.Module]:
+    """The decoder layers in order (the body's ``layers`` list), or [] where the model has none."""
+    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    layers = getattr(getattr(lm, lm.base_model_prefix, None), "layers", None)
+    return list(layers) if isinstance(layers, nn.ModuleList) else []
+
+
+def convert_base_to_fp8_gptq(model, batches: Iterable[torch.Tensor], exclude=()) -> int:
+    """:func:`fp8.convert_base_to_fp8` with each forward copy's codes chosen by GPTQ on ``batches`` (token ids, on the
+    model's device, at least one), layer after layer (see the module docstring); returns how many were converted.
+    Raises ModelError as that does, or naming model.fp8_rounding."""
+    batches = list(batches)
+    if not batches:
+        raise ModelError("model.fp8_rounding=gptq needs at least one calibration block (model.fp8_calibration_blocks)")
+    targets = fp8_targets(model, exclude)
+    check_fp8_device(targets[0][1].weight.device)
+    groups, placed = [], set()
+    for layer in _decoder_layers(model):
+        inside = {id(m) for m in layer.modules()}
+        group = [base for _, base in targets if id(base) in inside]
+        if group:
+            groups.append((layer, group))
+            placed.update(id(b) for b in group)
+    rest = [base for _, base in targets if id(base) not in placed]
+    if rest:  # outside any decoder layer: calibrated on a whole forward, after the layers
+        groups.append((None, rest))
+    for stop_after, group in groups:
+        moments = _second_moments(model, group, stop_after, batches)
+        for base, h in zip(group, moments):
+            to_fp8(base, codes=gptq_codes(base.weight, h))
+    return len(targets)
