@@ -87,8 +87,6 @@ CASES = {
                                            ["lora.target_modules", "qkv_proj", "not found in tiny"]),
     "use_gpu with no GPU": (lambda t: [TINY, "scaling.use_gpu=true"], ["scaling.use_gpu=true", "no CUDA GPU"]),
     "fp16 on CPU workers": (lambda t: [TINY, "model.precision=fp16"], ["model.precision=fp16", "CUDA", "fp32 or bf16"]),
-    "4-bit with model.compile": (lambda t: [TINY, "quant.load_in_4bit=true", "model.compile=true"],
-                                 ["quant.load_in_4bit=true with model.compile=true is not supported"]),
     "4-bit with fp16 on CPU": (lambda t: [TINY, "quant.load_in_4bit=true", "model.precision=fp16"],
                                ["model.precision=fp16", "also with quant.load_in_4bit"]),
     "offloading a tied embedding": (lambda t: [TINY, "quant.offload_embedding=true"],

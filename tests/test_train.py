@@ -162,6 +162,24 @@ def test_qlora_4bit_runs_on_cpu(tmp_path):
     assert last["step"] == 4 and last["val/data_bpt"] == last["val/data_bpt"] and last["train/lora_b_norm"] > 0
 
 
+def test_qlora_4bit_compiled_trains_on_cpu_and_preflight_wants_a_bitsandbytes_that_compiles(tmp_path):
+    """quant.load_in_4bit with model.compile: each decoder layer compiled over bitsandbytes' 4-bit layers (with
+    checkpointing, as the 8B QLoRA bench part runs) trains; preflight passes the bitsandbytes installed here and
+    refuses an older one by name."""
+    from raytrain_scu.driver.preflight import check_4bit_compiles, preflight
+    from raytrain_scu.errors import PreflightError
+
+    cfg = tiny_cfg(tmp_path, "qlora-compiled", "tracking.enabled=false", "scaling.num_workers=1",
+                   "model.name=tiny-llama-3.1-8b", "model.precision=bf16", "quant.load_in_4bit=true",
+                   "model.compile=true", "model.gradient_checkpointing=true", "train.max_steps=4",
+                   "train.report_every=2", "train.checkpoint_every=4", "controller.mode=none")
+    preflight(cfg)
+    with pytest.raises(PreflightError, match=r"needs bitsandbytes >= 0.50 .* found 0.45.5: pip install -U"):
+        check_4bit_compiles("0.45.5")
+    last = in_process(cfg)
+    assert last["step"] == 4 and last["train/lora_b_norm"] > 0 and last["val/data_bpt"] < last["val/data_bpt_start"]
+
+
 def test_cli_rejects_bad_config_before_ray(tmp_path):
     r = cli("controller.target_s=1.5", f"run.storage_path={tmp_path}")
     assert r.returncode == 2 and "controller.target_s" in r.stderr

@@ -3,8 +3,10 @@ re-run resumes from. Every problem is a PreflightError naming the key at fault; 
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import importlib.util
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Optional
@@ -102,9 +104,21 @@ def check_machine(cfg: Config) -> tuple[bool, int]:
         if importlib.util.find_spec("bitsandbytes") is None:
             raise PreflightError("quant.load_in_4bit=true needs bitsandbytes: pip install bitsandbytes")
         if m.compile:
-            raise PreflightError("quant.load_in_4bit=true with model.compile=true is not supported "
-                                 "(bitsandbytes 4-bit layers do not compile); turn one off")
+            check_4bit_compiles(importlib.metadata.version("bitsandbytes"))
     return use_gpu, gpus
+
+
+BNB_COMPILES = (0, 50)  # the bitsandbytes whose 4-bit layers were measured compiled (docs/benchmarks.md)
+
+
+def check_4bit_compiles(bnb_version: str) -> None:
+    """quant.load_in_4bit with model.compile needs a bitsandbytes whose 4-bit ops torch.compile traces (torch.library
+    custom ops): the version measured, or newer."""
+    have = tuple(int(p) for p in re.findall(r"\d+", bnb_version)[:2])
+    if have < BNB_COMPILES:
+        raise PreflightError(f"quant.load_in_4bit=true with model.compile=true needs bitsandbytes >= "
+                             f"{'.'.join(map(str, BNB_COMPILES))} (its 4-bit layers compile; measured with 0.50.2), "
+                             f"found {bnb_version}: pip install -U bitsandbytes, or turn one off")
 
 
 def _check_model(cfg: Config, *, use_gpu: bool, gpus: int):
