@@ -366,7 +366,7 @@ def test_an_fp8_run_on_ray_trains_and_exports_a_plain_adapter(plain_run, tmp_pat
     from raytrain_scu.driver.run import run
 
     plain_storage, _ = plain_run
-    cfg = tiny_cfg(tmp_path, "fp8-true", "model.base_fp8=true", *PLAIN_RUN)
+    cfg = tiny_cfg(tmp_path, "fp8-true", "model.base_fp8=true", "model.fp8_rounding=nearest", *PLAIN_RUN)
     summaries = {"true": run(cfg, quiet=True)}
     client, runs = mlflow_runs(tmp_path, "fp8-true")
     assert len(runs) == 1 and runs[0].data.params["model.base_fp8"] == "True"

@@ -115,6 +115,11 @@ def test_exclusions_that_match_nothing_or_everything_are_refused():
         convert_base_to_fp8_gptq(model, [])
 
 
+def test_gptq_is_the_default_rounding_and_nothing_is_excluded():
+    m = load_config(TINY, ["model.base_fp8=true"]).model
+    assert m.fp8_rounding == "gptq" and m.fp8_exclude == [] and m.fp8_calibration_blocks == 32
+
+
 @pytest.mark.parametrize("overrides,key,needle", [
     (["model.base_fp8=true", "model.fp8_rounding=best"], "model.fp8_rounding", "gptq"),
     (["model.base_fp8=true", "model.fp8_calibration_blocks=0"], "model.fp8_calibration_blocks", ">= 1"),

@@ -17,7 +17,7 @@ from raytrain_scu.core.data.batches import calibration_batches
 from raytrain_scu.core.data.blocks import prepare_data
 from raytrain_scu.core.dist import broadcast_params, notice0, rank, world_size
 from raytrain_scu.core.embed_quant import offloaded_embedding
-from raytrain_scu.core.fp8 import convert_base_to_fp8, convert_head_to_fp8
+from raytrain_scu.core.fp8 import Fp8FrozenLinear, convert_base_to_fp8, convert_head_to_fp8
 from raytrain_scu.core.fp8_gptq import convert_base_to_fp8_gptq
 from raytrain_scu.core.fused_lora import fuse_lora_projections
 from raytrain_scu.core.loss import CausalLMLoss, compile_for_training
@@ -57,6 +57,8 @@ def _model(cfg: Config, *, data, vocab_size: int, dtype, device):
         batches = calibration_batches(data, blocks=m.fp8_calibration_blocks, batch_size=cfg.data.batch_size,
                                       seed=cfg.seed)
         convert_base_to_fp8_gptq(model, [ids.to(device) for ids in batches], exclude=m.fp8_exclude)
+        # all ranks: rank 0's codes, so every rank runs the same base whatever rounding its own arithmetic took
+        broadcast_params([mod.fp8_weight for mod in model.modules() if isinstance(mod, Fp8FrozenLinear)])
     elif m.base_fp8:
         convert_base_to_fp8(model, exclude=m.fp8_exclude)
     if m.head_fp8:
