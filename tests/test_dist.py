@@ -1,8 +1,9 @@
 """dist.py's collectives between real processes (gloo on the CPU): the data-parallel gradient mean the loop takes
-instead of DDP's, and the start-up broadcast of the adapters."""
+instead of DDP's, the start-up broadcast of the adapters, and of rank 0's FP8 codes."""
 import os
 import socket
 
+import pytest
 import torch
 import torch.distributed as tdist
 import torch.multiprocessing as mp
@@ -52,3 +53,40 @@ def test_one_process_leaves_gradients_alone():
     p.grad = torch.tensor([1.0, 3.0])
     average_gradients([p])
     assert torch.equal(p.grad, torch.tensor([1.0, 3.0]))
+
+
+def _codes_worker(rank: int, port: int, out: dict) -> None:
+    from test_fp8 import VOCAB, lora_model
+
+    from raytrain_scu.core.fp8_gptq import convert_base_to_fp8_gptq
+    from raytrain_scu.worker.build import share_rank0_codes
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    tdist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        model = lora_model()  # the same seeded model on both ranks
+        g = torch.Generator().manual_seed(100 + rank)  # each rank calibrates on its own blocks: other codes
+        convert_base_to_fp8_gptq(model, [torch.randint(0, VOCAB, (4, 64), generator=g) for _ in range(2)])
+
+        def codes():
+            return [m.base_layer.fp8_weight.clone() for m in model.modules() if hasattr(m, "base_layer")]
+
+        before = codes()
+        share_rank0_codes(model)
+        out[rank] = (before, codes())
+    finally:
+        tdist.destroy_process_group()
+
+
+def test_every_rank_runs_rank_0s_fp8_codes():
+    from test_fp8 import CPU_FP8_MISSING
+
+    if CPU_FP8_MISSING:
+        pytest.skip(CPU_FP8_MISSING)
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(_codes_worker, args=(_free_port(), out), nprocs=2, join=True)
+        (before0, after0), (before1, after1) = out[0], out[1]
+    assert len(after0) == 2 * 7 and any(not torch.equal(a, b) for a, b in zip(before0, before1))
+    assert all(torch.equal(a, b) for a, b in zip(after0, after1)) and all(
+        torch.equal(a, b) for a, b in zip(before0, after0))

@@ -51,12 +51,14 @@ def test_correlated_inputs_move_the_output_less_than_nearest_rounding():
     assert not torch.equal(codes.view(torch.uint8), near.view(torch.uint8))
 
 
-def test_an_input_that_is_always_zero_gets_code_zero_and_nothing_is_nan():
+def test_an_input_that_is_always_zero_keeps_its_nearest_codes_and_nothing_is_nan():
     w = torch.randn(32, 64, generator=torch.Generator().manual_seed(6))
     x = correlated_inputs(512, 64, seed=7)
     x[:, 5] = 0.0
     codes, scale = gptq_codes(w, x.t() @ x / len(x))
-    assert (codes[:, 5].float() == 0).all() and torch.isfinite(dequant(codes, scale)).all()
+    near, _ = quantize_rows(w)
+    assert torch.equal(codes[:, 5].view(torch.uint8), near[:, 5].view(torch.uint8))
+    assert torch.isfinite(dequant(codes, scale)).all()
 
 
 def test_a_second_moment_that_cannot_be_factored_is_refused_with_the_key():
@@ -93,7 +95,8 @@ def test_a_model_is_calibrated_layer_by_layer_and_excluded_projections_stay_plai
 @cpu_fp8
 def test_gptq_codes_keep_a_model_closer_to_full_precision_than_nearest_ones():
     """The tiny model's held-out logits under GPTQ codes against nearest ones, both from the same weights (measured:
-    GPTQ's error 0.xx of nearest's)."""
+    GPTQ's error 0.87 of nearest's; random-init weights on random tokens give GPTQ little correlation to use, so the
+    test asks only that it is not worse, with a margin)."""
     batches, held_out = calibration_and_held_out()
     plain, near, gptq = lora_model(), lora_model(), lora_model()
     convert_base_to_fp8(near)
@@ -101,7 +104,7 @@ def test_gptq_codes_keep_a_model_closer_to_full_precision_than_nearest_ones():
     with torch.no_grad():
         want = plain(input_ids=held_out).logits
         err_near, err_gptq = (rel(m(input_ids=held_out).logits, want) for m in (near, gptq))
-    assert 0 < err_gptq < 0.9 * err_near, (err_gptq, err_near)
+    assert 0 < err_gptq < 0.95 * err_near, (err_gptq, err_near)
 
 
 def test_exclusions_that_match_nothing_or_everything_are_refused():
@@ -138,8 +141,14 @@ def test_preflight_refuses_an_exclusion_that_matches_no_layer(tmp_path):
 
     cfg = tiny_cfg(tmp_path, "fp8-exclude", "model.base_fp8=true", "model.fp8_exclude=model.layers.9.*",
                    "scaling.use_gpu=false", "tracking.enabled=false")
-    with pytest.raises(PreflightError, match=r"model.fp8_exclude: \['model.layers.9.\*'\] match no linear layer"):
+    with pytest.raises(PreflightError, match=r"model.fp8_exclude: \['model.layers.9.\*'\] match none of the "
+                                             r"projections LoRA adapts in tiny \(names like "
+                                             r"model.layers.0.self_attn.q_proj, model.layers.1.mlp.down_proj\)"):
         preflight(cfg)
+    head_only = tiny_cfg(tmp_path, "fp8-exclude-head", "model.base_fp8=true", "model.fp8_exclude=lm_head",
+                         "scaling.use_gpu=false", "tracking.enabled=false")
+    with pytest.raises(PreflightError, match=r"\['lm_head'\] match none of the projections LoRA adapts"):
+        preflight(head_only)  # a Linear, but not one LoRA adapts
 
 
 @cpu_fp8

@@ -22,6 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from raytrain_scu.core.model.parts import base_of
 from raytrain_scu.errors import ModelError
 
 INT8_MAX = 127.0
@@ -143,7 +144,8 @@ class OffloadedEmbedding(nn.Module):
     queued before it (the previous step's backward and optimizer step), so the device idles while the host looks up
     and launches again. :meth:`stage` avoids that: given a batch's host ids as they are sent to the device, it looks
     their rows up at once and queues their copy; the forward that gets those device ids (the same tensor) takes the
-    staged rows without a sync. Any other ids take the synchronous way."""
+    staged rows without a sync, once. Any other ids (an evaluation between the two) take the synchronous way and leave
+    the staged rows for their batch."""
 
     def __init__(self, inner: nn.Module):
         super().__init__()
@@ -165,15 +167,15 @@ class OffloadedEmbedding(nn.Module):
 
     @torch.compiler.disable  # the staged rows are matched by tensor identity: eager, never guarded on by dynamo
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        staged, self._staged = self._staged, None
-        if staged is not None and staged[0] is ids:
-            return staged[1]
-        return self.inner(ids.to("cpu")).to(ids.device)
+        if self._staged is not None and self._staged[0] is ids:
+            rows, self._staged = self._staged[1], None
+            return rows
+        return self.inner(ids.to("cpu")).to(ids.device)  # other ids (an evaluation's) leave the stage for its batch
 
 
 def offloaded_embedding(model) -> Optional[OffloadedEmbedding]:
     """``model``'s input embedding where it is an :class:`OffloadedEmbedding`, else None."""
-    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    lm = base_of(model)
     emb = lm.get_input_embeddings()
     return emb if isinstance(emb, OffloadedEmbedding) else None
 
@@ -194,7 +196,7 @@ def shrink_embeddings(model, *, int8: bool = False, offload: bool = False) -> No
     input-requires-grad hook) move to the new one. Errors name the quant.* key."""
     if not (int8 or offload):
         return
-    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    lm = base_of(model)
     emb, head = lm.get_input_embeddings(), lm.get_output_embeddings()
     tied = head is not None and getattr(head, "weight", None) is emb.weight
     key = "quant.embedding_int8" if int8 else "quant.offload_embedding"
@@ -230,7 +232,7 @@ def embedding_targets(model, targets) -> list[str]:
 
 def embedding_targets_of(model, targets, *, head_only: bool) -> list[str]:
     """:func:`embedding_targets`, or with ``head_only`` those naming the LM head alone (``model.head_fp8``)."""
-    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    lm = base_of(model)
     tables = (lm.get_output_embeddings(),) if head_only else (lm.get_input_embeddings(), lm.get_output_embeddings())
     mods = {id(m) for m in tables if m is not None}
     names = {n.rsplit(".", 1)[-1] for n, m in lm.named_modules() if id(m) in mods}

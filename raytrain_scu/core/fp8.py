@@ -35,6 +35,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
+from raytrain_scu.core.model.parts import base_of
 from raytrain_scu.errors import ModelError
 
 E4M3 = torch.float8_e4m3fn
@@ -147,7 +148,7 @@ def fp8_targets(model, exclude=()) -> list[tuple[str, nn.Linear]]:
     frozen nn.Linear (4-bit, converted already), its weight is trainable, or its dimensions are not multiples of 16."""
     from peft.tuners.lora import Linear as LoraLinear
 
-    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    lm = base_of(model)
     adapted = [(name, m) for name, m in lm.named_modules() if isinstance(m, LoraLinear)]
     if not adapted:
         raise ModelError("model.base_fp8=true: the model has no peft LoRA Linear whose base could run in FP8 "
@@ -170,11 +171,16 @@ def fp8_targets(model, exclude=()) -> list[tuple[str, nn.Linear]]:
     return out
 
 
-def unmatched_exclude(model, exclude) -> list[str]:
-    """The patterns of ``exclude`` (``model.fp8_exclude``) that match no nn.Linear of ``model`` (a meta-device skeleton
-    will do): preflight's check before any worker; :func:`fp8_targets` checks against the adapted ones."""
-    names = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
-    return [p for p in exclude if not any(fnmatch.fnmatchcase(name, p) for name in names)]
+def unmatched_exclude(model, exclude, targets) -> tuple[list[str], list[str]]:
+    """Preflight's check of ``model.fp8_exclude`` before any worker, on ``model`` (a meta-device skeleton will do):
+    the patterns of ``exclude`` that match none of the Linears LoRA adapts under ``targets`` (lora.target_modules), and
+    the first and last of those names to show; :func:`fp8_targets` checks the built model the same way."""
+    lm = base_of(model)
+    head = lm.get_output_embeddings()
+    names = [name for name, m in lm.named_modules() if isinstance(m, nn.Linear) and m is not head
+             and ("all-linear" in targets or name.rsplit(".", 1)[-1] in targets)]
+    unmatched = [p for p in exclude if not any(fnmatch.fnmatchcase(name, p) for name in names)]
+    return unmatched, names[:1] + names[-1:]
 
 
 def convert_base_to_fp8(model, exclude=()) -> int:
@@ -194,7 +200,7 @@ def convert_head_to_fp8(model) -> Fp8FrozenLinear:
     the model's own forward (generation, the unfused loss) runs the same FP8 forward. A tied head keeps its bf16 weight
     shared with the input embedding, which looks its rows up in bf16 as before. Raises ModelError (naming
     model.head_fp8) for a head that is not a plain frozen nn.Linear with dimensions multiples of 16."""
-    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    lm = base_of(model)
     head = lm.get_output_embeddings()
     problem = "missing (the model has no output embeddings)" if head is None else _unconvertible(head)
     if problem:

@@ -5,22 +5,27 @@ torch.distributed.
 The codes keep fp8.py's row scales and runtime GEMM; only which e4m3 value each weight gets changes. GPTQ (Frantar
 et al., 2022) rounds the input columns one at a time and spreads each column's rounding error over the columns not
 yet rounded, weighted by the inverse of the input second moment H = E[x xᵀ] from calibration blocks: correlated
-inputs let a later column cancel an earlier one's error in the product. On the real SmolLM2-135M this took FP8's
-held-out cost before training from 0.040 to 0.013 bits in a CPU emulation of the forward (docs/benchmarks.md).
+inputs let a later column cancel an earlier one's error in the product. On the real SmolLM2-135M (H200) this took the
+FP8 forward's held-out cost before training from 0.040 to 0.018 bits (docs/benchmarks.md).
 
 Calibration is sequential by decoder layer: layer i's projections see the inputs that layer i-1, already in FP8,
-gives them, as at training time. Each pass runs the model up to the end of the layer being calibrated and stops
-there, so calibrating L layers costs about L/2 forwards of the calibration blocks. The input-grad copy stays the
-nearest rounding of the bf16 weight (fp8.to_fp8): the backward is the bf16 model's gradient, as with nearest codes.
+gives them, as at training time. Each pass runs the model in eval mode up to the end of the layer being calibrated and
+stops there, so calibrating L layers costs about L/2 forwards of the calibration blocks; one layer's second moments
+(K x K float32 per projection) are held at a time. The per-column loop dominates the cost: 51 s for the Llama-3.2-1B
+shape's 112 projections on an H200. The input-grad copy stays the nearest rounding of the bf16 weight (fp8.to_fp8):
+the backward is the bf16 model's gradient, as with nearest codes.
 """
 from __future__ import annotations
 
+import time
 from typing import Iterable
 
 import torch
 import torch.nn as nn
 
+from raytrain_scu.core.dist import notice0
 from raytrain_scu.core.fp8 import E4M3, E4M3_MAX, check_fp8_device, fp8_targets, to_fp8
+from raytrain_scu.core.model.parts import base_of, decoder_layers
 from raytrain_scu.errors import ModelError
 
 BLOCK = 128  # columns rounded between two rank-BLOCK updates of the rest (GPTQ's lazy batch update)
@@ -30,15 +35,14 @@ DAMP = 0.01  # the fraction of H's mean diagonal added to its diagonal: keeps th
 def gptq_codes(weight: torch.Tensor, hessian: torch.Tensor, *, damp: float = DAMP):
     """e4m3 codes [N, K] and float32 row scales [N, 1] for ``weight`` [N, K], its rows scaled as fp8.quantize_rows
     scales them (largest magnitude to 448), its codes chosen by GPTQ against ``hessian`` [K, K] (the inputs' second
-    moment, float32). An input that is always zero gets code 0. With a diagonal ``hessian`` no error moves between
-    columns and the codes are the nearest ones."""
+    moment, float32). With a diagonal ``hessian`` no error moves between columns and the codes are the nearest ones; an
+    input that was always zero in calibration gets its nearest codes too."""
     w = weight.detach().float().clone()
     amax = w.abs().amax(dim=1, keepdim=True).clamp(min=1e-12)
     inv, scale = E4M3_MAX / amax, amax / E4M3_MAX
     h = hessian.detach().float().to(w.device).clone()
-    dead = torch.diagonal(h) == 0
+    dead = torch.diagonal(h) == 0  # inputs that were always zero: their error costs nothing, so none is spread
     h[dead, dead] = 1.0
-    w[:, dead] = 0.0
     u = _inverse_cholesky(h, damp)
     codes = torch.empty(w.shape, dtype=E4M3, device=w.device)
     k = w.shape[1]
@@ -65,7 +69,9 @@ def _inverse_cholesky(h: torch.Tensor, damp: float) -> torch.Tensor:
         hd.diagonal().add_(damp * 10 ** attempt * mean_diag)
         lower, info = torch.linalg.cholesky_ex(hd)
         if int(info) == 0:
-            return torch.linalg.cholesky(torch.cholesky_inverse(lower), upper=True)
+            upper, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(lower), upper=True)
+            if int(info) == 0:
+                return upper
     raise ModelError(f"model.fp8_rounding=gptq: a calibration input's second moment ({h.shape[0]} x {h.shape[0]}) is "
                      f"not positive definite even damped by {damp * 1000:g} x its mean diagonal; set "
                      f"model.fp8_rounding=nearest")
@@ -108,24 +114,22 @@ def _second_moments(model, bases: list[nn.Linear], stop_after, batches: list[tor
     return [s / max(n, 1) for s, n in zip(sums, rows)]
 
 
-def _decoder_layers(model) -> list[nn.Module]:
-    """The decoder layers in order (the body's ``layers`` list), or [] where the model has none."""
-    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
-    layers = getattr(getattr(lm, lm.base_model_prefix, None), "layers", None)
-    return list(layers) if isinstance(layers, nn.ModuleList) else []
-
-
 def convert_base_to_fp8_gptq(model, batches: Iterable[torch.Tensor], exclude=()) -> int:
     """:func:`fp8.convert_base_to_fp8` with each forward copy's codes chosen by GPTQ on ``batches`` (token ids, on the
-    model's device, at least one), layer after layer (see the module docstring); returns how many were converted.
-    Raises ModelError as that does, or naming model.fp8_rounding."""
+    model's device, at least one), layer after layer (see the module docstring), in eval mode (the model's modes are
+    restored after); returns how many were converted. Raises ModelError as that does, or naming model.fp8_rounding.
+    Rank 0 says what it calibrates and how long it took."""
     batches = list(batches)
     if not batches:
         raise ModelError("model.fp8_rounding=gptq needs at least one calibration block (model.fp8_calibration_blocks)")
     targets = fp8_targets(model, exclude)
     check_fp8_device(targets[0][1].weight.device)
+    layers = decoder_layers(model)
+    if not layers:
+        notice0(f"{type(base_of(model)).__name__} has no decoder `layers` list: GPTQ calibrates all {len(targets)} "
+                f"projections in one pass, on the bf16 model's inputs, holding every second moment at once")
     groups, placed = [], set()
-    for layer in _decoder_layers(model):
+    for layer in layers:
         inside = {id(m) for m in layer.modules()}
         group = [base for _, base in targets if id(base) in inside]
         if group:
@@ -134,8 +138,17 @@ def convert_base_to_fp8_gptq(model, batches: Iterable[torch.Tensor], exclude=())
     rest = [base for _, base in targets if id(base) not in placed]
     if rest:  # outside any decoder layer: calibrated on a whole forward, after the layers
         groups.append((None, rest))
-    for stop_after, group in groups:
-        moments = _second_moments(model, group, stop_after, batches)
-        for base, h in zip(group, moments):
-            to_fp8(base, codes=gptq_codes(base.weight, h))
+    notice0(f"model.fp8_rounding=gptq: choosing the e4m3 codes of {len(targets)} projections on "
+            f"{sum(len(b) for b in batches)} calibration blocks, layer by layer")
+    began, modes = time.perf_counter(), [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        for stop_after, group in groups:
+            moments = _second_moments(model, group, stop_after, batches)
+            for base, h in zip(group, moments):
+                to_fp8(base, codes=gptq_codes(base.weight, h))
+    finally:
+        for m, training in modes:
+            m.training = training
+    notice0(f"model.fp8_rounding=gptq: {len(targets)} projections in FP8 after {time.perf_counter() - began:.0f} s")
     return len(targets)

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from raytrain_scu.config.schema import FUSED_LORA_TARGETS
 from raytrain_scu.core.model.families import family_of
+from raytrain_scu.core.model.parts import base_of
 from raytrain_scu.errors import ModelError
 
 
@@ -162,7 +163,7 @@ def fuse_lora_projections(model) -> int:
     a LoRA bias), or a layer fused already."""
     from transformers.models.llama.modeling_llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
 
-    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    lm = base_of(model)
     if type(lm) is not LlamaForCausalLM:
         raise ModelError(f"model.fuse_lora=true: only transformers' own LlamaForCausalLM is fused, this model is "
                          f"{type(lm).__module__}.{type(lm).__name__}; set model.fuse_lora=false")

@@ -15,13 +15,14 @@ from raytrain_scu.console import notice
 from raytrain_scu.core.embed_quant import Int8Head, int8_grad_input, int8_logits
 from raytrain_scu.core.fp8 import Fp8FrozenLinear, fp8_head_grad, fp8_head_logits, quantize_rows, quantize_rows_
 from raytrain_scu.core.model.families import HeadTransform, family_of, head_of_class
+from raytrain_scu.core.model.parts import base_of, body_of
 
 
 def fused_head(model) -> tuple[Optional[HeadTransform], str]:
     """Whether the fused loss can stand in for ``model``'s LM head: (its transform, why) or (None, why not)."""
     import transformers
 
-    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    lm = base_of(model)
     cls = type(lm)
     make = head_of_class(cls.__name__)
     if make is None or getattr(transformers, cls.__name__, None) is not cls:
@@ -231,8 +232,7 @@ class CausalLMLoss(nn.Module):
 
     def decoder(self):
         """The transformer body under the LM head (peft injects LoRA into it in place)."""
-        lm = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
-        return getattr(lm, lm.base_model_prefix)
+        return body_of(self.model)
 
 
 def compile_for_training(loss_model: CausalLMLoss, *, scope: str = "layers", mode: str = "default") -> nn.Module:

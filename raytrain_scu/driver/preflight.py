@@ -32,6 +32,8 @@ from raytrain_scu.core.model.build import missing_targets, structure_of
 from raytrain_scu.core.model.source import check_model_source, load_tokenizer, max_positions, model_config
 from raytrain_scu.errors import CheckpointError, DataError, ModelError, PreflightError
 
+BNB_COMPILES = (0, 50)  # the bitsandbytes whose 4-bit layers were measured compiled (docs/benchmarks.md)
+
 
 @contextlib.contextmanager
 def _as_preflight(*errors: type):
@@ -108,9 +110,6 @@ def check_machine(cfg: Config) -> tuple[bool, int]:
     return use_gpu, gpus
 
 
-BNB_COMPILES = (0, 50)  # the bitsandbytes whose 4-bit layers were measured compiled (docs/benchmarks.md)
-
-
 def check_4bit_compiles(bnb_version: str) -> None:
     """quant.load_in_4bit with model.compile needs a bitsandbytes whose 4-bit ops torch.compile traces (torch.library
     custom ops): the version measured, or newer."""
@@ -151,10 +150,11 @@ def _check_model(cfg: Config, *, use_gpu: bool, gpus: int):
     hit = embedding_targets(skeleton, cfg.lora.target_modules) if skeleton is not None else []
     if hit and (cfg.quant.offload_embedding or cfg.quant.embedding_int8):
         raise PreflightError(EMBEDDING_TARGETS.format(hit=hit))
-    unmatched = unmatched_exclude(skeleton, m.fp8_exclude) if skeleton is not None else []
+    unmatched, names = (unmatched_exclude(skeleton, m.fp8_exclude, cfg.lora.target_modules) if skeleton is not None
+                        else ([], []))
     if unmatched:
-        raise PreflightError(f"model.fp8_exclude: {unmatched} match no linear layer of {m.name} (names like "
-                             f"model.layers.0.mlp.down_proj)")
+        raise PreflightError(f"model.fp8_exclude: {unmatched} match none of the projections LoRA adapts in {m.name} "
+                             f"(names like {', '.join(names)}); correct or drop them")
     head = (embedding_targets_of(skeleton, cfg.lora.target_modules, head_only=True)
             if skeleton is not None and m.head_fp8 else [])
     if head:

@@ -57,13 +57,18 @@ def _model(cfg: Config, *, data, vocab_size: int, dtype, device):
         batches = calibration_batches(data, blocks=m.fp8_calibration_blocks, batch_size=cfg.data.batch_size,
                                       seed=cfg.seed)
         convert_base_to_fp8_gptq(model, [ids.to(device) for ids in batches], exclude=m.fp8_exclude)
-        # all ranks: rank 0's codes, so every rank runs the same base whatever rounding its own arithmetic took
-        broadcast_params([mod.fp8_weight for mod in model.modules() if isinstance(mod, Fp8FrozenLinear)])
+        share_rank0_codes(model)
     elif m.base_fp8:
         convert_base_to_fp8(model, exclude=m.fp8_exclude)
     if m.head_fp8:
         convert_head_to_fp8(model)
     return base, model
+
+
+def share_rank0_codes(model) -> None:
+    """All ranks: rank 0's FP8 codes in every rank's frozen base, so every rank runs the same base whatever rounding
+    its own arithmetic took (GPTQ's codes come from float sums that may differ in their last bits between devices)."""
+    broadcast_params([m.fp8_weight for m in model.modules() if isinstance(m, Fp8FrozenLinear)])
 
 
 def _optimisation(cfg: Config, hooks, model, *, device, dtype) -> Optimisation:

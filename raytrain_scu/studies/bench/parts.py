@@ -61,10 +61,10 @@ def _ours(**kw) -> Callable[[Ctx], dict]:
     return lambda c: ours_bare(c.cfg(**kw), c.args.warmup_reports)
 
 
-def _mem(load_in_4bit: bool, int8: bool = False, offload: bool = False, compile: bool = False) -> Callable[[Ctx], dict]:
-    """Peak memory at --mem-batch: gradient checkpointing, a small loss chunk; eager, or with ``compile`` each decoder
+def _mem(load_in_4bit: bool, int8: bool = False, offload: bool = False, compiled: bool = False) -> Callable[[Ctx], dict]:
+    """Peak memory at --mem-batch: gradient checkpointing, a small loss chunk; eager, or with ``compiled`` each decoder
     layer compiled (unless --no-compile)."""
-    return lambda c: ours_bare(c.cfg(batch=c.args.mem_batch, compile=compile and c.compile, checkpointing=True,
+    return lambda c: ours_bare(c.cfg(batch=c.args.mem_batch, compile=compiled and c.compile, checkpointing=True,
                                      chunk=c.args.mem_chunk, load_in_4bit=load_in_4bit, embedding_int8=int8 or offload,
                                      offload_embedding=offload), c.args.warmup_reports)
 
@@ -128,7 +128,7 @@ PARTS: dict[str, Part] = {
     "qlora_emb8_8b": Part(_mem(load_in_4bit=True, int8=True), loop=True),
     "qlora_offload_8b": Part(_mem(load_in_4bit=True, offload=True), loop=True),
     # the same with its decoder layers compiled (bitsandbytes' 4-bit ops as torch.library custom ops)
-    "qlora_offload_compiled_8b": Part(_mem(load_in_4bit=True, offload=True, compile=True), loop=True),
+    "qlora_offload_compiled_8b": Part(_mem(load_in_4bit=True, offload=True, compiled=True), loop=True),
     "granite_h1b": Part(_granite(load_in_4bit=False), loop=True),
     "granite_h1b_eager": Part(_granite(load_in_4bit=False, eager=True), loop=True),
     # Granite's own choice (auto) is off: this part measures the recompute there
