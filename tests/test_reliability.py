@@ -635,7 +635,8 @@ def test_the_batch_sent_ahead_is_the_one_its_step_would_build():
 
     data = SimpleNamespace(train=torch.arange(40 * 5).reshape(40, 5).numpy())
     s = SimpleNamespace(pos=Position(data=data, seqs_per_step=4, block_size=4, position=8), device=torch.device("cpu"),
-                        cfg=SimpleNamespace(data=SimpleNamespace(batch_size=2), seed=3))
+                        cfg=SimpleNamespace(data=SimpleNamespace(batch_size=2), seed=3),
+                        opt=SimpleNamespace(offloaded=None))  # no offloaded embedding to stage rows for
 
     def built(position, micro):
         return train_batch(data, position=position, micro_step=micro, rank=0, world_size=1, batch_size=2, seed=3)
