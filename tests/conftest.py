@@ -34,6 +34,32 @@ def ray_local():
     if not ray.is_initialized():
         ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     yield ray
+    shutdown_ray(ray)
+
+
+def shutdown_ray(ray, timeout_s: float = 60.0) -> None:
+    """ray.shutdown() that cannot hang the test process: Ray's GCS subscribers can block for good while they close
+    (ray-project/ray#45044; seen here at a session's end), so they are closed first, each in a daemon thread given
+    ``timeout_s``, and shutdown then skips any subscriber or listening thread that did not finish."""
+    import threading
+
+    worker = ray._private.worker.global_worker
+    if not worker.connected:
+        return
+    worker.threads_stopped.set()  # the listening threads leave their loops once their subscriber returns
+    for name in ("gcs_error_subscriber", "gcs_log_subscriber"):
+        sub = getattr(worker, name, None)
+        if sub is not None:
+            closing = threading.Thread(target=sub.close, daemon=True)
+            closing.start()
+            closing.join(timeout_s)
+            delattr(worker, name)  # closed, or stuck: either way shutdown must not close it again
+    for name in ("listener_thread", "logger_thread"):
+        thread = getattr(worker, name, None)
+        if thread is not None:
+            thread.join(timeout_s)
+            if thread.is_alive():
+                delattr(worker, name)
     ray.shutdown()
 
 
