@@ -129,8 +129,9 @@ FP8_RUNS = (("bf16", []), ("fp8-base-nearest", ["model.base_fp8=true", NEAREST])
 
 @pytest.fixture(scope="module")
 def fp8_runs(tmp_path_factory):
-    """The compiled loop on the real model (as above), bf16, model.base_fp8 and base_fp8 + head_fp8: each run's
-    reports, its config and the directory of its checkpoints."""
+    """The compiled loop on the real model (as above), once per FP8_RUNS arm (bf16, and base_fp8 with nearest or GPTQ
+    codes, with the FP8 head, with the last MLP in bf16): each run's reports, its config and the directory of its
+    checkpoints."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("FP8 needs a CUDA GPU of compute capability >= 8.9")
     tmp = tmp_path_factory.mktemp("fp8-real")
