@@ -176,6 +176,44 @@ def test_chunked_kernel_applies_the_transform_and_its_derivative(transform, comp
     assert counters["stats"]["unique_graphs"] == (8 if compiled else 0)
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("transform", [HeadTransform(), HeadTransform(scale=2.0, softcap=5.0)])
+def test_an_int8_head_walks_the_vocabulary_slice_by_slice_and_matches_its_dequantised_table(transform, compiled,
+                                                                                             monkeypatch):
+    """The int8 head's loss runs the vocabulary in the outer loop (an online log-sum-exp over slices of the table,
+    then each slice's gradient): its nats and input gradient equal cross-entropy over the dequantised table's
+    logits, with a bias, an ignored label and labels in every slice, however the slices fall (rows bounded by the
+    dequantised bytes, or by the chunk's share of the logits), in a gradient pass and an eval pass."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    h = torch.randn(37, 16, requires_grad=True)
+    q, s = embed_quant.quantize_rows_int8(torch.randn(50, 16))
+    dense = q.float() * s[:, None]
+    b = torch.randn(50)
+    y = torch.randint(0, 50, (37,))
+    y[3] = -100
+    z = (h @ dense.t() + b) * transform.scale
+    logits = transform.softcap * torch.tanh(z / transform.softcap) if transform.softcap else z
+    ref = F.cross_entropy(logits, y, ignore_index=-100, reduction="sum")
+    (gref,) = torch.autograd.grad(ref, h)
+    for slice_rows, chunk in ((12, 1000), (1000, 8)):  # 12 rows by bytes; 8 x 50 // 37 = 10 rows by the chunk
+        monkeypatch.setattr(embed_quant, "SLICE_BYTES", 16 * 4 * slice_rows)
+        out = chunked_ce_sum(h, q, y, chunk_size=chunk, bias=b, transform=transform, compiled=compiled,
+                             weight_scale=s)
+        (g,) = torch.autograd.grad(out * 2.0, h)
+        assert float(out) == pytest.approx(float(ref), rel=1e-5)
+        assert torch.allclose(g, 2.0 * gref, atol=1e-5)
+        with torch.no_grad():
+            evaluated = chunked_ce_sum(h, q, y, chunk_size=chunk, bias=b, transform=transform, compiled=compiled,
+                                       weight_scale=s)
+        assert float(evaluated) == pytest.approx(float(ref), rel=1e-5)
+    # compiled: each pass's function per slice shape, 12 and 2 rows, then 10 (five equal slices); none when eager
+    assert counters["stats"]["unique_graphs"] == (6 if compiled else 0)
+
+
 def test_every_known_head_is_tested_here():
     known = {name for family in MODEL_FAMILIES.values() for name in family.classes}
     assert known and known <= set(FAMILIES), known - set(FAMILIES)

@@ -47,7 +47,7 @@ def row_slices(rows: int, cols: int, elem_bytes: int) -> list[tuple[int, int]]:
     return [(a, min(a + step, rows)) for a in range(0, rows, step)]
 
 
-def _dequant(q: torch.Tensor, s: torch.Tensor, a: int, b: int, dtype: torch.dtype) -> torch.Tensor:
+def dequant_rows(q: torch.Tensor, s: torch.Tensor, a: int, b: int, dtype: torch.dtype) -> torch.Tensor:
     """Rows a:b of the table in ``dtype``: near the original weights, so fp16 cannot overflow as ``h @ q.T`` can."""
     return q[a:b].to(dtype) * s[a:b, None].to(dtype)
 
@@ -55,7 +55,8 @@ def _dequant(q: torch.Tensor, s: torch.Tensor, a: int, b: int, dtype: torch.dtyp
 def int8_logits(h: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     """``h @ (q * s[:, None]).T`` in h's dtype, one slice of rows of ``q`` dequantised at a time. No autograd here:
     :class:`Int8Head` wraps it."""
-    parts = [h @ _dequant(q, s, a, b, h.dtype).t() for a, b in row_slices(q.shape[0], q.shape[1], h.element_size())]
+    parts = [h @ dequant_rows(q, s, a, b, h.dtype).t()
+             for a, b in row_slices(q.shape[0], q.shape[1], h.element_size())]
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 
 
@@ -63,7 +64,7 @@ def int8_grad_input(g: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.
     """``g @ (q * s[:, None])`` in g's dtype (the gradient that reaches the head's input), slice by slice."""
     out = None
     for a, b in row_slices(q.shape[0], q.shape[1], g.element_size()):
-        part = g[..., a:b] @ _dequant(q, s, a, b, g.dtype)
+        part = g[..., a:b] @ dequant_rows(q, s, a, b, g.dtype)
         out = part if out is None else out.add_(part)
     return out
 

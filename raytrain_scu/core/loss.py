@@ -12,7 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from raytrain_scu.console import notice
-from raytrain_scu.core.embed_quant import Int8Head, int8_grad_input, int8_logits
+from raytrain_scu.core.embed_quant import Int8Head, dequant_rows, row_slices
 from raytrain_scu.core.fp8 import Fp8FrozenLinear, fp8_head_grad, fp8_head_logits, quantize_rows, quantize_rows_
 from raytrain_scu.core.model.families import HeadTransform, family_of, head_of_class
 from raytrain_scu.core.model.parts import base_of, body_of
@@ -70,6 +70,83 @@ def _compiled_chunk_ce():
     return _chunk_ce_compiled
 
 
+def _slice_stats(z, bias, yi, scale: float, softcap: float):
+    """Pass 1 of the int8 head's loss over one slice of the vocabulary (:func:`_int8_head_ce`): the slice's logits
+    ``transform(z + bias)`` in float32, and per row their max, Σ exp(logit - max), and the target's logit where the
+    target ``yi`` (the label minus the slice's first row) falls in the slice, else 0. Functional, for inductor to
+    fuse into passes over ``z``."""
+    logits = z.float() if bias is None else z.float() + bias.float()
+    logits = logits * scale
+    if softcap:
+        logits = softcap * torch.tanh(logits / softcap)
+    top = logits.amax(dim=1)
+    sumexp = torch.exp(logits - top[:, None]).sum(dim=1)
+    inside = (yi >= 0) & (yi < logits.shape[1])
+    picked = logits.gather(1, yi.clamp(0, logits.shape[1] - 1)[:, None]).squeeze(1)
+    return top, sumexp, torch.where(inside, picked, torch.zeros_like(picked))
+
+
+def _slice_grad(z, bias, yi, lse, valid, scale: float, softcap: float):
+    """Pass 2 over one slice: the gradient of Σ CE with respect to ``z``, (softmax - onehot) · dlogits/dz, in z's
+    dtype, from the rows' log-sum-exp over the whole vocabulary (``lse``); rows not ``valid`` (label -100) get 0."""
+    logits = z.float() if bias is None else z.float() + bias.float()
+    logits = logits * scale
+    if softcap:
+        logits = softcap * torch.tanh(logits / softcap)
+    target = torch.arange(logits.shape[1], device=z.device)[None, :] == yi[:, None]
+    grad = (torch.exp(logits - lse[:, None]) - target.float()) * valid[:, None] * scale
+    if softcap:
+        grad = grad * (1.0 - (logits / softcap) ** 2)
+    return grad.to(z.dtype)
+
+
+_slice_compiled: dict = {}  # built on first use, as the chunk's float32 part is
+
+
+def _slice_fn(fn, compiled: bool):
+    if not compiled:
+        return fn
+    if fn not in _slice_compiled:
+        _slice_compiled[fn] = torch.compile(fn, dynamic=False)
+    return _slice_compiled[fn]
+
+
+def _int8_head_ce(h, q, s, bias, y, chunk_size: int, scale: float, softcap: float, compiled: bool, need_grad: bool):
+    """Σ CE nats of an int8 head (rows ``q`` with scales ``s``, embed_quant.py) and, with ``need_grad``, their
+    gradient with respect to ``h``: the vocabulary in the outer loop, so each slice of the table is dequantised once
+    per pass (twice in all) instead of once per chunk of tokens per product. Pass 1 keeps a running log-sum-exp over
+    the slices (an online softmax) and the target logits; pass 2 forms each slice's logit gradient again from its
+    logits and the final log-sum-exp, and adds its product with the slice into a float32 gradient. The logits are
+    computed twice: one more head GEMM, against 2 x (tokens / chunk) dequantisations of the whole table saved. A slice
+    holds at most ``chunk_size`` x vocab logits (what a chunk of the other path holds) and dequantises to at most
+    :data:`~raytrain_scu.core.embed_quant.SLICE_BYTES`."""
+    n, vocab = h.shape[0], q.shape[0]
+    rows = max(1, min(row_slices(vocab, q.shape[1], h.element_size())[0][1], chunk_size * vocab // max(1, n)))
+    slices = [(a, min(a + rows, vocab)) for a in range(0, vocab, rows)]
+    valid = y != -100
+    top = torch.full((n,), float("-inf"), dtype=torch.float32, device=h.device)
+    sumexp = torch.zeros(n, dtype=torch.float32, device=h.device)
+    picked = torch.zeros(n, dtype=torch.float32, device=h.device)
+    stats = _slice_fn(_slice_stats, compiled)
+    for a, b in slices:
+        z = h @ dequant_rows(q, s, a, b, h.dtype).t()
+        t, e, p = stats(z, None if bias is None else bias[a:b], y - a, scale, softcap)
+        new_top = torch.maximum(top, t)
+        sumexp = sumexp * torch.exp(top - new_top) + e * torch.exp(t - new_top)
+        top, picked = new_top, picked + p
+    lse = top + torch.log(sumexp)
+    nats = ((lse - picked) * valid).sum()
+    if not need_grad:
+        return nats, None
+    grad_h = torch.zeros(h.shape, dtype=torch.float32, device=h.device)
+    grad = _slice_fn(_slice_grad, compiled)
+    for a, b in slices:
+        w = dequant_rows(q, s, a, b, h.dtype)
+        dz = grad(h @ w.t(), None if bias is None else bias[a:b], y - a, lse, valid, scale, softcap)
+        grad_h += dz @ w
+    return nats, grad_h.to(h.dtype)
+
+
 class _ChunkedLinearCE(torch.autograd.Function):
     """Σ cross-entropy (nats) of ``head(h)`` against ``y`` without keeping the (tokens × vocab) logits.
 
@@ -80,25 +157,31 @@ class _ChunkedLinearCE(torch.autograd.Function):
     With ``compiled``, each chunk's float32 part between the two GEMMs is :func:`_chunk_ce_fused` under
     torch.compile (no autograd in it: the gradient is computed here, by hand); otherwise in-place eager kernels.
     With ``fp8_head`` (``model.head_fp8``) both GEMMs run in FP8 from that module's copies (fp8.py): each chunk's
-    ``h`` and its logit gradient are quantised per row, the gradient as it is formed.
+    ``h`` and its logit gradient are quantised per row, the gradient as it is formed. With ``weight_scale`` the
+    weight is an int8 table with those row scales, and :func:`_int8_head_ce` walks the vocabulary instead.
     """
 
     @staticmethod
     def forward(ctx, h, weight, bias, y, chunk_size: int, scale: float, softcap: float, compiled: bool,
                 need_grad: bool, weight_scale, fp8_head):
+        if weight_scale is not None:
+            total, grad_h = _int8_head_ce(h, weight, weight_scale, bias, y, chunk_size, scale, softcap, compiled,
+                                          need_grad)
+            ctx.save_for_backward(grad_h if grad_h is not None else torch.empty(0))
+            return total
         n = h.shape[0]
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         grad_h = torch.empty_like(h) if need_grad else None
         for s in range(0, n, chunk_size):
             hc, yc = h[s:s + chunk_size], y[s:s + chunk_size]
             if compiled:
-                nats, dz = _compiled_chunk_ce()(_head(hc, weight, weight_scale, fp8_head), yc, bias, scale, softcap,
+                nats, dz = _compiled_chunk_ce()(_head(hc, weight, fp8_head), yc, bias, scale, softcap,
                                                 grad_h is not None, fp8_head is not None)
                 total += nats
                 if dz is not None:
-                    grad_h[s:s + chunk_size] = _head_grad(dz, weight, weight_scale, fp8_head, h.dtype).to(h.dtype)
+                    grad_h[s:s + chunk_size] = _head_grad(dz, weight, fp8_head).to(h.dtype)
                 continue
-            logits = _head(hc, weight, weight_scale, fp8_head).float()
+            logits = _head(hc, weight, fp8_head).float()
             if bias is not None:
                 logits += bias.float()
             if scale != 1.0:
@@ -123,7 +206,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
                 if scale != 1.0:
                     probs.mul_(scale)
                 dz = probs if fp8_head is None else quantize_rows_(probs)
-                grad_h[s:s + chunk_size] = _head_grad(dz, weight, weight_scale, fp8_head, h.dtype).to(h.dtype)
+                grad_h[s:s + chunk_size] = _head_grad(dz, weight, fp8_head).to(h.dtype)
         ctx.save_for_backward(grad_h if grad_h is not None else torch.empty(0))
         return total
 
@@ -133,22 +216,14 @@ class _ChunkedLinearCE(torch.autograd.Function):
         return grad_h * grad_out.to(grad_h.dtype), None, None, None, None, None, None, None, None, None, None
 
 
-def _head(h, weight, weight_scale, fp8_head):
-    """The head's product ``h @ W.T``; an int8 ``weight`` with its row scales is dequantised slice by slice; an FP8
-    head runs it from its e4m3 copy (bf16 out)."""
-    if fp8_head is not None:
-        return fp8_head_logits(h, fp8_head)
-    return h @ weight.t() if weight_scale is None else int8_logits(h, weight, weight_scale)
+def _head(h, weight, fp8_head):
+    """The head's product ``h @ W.T``; an FP8 head runs it from its e4m3 copy (bf16 out)."""
+    return h @ weight.t() if fp8_head is None else fp8_head_logits(h, fp8_head)
 
 
-def _head_grad(g, weight, weight_scale, fp8_head, dtype):
-    """``g @ W``, in the weight's dtype, or for an int8 weight in ``dtype`` (h's: the dtype the table stands in for);
-    for an FP8 head ``g`` is (e4m3 rows, their scales) and the product bf16."""
-    if fp8_head is not None:
-        return fp8_head_grad(*g, fp8_head)
-    if weight_scale is None:
-        return g.to(weight.dtype) @ weight
-    return int8_grad_input(g.to(dtype), weight, weight_scale)
+def _head_grad(g, weight, fp8_head):
+    """``g @ W`` in the weight's dtype; for an FP8 head ``g`` is (e4m3 rows, their scales) and the product bf16."""
+    return g.to(weight.dtype) @ weight if fp8_head is None else fp8_head_grad(*g, fp8_head)
 
 
 @torch.compiler.disable
