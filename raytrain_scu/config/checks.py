@@ -96,6 +96,13 @@ def _check_fast_paths(cfg: Config) -> None:
                       (q.load_in_4bit, "an unquantised base, not quant.load_in_4bit=true (it would add to, not "
                                        "shrink, a QLoRA run's memory)")):
         _check(not (m.head_fp8 and bad), "model.head_fp8", f"needs {need}")
+    for bad, need in ((not m.gradient_checkpointing, "model.gradient_checkpointing=true (without it every activation "
+                                                      "of the forward would cross to the host and back)"),
+                      (m.compile and m.compile_scope == "model", "model.compile_scope=layers (its hooks are entered "
+                                                                 "around the compiled layers, not inside one graph)"),
+                      (cfg.scaling.use_gpu is False, "a GPU: it moves activations from GPU to host memory, and "
+                                                     "scaling.use_gpu=false")):
+        _check(not (m.offload_activations and bad), "model.offload_activations", f"needs {need}")
     if m.fuse_lora:  # what fused_lora.py fuses: plain LoRA on q/k/v and gate/up of an unquantised base
         covered = ALL_LINEAR if "all-linear" in lo.target_modules else lo.target_modules
         missing = [t for t in FUSED_LORA_TARGETS if t not in covered]

@@ -16,6 +16,7 @@ from raytrain_scu.core.embed_quant import Int8Head, dequant_rows, row_slices
 from raytrain_scu.core.fp8 import Fp8FrozenLinear, fp8_head_grad, fp8_head_logits, quantize_rows, quantize_rows_
 from raytrain_scu.core.model.families import HeadTransform, family_of, head_of_class
 from raytrain_scu.core.model.parts import base_of, body_of
+from raytrain_scu.core.offload import ActivationOffload
 
 
 def fused_head(model) -> tuple[Optional[HeadTransform], str]:
@@ -278,20 +279,29 @@ class CausalLMLoss(nn.Module):
                        f"(the full tokens x vocab logits are materialised)")
         self.chunk_size = chunk_size
         self.compiled_ce = False  # compile_for_training turns it on: the loss' float32 part compiled per chunk
+        self.offload: Optional[ActivationOffload] = None  # model.offload_activations: saved activations on the host
 
     def forward(self, x: torch.Tensor, y: torch.Tensor):
         n_tokens = (y != -100).sum()
         if self.fused:
-            hidden = self.decoder()(input_ids=x).last_hidden_state
+            with self._offloading():
+                hidden = self.decoder()(input_ids=x).last_hidden_state
             head = self.model.get_output_embeddings()
             nats = chunked_ce_sum(hidden.reshape(-1, hidden.shape[-1]), head.weight, y.reshape(-1), self.chunk_size,
                                   bias=head.bias, transform=self.transform, compiled=self.compiled_ce,
                                   weight_scale=getattr(head, "weight_scale", None), fp8_head=_fp8(head))
         else:
-            logits = self.model(input_ids=x, return_dict=True).logits
+            with self._offloading():
+                logits = self.model(input_ids=x, return_dict=True).logits
             nats = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1),
                                    ignore_index=-100, reduction="sum")
         return nats, n_tokens
+
+    def _offloading(self):
+        """The model's forward (not the loss) under ``self.offload``'s hooks when a backward will follow."""
+        if self.offload is None or not torch.is_grad_enabled():
+            return contextlib.nullcontext()
+        return self.offload.hooks()
 
     def row_nats(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Σ cross-entropy nats of each row of (x, y), shape (rows,): forward's math, kept apart per row."""

@@ -30,8 +30,9 @@ from raytrain_scu.core.model.build import (
 )
 from raytrain_scu.core.model.flops import flops_per_token
 from raytrain_scu.core.model.source import load_tokenizer
+from raytrain_scu.core.offload import ActivationOffload
 from raytrain_scu.core.regularizer import adapter_params, centers_fingerprint, initial_centers
-from raytrain_scu.errors import CheckpointError
+from raytrain_scu.errors import CheckpointError, ModelError
 from raytrain_scu.tracking.tracker import for_rank
 from raytrain_scu.worker.oom import Phase
 from raytrain_scu.worker.state import Control, Metering, Optimisation, Position, Record, State
@@ -79,6 +80,11 @@ def _optimisation(cfg: Config, hooks, model, *, device, dtype) -> Optimisation:
     if use_amp:  # before compiling: the traced graph then has no float32 copy of each LoRA input
         keep_lora_inputs_in_autocast_dtype(model)
     loss_model = CausalLMLoss(model, fused=m.fused_loss, chunk_size=m.loss_chunk_size)
+    if m.offload_activations:
+        if device.type != "cuda":
+            raise ModelError(f"model.offload_activations=true moves activations from GPU to host memory; this worker "
+                             f"runs on {device.type}: set it false")
+        loss_model.offload = ActivationOffload(model)
     if m.compile:
         loss_model = compile_for_training(loss_model, scope=m.compile_scope, mode=m.compile_mode)
     # a quantized model is placed by device_map and must never be moved with .to()

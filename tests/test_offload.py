@@ -1,0 +1,134 @@
+"""model.offload_activations (core/offload.py): what the hooks move and what they leave, the same loss and adapter
+gradients with and without them (eager and with compiled layers), and the config's refusals. The CPU tests let the
+hooks move CPU tensors (a host copy stands in for pinned memory, no streams); the CUDA test moves them for real and
+checks the memory it frees and that no step syncs."""
+import pytest
+import torch
+from conftest import TINY, tiny_cfg
+
+from raytrain_scu.config.load import load_config
+from raytrain_scu.core.loss import CausalLMLoss, compile_for_training
+from raytrain_scu.core.model.build import apply_lora, build_model
+from raytrain_scu.core.offload import ActivationOffload
+from raytrain_scu.core.regularizer import adapter_params
+from raytrain_scu.errors import ConfigError
+
+LAYERS = 2  # tiny-llama-3.1-8b
+
+
+def _model(device="cpu", name="tiny-llama-3.1-8b", dtype=torch.float32):
+    torch.manual_seed(0)
+    model = apply_lora(build_model(name, vocab_size=512, gradient_checkpointing=True, device=torch.device(device),
+                                   dtype=dtype), r=4, alpha=8, targets=["q_proj", "v_proj", "down_proj"])
+    for p in adapter_params(model):
+        p.data.normal_(0.0, 0.05)
+    model.train()
+    return model
+
+
+def _step(loss_model, model, x):
+    for p in adapter_params(model):
+        p.grad = None
+    nats, _ = loss_model(x, torch.roll(x, -1, 1))
+    nats.backward()
+    return float(nats), torch.cat([p.grad.reshape(-1) for p in adapter_params(model)])
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_the_layers_saved_inputs_move_and_nothing_else_changes(compiled):
+    """Each checkpointed layer's input crosses (and the final norm's), never a parameter; the loss and every adapter
+    gradient are bit for bit those of the same model without the hooks, for two steps in a row."""
+    torch._dynamo.reset()
+    model = _model()
+    loss_model = CausalLMLoss(model, chunk_size=16)
+    if compiled:
+        loss_model = compile_for_training(loss_model)
+    x = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(1))
+    want = [_step(loss_model, model, x) for _ in range(2)]
+    hidden_bytes = 2 * 24 * 128 * 4  # one layer input: batch x tokens x hidden, float32
+    loss_model.offload = ActivationOffload(model, devices=("cpu",), min_bytes=hidden_bytes)
+    got = [_step(loss_model, model, x) for _ in range(2)]
+    for (n_got, g_got), (n_want, g_want) in zip(got, want):
+        assert n_got == n_want
+        assert torch.equal(g_got, g_want)
+    off = loss_model.offload
+    assert off.moved >= LAYERS and off.moved_bytes == off.moved * hidden_bytes
+    assert all(h.used for h in off._held)  # every moved tensor came back to the backward
+    with torch.no_grad():  # an evaluation moves nothing: no backward follows
+        loss_model(x, torch.roll(x, -1, 1))
+    assert off.moved >= LAYERS  # still the last training forward's count
+
+
+def test_parameters_their_views_small_and_gapped_tensors_stay():
+    model = _model()
+    off = ActivationOffload(model, devices=("cpu",), min_bytes=1024)
+    w = model.get_input_embeddings().weight
+    assert not off._movable(w) and not off._movable(w.t()) and not off._movable(w[3:])
+    act = torch.randn(64, 64)
+    assert off._movable(act) and off._movable(act.t())  # dense in any order
+    assert not off._movable(act[:, ::2])  # not dense: its copy would not keep its strides
+    assert not off._movable(torch.randn(8, 8))  # under min_bytes
+    assert not ActivationOffload(model)._movable(act)  # CUDA tensors only, by default
+
+
+@pytest.mark.parametrize("overrides, need", [
+    (["model.offload_activations=true"], "model.gradient_checkpointing=true"),
+    (["model.offload_activations=true", "model.gradient_checkpointing=true", "model.compile=true",
+      "model.compile_scope=model"], "model.compile_scope=layers"),
+    (["model.offload_activations=true", "model.gradient_checkpointing=true", "scaling.use_gpu=false"], "a GPU"),
+])
+def test_the_config_refuses_what_it_cannot_run_with(overrides, need):
+    with pytest.raises(ConfigError, match=rf"model\.offload_activations: needs {need}"):
+        load_config(TINY, overrides)
+    ok = load_config(TINY, ["model.offload_activations=true", "model.gradient_checkpointing=true",
+                            "scaling.use_gpu=null"])  # a worker on a CPU is refused when it builds
+    assert ok.model.offload_activations
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_cuda_the_inputs_cross_to_pinned_memory_free_the_card_and_no_step_syncs():
+    """The 1B shape's 16 layers (a 512-token vocabulary), compiled, checkpointed, bf16 autocast: the same loss and
+    gradients (the copies are exact), at least half the moved bytes off the card's peak, and a step under CUDA's
+    sync debug mode raises nothing."""
+    torch._dynamo.reset()
+    model = _model("cuda", name="llama-3.2-1b-shape", dtype=torch.bfloat16)
+    loss_model = compile_for_training(CausalLMLoss(model, chunk_size=1024))
+    x = torch.randint(0, 512, (2, 1024), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        want = [_step(loss_model, model, x) for _ in range(2)]
+        base_peak = _peak(loss_model, model, x)
+        loss_model.offload = ActivationOffload(model)
+        got = [_step(loss_model, model, x) for _ in range(2)]
+        off_peak = _peak(loss_model, model, x)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            nats, _ = loss_model(x, torch.roll(x, -1, 1))
+            nats.backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    for (n_got, g_got), (n_want, g_want) in zip(got, want):
+        assert n_got == n_want and torch.equal(g_got, g_want)
+    moved = loss_model.offload.moved_bytes
+    assert moved >= 16 * 2 * 1024 * 2048 * 2  # every layer's input
+    assert base_peak - off_peak >= 0.5 * moved, (base_peak, off_peak, moved)
+
+
+def _peak(loss_model, model, x) -> int:
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    _step(loss_model, model, x)
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated()
+
+
+def test_a_worker_on_a_cpu_refuses_it_before_its_first_step(tmp_path):
+    """With scaling.use_gpu left to detection, a worker that lands on a CPU says so when it builds."""
+    from raytrain_scu.errors import ModelError
+    from raytrain_scu.worker.hooks import LocalHooks
+    from raytrain_scu.worker.loop import run_loop
+
+    cfg = tiny_cfg(tmp_path, "acts", "model.offload_activations=true", "model.gradient_checkpointing=true",
+                   "scaling.use_gpu=null", "tracking.enabled=false", "train.max_steps=1")
+    with pytest.raises(ModelError, match=r"model\.offload_activations=true moves activations from GPU to host "
+                                         r"memory; this worker runs on cpu"):
+        run_loop(cfg, hooks=LocalHooks(device=torch.device("cpu"), run_dir=tmp_path / "acts"))
