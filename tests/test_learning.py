@@ -91,12 +91,17 @@ def test_compiled_gpu_loop_learns_like_eager_on_the_real_model(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_an_int8_embedding_learns_like_the_bf16_one_on_the_real_model(tmp_path):
     """quant.embedding_int8 on the GPU path (bf16 autocast, the fused loss over SmolLM2's tied table in int8), eager
-    and compiled, and under a 4-bit base: every run learns, and the int8 runs' train BPT stays within BPT_TOL of the
-    bf16 table's at every step (the int8 rows are not the GGUF's 4-bit grid, so not equal)."""
+    and compiled, and under a 4-bit base, eager and compiled with the layers' saved inputs in host memory: every run
+    learns; the int8 runs' train BPT stays within BPT_TOL of the bf16 table's at every step (the int8 rows are not
+    the GGUF's 4-bit grid, so not equal), and the compiled, offloaded QLoRA run's within BPT_TOL of the eager one's."""
     runs = {}
+    qlora = ["quant.embedding_int8=true", "quant.load_in_4bit=true"]
     for label, extra in (("bf16", []), ("int8", ["quant.embedding_int8=true"]),
                          ("int8-compiled", ["quant.embedding_int8=true", "model.compile=true"]),
-                         ("qlora-int8", ["quant.embedding_int8=true", "quant.load_in_4bit=true"])):
+                         ("qlora-int8", qlora),
+                         ("qlora-int8-compiled-offloaded", [*qlora, "model.compile=true",
+                                                            "model.gradient_checkpointing=true",
+                                                            "model.offload_activations=true"])):
         hooks = LocalHooks()
         run_loop(_cfg(tmp_path, f"run.name=real-{label}", "model.precision=bf16", "model.compile=false",
                       "controller.mode=none", "data.block_size=1024", "data.batch_size=16", "data.grad_accum=1",
@@ -111,8 +116,8 @@ def test_an_int8_embedding_learns_like_the_bf16_one_on_the_real_model(tmp_path):
         print(f"\n[gpu] {torch.cuda.get_device_name(0)} {label}: train BPT {[round(v, 4) for v in bpt]}; val "
               f"{reports[-1]['val/data_bpt_start']:.4f} -> {reports[-1]['val/data_bpt']:.4f}; peak "
               f"{max(r.get('perf/max_mem_gib', 0.0) for r in reports):.3f} GiB")
-    for label in ("int8", "int8-compiled"):
-        for a, b in zip(runs["bf16"], runs[label]):
+    for ref, label in (("bf16", "int8"), ("bf16", "int8-compiled"), ("qlora-int8", "qlora-int8-compiled-offloaded")):
+        for a, b in zip(runs[ref], runs[label]):
             assert abs(a["train/data_bpt"] - b["train/data_bpt"]) < BPT_TOL, (label, a["step"])
 
 

@@ -176,10 +176,12 @@ def test_chunked_kernel_applies_the_transform_and_its_derivative(transform, comp
     assert counters["stats"]["unique_graphs"] == (8 if compiled else 0)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
 @pytest.mark.parametrize("compiled", [False, True])
 @pytest.mark.parametrize("transform", [HeadTransform(), HeadTransform(scale=2.0, softcap=5.0)])
 def test_an_int8_head_walks_the_vocabulary_slice_by_slice_and_matches_its_dequantised_table(transform, compiled,
-                                                                                             monkeypatch):
+                                                                                             device, monkeypatch):
     """The int8 head's loss runs the vocabulary in the outer loop (an online log-sum-exp over slices of the table,
     then each slice's gradient): its nats and input gradient equal cross-entropy over the dequantised table's
     logits, with a bias, an ignored label and labels in every slice, however the slices fall (rows bounded by the
@@ -189,11 +191,11 @@ def test_an_int8_head_walks_the_vocabulary_slice_by_slice_and_matches_its_dequan
     torch._dynamo.reset()
     counters.clear()
     torch.manual_seed(0)
-    h = torch.randn(37, 16, requires_grad=True)
-    q, s = embed_quant.quantize_rows_int8(torch.randn(50, 16))
+    h = torch.randn(37, 16, device=device, requires_grad=True)
+    q, s = embed_quant.quantize_rows_int8(torch.randn(50, 16, device=device))
     dense = q.float() * s[:, None]
-    b = torch.randn(50)
-    y = torch.randint(0, 50, (37,))
+    b = torch.randn(50, device=device)
+    y = torch.randint(0, 50, (37,), device=device)
     y[3] = -100
     z = (h @ dense.t() + b) * transform.scale
     logits = transform.softcap * torch.tanh(z / transform.softcap) if transform.softcap else z
