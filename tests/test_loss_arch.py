@@ -181,7 +181,8 @@ def test_chunked_kernel_applies_the_transform_and_its_derivative(transform, comp
 @pytest.mark.parametrize("compiled", [False, True])
 @pytest.mark.parametrize("transform", [HeadTransform(), HeadTransform(scale=2.0, softcap=5.0)])
 def test_an_int8_head_walks_the_vocabulary_slice_by_slice_and_matches_its_dequantised_table(transform, compiled,
-                                                                                             device, monkeypatch):
+                                                                                             device, monkeypatch,
+                                                                                             request):
     """The int8 head's loss runs the vocabulary in the outer loop (an online log-sum-exp over slices of the table,
     then each slice's gradient): its nats and input gradient equal cross-entropy over the dequantised table's
     logits, with a bias, an ignored label and labels in every slice, however the slices fall (rows bounded by the
@@ -190,6 +191,9 @@ def test_an_int8_head_walks_the_vocabulary_slice_by_slice_and_matches_its_dequan
 
     torch._dynamo.reset()
     counters.clear()
+    precision = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")  # no TF32, which a loop built earlier in the process turns on
+    request.addfinalizer(lambda: torch.set_float32_matmul_precision(precision))
     torch.manual_seed(0)
     h = torch.randn(37, 16, device=device, requires_grad=True)
     q, s = embed_quant.quantize_rows_int8(torch.randn(50, 16, device=device))

@@ -1,7 +1,7 @@
 """model.offload_activations (core/offload.py): what the hooks move and what they leave, the same loss and adapter
 gradients with and without them (eager and with compiled layers), and the config's refusals. The CPU tests let the
-hooks move CPU tensors (a host copy stands in for pinned memory, no streams); the CUDA test moves them for real and
-checks the memory it frees and that no step syncs."""
+hooks move CPU tensors (a host copy stands in for pinned memory, no streams); the CUDA tests move them for real and
+check the memory they free and that the hooks never sync."""
 import pytest
 import torch
 from conftest import TINY, tiny_cfg
@@ -86,10 +86,11 @@ def test_the_config_refuses_what_it_cannot_run_with(overrides, need):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_on_cuda_the_inputs_cross_to_pinned_memory_free_the_card_and_no_step_syncs():
-    """The 1B shape's 16 layers (a 512-token vocabulary), compiled, checkpointed, bf16 autocast: the same loss and
-    gradients (the copies are exact), at least half the moved bytes off the card's peak, and a step under CUDA's
-    sync debug mode raises nothing."""
+def test_on_cuda_the_inputs_cross_to_pinned_memory_and_free_the_card():
+    """The 1B shape's 16 layers (a 512-token vocabulary), compiled, checkpointed, bf16 autocast: the loss and
+    gradients of the same batch differ from the unmoved model's by no more than two unmoved runs differ from each
+    other (nothing, where the kernels are deterministic: the copies are exact), and at least half the moved bytes
+    are off the card's peak."""
     torch._dynamo.reset()
     model = _model("cuda", name="llama-3.2-1b-shape", dtype=torch.bfloat16)
     loss_model = compile_for_training(CausalLMLoss(model, chunk_size=1024))
@@ -100,17 +101,39 @@ def test_on_cuda_the_inputs_cross_to_pinned_memory_free_the_card_and_no_step_syn
         loss_model.offload = ActivationOffload(model)
         got = [_step(loss_model, model, x) for _ in range(2)]
         off_peak = _peak(loss_model, model, x)
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            nats, _ = loss_model(x, torch.roll(x, -1, 1))
-            nats.backward()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    for (n_got, g_got), (n_want, g_want) in zip(got, want):
-        assert n_got == n_want and torch.equal(g_got, g_want)
+    spread = float((want[0][1] - want[1][1]).abs().max())
+    for n_got, g_got in got:
+        assert abs(n_got - want[0][0]) <= abs(want[1][0] - want[0][0])
+        assert float((g_got - want[0][1]).abs().max()) <= 2 * spread
     moved = loss_model.offload.moved_bytes
     assert moved >= 16 * 2 * 1024 * 2048 * 2  # every layer's input
     assert base_peak - off_peak >= 0.5 * moved, (base_peak, off_peak, moved)
+    print(f"\n[gpu] {torch.cuda.get_device_name(0)}: peak {base_peak / 2**20:.1f} -> {off_peak / 2**20:.1f} MiB, "
+          f"{moved / 2**20:.1f} MiB moved; gradient spread between two unmoved runs {spread:.3g}")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_cuda_the_hooks_never_sync_the_host():
+    """Checkpointed layers of plain torch ops (no library code of its own that syncs) through a forward and a
+    backward under the hooks, in CUDA's sync debug mode: no copy out or fetch waits for the device."""
+    from torch.utils.checkpoint import checkpoint
+
+    ws = [torch.randn(512, 512, device="cuda", requires_grad=True) for _ in range(4)]
+    model = torch.nn.Module()
+    off = ActivationOffload(model)
+    x = torch.randn(1024, 512, device="cuda", requires_grad=True)
+    for _ in range(2):  # the second time from the pinned host allocator's cache
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            with off.hooks():
+                h = x
+                for w in ws:
+                    h = checkpoint(lambda t, w=w: torch.tanh(t @ w), h, use_reentrant=False)
+            h.sum().backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert off.moved == len(ws) and all(held.used for held in off._held)
 
 
 def _peak(loss_model, model, x) -> int:
