@@ -163,8 +163,9 @@ def test_qlora_4bit_runs_on_cpu(tmp_path):
 
 
 def test_qlora_4bit_compiled_trains_on_cpu_and_preflight_wants_a_bitsandbytes_that_compiles(tmp_path):
-    """quant.load_in_4bit with model.compile: each decoder layer compiled over bitsandbytes' 4-bit layers (with
-    checkpointing, as the 8B QLoRA bench part runs) trains; preflight passes the bitsandbytes installed here and
+    """quant.load_in_4bit with model.compile: each decoder layer compiled over the 4-bit layers, their weights
+    dequantised by torch ops in the layers' graphs (quant.dequant_4bit=auto; with checkpointing, as the 8B QLoRA bench
+    part runs), trains; preflight passes the bitsandbytes installed here and
     refuses an older one by name."""
     from raytrain_scu.driver.preflight import check_4bit_compiles, preflight
     from raytrain_scu.errors import PreflightError

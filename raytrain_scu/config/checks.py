@@ -135,6 +135,11 @@ def _check_model_and_data(cfg: Config) -> None:
 
     q = cfg.quant
     _one_of("quant.quant_type", q.quant_type, ("nf4", "fp4"))
+    _one_of("quant.dequant_4bit", q.dequant_4bit, ("auto", "bitsandbytes", "torch"))
+    if q.dequant_4bit == "torch":
+        _check(q.load_in_4bit, "quant.dequant_4bit", "torch dequantises a 4-bit base: needs quant.load_in_4bit=true")
+        _check(q.quant_type == "nf4", "quant.dequant_4bit", f"torch reads nf4 codes, not quant.quant_type="
+                                                            f"{q.quant_type}; set quant.dequant_4bit=bitsandbytes")
 
     d = cfg.data
     _one_of("data.source", d.source, ("shakespeare", "text", "jsonl", "hf_disk", "hf_hub", "auto"))

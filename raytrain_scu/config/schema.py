@@ -82,6 +82,9 @@ class QuantConfig:
     load_in_4bit: bool = False  # QLoRA: the frozen base in 4 bits (bitsandbytes; CUDA)
     quant_type: str = "nf4"  # nf4 | fp4
     double_quant: bool = True  # also quantise the 4-bit quantisation constants
+    # who dequantises the 4-bit weights: bitsandbytes (its kernels) | torch (torch ops that torch.compile fuses into
+    # each layer's graph, core/nf4.py; nf4 only) | auto: torch under model.compile, else bitsandbytes
+    dequant_4bit: str = "auto"
     # the frozen token embedding and LM head (one table when tied) in int8, a scale per row: half their bf16 memory
     embedding_int8: bool = False
     offload_embedding: bool = False  # the input embedding in CPU memory, its rows copied per batch (untied models)

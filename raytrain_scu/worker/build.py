@@ -30,6 +30,7 @@ from raytrain_scu.core.model.build import (
 )
 from raytrain_scu.core.model.flops import flops_per_token
 from raytrain_scu.core.model.source import load_tokenizer
+from raytrain_scu.core.nf4 import convert_4bit_to_torch_dequant, torch_dequant
 from raytrain_scu.core.offload import ActivationOffload
 from raytrain_scu.core.regularizer import adapter_params, centers_fingerprint, initial_centers
 from raytrain_scu.errors import CheckpointError, ModelError
@@ -52,6 +53,8 @@ def _model(cfg: Config, *, data, vocab_size: int, dtype, device):
     model = apply_lora(base, r=cfg.lora.r, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout,
                        targets=cfg.lora.target_modules, quantized=q.load_in_4bit,
                        gradient_checkpointing=m.gradient_checkpointing)
+    if q.load_in_4bit and torch_dequant(q.dequant_4bit, q.quant_type, m.compile):
+        convert_4bit_to_torch_dequant(model)
     if m.fuse_lora:  # on the device already: the base weights become views into the fused ones, not copies
         fuse_lora_projections(model)
     if m.base_fp8 and m.fp8_rounding == "gptq":  # on the device already: the weights are quantised there, once

@@ -26,7 +26,7 @@ def bench_config(*, preset: str, batch: int, block: int, steps: int, report_ever
                  workers: int = 1, compile_scope: str = "layers", targets=tuple(PROJ), fuse_lora: bool = False,
                  base_fp8: bool = False, profile_steps: int = 0, embedding_int8: bool = False,
                  offload_embedding: bool = False, recompute_elementwise: str = "auto", head_fp8: bool = False,
-                 compile_mode: str = "default", offload_activations: bool = False):
+                 compile_mode: str = "default", offload_activations: bool = False, dequant_4bit: str = "auto"):
     gpu = torch.cuda.is_available()
     return resolve(None, [
         f"model.name={preset}", f"model.precision={'bf16' if gpu else 'fp32'}", f"model.compile={str(compile).lower()}",
@@ -38,7 +38,7 @@ def bench_config(*, preset: str, batch: int, block: int, steps: int, report_ever
         # the FP8 GEMMs are the same whichever codes fill them: nearest skips GPTQ's calibration (minutes at 8B)
         "model.fp8_rounding=nearest",
         f"model.loss_chunk_size={chunk}", f"quant.load_in_4bit={str(load_in_4bit).lower()}", "lora.r=16",
-        f"quant.embedding_int8={str(embedding_int8).lower()}",
+        f"quant.embedding_int8={str(embedding_int8).lower()}", f"quant.dequant_4bit={dequant_4bit}",
         f"quant.offload_embedding={str(offload_embedding).lower()}",
         "lora.alpha=32", f"lora.target_modules={','.join(targets)}", "data.source=shakespeare",
         f"data.block_size={block}", f"data.batch_size={batch}", "data.grad_accum=1", "data.val_fraction=0.05",

@@ -62,12 +62,14 @@ def _ours(**kw) -> Callable[[Ctx], dict]:
 
 
 def _mem(load_in_4bit: bool, int8: bool = False, offload: bool = False, compiled: bool = False,
-         acts: bool = False) -> Callable[[Ctx], dict]:
+         acts: bool = False, dequant: str = "auto") -> Callable[[Ctx], dict]:
     """Peak memory at --mem-batch: gradient checkpointing, a small loss chunk; eager, or with ``compiled`` each decoder
-    layer compiled (unless --no-compile); with ``acts`` the layers' saved inputs in host memory."""
+    layer compiled (unless --no-compile); with ``acts`` the layers' saved inputs in host memory; ``dequant``:
+    quant.dequant_4bit."""
     return lambda c: ours_bare(c.cfg(batch=c.args.mem_batch, compile=compiled and c.compile, checkpointing=True,
                                      chunk=c.args.mem_chunk, load_in_4bit=load_in_4bit, embedding_int8=int8 or offload,
-                                     offload_embedding=offload, offload_activations=acts), c.args.warmup_reports)
+                                     offload_embedding=offload, offload_activations=acts, dequant_4bit=dequant),
+                               c.args.warmup_reports)
 
 
 def _granite(load_in_4bit: bool, eager: bool = False, recompute_elementwise: str = "auto") -> Callable[[Ctx], dict]:
@@ -128,8 +130,11 @@ PARTS: dict[str, Part] = {
     "qlora_8b": Part(_mem(load_in_4bit=True), loop=True),
     "qlora_emb8_8b": Part(_mem(load_in_4bit=True, int8=True), loop=True),
     "qlora_offload_8b": Part(_mem(load_in_4bit=True, offload=True), loop=True),
-    # the same with its decoder layers compiled (bitsandbytes' 4-bit ops as torch.library custom ops)
+    # the same with its decoder layers compiled: the 4-bit weights dequantised by torch ops in the layers' graphs
+    # (quant.dequant_4bit=auto), or by bitsandbytes' kernels (its 4-bit ops as torch.library custom ops)
     "qlora_offload_compiled_8b": Part(_mem(load_in_4bit=True, offload=True, compiled=True), loop=True),
+    "qlora_offload_compiled_bnb_8b": Part(_mem(load_in_4bit=True, offload=True, compiled=True,
+                                               dequant="bitsandbytes"), loop=True),
     # and the decoder layers' saved inputs in pinned host memory (model.offload_activations)
     "qlora_offload_acts_8b": Part(_mem(load_in_4bit=True, offload=True, compiled=True, acts=True), loop=True),
     "granite_h1b": Part(_granite(load_in_4bit=False), loop=True),

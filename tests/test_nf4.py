@@ -1,0 +1,80 @@
+"""quant.dequant_4bit=torch (core/nf4.py): the torch dequantisation equals bitsandbytes' bit for bit, with and
+without double quantisation; a converted model's loss and adapter gradients equal the bitsandbytes model's (eager:
+exactly; compiled: within float32 rounding, in one graph per layer); the config's choices and refusals."""
+import pytest
+import torch
+from conftest import TINY
+
+from raytrain_scu.config.load import load_config
+from raytrain_scu.core import nf4
+from raytrain_scu.core.loss import CausalLMLoss, compile_for_training
+from raytrain_scu.core.model.build import apply_lora, build_model
+from raytrain_scu.core.regularizer import adapter_params
+from raytrain_scu.errors import ConfigError
+
+bnb = pytest.importorskip("bitsandbytes")
+PROJ = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _model(tmp_path, double_quant: bool, device: str = "cpu"):
+    torch.manual_seed(0)
+    model = apply_lora(build_model("tiny-llama-3.1-8b", load_in_4bit=True, vocab_size=512, double_quant=double_quant,
+                                   cache_dir=str(tmp_path), gradient_checkpointing=True, device=torch.device(device)),
+                       r=4, alpha=8, targets=PROJ, quantized=True)
+    for p in adapter_params(model):
+        p.data.normal_(0.0, 0.05)
+    return model
+
+
+def _step(loss_model, model, x):
+    for p in adapter_params(model):
+        p.grad = None
+    nats, _ = loss_model(x, torch.roll(x, -1, 1))
+    nats.backward()
+    return float(nats), torch.cat([p.grad.reshape(-1) for p in adapter_params(model)])
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+@pytest.mark.parametrize("double_quant", [True, False])
+def test_torch_dequantises_as_bitsandbytes_and_the_model_trains_the_same(tmp_path, double_quant, device):
+    """On CUDA against bitsandbytes' CUDA kernels (float32 compute: the comparison is of the dequantisation, not of
+    bf16 rounding)."""
+    from bitsandbytes import functional as bf
+    from torch._dynamo.utils import counters
+
+    model = _model(tmp_path, double_quant, device)
+    layers = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    reference = [bf.dequantize_4bit(m.weight, m.weight.quant_state) for m in layers]
+    x = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(1)).to(device)
+    want = _step(CausalLMLoss(model, chunk_size=16), model, x)
+    assert nf4.convert_4bit_to_torch_dequant(model) == len(layers) == 2 * len(PROJ)
+    for m, ref in zip(layers, reference):
+        assert type(m).__name__ == "TorchLinear4bit" and isinstance(m, bnb.nn.Linear4bit)
+        absmax = (nf4.nested_absmax(m.nf4_absmax_q, m.nf4_absmax_code, m.nf4_absmax_scale, m.nf4_absmax_offset)
+                  if double_quant else m.nf4_absmax)
+        assert torch.equal(nf4.dequantize(m.weight, m.nf4_code, absmax, m.nf4_blocksize, m.nf4_shape, ref.dtype), ref)
+    nats, grad = _step(CausalLMLoss(model, chunk_size=16), model, x)
+    assert nats == want[0] and torch.equal(grad, want[1])
+    assert nf4.convert_4bit_to_torch_dequant(model) == 0  # converted once
+    torch._dynamo.reset()
+    counters.clear()
+    nats, grad = _step(compile_for_training(CausalLMLoss(model, chunk_size=16)), model, x)
+    assert nats == pytest.approx(want[0], rel=1e-6)
+    torch.testing.assert_close(grad, want[1], rtol=1e-4, atol=1e-5)
+    assert counters["stats"]["unique_graphs"] >= 1 and not counters["graph_break"]  # each layer one graph
+
+
+def test_the_setting_resolves_and_the_config_refuses_what_torch_cannot_read():
+    assert nf4.torch_dequant("auto", "nf4", compiled=True)
+    assert not nf4.torch_dequant("auto", "nf4", compiled=False)
+    assert not nf4.torch_dequant("auto", "fp4", compiled=True)
+    assert nf4.torch_dequant("torch", "nf4", compiled=False)
+    assert not nf4.torch_dequant("bitsandbytes", "nf4", compiled=True)
+    with pytest.raises(ConfigError, match=r"quant\.dequant_4bit: torch dequantises a 4-bit base: needs "
+                                          r"quant\.load_in_4bit=true"):
+        load_config(TINY, ["quant.dequant_4bit=torch"])
+    with pytest.raises(ConfigError, match=r"quant\.dequant_4bit: torch reads nf4 codes, not quant\.quant_type=fp4"):
+        load_config(TINY, ["quant.dequant_4bit=torch", "quant.load_in_4bit=true", "quant.quant_type=fp4"])
+    with pytest.raises(ConfigError, match=r"quant\.dequant_4bit"):
+        load_config(TINY, ["quant.dequant_4bit=triton"])
