@@ -37,12 +37,15 @@ def _step(loss_model, model, x):
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
 @pytest.mark.parametrize("double_quant", [True, False])
-def test_torch_dequantises_as_bitsandbytes_and_the_model_trains_the_same(tmp_path, double_quant, device):
-    """On CUDA against bitsandbytes' CUDA kernels (float32 compute: the comparison is of the dequantisation, not of
-    bf16 rounding)."""
+def test_torch_dequantises_as_bitsandbytes_and_the_model_trains_the_same(tmp_path, double_quant, device, request):
+    """On CUDA against bitsandbytes' CUDA kernels (float32 compute without TF32: the comparison is of the
+    dequantisation, not of bf16 or TF32 rounding)."""
     from bitsandbytes import functional as bf
     from torch._dynamo.utils import counters
 
+    precision = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    request.addfinalizer(lambda: torch.set_float32_matmul_precision(precision))
     model = _model(tmp_path, double_quant, device)
     layers = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
     reference = [bf.dequantize_4bit(m.weight, m.weight.quant_state) for m in layers]
