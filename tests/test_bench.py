@@ -166,6 +166,16 @@ def test_targets_are_against_the_best_peer_of_the_same_run():
     assert rows["8B QLoRA (offloaded embedding, int8 head) 2 x 2048: speed / our bf16 LoRA, peak"][1] == \
         "not run (ours_8b failed)"
     assert rows["ray2 / ray1 per GPU"] == ("0.900", "not met")
+    # the QLoRA row: the first QLoRA part meeting both bounds, else the fastest, named
+    res["parts"].update(ours_8b=part(10.0, "8b"), qlora_offload_compiled_8b=part(6.5, "8b", peak_mem_gib=6.7),
+                        qlora_offload_acts_8b=part(6.1, "8b", peak_mem_gib=5.9))
+    qlora = "8B QLoRA (offloaded embedding, int8 head) 2 x 2048: speed / our bf16 LoRA, peak"
+    assert {label: (m, st) for label, m, _, st in target_rows(res)}[qlora] == \
+        ("0.610, 5.90 GiB (qlora_offload_acts_8b)", "met")
+    res["parts"]["qlora_offload_acts_8b"]["peak_mem_gib"] = 6.1
+    assert {label: (m, st) for label, m, _, st in target_rows(res)}[qlora] == \
+        ("0.650, 6.70 GiB (qlora_offload_compiled_8b)", "not met")
+    res["parts"].update(ours_8b={"error": "OutOfMemoryError: ...", "shape_name": "8b"})
     res.update(card="CPU", versions={}, peak_flops=1e12)
     assert "| 1b | ref_liger | 110 | ref_compile 7.00 |" in table(res)  # the smallest peak, beside, not judged
     res["parts"]["ref_liger"]["batch"] = 16  # the fastest peer at another batch: no memory ratio to judge

@@ -124,15 +124,26 @@ def _memory_vs_peer(res: dict, shape: str) -> tuple:
         "met" if x <= 0.75 else "not met"
 
 
+# the 8B QLoRA parts the target row judges, in the order it prefers one that meets both bounds
+QLORA_8B = ("qlora_offload_acts_8b", "qlora_offload_compiled_8b", "qlora_offload_compiled_bnb_8b", "qlora_offload_8b")
+
+
 def _qlora_8b(res: dict) -> tuple:
+    """The first of :data:`QLORA_8B` that ran and meets both bounds, else the fastest that ran, named."""
     parts = res["parts"]
     label = "8B QLoRA (offloaded embedding, int8 head) 2 x 2048: speed / our bf16 LoRA, peak"
-    q, b = parts.get("qlora_offload_8b", {}), parts.get("ours_8b", {})
-    if "tokens_per_s" not in q or "tokens_per_s" not in b:
-        return label, "-", ">= 0.6, <= 6 GiB", _missing(res, ["qlora_offload_8b", "ours_8b"])
-    x = q["tokens_per_s"] / b["tokens_per_s"]
-    met = x >= 0.6 and q["peak_mem_gib"] <= 6.0
-    return label, f"{x:.3f}, {q['peak_mem_gib']:.2f} GiB", ">= 0.6, <= 6 GiB", "met" if met else "not met"
+    b = parts.get("ours_8b", {})
+    ran = [n for n in QLORA_8B if "tokens_per_s" in parts.get(n, {})]
+    if not ran or "tokens_per_s" not in b:
+        return label, "-", ">= 0.6, <= 6 GiB", _missing(res, [*(ran or QLORA_8B[-1:]), "ours_8b"])
+
+    def met(n: str) -> bool:
+        return parts[n]["tokens_per_s"] / b["tokens_per_s"] >= 0.6 and parts[n]["peak_mem_gib"] <= 6.0
+
+    name = next((n for n in ran if met(n)), max(ran, key=lambda n: parts[n]["tokens_per_s"]))
+    q = parts[name]
+    return label, f"{q['tokens_per_s'] / b['tokens_per_s']:.3f}, {q['peak_mem_gib']:.2f} GiB ({name})", \
+        ">= 0.6, <= 6 GiB", "met" if met(name) else "not met"
 
 
 def _granite(res: dict) -> list[tuple]:
