@@ -95,6 +95,13 @@ CASES = {
     "LoRA on a table made int8": (lambda t: [TINY, "quant.embedding_int8=true",
                                              "lora.target_modules=q_proj,embed_tokens"],
                                   ["lora.target_modules: ['embed_tokens'] would put LoRA on the embedding"]),
+    "offloaded activations without checkpointing": (lambda t: [TINY, "model.offload_activations=true"],
+                                                    ["model.offload_activations: needs "
+                                                     "model.gradient_checkpointing=true"]),
+    "torch dequantisation of fp4 codes": (lambda t: [TINY, "quant.load_in_4bit=true", "quant.quant_type=fp4",
+                                                     "quant.dequant_4bit=torch"],
+                                          ["quant.dequant_4bit: torch reads nf4 codes, not quant.quant_type=fp4",
+                                           "quant.dequant_4bit=bitsandbytes"]),
     "unwritable storage path": (lambda t: [TINY, f"run.storage_path={text_file(t, 'a-file', b'x')}/runs"],
                                 ["run.storage_path=", "not writable"]),
 }
