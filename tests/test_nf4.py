@@ -37,11 +37,14 @@ def _step(loss_model, model, x):
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
 @pytest.mark.parametrize("double_quant", [True, False])
-def test_torch_dequantises_as_bitsandbytes_and_the_model_trains_the_same(tmp_path, double_quant, device, request):
+def test_torch_dequantises_as_bitsandbytes_and_the_model_trains_the_same(tmp_path, double_quant, device, request,
+                                                                        monkeypatch):
     """On CUDA against bitsandbytes' CUDA kernels (float32 compute without TF32: the comparison is of the
     dequantisation, not of bf16 or TF32 rounding)."""
     from bitsandbytes import functional as bf
     from torch._dynamo.utils import counters
+
+    dequantize = nf4.dequantize
 
     precision = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("highest")
@@ -52,6 +55,8 @@ def test_torch_dequantises_as_bitsandbytes_and_the_model_trains_the_same(tmp_pat
     x = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(1)).to(device)
     want = _step(CausalLMLoss(model, chunk_size=16), model, x)
     assert nf4.convert_4bit_to_torch_dequant(model) == len(layers) == 2 * len(PROJ)
+    calls = []
+    monkeypatch.setattr(nf4, "dequantize", lambda *a: calls.append(1) or dequantize(*a))
     for m, ref in zip(layers, reference):
         assert type(m).__name__ == "TorchLinear4bit" and isinstance(m, bnb.nn.Linear4bit)
         absmax = (nf4.nested_absmax(m.nf4_absmax_q, m.nf4_absmax_code, m.nf4_absmax_scale, m.nf4_absmax_offset)
@@ -59,6 +64,9 @@ def test_torch_dequantises_as_bitsandbytes_and_the_model_trains_the_same(tmp_pat
         assert torch.equal(nf4.dequantize(m.weight, m.nf4_code, absmax, m.nf4_blocksize, m.nf4_shape, ref.dtype), ref)
     nats, grad = _step(CausalLMLoss(model, chunk_size=16), model, x)
     assert nats == want[0] and torch.equal(grad, want[1])
+    # every 4-bit layer's forward, its checkpointed recompute and its backward dequantised with torch's ops
+    assert len(calls) == 3 * len(layers)
+    monkeypatch.undo()
     assert nf4.convert_4bit_to_torch_dequant(model) == 0  # converted once
     torch._dynamo.reset()
     counters.clear()

@@ -162,10 +162,11 @@ def test_qlora_4bit_runs_on_cpu(tmp_path):
     assert last["step"] == 4 and last["val/data_bpt"] == last["val/data_bpt"] and last["train/lora_b_norm"] > 0
 
 
-def test_qlora_4bit_compiled_trains_on_cpu_and_preflight_wants_a_bitsandbytes_that_compiles(tmp_path):
+@pytest.mark.parametrize("dequant", ["auto", "bitsandbytes"])
+def test_qlora_4bit_compiled_trains_on_cpu_and_preflight_wants_a_bitsandbytes_that_compiles(tmp_path, dequant):
     """quant.load_in_4bit with model.compile: each decoder layer compiled over the 4-bit layers, their weights
-    dequantised by torch ops in the layers' graphs (quant.dequant_4bit=auto; with checkpointing, as the 8B QLoRA bench
-    part runs), trains; preflight passes the bitsandbytes installed here and
+    dequantised by torch ops in the layers' graphs (quant.dequant_4bit=auto) or by bitsandbytes' ops, with
+    checkpointing, as the 8B QLoRA bench parts run, trains; preflight passes the bitsandbytes installed here and
     refuses an older one by name."""
     from raytrain_scu.driver.preflight import check_4bit_compiles, preflight
     from raytrain_scu.errors import PreflightError
@@ -173,7 +174,8 @@ def test_qlora_4bit_compiled_trains_on_cpu_and_preflight_wants_a_bitsandbytes_th
     cfg = tiny_cfg(tmp_path, "qlora-compiled", "tracking.enabled=false", "scaling.num_workers=1",
                    "model.name=tiny-llama-3.1-8b", "model.precision=bf16", "quant.load_in_4bit=true",
                    "model.compile=true", "model.gradient_checkpointing=true", "train.max_steps=4",
-                   "train.report_every=2", "train.checkpoint_every=4", "controller.mode=none")
+                   "train.report_every=2", "train.checkpoint_every=4", "controller.mode=none",
+                   f"quant.dequant_4bit={dequant}")
     preflight(cfg)
     with pytest.raises(PreflightError, match=r"needs bitsandbytes >= 0.50 .* found 0.45.5: pip install -U"):
         check_4bit_compiles("0.45.5")

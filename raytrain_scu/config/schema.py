@@ -33,8 +33,9 @@ class ModelConfig:
     # sdpa | eager | flash_attention_2 | any name transformers knows (sdpa gets a causal no-mask shortcut)
     attn_implementation: str = "sdpa"
     gradient_checkpointing: bool = False  # recompute activations in the backward pass: less memory, ~30 % slower
-    # with gradient_checkpointing on a GPU: each layer's saved input in pinned host memory from its forward to its
-    # backward, copied on a side stream (core/offload.py): the 8B shape at 2 x 2048 keeps 1 GiB less on the card
+    # with gradient_checkpointing on a GPU: what the model's forward saves for the backward (each layer's input, the
+    # final norm's; each tensor of 1 MiB or more) in pinned host memory until the backward, copied on a side stream
+    # (core/offload.py): the 8B shape at 2 x 2048 peaked 0.9 GiB lower on an H200
     offload_activations: bool = False
     compile: bool = False  # torch.compile the model (what hardware presets pick on A100/H100/H200/4090)
     # torch.compile mode: default | reduce-overhead | max-autotune | max-autotune-no-cudagraphs (the CUDA-graph
@@ -83,7 +84,7 @@ class QuantConfig:
     quant_type: str = "nf4"  # nf4 | fp4
     double_quant: bool = True  # also quantise the 4-bit quantisation constants
     # who dequantises the 4-bit weights: bitsandbytes (its kernels) | torch (torch ops that torch.compile fuses into
-    # each layer's graph, core/nf4.py; nf4 only) | auto: torch under model.compile, else bitsandbytes
+    # each layer's graph, core/nf4.py; nf4 only) | auto: torch for nf4 under model.compile, else bitsandbytes
     dequant_4bit: str = "auto"
     # the frozen token embedding and LM head (one table when tied) in int8, a scale per row: half their bf16 memory
     embedding_int8: bool = False

@@ -34,7 +34,7 @@ def dequantize(packed: torch.Tensor, code: torch.Tensor, absmax: torch.Tensor, b
     """The [N, K] weight in ``dtype`` from its packed 4-bit codes (uint8, two per byte, high nibble first), the
     16-entry code book and one float32 absmax per block of ``blocksize`` weights."""
     p = packed.reshape(-1)
-    idx = torch.stack((p >> 4, p & 0xF), dim=-1).reshape(-1).long()
+    idx = torch.stack((p >> 4, p & 0xF), dim=-1).reshape(-1).int()  # int32: a quarter of int64's bytes eager
     w = code[idx].view(-1, blocksize) * absmax.view(-1, 1)
     return w.view(shape).to(dtype)
 
@@ -42,7 +42,7 @@ def dequantize(packed: torch.Tensor, code: torch.Tensor, absmax: torch.Tensor, b
 def nested_absmax(absmax_q: torch.Tensor, code8: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor):
     """Double quantisation's float32 absmaxes from their 8-bit codes, one ``scale`` per :data:`ABSMAX_GROUP`."""
     group = torch.arange(absmax_q.numel(), device=absmax_q.device) // ABSMAX_GROUP
-    return code8[absmax_q.reshape(-1).long()] * scale[group] + offset
+    return code8[absmax_q.reshape(-1).int()] * scale[group] + offset
 
 
 def _absmax(parts) -> torch.Tensor:
@@ -117,9 +117,9 @@ def to_torch_dequant(linear: nn.Module) -> nn.Module:
     return linear
 
 
-def convert_4bit_to_torch_dequant(model) -> int:
+def convert_4bit_to_torch_dequant(model, setting: str = "torch") -> int:
     """Every bitsandbytes Linear4bit of ``model`` made to dequantise with torch ops (:func:`to_torch_dequant`); returns
-    how many. Raises ModelError naming quant.dequant_4bit and a layer that cannot."""
+    how many. Raises ModelError naming quant.dequant_4bit (``setting``, as configured) and a layer that cannot."""
     import bitsandbytes as bnb
 
     n = 0
@@ -127,8 +127,9 @@ def convert_4bit_to_torch_dequant(model) -> int:
         if isinstance(m, bnb.nn.Linear4bit) and not hasattr(m, "nf4_shape"):
             problem = unconvertible(m)
             if problem:
-                raise ModelError(f"quant.dequant_4bit=torch: {name} is {problem}; set quant.dequant_4bit="
-                                 f"bitsandbytes")
+                chose = "" if setting == "torch" else " (torch under model.compile)"
+                raise ModelError(f"quant.dequant_4bit={setting}{chose}: {name} is {problem}; set "
+                                 f"quant.dequant_4bit=bitsandbytes")
             to_torch_dequant(m)
             n += 1
     return n

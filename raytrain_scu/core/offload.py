@@ -54,7 +54,7 @@ class ActivationOffload:
     """Saved-tensor hooks for one model's training forward: ``with offload.hooks(): forward`` (a new forward drops the
     last one's host copies). ``devices``: the device types whose tensors move (``cuda``; the CPU tests add ``cpu``,
     where a copy on the host stands in for the host copy, with no streams). ``moved`` / ``moved_bytes``: what the last
-    forward moved."""
+    forward moved; ``left_unused``: how many of them the last backward never asked for."""
 
     def __init__(self, model: nn.Module, devices: tuple[str, ...] = ("cuda",), min_bytes: int = MIN_BYTES):
         self.devices = devices
@@ -62,9 +62,10 @@ class ActivationOffload:
         # the storages of every parameter and buffer: a tensor saved as a view of one stays where it is
         self._frozen = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
         self._held: list[_Held] = []
-        self._stream = None
+        self._streams: dict = {}  # a side stream per device
         self.moved = 0
         self.moved_bytes = 0
+        self.left_unused = 0  # moved tensors the last backward never asked for (released at its end)
 
     @contextlib.contextmanager
     def hooks(self):
@@ -80,9 +81,9 @@ class ActivationOffload:
                 and t.untyped_storage().data_ptr() not in self._frozen)
 
     def _side_stream(self, device: torch.device):
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(device)
-        return self._stream
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device)
+        return self._streams[device]
 
     def _pack(self, t: torch.Tensor):
         if not self._movable(t):
@@ -106,7 +107,10 @@ class ActivationOffload:
         return self._held[-1]
 
     def _fetch(self, held: _Held) -> None:
-        """Start the copy back of ``held`` on the side stream (CUDA), after its copy out."""
+        """Start the copy back of ``held``: on CUDA on the side stream, after its copy out."""
+        if held.device.type != "cuda":
+            held.fetched = held.host.to(held.device, copy=True)
+            return
         side = self._side_stream(held.device)
         with torch.cuda.stream(side):
             side.wait_event(held.copied_out)
@@ -117,16 +121,25 @@ class ActivationOffload:
     def _unpack(self, held):
         if not isinstance(held, _Held):
             return held
-        if held.device.type != "cuda":
-            held.used = True
-            return held.host.to(held.device, copy=True)
+        if torch._C._current_graph_task_id() != -1 and not any(h.used for h in self._held):
+            # the first tensor this backward asks for: at its end, drop any tensor fetched ahead and never asked for
+            # (a backward that stops early) and this object's list of the host copies (the graph keeps its own
+            # references to them while it lives)
+            torch.autograd.Variable._execution_engine.queue_callback(self._release)
         if held.fetched is None:
             self._fetch(held)
         out, held.fetched, held.used = held.fetched, None, True  # a second unpack (a retained graph) fetches again
-        current = torch.cuda.current_stream(held.device)
-        current.wait_event(held.copied_in)
-        out.record_stream(current)  # allocated on the side stream, used and freed on this one
+        if held.device.type == "cuda":
+            current = torch.cuda.current_stream(held.device)
+            current.wait_event(held.copied_in)
+            out.record_stream(current)  # allocated on the side stream, used and freed on this one
         ahead = next((h for h in reversed(self._held[:held.index]) if not h.used and h.fetched is None), None)
         if ahead is not None:
             self._fetch(ahead)  # the backward needs the tensor saved before this one next
         return out
+
+    def _release(self) -> None:
+        self.left_unused = sum(not h.used for h in self._held)
+        for h in self._held:
+            h.fetched = None
+        self._held = []

@@ -54,7 +54,7 @@ def _model(cfg: Config, *, data, vocab_size: int, dtype, device):
                        targets=cfg.lora.target_modules, quantized=q.load_in_4bit,
                        gradient_checkpointing=m.gradient_checkpointing)
     if q.load_in_4bit and torch_dequant(q.dequant_4bit, q.quant_type, m.compile):
-        convert_4bit_to_torch_dequant(model)
+        convert_4bit_to_torch_dequant(model, q.dequant_4bit)
     if m.fuse_lora:  # on the device already: the base weights become views into the fused ones, not copies
         fuse_lora_projections(model)
     if m.base_fp8 and m.fp8_rounding == "gptq":  # on the device already: the weights are quantised there, once
@@ -87,6 +87,9 @@ def _optimisation(cfg: Config, hooks, model, *, device, dtype) -> Optimisation:
         if device.type != "cuda":
             raise ModelError(f"model.offload_activations=true moves activations from GPU to host memory; this worker "
                              f"runs on {device.type}: set it false")
+        if m.compile and not isinstance(getattr(loss_model.decoder(), "layers", None), torch.nn.ModuleList):
+            raise ModelError("model.offload_activations=true: this model has no decoder layers list, so it would be "
+                             "compiled whole with the hooks inside its graph; set it false or model.compile=false")
         loss_model.offload = ActivationOffload(model)
     if m.compile:
         loss_model = compile_for_training(loss_model, scope=m.compile_scope, mode=m.compile_mode)

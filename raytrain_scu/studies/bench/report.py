@@ -135,7 +135,7 @@ def _qlora_8b(res: dict) -> tuple:
     b = parts.get("ours_8b", {})
     ran = [n for n in QLORA_8B if "tokens_per_s" in parts.get(n, {})]
     if not ran or "tokens_per_s" not in b:
-        return label, "-", ">= 0.6, <= 6 GiB", _missing(res, [*(ran or QLORA_8B[-1:]), "ours_8b"])
+        return label, "-", ">= 0.6, <= 6 GiB", _missing(res, [*(ran or QLORA_8B), "ours_8b"])
 
     def met(n: str) -> bool:
         return parts[n]["tokens_per_s"] / b["tokens_per_s"] >= 0.6 and parts[n]["peak_mem_gib"] <= 6.0
