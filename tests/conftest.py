@@ -151,6 +151,20 @@ def adapter_grads(model) -> dict:
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
+def adapter_step(loss_model, model, x):
+    """One forward and backward of ``loss_model`` on ``x`` (next-token labels, wrapping round): its Σ nats and every
+    adapter gradient, flattened into one tensor (earlier gradients cleared first)."""
+    import torch
+
+    from raytrain_scu.core.regularizer import adapter_params
+
+    for p in adapter_params(model):
+        p.grad = None
+    nats, _ = loss_model(x, torch.roll(x, -1, 1))
+    nats.backward()
+    return float(nats), torch.cat([p.grad.reshape(-1) for p in adapter_params(model)])
+
+
 def autograd_nodes(loss, fn_name: str) -> int:
     """How many backward nodes of the autograd Function ``fn_name`` are in ``loss``'s graph."""
     seen, todo, count = set(), [loss.grad_fn], 0

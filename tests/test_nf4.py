@@ -3,7 +3,7 @@ without double quantisation; a converted model's loss and adapter gradients equa
 exactly; compiled: within float32 rounding, in one graph per layer); the config's choices and refusals."""
 import pytest
 import torch
-from conftest import TINY
+from conftest import TINY, adapter_step
 
 from raytrain_scu.config.load import load_config
 from raytrain_scu.core import nf4
@@ -26,14 +26,6 @@ def _model(tmp_path, double_quant: bool, device: str = "cpu"):
     return model
 
 
-def _step(loss_model, model, x):
-    for p in adapter_params(model):
-        p.grad = None
-    nats, _ = loss_model(x, torch.roll(x, -1, 1))
-    nats.backward()
-    return float(nats), torch.cat([p.grad.reshape(-1) for p in adapter_params(model)])
-
-
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
 @pytest.mark.parametrize("double_quant", [True, False])
@@ -53,7 +45,7 @@ def test_torch_dequantises_as_bitsandbytes_and_the_model_trains_the_same(tmp_pat
     layers = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
     reference = [bf.dequantize_4bit(m.weight, m.weight.quant_state) for m in layers]
     x = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(1)).to(device)
-    want = _step(CausalLMLoss(model, chunk_size=16), model, x)
+    want = adapter_step(CausalLMLoss(model, chunk_size=16), model, x)
     assert nf4.convert_4bit_to_torch_dequant(model) == len(layers) == 2 * len(PROJ)
     calls = []
     monkeypatch.setattr(nf4, "dequantize", lambda *a: calls.append(1) or dequantize(*a))
@@ -62,7 +54,7 @@ def test_torch_dequantises_as_bitsandbytes_and_the_model_trains_the_same(tmp_pat
         absmax = (nf4.nested_absmax(m.nf4_absmax_q, m.nf4_absmax_code, m.nf4_absmax_scale, m.nf4_absmax_offset)
                   if double_quant else m.nf4_absmax)
         assert torch.equal(nf4.dequantize(m.weight, m.nf4_code, absmax, m.nf4_blocksize, m.nf4_shape, ref.dtype), ref)
-    nats, grad = _step(CausalLMLoss(model, chunk_size=16), model, x)
+    nats, grad = adapter_step(CausalLMLoss(model, chunk_size=16), model, x)
     assert nats == want[0] and torch.equal(grad, want[1])
     # every 4-bit layer's forward, its checkpointed recompute and its backward dequantised with torch's ops
     assert len(calls) == 3 * len(layers)
@@ -70,7 +62,7 @@ def test_torch_dequantises_as_bitsandbytes_and_the_model_trains_the_same(tmp_pat
     assert nf4.convert_4bit_to_torch_dequant(model) == 0  # converted once
     torch._dynamo.reset()
     counters.clear()
-    nats, grad = _step(compile_for_training(CausalLMLoss(model, chunk_size=16)), model, x)
+    nats, grad = adapter_step(compile_for_training(CausalLMLoss(model, chunk_size=16)), model, x)
     assert nats == pytest.approx(want[0], rel=1e-6)
     torch.testing.assert_close(grad, want[1], rtol=1e-4, atol=1e-5)
     assert counters["stats"]["unique_graphs"] >= 1 and not counters["graph_break"]  # each layer one graph

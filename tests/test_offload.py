@@ -4,7 +4,7 @@ hooks move CPU tensors (a host copy stands in for pinned memory, no streams); th
 check the memory they free and that the hooks never sync."""
 import pytest
 import torch
-from conftest import TINY, tiny_cfg
+from conftest import TINY, adapter_step, tiny_cfg
 
 from raytrain_scu.config.load import load_config
 from raytrain_scu.core.loss import CausalLMLoss, compile_for_training
@@ -26,14 +26,6 @@ def _model(device="cpu", name="tiny-llama-3.1-8b", dtype=torch.float32):
     return model
 
 
-def _step(loss_model, model, x):
-    for p in adapter_params(model):
-        p.grad = None
-    nats, _ = loss_model(x, torch.roll(x, -1, 1))
-    nats.backward()
-    return float(nats), torch.cat([p.grad.reshape(-1) for p in adapter_params(model)])
-
-
 @pytest.mark.parametrize("compiled", [False, True])
 def test_the_layers_saved_inputs_move_and_nothing_else_changes(compiled):
     """Each checkpointed layer's input crosses (and the final norm's), never a parameter; the loss and every adapter
@@ -44,10 +36,10 @@ def test_the_layers_saved_inputs_move_and_nothing_else_changes(compiled):
     if compiled:
         loss_model = compile_for_training(loss_model)
     x = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(1))
-    want = [_step(loss_model, model, x) for _ in range(2)]
+    want = [adapter_step(loss_model, model, x) for _ in range(2)]
     hidden_bytes = 2 * 24 * 128 * 4  # one layer input: batch x tokens x hidden, float32
     loss_model.offload = ActivationOffload(model, devices=("cpu",), min_bytes=hidden_bytes)
-    got = [_step(loss_model, model, x) for _ in range(2)]
+    got = [adapter_step(loss_model, model, x) for _ in range(2)]
     for (n_got, g_got), (n_want, g_want) in zip(got, want):
         assert n_got == n_want
         assert torch.equal(g_got, g_want)
@@ -124,10 +116,10 @@ def test_on_cuda_the_inputs_cross_to_pinned_memory_and_free_the_card():
     loss_model = compile_for_training(CausalLMLoss(model, chunk_size=1024))
     x = torch.randint(0, 512, (2, 1024), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        want = [_step(loss_model, model, x) for _ in range(2)]
+        want = [adapter_step(loss_model, model, x) for _ in range(2)]
         base_peak = _peak(loss_model, model, x)
         loss_model.offload = ActivationOffload(model)
-        got = [_step(loss_model, model, x) for _ in range(2)]
+        got = [adapter_step(loss_model, model, x) for _ in range(2)]
         off_peak = _peak(loss_model, model, x)
     spread = float((want[0][1] - want[1][1]).abs().max())
     for n_got, g_got in got:
@@ -167,12 +159,12 @@ def test_on_cuda_the_hooks_never_sync_the_host():
 def _peak(loss_model, model, x) -> int:
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    _step(loss_model, model, x)
+    adapter_step(loss_model, model, x)
     torch.cuda.synchronize()
     return torch.cuda.max_memory_allocated()
 
 
-def test_a_worker_on_a_cpu_refuses_it_before_its_first_step(tmp_path):
+def test_a_worker_on_a_cpu_refuses_it_before_its_firstadapter_step(tmp_path):
     """With scaling.use_gpu left to detection, a worker that lands on a CPU says so when it builds."""
     from raytrain_scu.errors import ModelError
     from raytrain_scu.worker.hooks import LocalHooks
