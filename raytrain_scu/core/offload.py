@@ -66,10 +66,12 @@ class ActivationOffload:
         self.moved = 0
         self.moved_bytes = 0
         self.left_unused = 0  # moved tensors the last backward never asked for (released at its end)
+        self._release_queued = False
 
     @contextlib.contextmanager
     def hooks(self):
         self._held = []
+        self._release_queued = False
         self.moved = self.moved_bytes = 0
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
             yield
@@ -121,11 +123,12 @@ class ActivationOffload:
     def _unpack(self, held):
         if not isinstance(held, _Held):
             return held
-        if torch._C._current_graph_task_id() != -1 and not any(h.used for h in self._held):
+        if not self._release_queued and torch._C._current_graph_task_id() != -1:
             # the first tensor this backward asks for: at its end, drop any tensor fetched ahead and never asked for
             # (a backward that stops early) and this object's list of the host copies (the graph keeps its own
             # references to them while it lives)
             torch.autograd.Variable._execution_engine.queue_callback(self._release)
+            self._release_queued = True
         if held.fetched is None:
             self._fetch(held)
         out, held.fetched, held.used = held.fetched, None, True  # a second unpack (a retained graph) fetches again
@@ -143,3 +146,4 @@ class ActivationOffload:
         for h in self._held:
             h.fetched = None
         self._held = []
+        self._release_queued = False
