@@ -41,9 +41,14 @@ def quantize_rows_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, s
 
 
+def slice_rows(cols: int, elem_bytes: int) -> int:
+    """How many rows of a table ``cols`` wide make at most :data:`SLICE_BYTES` once dequantised (at least one)."""
+    return max(1, SLICE_BYTES // max(1, cols * elem_bytes))
+
+
 def row_slices(rows: int, cols: int, elem_bytes: int) -> list[tuple[int, int]]:
     """(start, end) row ranges of a [rows, cols] table, each at most :data:`SLICE_BYTES` once dequantised."""
-    step = max(1, SLICE_BYTES // max(1, cols * elem_bytes))
+    step = slice_rows(cols, elem_bytes)
     return [(a, min(a + step, rows)) for a in range(0, rows, step)]
 
 

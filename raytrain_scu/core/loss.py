@@ -12,7 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from raytrain_scu.console import notice
-from raytrain_scu.core.embed_quant import Int8Head, dequant_rows, row_slices
+from raytrain_scu.core.embed_quant import Int8Head, dequant_rows, slice_rows
 from raytrain_scu.core.fp8 import Fp8FrozenLinear, fp8_head_grad, fp8_head_logits, quantize_rows, quantize_rows_
 from raytrain_scu.core.model.families import HeadTransform, family_of, head_of_class
 from raytrain_scu.core.model.parts import base_of, body_of
@@ -122,7 +122,7 @@ def _int8_head_ce(h, q, s, bias, y, chunk_size: int, scale: float, softcap: floa
     holds at most ``chunk_size`` x vocab logits (what a chunk of the other path holds) and dequantises to at most
     :data:`~raytrain_scu.core.embed_quant.SLICE_BYTES`."""
     n, vocab = h.shape[0], q.shape[0]
-    rows = max(1, min(row_slices(vocab, q.shape[1], h.element_size())[0][1], chunk_size * vocab // max(1, n)))
+    rows = max(1, min(slice_rows(q.shape[1], h.element_size()), chunk_size * vocab // max(1, n)))
     slices = [(a, min(a + rows, vocab)) for a in range(0, vocab, rows)]
     valid = y != -100
     top = torch.full((n,), float("-inf"), dtype=torch.float32, device=h.device)
