@@ -95,9 +95,13 @@ CASES = {
     "LoRA on a table made int8": (lambda t: [TINY, "quant.embedding_int8=true",
                                              "lora.target_modules=q_proj,embed_tokens"],
                                   ["lora.target_modules: ['embed_tokens'] would put LoRA on the embedding"]),
-    "offloaded activations without checkpointing": (lambda t: [TINY, "model.offload_activations=true"],
-                                                    ["model.offload_activations: needs "
-                                                     "model.gradient_checkpointing=true"]),
+    "offloaded activations without checkpointing or a budget": (
+        lambda t: [TINY, "model.offload_activations=true"],
+        ["model.offload_activations: needs model.gradient_checkpointing=true or a budget, "
+         "model.offload_activations_gib > 0"]),
+    "an activation budget with the offload off": (
+        lambda t: [TINY, "model.offload_activations_gib=2"],
+        ["model.offload_activations_gib: is a budget for model.offload_activations, which is off"]),
     "torch dequantisation of fp4 codes": (lambda t: [TINY, "quant.load_in_4bit=true", "quant.quant_type=fp4",
                                                      "quant.dequant_4bit=torch"],
                                           ["quant.dequant_4bit: torch reads nf4 codes, not quant.quant_type=fp4",

@@ -16,10 +16,11 @@ from raytrain_scu.errors import ConfigError
 LAYERS = 2  # tiny-llama-3.1-8b
 
 
-def _model(device="cpu", name="tiny-llama-3.1-8b", dtype=torch.float32):
+def _model(device="cpu", name="tiny-llama-3.1-8b", dtype=torch.float32, checkpointing=True):
     torch.manual_seed(0)
-    model = apply_lora(build_model(name, vocab_size=512, gradient_checkpointing=True, device=torch.device(device),
-                                   dtype=dtype), r=4, alpha=8, targets=["q_proj", "v_proj", "down_proj"])
+    model = apply_lora(build_model(name, vocab_size=512, gradient_checkpointing=checkpointing,
+                                   device=torch.device(device), dtype=dtype),
+                       r=4, alpha=8, targets=["q_proj", "v_proj", "down_proj"])
     for p in adapter_params(model):
         p.data.normal_(0.0, 0.05)
     model.train()
@@ -49,6 +50,68 @@ def test_the_layers_saved_inputs_move_and_nothing_else_changes(compiled):
     with torch.no_grad():  # an evaluation moves nothing: no backward follows
         loss_model(x, torch.roll(x, -1, 1))
     assert off.moved >= LAYERS  # still the last training forward's count
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_without_checkpointing_a_budget_moves_the_bottom_activations_and_nothing_else_changes(compiled):
+    """No checkpointing, a budget of about one and a half layers' activations: the first tensors saved move until the
+    next would pass it, every one of them is fetched ahead of its ask (a compiled layer's backward asks for its saved
+    tensors lowest first, so the window must reach across a layer: it does once the budget holds one), and the loss
+    and adapter gradients are bit for bit those of the same model without the hooks."""
+    torch._dynamo.reset()
+    model = _model(checkpointing=False)
+    loss_model = CausalLMLoss(model, chunk_size=16)
+    if compiled:
+        loss_model = compile_for_training(loss_model)
+    x = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(1))
+    want = [adapter_step(loss_model, model, x) for _ in range(2)]
+    budget = 600_000  # a layer saves about 400 kB of activations here
+    loss_model.offload = ActivationOffload(model, budget_bytes=budget, ahead_bytes=budget, devices=("cpu",),
+                                           min_bytes=1024)
+    got = [adapter_step(loss_model, model, x) for _ in range(2)]
+    for (n_got, g_got), (n_want, g_want) in zip(got, want):
+        assert n_got == n_want
+        assert torch.equal(g_got, g_want)
+    off = loss_model.offload
+    assert off.moved >= 3 and budget / 2 <= off.moved_bytes <= budget
+    assert off.waited == 0 and off.left_unused == 0 and off._held == []
+
+
+class _Logged(ActivationOffload):
+    """The order of the backward's asks and the fetches they start, by offset."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.log = []
+
+    def _fetch(self, held):
+        self.log.append(("fetch", held.start))
+        super()._fetch(held)
+
+    def _fetch_ahead(self, start, nbytes):
+        self.log.append(("ask", start))
+        super()._fetch_ahead(start, nbytes)
+
+
+@pytest.mark.parametrize("ahead, lead", [(0, 1), (3, 3)])
+def test_each_moved_tensor_is_fetched_once_the_backward_is_within_the_window_above_it(ahead, lead):
+    """A chain of eight saved tanh outputs, the first three moved: each comes back when the backward asks for the
+    tensor ``lead`` places above it (the window is ``ahead`` tensors, and at least the asked one), never sooner."""
+    unit = 64 * 64 * 4
+    off = _Logged(torch.nn.Module(), budget_bytes=3 * unit, ahead_bytes=ahead * unit, devices=("cpu",), min_bytes=0)
+    x = torch.randn(64, 64, requires_grad=True)
+    with off.hooks():
+        h = x
+        for _ in range(8):
+            h = torch.tanh(h)
+    h.sum().backward()
+    assert off.moved == 3 and off.left_unused == 0
+    asks = [s // unit for kind, s in off.log if kind == "ask"]
+    assert asks == list(range(7, -1, -1))
+    for i in range(3):  # the fetch of tensor i comes right after the ask of tensor i + lead
+        at = off.log.index(("fetch", i * unit))
+        assert off.log[at - 1] == ("ask", (i + lead) * unit)
+    assert off.waited == 0
 
 
 def test_a_backward_that_asks_for_part_of_what_moved_leaves_nothing_fetched_behind():
@@ -92,7 +155,7 @@ def test_parameters_their_views_small_and_gapped_tensors_stay():
 
 
 @pytest.mark.parametrize("overrides, need", [
-    (["model.offload_activations=true"], "model.gradient_checkpointing=true"),
+    (["model.offload_activations=true"], "model.gradient_checkpointing=true or a budget"),
     (["model.offload_activations=true", "model.gradient_checkpointing=true", "model.compile=true",
       "model.compile_scope=model"], "model.compile_scope=layers"),
     (["model.offload_activations=true", "model.gradient_checkpointing=true", "scaling.use_gpu=false"], "a GPU"),
@@ -103,6 +166,34 @@ def test_the_config_refuses_what_it_cannot_run_with(overrides, need):
     ok = load_config(TINY, ["model.offload_activations=true", "model.gradient_checkpointing=true",
                             "scaling.use_gpu=null"])  # a worker on a CPU is refused when it builds
     assert ok.model.offload_activations
+    budget = load_config(TINY, ["model.offload_activations=true", "model.offload_activations_gib=1.5",
+                                "scaling.use_gpu=null"])  # no checkpointing needed with a budget
+    assert budget.model.offload_activations_gib == 1.5
+
+
+@pytest.mark.parametrize("overrides, says", [
+    (["model.offload_activations=true", "model.offload_activations_gib=-1"], "must be >= 0"),
+    (["model.offload_activations_gib=2"], "is a budget for model.offload_activations, which is off"),
+])
+def test_the_config_refuses_a_budget_it_cannot_use(overrides, says):
+    with pytest.raises(ConfigError, match=rf"model\.offload_activations_gib: {says}"):
+        load_config(TINY, [*overrides, "scaling.use_gpu=null"])
+
+
+def test_the_memory_estimate_takes_the_budget_off_the_activations():
+    from raytrain_scu.config.resolve import memory_kwargs
+    from raytrain_scu.hardware.memory import estimate_peak_memory_gib
+
+    shape = dict(n_params=8_030_000_000, hidden=4096, layers=32, heads=32, kv_heads=8, ffn=14336, vocab=128256)
+    cfg = load_config(TINY, ["data.batch_size=2", "data.block_size=2048", "model.precision=bf16", "model.compile=true",
+                             "model.offload_activations=true", "model.offload_activations_gib=2",
+                             "scaling.use_gpu=null"])
+    kw = {**shape, **memory_kwargs(cfg)}
+    moved = estimate_peak_memory_gib(**kw)
+    kw["offload_activations"] = False
+    kept = estimate_peak_memory_gib(**kw)
+    assert kept["activations_gib"] - moved["activations_gib"] == pytest.approx(2.0)
+    assert kept["total_gib"] - moved["total_gib"] == pytest.approx(2.0)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -133,14 +224,45 @@ def test_on_cuda_the_inputs_cross_to_pinned_memory_and_free_the_card():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_on_cuda_the_hooks_never_sync_the_host():
-    """Checkpointed layers of plain torch ops (no library code of its own that syncs) through a forward and a
-    backward under the hooks, in CUDA's sync debug mode: no copy out or fetch waits for the device."""
+def test_on_cuda_a_budget_without_checkpointing_frees_the_card_and_waits_for_no_copy():
+    """The 1B shape's 16 layers (a 512-token vocabulary), compiled, not checkpointed, bf16 autocast, 0.5 GiB budget
+    (a few layers' activations): the loss and gradients stay within two unmoved runs' spread, at least half the moved
+    bytes are off the peak, and every moved tensor was fetched ahead of its ask."""
+    torch._dynamo.reset()
+    model = _model("cuda", name="llama-3.2-1b-shape", dtype=torch.bfloat16, checkpointing=False)
+    loss_model = compile_for_training(CausalLMLoss(model, chunk_size=1024))
+    x = torch.randint(0, 512, (2, 1024), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    budget = 2**29
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        want = [adapter_step(loss_model, model, x) for _ in range(2)]
+        base_peak = _peak(loss_model, model, x)
+        loss_model.offload = ActivationOffload(model, budget_bytes=budget, ahead_bytes=budget)
+        got = [adapter_step(loss_model, model, x) for _ in range(2)]
+        off_peak = _peak(loss_model, model, x)
+    spread = float((want[0][1] - want[1][1]).abs().max())
+    for n_got, g_got in got:
+        assert abs(n_got - want[0][0]) <= abs(want[1][0] - want[0][0])
+        assert float((g_got - want[0][1]).abs().max()) <= 2 * spread
+    off = loss_model.offload
+    assert 0.5 * budget <= off.moved_bytes <= budget
+    assert off.waited == 0 and off.left_unused == 0
+    assert base_peak - off_peak >= 0.5 * off.moved_bytes, (base_peak, off_peak, off.moved_bytes)
+    print(f"\n[gpu] {torch.cuda.get_device_name(0)}: budget, no checkpointing: peak {base_peak / 2**20:.1f} -> "
+          f"{off_peak / 2**20:.1f} MiB, {off.moved_bytes / 2**20:.1f} MiB moved in {off.moved} tensors")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("checkpointed", [True, False])
+def test_on_cuda_the_hooks_never_sync_the_host(checkpointed):
+    """Layers of plain torch ops (no library code of its own that syncs), checkpointed (everything moves) or not (a
+    budget of two layers' saves), through a forward and a backward under the hooks, in CUDA's sync debug mode: no
+    copy out or fetch waits for the device."""
     from torch.utils.checkpoint import checkpoint
 
-    ws = [torch.randn(512, 512, device="cuda", requires_grad=True) for _ in range(4)]
-    model = torch.nn.Module()
-    off = ActivationOffload(model)
+    model = torch.nn.ParameterList([torch.randn(512, 512, device="cuda") for _ in range(4)])
+    ws = list(model)
+    budget = None if checkpointed else 2 * 2 * 1024 * 512 * 4  # each layer saves t @ w and its tanh
+    off = ActivationOffload(model, budget_bytes=budget, ahead_bytes=budget or 0)
     x = torch.randn(1024, 512, device="cuda", requires_grad=True)
     for _ in range(2):  # the second time from the pinned host allocator's cache
         torch.cuda.synchronize()
@@ -149,11 +271,12 @@ def test_on_cuda_the_hooks_never_sync_the_host():
             with off.hooks():
                 h = x
                 for w in ws:
-                    h = checkpoint(lambda t, w=w: torch.tanh(t @ w), h, use_reentrant=False)
+                    layer = (lambda t, w=w: torch.tanh(t @ w))
+                    h = checkpoint(layer, h, use_reentrant=False) if checkpointed else layer(h)
             h.sum().backward()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    assert off.moved == len(ws) and off.left_unused == 0
+    assert off.moved == (len(ws) if checkpointed else 4) and off.left_unused == 0
 
 
 def _peak(loss_model, model, x) -> int:

@@ -96,8 +96,14 @@ def _check_fast_paths(cfg: Config) -> None:
                       (q.load_in_4bit, "an unquantised base, not quant.load_in_4bit=true (it would add to, not "
                                        "shrink, a QLoRA run's memory)")):
         _check(not (m.head_fp8 and bad), "model.head_fp8", f"needs {need}")
-    for bad, need in ((not m.gradient_checkpointing, "model.gradient_checkpointing=true (without it every activation "
-                                                      "of the forward would cross to the host and back)"),
+    _check(m.offload_activations_gib >= 0, "model.offload_activations_gib",
+           f"must be >= 0 (0 = every saved activation), got {m.offload_activations_gib}")
+    _check(m.offload_activations or not m.offload_activations_gib, "model.offload_activations_gib",
+           f"is a budget for model.offload_activations, which is off; set model.offload_activations=true or drop "
+           f"model.offload_activations_gib={m.offload_activations_gib}")
+    for bad, need in ((not m.gradient_checkpointing and not m.offload_activations_gib,
+                       "model.gradient_checkpointing=true or a budget, model.offload_activations_gib > 0 (without "
+                       "either every activation of the forward would cross to the host and back)"),
                       (m.compile and m.compile_scope == "model", "model.compile_scope=layers (its hooks are entered "
                                                                  "around the compiled layers, not inside one graph)"),
                       (cfg.scaling.use_gpu is False, "a GPU: it moves activations from GPU to host memory, and "

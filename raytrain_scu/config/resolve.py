@@ -167,7 +167,8 @@ def memory_kwargs(cfg: Config) -> dict[str, Any]:
             "fused_loss": cfg.model.fused_loss, "loss_chunk_tokens": cfg.model.loss_chunk_size,
             "embedding_int8": cfg.quant.embedding_int8, "offload_embedding": cfg.quant.offload_embedding,
             "base_fp8": cfg.model.base_fp8, "head_fp8": cfg.model.head_fp8,
-            "offload_activations": cfg.model.offload_activations}
+            "offload_activations": cfg.model.offload_activations,
+            "offload_activations_gib": cfg.model.offload_activations_gib}
 
 
 

@@ -33,10 +33,13 @@ class ModelConfig:
     # sdpa | eager | flash_attention_2 | any name transformers knows (sdpa gets a causal no-mask shortcut)
     attn_implementation: str = "sdpa"
     gradient_checkpointing: bool = False  # recompute activations in the backward pass: less memory, ~30 % slower
-    # with gradient_checkpointing on a GPU: what the model's forward saves for the backward (each layer's input, the
-    # final norm's; each tensor of 1 MiB or more) in pinned host memory until the backward, copied on a side stream
-    # (core/offload.py): the 8B shape at 2 x 2048 peaked 0.9 GiB lower on an H200
+    # on a GPU: what the model's forward saves for the backward (each tensor of 1 MiB or more) in pinned host memory
+    # until the backward, copied on a side stream (core/offload.py). With gradient_checkpointing: each layer's input
+    # (the 8B shape at 2 x 2048 peaked 0.9 GiB lower on an H200); without it, offload_activations_gib is needed
     offload_activations: bool = False
+    # at most this many GiB of them move, the first saved (the bottom layers'); 0 = all, which needs checkpointing.
+    # The peak falls by about this much; the copies run beside the step
+    offload_activations_gib: float = 0.0
     compile: bool = False  # torch.compile the model (what hardware presets pick on A100/H100/H200/4090)
     # torch.compile mode: default | reduce-overhead | max-autotune | max-autotune-no-cudagraphs (the CUDA-graph
     # modes, reduce-overhead and max-autotune, need compile_scope=model on a GPU)

@@ -115,7 +115,8 @@ def estimate_peak_memory_gib(*, n_params: int, hidden: int, layers: int, heads: 
                              mamba_inner: int = 0, mamba_in_proj: int = 0, mamba_chunk: int = 0,
                              mamba_kernels: bool = True, recompute_elementwise: str = "never",
                              recompute_auto: bool = True, base_fp8: bool = False,
-                             head_fp8: bool = False, offload_activations: bool = False) -> dict[str, float]:
+                             head_fp8: bool = False, offload_activations: bool = False,
+                             offload_activations_gib: float = 0.0) -> dict[str, float]:
     """Peak GPU memory (GiB) of one training step of LoRA/QLoRA on a Llama-style decoder, or a hybrid with
     ``mamba_layers`` Mamba-2 layers, by part: the formula is in the module docstring. ``recompute_elementwise`` is
     ``model.recompute_elementwise`` and ``recompute_auto`` what its ``auto`` picks for the model's family
@@ -146,10 +147,14 @@ def estimate_peak_memory_gib(*, n_params: int, hidden: int, layers: int, heads: 
                                     in_proj=mamba_in_proj, torch_path_chunk=0 if mamba_kernels else mamba_chunk,
                                     **common) if mamba_layers else 0)
     per_layer = max(per_attn, per_mamba)
+    budget = offload_activations_gib * GIB if offload_activations else 0.0  # what may wait on the host (0: all)
     if gradient_checkpointing:  # every layer's input (two in flight when they wait in host memory), one recomputed
-        activations = tokens * (2 if offload_activations else layers) * hidden * a + per_layer
-    else:
+        layer_input = tokens * hidden * a
+        moved = 0 if not offload_activations else layers - 2 if not budget else min(layers - 2, budget // layer_input)
+        activations = (layers - moved) * layer_input + per_layer
+    else:  # a budget's worth of the bottom layers' activations is on the host at the peak (the backward's start)
         activations = (layers - mamba_layers) * per_attn + mamba_layers * per_mamba
+        activations -= min(budget, activations)
     activations += tokens * (3 * hidden * a + 4 * hidden)  # embeddings out, final norm, lm_head input
     logits = _loss_bytes(tokens=tokens, vocab=vocab, hidden=hidden, a=a, fused_loss=fused_loss,
                          chunk=loss_chunk_tokens, head_fp8=head_fp8)

@@ -26,7 +26,8 @@ def bench_config(*, preset: str, batch: int, block: int, steps: int, report_ever
                  workers: int = 1, compile_scope: str = "layers", targets=tuple(PROJ), fuse_lora: bool = False,
                  base_fp8: bool = False, profile_steps: int = 0, embedding_int8: bool = False,
                  offload_embedding: bool = False, recompute_elementwise: str = "auto", head_fp8: bool = False,
-                 compile_mode: str = "default", offload_activations: bool = False, dequant_4bit: str = "auto"):
+                 compile_mode: str = "default", offload_activations: bool = False, dequant_4bit: str = "auto",
+                 offload_activations_gib: float = 0.0):
     gpu = torch.cuda.is_available()
     return resolve(None, [
         f"model.name={preset}", f"model.precision={'bf16' if gpu else 'fp32'}", f"model.compile={str(compile).lower()}",
@@ -35,6 +36,7 @@ def bench_config(*, preset: str, batch: int, block: int, steps: int, report_ever
         f"model.recompute_elementwise={recompute_elementwise}",
         f"model.base_fp8={str(base_fp8).lower()}", f"model.gradient_checkpointing={str(checkpointing).lower()}",
         f"model.offload_activations={str(offload_activations).lower()}",
+        f"model.offload_activations_gib={offload_activations_gib}",
         # the FP8 GEMMs are the same whichever codes fill them: nearest skips GPTQ's calibration (minutes at 8B)
         "model.fp8_rounding=nearest",
         f"model.loss_chunk_size={chunk}", f"quant.load_in_4bit={str(load_in_4bit).lower()}", "lora.r=16",
