@@ -97,6 +97,7 @@ class ActivationOffload:
         self._release_queued = False
         self._saved_bytes = 0  # the next saved tensor's offset
         self._full = False  # the budget is spent: nothing more moves in this forward
+        self._full_at = 0  # the offset it was spent at: a save whose window ends above it can fetch nothing
         self._next = -1  # the highest index in _held the fetch-ahead has not passed
 
     @contextlib.contextmanager
@@ -128,9 +129,12 @@ class ActivationOffload:
             return t
         start, nbytes = self._saved_bytes, t.numel() * t.element_size()
         self._saved_bytes += nbytes
+        if self._full and start - max(self.ahead_bytes, nbytes) >= self._full_at:
+            return t  # the backward's ask for it is too far above the moved tensors to start a fetch: no wrapper
         movable = self._movable(t)
         if movable and not self._full and self.budget_bytes is not None:
             self._full = self.moved_bytes + nbytes > self.budget_bytes
+            self._full_at = start
         if self._full or not movable:
             return _Kept(t, start)
         cuda = t.device.type == "cuda"

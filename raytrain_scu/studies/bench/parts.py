@@ -120,6 +120,8 @@ PARTS: dict[str, Part] = {
     "ours_lowmem_8b": Part(_ours(offload_embedding=True, chunk=1024), loop=True),
     # the first 2 GiB the forward saves (the bottom layers' activations) in pinned host memory until the backward
     "ours_acts_host_8b": Part(_ours(offload_activations=True, offload_activations_gib=2.0), loop=True),
+    # half that, with a 1024-token loss chunk for the rest of the way: fewer bytes to copy
+    "ours_acts_host_1g_8b": Part(_ours(offload_activations=True, offload_activations_gib=1.0, chunk=1024), loop=True),
     "attn": Part(lambda c: attention_bench(preset=c.preset, batch=c.args.batch, block=c.block)),
     "ref_eager": Part(_ref(compile_scope="none", attention="default")),
     "ours_best": Part(lambda c: ours_bare(c.cfg(batch=c.args.best_batch), c.args.warmup_reports), loop=True),
