@@ -220,6 +220,19 @@ def test_an_int8_head_walks_the_vocabulary_slice_by_slice_and_matches_its_dequan
     assert counters["stats"]["unique_graphs"] == (6 if compiled else 0)
 
 
+@pytest.mark.parametrize("label", [50, -1])
+def test_an_int8_heads_loss_refuses_a_label_outside_the_vocabulary(label):
+    """As cross-entropy does: a label that is neither -100 nor a row of the table is an error, not a silent row."""
+    h = torch.randn(6, 16, requires_grad=True)
+    q, s = embed_quant.quantize_rows_int8(torch.randn(50, 16))
+    y = torch.randint(0, 50, (6,))
+    y[2] = label
+    with pytest.raises(RuntimeError, match="int8 head loss: a label is outside the vocabulary"):
+        chunked_ce_sum(h, q, y, chunk_size=8, weight_scale=s)
+    y[2] = -100
+    assert torch.isfinite(chunked_ce_sum(h, q, y, chunk_size=8, weight_scale=s))
+
+
 def test_every_known_head_is_tested_here():
     known = {name for family in MODEL_FAMILIES.values() for name in family.classes}
     assert known and known <= set(FAMILIES), known - set(FAMILIES)

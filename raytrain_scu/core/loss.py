@@ -125,6 +125,9 @@ def _int8_head_ce(h, q, s, bias, y, chunk_size: int, scale: float, softcap: floa
     rows = max(1, min(slice_rows(q.shape[1], h.element_size()), chunk_size * vocab // max(1, n)))
     slices = [(a, min(a + rows, vocab)) for a in range(0, vocab, rows)]
     valid = y != -100
+    # as cross-entropy does (an error on the CPU, a device-side assert on a GPU, no host sync): a label outside the
+    # vocabulary would otherwise add its row's log-sum-exp with no target logit
+    torch._assert_async(((y >= 0) & (y < vocab) | ~valid).all(), "int8 head loss: a label is outside the vocabulary")
     top = torch.full((n,), float("-inf"), dtype=torch.float32, device=h.device)
     sumexp = torch.zeros(n, dtype=torch.float32, device=h.device)
     picked = torch.zeros(n, dtype=torch.float32, device=h.device)
