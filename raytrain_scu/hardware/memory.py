@@ -22,7 +22,10 @@ With ``a`` = bytes of the compute dtype (4 for fp32, else 2), ``tokens = batch_s
                    each adapted layer's LoRA matmul saves, a bytes under autocast (absent when a = 4 and
                    under torch.compile, which fuses it away). SDPA keeps no T x T matrix.
     activations  = L * per layer                      without checkpointing
+                   - offload_activations_gib          with that budget in host memory (the bottom layers')
                  = tokens * L * H * a + per layer     with it (layer inputs + one layer recomputed)
+                   with model.offload_activations two layer inputs stay in flight instead of L (a budget:
+                   as many fewer as it holds)
                    torch.compile: a * (7H + 3F + n_targets*r) per token and layer (measured: no fp32 norm
                    copies, the SwiGLU product recomputed), and 2 GiB more overhead; with the backward
                    recomputing elementwise ops (model.recompute_elementwise) a * (5H + 2F + n_targets*r):
