@@ -116,6 +116,20 @@ def test_each_moved_tensor_is_fetched_once_the_backward_is_within_the_window_abo
     assert off.waited == 0
 
 
+def test_a_tensor_saved_three_times_moves_once_and_comes_back_for_each():
+    """tanh saves its output and h * h saves it twice more: one host copy, counted once, handed to all three asks,
+    and the gradient is exact."""
+    off = ActivationOffload(torch.nn.Module(), budget_bytes=1 << 20, devices=("cpu",), min_bytes=0)
+    x = torch.randn(64, 64, requires_grad=True)
+    with off.hooks():
+        h = torch.tanh(x)
+        out = h * h
+    (gx,) = torch.autograd.grad(out.sum(), x)
+    torch.testing.assert_close(gx, 2 * torch.tanh(x) * (1 - torch.tanh(x) ** 2))
+    assert off.moved == 1 and off.moved_bytes == 64 * 64 * 4
+    assert off.waited == 1 and off.left_unused == 0  # fetched once, at its first ask
+
+
 def test_a_backward_that_asks_for_part_of_what_moved_leaves_nothing_fetched_behind():
     """A backward through only the first of two saved chains (the second's output is never used): the tensors it
     asks for come back in order, the other's are counted unused and released at the backward's end."""
@@ -174,7 +188,9 @@ def test_the_config_refuses_what_it_cannot_run_with(overrides, need):
 
 
 @pytest.mark.parametrize("overrides, says", [
-    (["model.offload_activations=true", "model.offload_activations_gib=-1"], "must be >= 0"),
+    (["model.offload_activations=true", "model.offload_activations_gib=-1"], "must be 0 or between"),
+    (["model.offload_activations=true", "model.offload_activations_gib=1e-12"], "must be 0 or between"),
+    (["model.offload_activations=true", "model.offload_activations_gib=inf"], "must be 0 or between"),
     (["model.offload_activations_gib=2"], "is a budget for model.offload_activations, which is off"),
 ])
 def test_the_config_refuses_a_budget_it_cannot_use(overrides, says):
@@ -196,6 +212,12 @@ def test_the_memory_estimate_takes_the_budget_off_the_activations():
     kept = estimate_peak_memory_gib(**kw)
     assert kept["activations_gib"] - moved["activations_gib"] == pytest.approx(2.0)
     assert kept["total_gib"] - moved["total_gib"] == pytest.approx(2.0)
+    # under checkpointing a budget moves as many whole layer inputs (32 MiB each here) as it holds: 0.5 GiB, 16
+    kw.update(gradient_checkpointing=True, offload_activations=True, offload_activations_gib=0.5)
+    half = estimate_peak_memory_gib(**kw)["activations_gib"]
+    kw["offload_activations"] = False
+    none = estimate_peak_memory_gib(**kw)["activations_gib"]
+    assert none - half == pytest.approx(16 * 2 * 2048 * 4096 * 2 / 2**30)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -237,10 +259,10 @@ def test_on_cuda_a_budget_without_checkpointing_frees_the_card_and_waits_for_no_
     budget = 2**29
     with torch.autocast("cuda", dtype=torch.bfloat16):
         want = [adapter_step(loss_model, model, x) for _ in range(2)]
-        base_peak = _peak(loss_model, model, x)
+        base_peak, base_reserved = _peak(loss_model, model, x), _peak(loss_model, model, x, reserved=True)
         loss_model.offload = ActivationOffload(model, budget_bytes=budget, ahead_bytes=budget)
         got = [adapter_step(loss_model, model, x) for _ in range(2)]
-        off_peak = _peak(loss_model, model, x)
+        off_peak, off_reserved = _peak(loss_model, model, x), _peak(loss_model, model, x, reserved=True)
     spread = float((want[0][1] - want[1][1]).abs().max())
     for n_got, g_got in got:
         assert abs(n_got - want[0][0]) <= abs(want[1][0] - want[0][0])
@@ -249,8 +271,11 @@ def test_on_cuda_a_budget_without_checkpointing_frees_the_card_and_waits_for_no_
     assert 0.5 * budget <= off.moved_bytes <= budget
     assert off.waited == 0 and off.left_unused == 0
     assert base_peak - off_peak >= 0.5 * off.moved_bytes, (base_peak, off_peak, off.moved_bytes)
+    # the fetched copies come from the compute stream's pool: the reserved peak falls too
+    assert base_reserved - off_reserved >= 0.5 * off.moved_bytes, (base_reserved, off_reserved, off.moved_bytes)
     print(f"\n[gpu] {torch.cuda.get_device_name(0)}: budget, no checkpointing: peak {base_peak / 2**20:.1f} -> "
-          f"{off_peak / 2**20:.1f} MiB, {off.moved_bytes / 2**20:.1f} MiB moved in {off.moved} tensors")
+          f"{off_peak / 2**20:.1f} MiB allocated, {base_reserved / 2**20:.1f} -> {off_reserved / 2**20:.1f} MiB "
+          f"reserved, {off.moved_bytes / 2**20:.1f} MiB moved in {off.moved} tensors")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -281,12 +306,16 @@ def test_on_cuda_the_hooks_never_sync_the_host(checkpointed):
     assert off.moved == (len(ws) if checkpointed else 4) and off.left_unused == 0
 
 
-def _peak(loss_model, model, x) -> int:
+def _peak(loss_model, model, x, reserved: bool = False) -> int:
+    """The step's peak allocated memory, or with ``reserved`` its peak reserved from an emptied cache (what decides an
+    out-of-memory error)."""
     torch.cuda.synchronize()
+    if reserved:
+        torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     adapter_step(loss_model, model, x)
     torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated()
+    return torch.cuda.max_memory_reserved() if reserved else torch.cuda.max_memory_allocated()
 
 
 def test_a_worker_on_a_cpu_refuses_it_before_its_firstadapter_step(tmp_path):

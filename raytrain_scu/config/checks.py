@@ -96,8 +96,10 @@ def _check_fast_paths(cfg: Config) -> None:
                       (q.load_in_4bit, "an unquantised base, not quant.load_in_4bit=true (it would add to, not "
                                        "shrink, a QLoRA run's memory)")):
         _check(not (m.head_fp8 and bad), "model.head_fp8", f"needs {need}")
-    _check(m.offload_activations_gib >= 0, "model.offload_activations_gib",
-           f"must be >= 0 (0 = every saved activation), got {m.offload_activations_gib}")
+    gib = m.offload_activations_gib
+    _check(gib == 0 or 2**-10 <= gib < math.inf, "model.offload_activations_gib",
+           f"must be 0 or between 1/1024 (1 MiB, the smallest tensor that moves) and a finite size in GiB "
+           f"(0 = every saved activation), got {gib}")
     _check(m.offload_activations or not m.offload_activations_gib, "model.offload_activations_gib",
            f"is a budget for model.offload_activations, which is off; set model.offload_activations=true or drop "
            f"model.offload_activations_gib={m.offload_activations_gib}")

@@ -38,8 +38,8 @@ class ModelConfig:
     # (the 8B shape at 2 x 2048 peaked 0.9 GiB lower on an H200); without it, offload_activations_gib is needed
     offload_activations: bool = False
     # at most this many GiB of them move, the first saved (the bottom layers'); 0 = all, which needs checkpointing.
-    # The peak falls by about this much; the copies run beside the step and slow its GEMMs a little (8B shape, 2 x
-    # 2048, on an H200: 2 GiB took 1.94 GiB off the peak at 1.3-1.7 % less speed)
+    # The peak falls by about this much; the copies run beside the step and slow its GEMMs a little (measured on an
+    # H200, 8B shape, 2 x 2048: 2 GiB takes 1.94 GiB off the peak at 1.3-1.7 % less speed; docs/benchmarks.md)
     offload_activations_gib: float = 0.0
     compile: bool = False  # torch.compile the model (what hardware presets pick on A100/H100/H200/4090)
     # torch.compile mode: default | reduce-overhead | max-autotune | max-autotune-no-cudagraphs (the CUDA-graph

@@ -153,7 +153,12 @@ def estimate_peak_memory_gib(*, n_params: int, hidden: int, layers: int, heads: 
     budget = offload_activations_gib * GIB if offload_activations else 0.0  # what may wait on the host (0: all)
     if gradient_checkpointing:  # every layer's input (two in flight when they wait in host memory), one recomputed
         layer_input = tokens * hidden * a
-        moved = 0 if not offload_activations else layers - 2 if not budget else min(layers - 2, budget // layer_input)
+        if not offload_activations:
+            moved = 0
+        elif budget:
+            moved = min(layers - 2, budget // layer_input)
+        else:
+            moved = layers - 2
         activations = (layers - moved) * layer_input + per_layer
     else:  # a budget's worth of the bottom layers' activations is on the host at the peak (the backward's start)
         activations = (layers - mamba_layers) * per_attn + mamba_layers * per_mamba

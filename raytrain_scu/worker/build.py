@@ -90,7 +90,7 @@ def _optimisation(cfg: Config, hooks, model, *, device, dtype) -> Optimisation:
         if m.compile and not isinstance(getattr(loss_model.decoder(), "layers", None), torch.nn.ModuleList):
             raise ModelError("model.offload_activations=true: this model has no decoder layers list, so it would be "
                              "compiled whole with the hooks inside its graph; set it false or model.compile=false")
-        budget = int(m.offload_activations_gib * 2**30) or None
+        budget = int(m.offload_activations_gib * 2**30) if m.offload_activations_gib else None
         # with a budget the bottom layers start coming back while as many bytes of layers above them are still to run
         loss_model.offload = ActivationOffload(model, budget_bytes=budget, ahead_bytes=budget or 0)
     if m.compile:

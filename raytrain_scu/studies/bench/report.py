@@ -8,6 +8,7 @@ memory (Unsloth offloads its checkpointed activations to host memory)."""
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 from raytrain_scu.studies.bench.parts import PARTS, RAY_PART, shape_of
 
@@ -107,21 +108,27 @@ def _vs_peer(res: dict, label: str, ours: str, shape: str, bound: float, mfu_bou
         "met" if met else "not met"
 
 
-def _memory_vs_peer(res: dict, shape: str) -> tuple:
-    ours = "ours" + SHAPE_SUFFIX[shape]
-    r = res["parts"].get(ours, {})
-    label = f"{shape}: our peak memory / the best peer's at equal batch"
+def _peak_vs_peer(res: dict, part: str, shape: str) -> tuple[Optional[float], str]:
+    """``part``'s peak over the best peer's at ``shape`` in the same run, with its text; (None, why not) when they
+    ran at different batches, or either has no peak (a failed part, or no device memory on a CPU)."""
+    r = res["parts"].get(part, {})
     peer, _ = best_peer(res, shape)
     p = res["parts"].get(peer, {})
     if "peak_mem_gib" in r and peer and p.get("batch") != r.get("batch"):
-        return label, "-", "<= 0.75", \
-            f"not comparable ({peer} ran at batch {p.get('batch')}, {ours} at {r.get('batch')})"
+        return None, f"not comparable ({peer} ran at batch {p.get('batch')}, {part} at {r.get('batch')})"
     v = p.get("peak_mem_gib")
-    if "peak_mem_gib" not in r or not peer or not v:  # no peer, or no device memory to compare (a CPU)
-        return label, "-", "<= 0.75", _missing(res, [ours])
+    if "peak_mem_gib" not in r or not peer or not v:
+        return None, _missing(res, [part])
     x = r["peak_mem_gib"] / v
-    return label, f"{x:.3f} ({r['peak_mem_gib']:.2f} / {peer} {v:.2f} GiB)", "<= 0.75", \
-        "met" if x <= 0.75 else "not met"
+    return x, f"{x:.3f} ({r['peak_mem_gib']:.2f} / {peer} {v:.2f} GiB)"
+
+
+def _memory_vs_peer(res: dict, shape: str) -> tuple:
+    label = f"{shape}: our peak memory / the best peer's at equal batch"
+    x, text = _peak_vs_peer(res, "ours" + SHAPE_SUFFIX[shape], shape)
+    if x is None:
+        return label, "-", "<= 0.75", text
+    return label, text, "<= 0.75", "met" if x <= 0.75 else "not met"
 
 
 # opt-in 8B settings judged against the memory bound at our speed, with the settings they add to ours_8b's
@@ -130,18 +137,16 @@ MEMORY_OPT_IN = (("ours_acts_host_8b", "model.offload_activations_gib=2"),
 
 
 def _memory_opt_in(res: dict, part: str, setting: str, speed_bound: float = 0.99) -> tuple:
-    """An opt-in setting's 8B part against the same memory bound, with its speed over ``ours_8b``'s in the same run
-    (decided before its first run: it meets the target at our speed only at ``speed_bound`` or above)."""
-    r, b = res["parts"].get(part, {}), res["parts"].get("ours_8b", {})
+    """An opt-in setting's 8B part against the same memory bound, with its speed over ``ours_8b``'s in the same run:
+    it meets the target at our speed only at ``speed_bound`` or above."""
+    b = res["parts"].get("ours_8b", {})
     label = f"8b with {setting}: peak / the best peer's at equal batch, tokens/s / ours_8b"
     bound = f"<= 0.75, >= {speed_bound:g}"
-    peer, _ = best_peer(res, "8b")
-    v = res["parts"].get(peer, {}).get("peak_mem_gib")
-    if "peak_mem_gib" not in r or "tokens_per_s" not in b or not v:
-        return label, "-", bound, _missing(res, [part, "ours_8b"])
-    x, speed = r["peak_mem_gib"] / v, r["tokens_per_s"] / b["tokens_per_s"]
-    return label, f"{x:.3f} ({r['peak_mem_gib']:.2f} / {peer} {v:.2f} GiB), {speed:.3f}", bound, \
-        "met" if x <= 0.75 and speed >= speed_bound else "not met"
+    x, text = _peak_vs_peer(res, part, "8b")
+    if x is None or "tokens_per_s" not in b:
+        return label, "-", bound, text if x is None else _missing(res, ["ours_8b"])
+    speed = res["parts"][part]["tokens_per_s"] / b["tokens_per_s"]
+    return label, f"{text}, {speed:.3f}", bound, "met" if x <= 0.75 and speed >= speed_bound else "not met"
 
 
 # the 8B QLoRA parts the target row judges, in the order it prefers one that meets both bounds
