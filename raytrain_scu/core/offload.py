@@ -22,7 +22,8 @@ of layers above them are still to run backward (whose memory is free by then). A
 saved tensors lowest first, so a budget smaller than one layer's activations comes back only when its layer's backward
 starts, and the step waits for that copy (``waited`` counts such tensors). Parameters (and views of them), tensors
 under :data:`MIN_BYTES`, and tensors whose layout is not dense stay where they are; so do tensors on a device this
-module does not offload from. A tensor saved more than once in a forward is moved (and counted) once.
+module does not offload from. A tensor saved more than once in a forward is moved (and counted) once, and fetched
+for each ask.
 
 A fetched copy is allocated on the compute stream (so it reuses memory the backward has just freed there) and written
 on the side stream once the compute stream has reached the ask that started it.
@@ -53,8 +54,6 @@ class _Held:
     copied_out: Optional[torch.cuda.Event]
     start: int  # activation bytes saved before it in this forward
     end: int
-    uses: int = 1  # times the forward saved it
-    given: int = 0  # times the backward has had it
     used: bool = False  # handed to the backward once: never fetched ahead again
     fetched: Optional[torch.Tensor] = None
     copied_in: Optional[torch.cuda.Event] = None
@@ -144,8 +143,6 @@ class ActivationOffload:
             return t
         seen = self._seen.get(id(t))
         if seen is not None and seen[0]() is t:  # saved again (and alive since, so its id is its own)
-            if isinstance(seen[1], _Held):
-                seen[1].uses += 1
             return seen[1]
         packed = self._pack_new(t)
         if packed is not t:
@@ -213,11 +210,9 @@ class ActivationOffload:
         if held.fetched is None:
             self.waited += not held.used
             self._fetch(held)
-        out = held.fetched
-        held.given += 1
-        held.used = True
-        if held.given >= held.uses:  # its last save handed over (a retained graph's second backward fetches again)
-            held.fetched = None
+        # each ask gets a device copy of its own (a compiled backward may write into a saved tensor it holds alone):
+        # a second save of the same tensor, or a retained graph's second backward, fetches again
+        out, held.fetched, held.used = held.fetched, None, True
         if held.device.type == "cuda":
             torch.cuda.current_stream(held.device).wait_event(held.copied_in)
         self._fetch_ahead(held.start, held.end - held.start)
