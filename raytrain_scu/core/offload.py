@@ -22,11 +22,11 @@ of layers above them are still to run backward (whose memory is free by then). A
 saved tensors lowest first, so a budget smaller than one layer's activations comes back only when its layer's backward
 starts, and the step waits for that copy (``waited`` counts such tensors). Parameters (and views of them), tensors
 under :data:`MIN_BYTES`, and tensors whose layout is not dense stay where they are; so do tensors on a device this
-module does not offload from. A tensor saved more than once in a forward is moved (and counted) once, and fetched
-for each ask.
+module does not offload from. A tensor saved twice is moved twice.
 
-A fetched copy is allocated on the compute stream (so it reuses memory the backward has just freed there) and written
-on the side stream once the compute stream has reached the ask that started it.
+A fetched copy is allocated on the side stream, so its memory comes from that stream's pool of the caching allocator,
+not from what the backward frees on the compute stream: the allocated peak falls by about the budget, the reserved
+peak may fall by less (not measured).
 
 The contract is one forward under :meth:`ActivationOffload.hooks`, then its backward: a second forward before the
 first one's backward replaces the list the first one's fetch-ahead walks (its tensors still come back, on demand).
@@ -35,7 +35,6 @@ A forward whose backward never runs keeps its saved tensors until its graph is d
 from __future__ import annotations
 
 import contextlib
-import weakref
 from dataclasses import dataclass
 from typing import Optional
 
@@ -108,7 +107,6 @@ class ActivationOffload:
         self._full = False  # the budget is spent: nothing more moves in this forward
         self._full_at = 0  # the offset it was spent at: a save whose window ends above it can fetch nothing
         self._next = -1  # the highest index in _held the fetch-ahead has not passed
-        self._seen: dict = {}  # id(tensor) -> (a weak reference to it, what its first save returned)
 
     @contextlib.contextmanager
     def hooks(self):
@@ -116,12 +114,8 @@ class ActivationOffload:
         self._release_queued = False
         self.moved = self.moved_bytes = self.waited = self._saved_bytes = 0
         self._full = False
-        self._seen = {}
-        try:
-            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-                yield
-        finally:
-            self._seen = {}
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            yield
         self._next = len(self._held) - 1
 
     def _weight(self, t: torch.Tensor) -> bool:
@@ -141,15 +135,6 @@ class ActivationOffload:
     def _pack(self, t: torch.Tensor):
         if self._weight(t):
             return t
-        seen = self._seen.get(id(t))
-        if seen is not None and seen[0]() is t:  # saved again (and alive since, so its id is its own)
-            return seen[1]
-        packed = self._pack_new(t)
-        if packed is not t:
-            self._seen[id(t)] = (weakref.ref(t), packed)
-        return packed
-
-    def _pack_new(self, t: torch.Tensor):
         start, nbytes = self._saved_bytes, t.numel() * t.element_size()
         self._saved_bytes += nbytes
         if self._full and start - max(self.ahead_bytes, nbytes) >= self._full_at:
@@ -184,16 +169,11 @@ class ActivationOffload:
             held.fetched = held.host.to(held.device, copy=True)
             return
         side = self._side_stream(held.device)
-        current = torch.cuda.current_stream(held.device)
-        fetched = torch.empty_strided(held.host.size(), held.host.stride(), dtype=held.host.dtype, device=held.device)
-        side.wait_stream(current)  # its memory, from the compute stream's pool, is free for the copy from here on
         with torch.cuda.stream(side):
             side.wait_event(held.copied_out)
-            fetched.copy_(held.host, non_blocking=True)
+            held.fetched = held.host.to(held.device, non_blocking=True)
             held.copied_in = torch.cuda.Event()
             held.copied_in.record(side)
-        fetched.record_stream(side)  # released unused, its memory waits for the copy
-        held.fetched = fetched
 
     def _unpack(self, held):
         if not isinstance(held, (_Kept, _Held)):
@@ -208,13 +188,13 @@ class ActivationOffload:
             self._fetch_ahead(held.start, held.tensor.numel() * held.tensor.element_size())
             return held.tensor
         if held.fetched is None:
-            self.waited += not held.used
+            self.waited += 1
             self._fetch(held)
-        # each ask gets a device copy of its own (a compiled backward may write into a saved tensor it holds alone):
-        # a second save of the same tensor, or a retained graph's second backward, fetches again
-        out, held.fetched, held.used = held.fetched, None, True
+        out, held.fetched, held.used = held.fetched, None, True  # a second unpack (a retained graph) fetches again
         if held.device.type == "cuda":
-            torch.cuda.current_stream(held.device).wait_event(held.copied_in)
+            current = torch.cuda.current_stream(held.device)
+            current.wait_event(held.copied_in)
+            out.record_stream(current)  # allocated on the side stream, used and freed on this one
         self._fetch_ahead(held.start, held.end - held.start)
         return out
 
