@@ -138,8 +138,7 @@ def estimate_peak_memory_gib(*, n_params: int, hidden: int, layers: int, heads: 
     lora_params = sum(n * sum(lora_r * sum(d[t]) for t in _targeted(d, lora_targets)) for n, d in kinds)
     if base_fp8:  # the adapted projections' two e4m3 copies (fp8.py), one byte a weight each; the bf16 base stays
         weights += 2 * sum(n * sum(d[t][0] * d[t][1] for t in _targeted(d, lora_targets)) for n, d in kinds)
-    if head_fp8:
-        weights += 2 * vocab * hidden
+    weights += 2 * vocab * hidden if head_fp8 else 0  # the head's two e4m3 copies
     adapters = lora_params * ADAPTER_BYTES_PER_PARAM
 
     common = {"tokens": tokens, "a": a, "hidden": hidden, "ffn": ffn, "lora_r": lora_r, "compile": compile}
@@ -150,19 +149,12 @@ def estimate_peak_memory_gib(*, n_params: int, hidden: int, layers: int, heads: 
                                     in_proj=mamba_in_proj, torch_path_chunk=0 if mamba_kernels else mamba_chunk,
                                     **common) if mamba_layers else 0)
     per_layer = max(per_attn, per_mamba)
-    budget = offload_activations_gib * GIB if offload_activations else 0.0  # what may wait on the host (0: all)
-    if gradient_checkpointing:  # every layer's input (two in flight when they wait in host memory), one recomputed
-        layer_input = tokens * hidden * a
-        if not offload_activations:
-            moved = 0
-        elif budget:
-            moved = min(layers - 2, budget // layer_input)
-        else:
-            moved = layers - 2
-        activations = (layers - moved) * layer_input + per_layer
+    if gradient_checkpointing:  # every layer's input, one layer recomputed
+        activations = _kept_layer_inputs(layers, tokens * hidden * a, offload_activations,
+                                         offload_activations_gib) + per_layer
     else:  # a budget's worth of the bottom layers' activations is on the host at the peak (the backward's start)
         activations = (layers - mamba_layers) * per_attn + mamba_layers * per_mamba
-        activations -= min(budget, activations)
+        activations -= min(offload_activations_gib * GIB if offload_activations else 0.0, activations)
     activations += tokens * (3 * hidden * a + 4 * hidden)  # embeddings out, final norm, lm_head input
     logits = _loss_bytes(tokens=tokens, vocab=vocab, hidden=hidden, a=a, fused_loss=fused_loss,
                          chunk=loss_chunk_tokens, head_fp8=head_fp8)
@@ -177,6 +169,15 @@ def estimate_peak_memory_gib(*, n_params: int, hidden: int, layers: int, heads: 
     out["total_gib"] = sum(parts.values()) / GIB
     out["lora_params"] = float(lora_params)
     return out
+
+
+def _kept_layer_inputs(layers: int, layer_input: int, offload: bool, budget_gib: float) -> int:
+    """Bytes of the checkpointed layers' inputs on the device at the peak: all of them, or with the offload two in
+    flight (a budget: as many fewer than all as it holds, at most all but two)."""
+    if not offload:
+        return layers * layer_input
+    moved = min(layers - 2, int(budget_gib * GIB) // layer_input) if budget_gib else layers - 2
+    return (layers - moved) * layer_input
 
 
 def _loss_bytes(*, tokens: int, vocab: int, hidden: int, a: int, fused_loss: bool, chunk: int, head_fp8: bool) -> int:
