@@ -123,9 +123,12 @@ class ActivationOffload:
         freed by the backward passing it)."""
         return isinstance(t, nn.Parameter) or t.untyped_storage().data_ptr() in self._frozen
 
+    def _copyable(self, t: torch.Tensor) -> bool:
+        """An activation this object moves: on one of its devices, at least ``min_bytes``, dense."""
+        return t.device.type in self.devices and t.numel() * t.element_size() >= self.min_bytes and _dense(t)
+
     def _movable(self, t: torch.Tensor) -> bool:
-        return (t.device.type in self.devices and not self._weight(t)
-                and t.numel() * t.element_size() >= self.min_bytes and _dense(t))
+        return not self._weight(t) and self._copyable(t)
 
     def _side_stream(self, device: torch.device):
         if device not in self._streams:
@@ -139,10 +142,10 @@ class ActivationOffload:
         self._saved_bytes += nbytes
         if self._full and start - max(self.ahead_bytes, nbytes) >= self._full_at:
             return t  # the backward's ask for it is too far above the moved tensors to start a fetch: no wrapper
-        movable = self._movable(t)
-        if movable and not self._full and self.budget_bytes is not None:
-            self._full = self.moved_bytes + nbytes > self.budget_bytes
-            self._full_at = start
+        movable = self._copyable(t)  # not a weight: returned above
+        over = self.budget_bytes is not None and self.moved_bytes + nbytes > self.budget_bytes
+        if movable and not self._full and over:
+            self._full, self._full_at = True, start
         if self._full or not movable:
             return _Kept(t, start)
         cuda = t.device.type == "cuda"
