@@ -131,17 +131,22 @@ def test_a_backward_that_asks_for_part_of_what_moved_leaves_nothing_fetched_behi
     del b
 
 
-def test_the_memory_estimate_counts_two_layer_inputs_in_flight_when_they_wait_on_the_host():
+def _estimate_8b(overrides: list[str], **kw) -> dict:
+    """The memory estimate of the 8B shape at 2 x 2048 in bf16 under ``overrides``, with estimator keywords ``kw``
+    replacing the config's."""
     from raytrain_scu.config.resolve import memory_kwargs
     from raytrain_scu.hardware.memory import estimate_peak_memory_gib
 
     shape = dict(n_params=8_030_000_000, hidden=4096, layers=32, heads=32, kv_heads=8, ffn=14336, vocab=128256)
-    cfg = load_config(TINY, ["model.gradient_checkpointing=true", "data.batch_size=2", "data.block_size=2048",
-                             "model.precision=bf16", "quant.load_in_4bit=true"])
-    kw = {**shape, **memory_kwargs(cfg)}
-    kept = estimate_peak_memory_gib(**kw)["activations_gib"]
-    kw["offload_activations"] = True
-    moved = estimate_peak_memory_gib(**kw)["activations_gib"]
+    cfg = load_config(TINY, ["data.batch_size=2", "data.block_size=2048", "model.precision=bf16",
+                             "scaling.use_gpu=null", *overrides])
+    return estimate_peak_memory_gib(**{**shape, **memory_kwargs(cfg), **kw})
+
+
+def test_the_memory_estimate_counts_two_layer_inputs_in_flight_when_they_wait_on_the_host():
+    qlora = ["model.gradient_checkpointing=true", "quant.load_in_4bit=true"]
+    kept = _estimate_8b(qlora)["activations_gib"]
+    moved = _estimate_8b(qlora, offload_activations=True)["activations_gib"]
     assert kept - moved == pytest.approx(30 * 2 * 2048 * 4096 * 2 / 2**30)  # 30 of 32 layer inputs, bf16
 
 
@@ -186,24 +191,13 @@ def test_the_config_refuses_a_budget_it_cannot_use(overrides, says):
 
 
 def test_the_memory_estimate_takes_the_budget_off_the_activations():
-    from raytrain_scu.config.resolve import memory_kwargs
-    from raytrain_scu.hardware.memory import estimate_peak_memory_gib
-
-    shape = dict(n_params=8_030_000_000, hidden=4096, layers=32, heads=32, kv_heads=8, ffn=14336, vocab=128256)
-    cfg = load_config(TINY, ["data.batch_size=2", "data.block_size=2048", "model.precision=bf16", "model.compile=true",
-                             "model.offload_activations=true", "model.offload_activations_gib=2",
-                             "scaling.use_gpu=null"])
-    kw = {**shape, **memory_kwargs(cfg)}
-    moved = estimate_peak_memory_gib(**kw)
-    kw["offload_activations"] = False
-    kept = estimate_peak_memory_gib(**kw)
+    budget = ["model.compile=true", "model.offload_activations=true", "model.offload_activations_gib=2"]
+    moved, kept = _estimate_8b(budget), _estimate_8b(budget, offload_activations=False)
     assert kept["activations_gib"] - moved["activations_gib"] == pytest.approx(2.0)
     assert kept["total_gib"] - moved["total_gib"] == pytest.approx(2.0)
     # under checkpointing a budget moves as many whole layer inputs (32 MiB each here) as it holds: 0.5 GiB, 16
-    kw.update(gradient_checkpointing=True, offload_activations=True, offload_activations_gib=0.5)
-    half = estimate_peak_memory_gib(**kw)["activations_gib"]
-    kw["offload_activations"] = False
-    none = estimate_peak_memory_gib(**kw)["activations_gib"]
+    half = _estimate_8b(budget, gradient_checkpointing=True, offload_activations_gib=0.5)["activations_gib"]
+    none = _estimate_8b(budget, gradient_checkpointing=True, offload_activations=False)["activations_gib"]
     assert none - half == pytest.approx(16 * 2 * 2048 * 4096 * 2 / 2**30)
 
 
