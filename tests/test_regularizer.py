@@ -61,6 +61,28 @@ def test_errors_are_clear():
         param_bpt(tensors(), tokens_per_epoch=0)
 
 
+def test_the_penalty_backward_is_one_node_whatever_the_tensor_count():
+    """Autograd through a per-tensor norm would add a backward node (and its kernels) per adapter tensor: the penalty's
+    backward is one node that feeds every tensor's gradient directly, and its gradients are the formula's,
+    λ (w − c) / (σ² N), in float32 for bf16 tensors too."""
+    g = torch.Generator().manual_seed(3)
+    ws = [torch.randn(4, 6, generator=g).requires_grad_() for _ in range(40)] + [torch.zeros(6, 4, requires_grad=True)]
+    centres = [torch.randn(4, 6, generator=g) if i % 2 else None for i in range(40)] + [None]
+    pb = param_bpt(ws, sigma=0.02, tokens_per_epoch=50, center=centres)
+    node = pb.grad_fn
+    while type(node).__name__ != "_SumOfSquaresBackward":  # past the scaling by 1 / (2σ²N ln 2)
+        (node, _), = [(f, i) for f, i in node.next_functions if f is not None]
+    assert [type(f).__name__ for f, _ in node.next_functions] == ["AccumulateGrad"] * len(ws)
+    penalty_nats(pb, 3.0).backward()
+    for w, c in zip(ws, centres):
+        want = 3.0 * (w.detach() - (0 if c is None else c)) / (0.02 ** 2 * 50)
+        assert torch.allclose(w.grad, want, rtol=1e-5, atol=1e-6)
+    assert ws[-1].grad.abs().max() == 0  # a LoRA B at zero: a zero gradient, no NaN
+    bf = [w.detach().bfloat16().requires_grad_() for w in ws[:3]]
+    param_bpt(bf, tokens_per_epoch=10).backward()
+    assert all(w.grad.dtype == torch.bfloat16 and torch.isfinite(w.grad).all() for w in bf)
+
+
 # ---- adapter_params: every trainable tensor reaches the optimizer and ParamBPT, or the model is refused
 
 def _tiny_lora(targets, **lora_kw):

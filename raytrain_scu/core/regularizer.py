@@ -14,15 +14,38 @@ from typing import Iterable, Optional, Sequence
 import torch
 
 
-def sum_of_squares(params: Iterable[torch.Tensor]) -> torch.Tensor:
-    """Σ w² over all tensors in float32, in one fused reduction (``torch._foreach_norm``)."""
+class _SumOfSquares(torch.autograd.Function):
+    """Σ (w − c)² over many float32 tensors (c a centre, or 0 where None): one fused norm forward, one fused multiply
+    backward, 2·g·(w − c) for every tensor. Autograd through ``torch._foreach_norm`` would instead run a norm backward
+    per tensor (a division, a zero test, a fill and a multiply each), thousands of small kernels a step whose launches
+    keep the host busy while the device waits."""
+
+    @staticmethod
+    def forward(ctx, centers, *params):
+        diffs = list(params)
+        centred = [i for i, c in enumerate(centers) if c is not None]
+        if centred:  # one fused subtraction, not a kernel per tensor
+            for i, d in zip(centred, torch._foreach_sub([params[i] for i in centred], [centers[i] for i in centred])):
+                diffs[i] = d
+        ctx.save_for_backward(*diffs)
+        return torch.stack(torch._foreach_norm(diffs, 2)).square().sum()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (None, *torch._foreach_mul(list(ctx.saved_tensors), 2 * grad))
+
+
+def sum_of_squares(params: Iterable[torch.Tensor],
+                   center: Optional[Sequence[Optional[torch.Tensor]]] = None) -> torch.Tensor:
+    """Σ (w − c)² over all tensors in float32 (c = ``center``'s entry, 0 where None or without ``center``),
+    differentiable in the tensors, in one fused reduction forward and one fused multiply backward."""
     params = list(params)
     if not params:
         raise ValueError("param_bpt needs at least one adapter tensor (is LoRA applied?)")
     if any(p.dtype != torch.float32 for p in params):
         params = [p.float() for p in params]
-    norms = torch._foreach_norm(params, 2)
-    return torch.stack(norms).square().sum()
+    center = [None] * len(params) if center is None else [c if c is None else c.float() for c in center]
+    return _SumOfSquares.apply(center, *params)
 
 
 def param_bpt(adapter_params: Iterable[torch.Tensor], sigma: float = 0.01, tokens_per_epoch: int = 1,
@@ -40,8 +63,7 @@ def param_bpt(adapter_params: Iterable[torch.Tensor], sigma: float = 0.01, token
     if center is not None:
         if len(center) != len(params):
             raise ValueError(f"center has {len(center)} entries for {len(params)} adapter tensors")
-        params = [p if c is None else p - c for p, c in zip(params, center)]
-    return sum_of_squares(params) / (2.0 * sigma * sigma * tokens_per_epoch * math.log(2.0))
+    return sum_of_squares(params, center) / (2.0 * sigma * sigma * tokens_per_epoch * math.log(2.0))
 
 
 def is_factor_a(name: str) -> bool:
@@ -70,14 +92,13 @@ def param_bpt_parts(adapter_params: Sequence[torch.Tensor], centers: Sequence[Op
     """ParamBPT's parts, for telemetry: a float32 tensor [A part, B part, the update's ParamBPT Σ(w − w₀)²] in bits per
     token. With the zero-centred prior the first two add up to ParamBPT; the third is ParamBPT under the prior centred
     on the initial adapter (B's part is the same under both)."""
-    a = [p for p, c in zip(adapter_params, centers) if c is not None]
-    b = [p for p, c in zip(adapter_params, centers) if c is None]
-    zero = torch.zeros((), dtype=torch.float32, device=adapter_params[0].device)
-    sa = sum_of_squares(a) if a else zero
-    sb = sum_of_squares(b) if b else zero
-    # one fused subtraction over every A factor (a per-tensor `p - c` would launch a kernel per tensor, every step)
-    a_centers = [c for c in centers if c is not None]
-    su = sum_of_squares(torch._foreach_sub([p.float() for p in a], a_centers)) if a else zero
+    a = [p.float() for p, c in zip(adapter_params, centers) if c is not None]
+    b = [p.float() for p, c in zip(adapter_params, centers) if c is None]
+    # one fused subtraction over every A factor and one fused norm over A, B and A's update (a kernel per tensor,
+    # every step, would keep the host launching while the device waits)
+    updates = list(torch._foreach_sub(a, [c for c in centers if c is not None])) if a else []
+    sq = torch.stack(torch._foreach_norm(a + b + updates, 2)).square()
+    sa, sb, su = sq[:len(a)].sum(), sq[len(a):len(a) + len(b)].sum(), sq[len(a) + len(b):].sum()
     return torch.stack([sa, sb, su + sb]) / (2.0 * sigma * sigma * tokens_per_epoch * math.log(2.0))
 
 
