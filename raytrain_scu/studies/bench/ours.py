@@ -60,6 +60,14 @@ def _rates(reports: list[dict]) -> list[float]:
     return [round(r["perf/tokens_per_s"]) for r in reports if "perf/tokens_per_s" in r]
 
 
+def _host_side(reports: list[dict], warmup_reports: int) -> dict:
+    """The peak reserved memory, and the median share of a timed interval the host waited for the device (near 0: the
+    loop is bound by the host's launches)."""
+    waits = [r["perf/sync_wait_frac"] for r in reports if "perf/sync_wait_frac" in r][warmup_reports:]
+    return {"peak_reserved_gib": max(r.get("perf/max_reserved_gib", 0.0) for r in reports),
+            "sync_wait_frac": round(statistics.median(waits), 3) if waits else None}
+
+
 def ours_bare(cfg, warmup_reports: int) -> dict:
     """The loop in this process (``train.profile_steps`` writes its profile under the run directory); with what the
     built model held on the GPU before its first step, by kind (``hardware.measured_memory_gib``)."""
@@ -74,7 +82,8 @@ def ours_bare(cfg, warmup_reports: int) -> dict:
     run_loop(cfg, hooks=hooks)
     out = {"tokens_per_s": _median_rate(hooks.reports, warmup_reports), "built_mem_gib": hooks.built,
            "peak_mem_gib": max(r.get("perf/max_mem_gib", 0.0) for r in hooks.reports), "batch": cfg.data.batch_size,
-           "rates": _rates(hooks.reports), **proof_from_reports(hooks.reports)}
+           "rates": _rates(hooks.reports), **_host_side(hooks.reports, warmup_reports),
+           **proof_from_reports(hooks.reports)}
     free()
     return out
 
@@ -87,4 +96,5 @@ def ours_ray(cfg, warmup_reports: int) -> dict:
     world = cfg.scaling.num_workers
     return {"tokens_per_s": _median_rate(reports, warmup_reports) / world,
             "peak_mem_gib": max(r.get("perf/max_mem_gib", 0.0) for r in reports), "batch": cfg.data.batch_size,
-            "workers": world, "rates": _rates(reports), **proof_from_reports(reports)}
+            "workers": world, "rates": _rates(reports), **_host_side(reports, warmup_reports),
+            **proof_from_reports(reports)}
