@@ -69,6 +69,12 @@ def peak_mem() -> float:
     return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
 
 
+def peak_reserved() -> float:
+    """The allocator's peak reserved memory since :func:`reset_mem` (allocated plus cached free blocks: what decides
+    an out-of-memory error)."""
+    return torch.cuda.max_memory_reserved() / 2**30 if torch.cuda.is_available() else 0.0
+
+
 def free() -> None:
     """A part's memory and compiled graphs: left in place, a later part at another batch recompiled the shared layer
     graph and ran slower (docs/benchmarks.md)."""

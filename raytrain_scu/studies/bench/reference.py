@@ -27,6 +27,7 @@ from raytrain_scu.studies.bench.measure import (
     free,
     interval_times,
     peak_mem,
+    peak_reserved,
     pinned_batches,
     proof_of_training,
     reset_mem,
@@ -129,7 +130,8 @@ def _timed(*, preset, batch, block, steps, warmup, interval, blocks, compile_sco
     loss_before = fixed_batch_loss()
     reset_mem()
     times = interval_times(train_step, warmup=warmup, steps=steps, interval=interval)
-    return {"tokens_per_s": batch * block / statistics.median(times), "peak_mem_gib": peak_mem(), "batch": batch,
+    return {"tokens_per_s": batch * block / statistics.median(times), "peak_mem_gib": peak_mem(),
+            "peak_reserved_gib": peak_reserved(), "batch": batch,
             "interval_ms": [round(1e3 * t, 2) for t in times], "timing": timing_note(interval),
             "kernels": kernel_profile(lambda: train_step(0)) if dev.type == "cuda" else "-",
             **proof_of_training(loss_before, fixed_batch_loss(), lora_b_norm(model).item())}
