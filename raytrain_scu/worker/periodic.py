@@ -59,7 +59,7 @@ def perf_metrics(s: State, step: int) -> dict:
                                f"exactly zero: no gradient reached the adapters (model.compile={m.compile}, "
                                f"model.fused_loss={m.fused_loss}, model.precision={m.precision})")
     perf = {"perf/tokens_per_s": tokens_per_s, "train/lora_b_norm": b_norm, "perf/max_mem_gib": meter.max_mem_gib(),
-            "perf/max_reserved_gib": meter.max_reserved_gib(), "perf/sync_wait_frac": meter.sync_wait_frac,
+            "perf/max_reserved_gib": meter.max_reserved_gib(),
             "perf/report_wait_s": meter.report_wait}  # time the previous report (and checkpoint) took
     # perf/mfu as docs/benchmarks.md defines it: tokens/s per GPU x FLOPs/token of the frozen base / the card's peak
     util = mfu(tokens_per_s / world_size(), s.metering.flops_per_token, s.metering.peak_flops)

@@ -136,8 +136,7 @@ def train_step(s: State, step: int) -> dict:
         s.opt.launch(nonfinite)
     if step + 1 < cfg.train.max_steps:
         send_ahead(s)
-    with s.metering.meter.sync():
-        g = _read(copy)
+    g = _read(copy)
     s.stopping = g["stop"]
     s.opt.step(data_bpt=g["data_bpt"], param_bpt=g["param_bpt"], grad_norm=g["grad_norm"])
     _refuse_repeated_skips(s, step)

@@ -60,12 +60,9 @@ def _rates(reports: list[dict]) -> list[float]:
     return [round(r["perf/tokens_per_s"]) for r in reports if "perf/tokens_per_s" in r]
 
 
-def _host_side(reports: list[dict], warmup_reports: int) -> dict:
-    """The peak reserved memory, and the median share of a timed interval the host waited for the device (near 0: the
-    loop is bound by the host's launches)."""
-    waits = [r["perf/sync_wait_frac"] for r in reports if "perf/sync_wait_frac" in r][warmup_reports:]
-    return {"peak_reserved_gib": max(r.get("perf/max_reserved_gib", 0.0) for r in reports),
-            "sync_wait_frac": round(statistics.median(waits), 3) if waits else None}
+def _reserved(reports: list[dict]) -> dict:
+    """The allocator's peak reserved memory (the allocated peak plus its cache of free blocks)."""
+    return {"peak_reserved_gib": max(r.get("perf/max_reserved_gib", 0.0) for r in reports)}
 
 
 def ours_bare(cfg, warmup_reports: int) -> dict:
@@ -82,7 +79,7 @@ def ours_bare(cfg, warmup_reports: int) -> dict:
     run_loop(cfg, hooks=hooks)
     out = {"tokens_per_s": _median_rate(hooks.reports, warmup_reports), "built_mem_gib": hooks.built,
            "peak_mem_gib": max(r.get("perf/max_mem_gib", 0.0) for r in hooks.reports), "batch": cfg.data.batch_size,
-           "rates": _rates(hooks.reports), **_host_side(hooks.reports, warmup_reports),
+           "rates": _rates(hooks.reports), **_reserved(hooks.reports),
            **proof_from_reports(hooks.reports)}
     free()
     return out
@@ -96,5 +93,5 @@ def ours_ray(cfg, warmup_reports: int) -> dict:
     world = cfg.scaling.num_workers
     return {"tokens_per_s": _median_rate(reports, warmup_reports) / world,
             "peak_mem_gib": max(r.get("perf/max_mem_gib", 0.0) for r in reports), "batch": cfg.data.batch_size,
-            "workers": world, "rates": _rates(reports), **_host_side(reports, warmup_reports),
+            "workers": world, "rates": _rates(reports), **_reserved(reports),
             **proof_from_reports(reports)}
