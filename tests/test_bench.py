@@ -102,7 +102,7 @@ def test_granite_hybrid_flops_count_each_layer_kind():
 def test_groups_and_parts_expand_in_order_and_unknown_names_are_refused():
     import pytest
 
-    from raytrain_scu.studies.bench.parts import GROUPS, expand_parts
+    from raytrain_scu.studies.bench.parts import GROUPS, expand_parts, lookup, shape_of
 
     assert expand_parts("1b", "", 1) == GROUPS["1b"].split(",")  # the previous default parts, unchanged
     assert expand_parts("scale", "", 8) == ["ray1", "ray2", "ray4", "ray8"]
@@ -119,7 +119,11 @@ def test_groups_and_parts_expand_in_order_and_unknown_names_are_refused():
     # profile_<part>: a part our loop times, or rayN, rerun with its last steps profiled
     assert expand_parts("", "profile,profile_ours_fp8,profile_ray4,ray4", 4) == ["profile", "profile_ours_fp8",
                                                                                 "profile_ray4", "ray4"]
-    for bad in ("profile_ref_compile", "profile_attn", "profile_ray0", "profile_profile"):
+    # idle_<part>: the same with the device alone recorded
+    assert expand_parts("", "idle_ours_8b,idle_ray2", 2) == ["idle_ours_8b", "idle_ray2"]
+    assert shape_of("idle_ours_8b", "1b") == "8b" and lookup("idle_ours_fp8")[0] is lookup("ours_fp8")[0]
+    for bad in ("profile_ref_compile", "profile_attn", "profile_ray0", "profile_profile", "idle_ref_compile",
+                "idle_profile_ours"):
         with pytest.raises(ValueError, match=f"--parts: unknown part '{bad}'"):
             expand_parts("", bad, 1)
 

@@ -99,6 +99,13 @@ def test_a_profile_needs_a_local_run_directory():
         load_config(TINY, ["train.profile_steps=3", "run.storage_path=s3://bucket/runs"])
 
 
+def test_a_profile_of_the_device_alone_needs_a_gpu():
+    assert not load_config(TINY, ["train.profile_host=false", "scaling.use_gpu=null"]).train.profile_host
+    with pytest.raises(ConfigError, match=r"train\.profile_host: false records the GPU's kernels alone and needs a GPU, "
+                                          r"not scaling\.use_gpu=false"):
+        load_config(TINY, ["train.profile_host=false"])  # tiny-cpu.yaml: scaling.use_gpu=false
+
+
 def test_a_remote_output_dir_is_refused_naming_the_key():
     with pytest.raises(ConfigError, match=r"run\.output_dir: must be a local path, not 's3://bucket/out': for output "
                        r"on remote storage leave it empty and set run\.storage_path"):

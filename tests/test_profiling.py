@@ -2,7 +2,7 @@
 idle stretch charged to what ended it (the launching operator and its phase, or a host wait); each copy's device time
 charged to the operators around its launch. The GPU run writes the real one
 (docs/bench/profiles/); the CPU profile itself is tested in test_learning.py."""
-from raytrain_scu.worker.profiling import copy_account, idle_account
+from raytrain_scu.worker.profiling import copy_account, device_account, idle_account
 
 
 def x(name, cat, ts, dur, pid=1, tid=1, **args):
@@ -62,3 +62,22 @@ def test_copies_are_charged_to_the_operators_around_their_launch():
     assert rows[2].split() == ["0.01", "0.5", "-"]  # its launch is not in the trace
     assert len(rows) == 3
     assert copy_account({"traceEvents": []}, steps=1).startswith("device copies: no ProfilerStep")
+
+
+def test_a_trace_of_the_device_alone_names_each_idle_stretch_by_the_kernels_around_it():
+    """train.profile_host=false: no host operators, so each stretch is named by the kernel that ended before it (the
+    one that ended last, not the last to start) and the one that started it; overlapping work counts once in the
+    span."""
+    ev = [x("gemm", "kernel", 0, 400, pid=0, tid=7), x("copy", "gpu_memcpy", 100, 100, pid=0, tid=8),
+          x("norm", "kernel", 700, 300, pid=0, tid=7),     # 300 us idle after gemm (the copy ended before it)
+          x("gemm", "kernel", 1010, 390, pid=0, tid=7),    # a 10 us gap: launch latency, not counted
+          x("adam", "kernel", 1600, 200, pid=0, tid=7),    # 200 us idle after gemm
+          x("norm", "kernel", 1900, 100, pid=0, tid=7),    # 100 us idle after adam
+          x("cpu thing", "cpu_op", 0, 5000), x("cudaLaunchKernel", "cuda_runtime", 10, 5)]  # not device work
+    text = device_account({"traceEvents": ev}, steps=2)
+    assert text.startswith("steps profiled: 2, the device alone; per step: span 1.00 ms, kernels, copies and memsets "
+                           "0.74 ms, idle 0.30 ms (stretches >= 20 us)"), text
+    rows = [line.split() for line in text.splitlines()[2:]]
+    assert rows == [["0.15", "0.5", "gemm", "|", "norm"], ["0.10", "0.5", "gemm", "|", "adam"],
+                    ["0.05", "0.5", "adam", "|", "norm"]]
+    assert device_account({"traceEvents": []}, steps=1).startswith("device: no kernels")

@@ -134,6 +134,10 @@ class TrainConfig:
     max_consecutive_skips: int = 10  # skipped steps in a row before the run stops (fp16 scaler overflows never count)
     stop_on_saturation: bool = False  # end the run once λ has settled (ctrl/saturated_step)
     profile_steps: int = 0  # the last N steps under torch.profiler, each rank's table in <run dir>/profile/ (0 = off)
+    # with profile_steps: record the host's operators too (the table by operator, what ended each idle stretch); they
+    # slow the host enough that the device idles more than unprofiled. false (GPU only): the device's kernels alone,
+    # whose idle stretches are those of an unprofiled step
+    profile_host: bool = True
     # seconds without a completed step before the driver kills the worker group, which Ray Train restarts from the
     # last checkpoint (within run.max_failures); null = per device (HANG_TIMEOUT_S: 300 on CPU, 1800 on GPU), 0 = off.
     # The clock of each worker group starts at its first completed step: loading, resuming, the first compile never

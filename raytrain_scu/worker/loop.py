@@ -63,8 +63,9 @@ def setup(cfg: Config, hooks, run_id: Optional[str] = None, phase: Optional[Phas
 def train(s: State) -> None:
     """All ranks: the loop, from the resumed step to train.max_steps (or a stop). After each step: the heartbeat the
     driver's hang watchdog reads, and a fault test's pause point."""
-    with profiled(steps=s.cfg.train.profile_steps, left=s.cfg.train.max_steps - s.rec.start_step,
-                  cuda=s.device.type == "cuda", out_dir=RunPaths.of(s.cfg).profile) as tick:  # off unless asked
+    t = s.cfg.train
+    with profiled(steps=t.profile_steps, left=t.max_steps - s.rec.start_step, cuda=s.device.type == "cuda",
+                  host=t.profile_host, out_dir=RunPaths.of(s.cfg).profile) as tick:  # off unless asked
         for step in range(s.rec.start_step, s.cfg.train.max_steps):
             row = train_step(s, step)
             tick()

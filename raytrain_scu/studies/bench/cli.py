@@ -33,7 +33,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--report-every", type=int, default=5)
     p.add_argument("--warmup-reports", type=int, default=2)
     p.add_argument("--no-compile", action="store_true")
-    p.add_argument("--profile-steps", type=int, default=3, help="steps the profile_<part> parts profile")
+    p.add_argument("--profile-steps", type=int, default=3,
+                   help="steps the profile_<part> and idle_<part> parts profile")
     p.add_argument("--in-process", action="store_true", help="run isolated parts (Liger, Unsloth) in this process")
     p.add_argument("--out", default="", help="write the results as JSON here")
     args = p.parse_args(argv)
@@ -43,8 +44,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         args.steps, args.report_every, args.warmup_reports = 4, 2, 1
         if not args.parts and not args.group:
             args.parts = "attn,ref_eager,ref_compile_default,ref_compile,ours,scu_none"
-    if args.profile_steps < 1 and "profile" in args.parts:
-        p.error("--profile-steps must be >= 1 for the profile parts")
+    if args.profile_steps < 1 and ("profile" in args.parts or "idle_" in args.parts):
+        p.error("--profile-steps must be >= 1 for the profile_ and idle_ parts")
     try:
         args.part_list = expand_parts(args.group or ("" if args.parts else "1b"), args.parts, torch.cuda.device_count())
     except ValueError as e:

@@ -24,8 +24,9 @@ def proof_from_reports(reports: list[dict]) -> dict:
 def bench_config(*, preset: str, batch: int, block: int, steps: int, report_every: int, storage: str, name: str,
                  compile: bool, mode: str = "scu", load_in_4bit: bool = False, checkpointing: bool = False, chunk=4096,
                  workers: int = 1, compile_scope: str = "layers", targets=tuple(PROJ), fuse_lora: bool = False,
-                 base_fp8: bool = False, profile_steps: int = 0, embedding_int8: bool = False,
-                 offload_embedding: bool = False, recompute_elementwise: str = "auto", head_fp8: bool = False,
+                 base_fp8: bool = False, profile_steps: int = 0, profile_host: bool = True,
+                 embedding_int8: bool = False, offload_embedding: bool = False, recompute_elementwise: str = "auto",
+                 head_fp8: bool = False,
                  compile_mode: str = "default", offload_activations: bool = False, dequant_4bit: str = "auto",
                  offload_activations_gib: float = 0.0):
     gpu = torch.cuda.is_available()
@@ -47,7 +48,8 @@ def bench_config(*, preset: str, batch: int, block: int, steps: int, report_ever
         f"train.max_steps={steps}", f"train.report_every={report_every}", f"train.checkpoint_every={steps}",
         f"train.eval_every={steps}", f"train.eval_blocks={batch * workers}", f"controller.mode={mode}",
         f"scaling.num_workers={workers}", f"scaling.use_gpu={str(gpu).lower()}", f"run.storage_path={storage}",
-        f"run.name={name}", "tracking.enabled=false", "optim.warmup_steps=2", f"train.profile_steps={profile_steps}"])
+        f"run.name={name}", "tracking.enabled=false", "optim.warmup_steps=2", f"train.profile_steps={profile_steps}",
+        f"train.profile_host={str(profile_host).lower()}"])
 
 
 def _median_rate(reports: list[dict], warmup_reports: int) -> float:

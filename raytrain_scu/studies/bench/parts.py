@@ -157,15 +157,30 @@ GROUPS = {"1b": "attn,ref_eager,ref_compile_default,ref_compile,ours,ours_fp8,sc
           "granite": "granite_h1b,granite_h1b_eager,granite_qlora"}
 
 
+# profile_<part>: that part under train.profile_steps; idle_<part>: the same with train.profile_host=false (the device
+# alone, whose idle stretches are an unprofiled step's)
+PROFILING = ("profile_", "idle_")
+
+
+def unprofiled(part: str) -> str:
+    """The part a ``profile_``/``idle_`` part profiles (``profile`` alone: ``ours``); any other part itself."""
+    if part == "profile":
+        return "ours"
+    for prefix in PROFILING:
+        if part.startswith(prefix):
+            return part.removeprefix(prefix)
+    return part
+
+
 def shape_of(part: str, shape: str) -> str:
     """The --shape key a part runs at: the 8B and Granite parts name theirs, the others take ``shape``."""
-    base = part.removeprefix("profile_")
+    base = unprofiled(part)
     return "8b" if base.endswith("_8b") else "granite" if base.startswith("granite") else shape
 
 
 def lookup(part: str) -> tuple[Part, int]:
-    """(the table entry, Ray workers or 0) of a part name; ``profile_<part>`` is that part."""
-    base = "ours" if part == "profile" else part.removeprefix("profile_")
+    """(the table entry, Ray workers or 0) of a part name; ``profile_<part>`` and ``idle_<part>`` are that part."""
+    base = unprofiled(part)
     ray = RAY_PART.fullmatch(base)
     if ray:
         n = int(ray.group(1))
@@ -185,9 +200,9 @@ def expand_parts(groups: str, parts: str, gpus: int) -> list[str]:
             names += [f"ray{n}" for n in SCALE_NS if n <= most] if p == "rayN" else [p]
     loops = [n for n, p in PARTS.items() if p.loop]
     for p in filter(None, parts.split(",")):
-        base = p.removeprefix("profile_")
+        base = unprofiled(p)
         if not (p in PARTS or p == "profile" or RAY_PART.fullmatch(base) or base != p and base in loops):
             raise ValueError(f"--parts: unknown part {p!r}, expected rayN (N >= 1), one of {', '.join(PARTS)}, "
-                             f"or profile_ before rayN or one of {', '.join(loops)}")
+                             f"or profile_ or idle_ before rayN or one of {', '.join(loops)}")
         names.append(p)
     return list(dict.fromkeys(names))
