@@ -12,6 +12,7 @@ import math
 from typing import Iterable, Optional, Sequence
 
 import torch
+from torch.autograd.function import once_differentiable
 
 
 class _SumOfSquares(torch.autograd.Function):
@@ -31,6 +32,7 @@ class _SumOfSquares(torch.autograd.Function):
         return torch.stack(torch._foreach_norm(diffs, 2)).square().sum()
 
     @staticmethod
+    @once_differentiable  # the saved w − c are computed without a graph: a second derivative would be wrong
     def backward(ctx, grad):
         return (None, *torch._foreach_mul(list(ctx.saved_tensors), 2 * grad))
 
@@ -42,6 +44,8 @@ def sum_of_squares(params: Iterable[torch.Tensor],
     params = list(params)
     if not params:
         raise ValueError("param_bpt needs at least one adapter tensor (is LoRA applied?)")
+    if center is not None and len(center) != len(params):
+        raise ValueError(f"center has {len(center)} entries for {len(params)} adapter tensors")
     if any(p.dtype != torch.float32 for p in params):
         params = [p.float() for p in params]
     center = [None] * len(params) if center is None else [c if c is None else c.float() for c in center]
@@ -59,11 +63,7 @@ def param_bpt(adapter_params: Iterable[torch.Tensor], sigma: float = 0.01, token
         raise ValueError(f"sigma must be > 0, got {sigma}")
     if tokens_per_epoch <= 0:
         raise ValueError(f"tokens_per_epoch must be > 0, got {tokens_per_epoch}")
-    params = list(adapter_params)
-    if center is not None:
-        if len(center) != len(params):
-            raise ValueError(f"center has {len(center)} entries for {len(params)} adapter tensors")
-    return sum_of_squares(params, center) / (2.0 * sigma * sigma * tokens_per_epoch * math.log(2.0))
+    return sum_of_squares(adapter_params, center) / (2.0 * sigma * sigma * tokens_per_epoch * math.log(2.0))
 
 
 def is_factor_a(name: str) -> bool:
@@ -94,8 +94,8 @@ def param_bpt_parts(adapter_params: Sequence[torch.Tensor], centers: Sequence[Op
     on the initial adapter (B's part is the same under both)."""
     a = [p.float() for p, c in zip(adapter_params, centers) if c is not None]
     b = [p.float() for p, c in zip(adapter_params, centers) if c is None]
-    # one fused subtraction over every A factor and one fused norm over A, B and A's update (a kernel per tensor,
-    # every step, would keep the host launching while the device waits)
+    # one fused subtraction over every A factor and one fused norm over A, B and A's update, not a kernel per tensor
+    # every step
     updates = list(torch._foreach_sub(a, [c for c in centers if c is not None])) if a else []
     sq = torch.stack(torch._foreach_norm(a + b + updates, 2)).square()
     sa, sb, su = sq[:len(a)].sum(), sq[len(a):len(a) + len(b)].sum(), sq[len(a) + len(b):].sum()
