@@ -100,10 +100,12 @@ def test_a_profile_needs_a_local_run_directory():
 
 
 def test_a_profile_of_the_device_alone_needs_a_gpu():
-    assert not load_config(TINY, ["train.profile_host=false", "scaling.use_gpu=null"]).train.profile_host
-    with pytest.raises(ConfigError, match=r"train\.profile_host: false records the GPU's kernels alone and needs a GPU, "
-                                          r"not scaling\.use_gpu=false"):
-        load_config(TINY, ["train.profile_host=false"])  # tiny-cpu.yaml: scaling.use_gpu=false
+    on = ["train.profile_steps=3", "train.profile_host=false"]
+    assert not load_config(TINY, [*on, "scaling.use_gpu=null"]).train.profile_host
+    assert not load_config(TINY, ["train.profile_host=false"]).train.profile_host  # no profile: nothing to refuse
+    with pytest.raises(ConfigError, match=r"train\.profile_host: false records the GPU's kernels alone and needs a "
+                                          r"GPU, not scaling\.use_gpu=false"):
+        load_config(TINY, on)  # tiny-cpu.yaml: scaling.use_gpu=false
 
 
 def test_a_remote_output_dir_is_refused_naming_the_key():

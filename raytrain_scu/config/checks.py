@@ -183,7 +183,7 @@ def _check_run(cfg: Config) -> None:
     _check(t.profile_steps >= 0, "train.profile_steps", f"must be >= 0 (0 = off), got {t.profile_steps}")
     _check(not t.profile_steps or "://" not in cfg.run.storage_path, "train.profile_steps",
            f"writes its tables under the run directory, which must be a local path, not {cfg.run.storage_path!r}")
-    _check(t.profile_host or cfg.scaling.use_gpu is not False, "train.profile_host",
+    _check(not t.profile_steps or t.profile_host or cfg.scaling.use_gpu is not False, "train.profile_host",
            "false records the GPU's kernels alone and needs a GPU, not scaling.use_gpu=false (a CPU run has only host "
            "operators)")
     _check(t.hang_timeout_s is None or t.hang_timeout_s >= 0, "train.hang_timeout_s",

@@ -136,7 +136,7 @@ class TrainConfig:
     profile_steps: int = 0  # the last N steps under torch.profiler, each rank's table in <run dir>/profile/ (0 = off)
     # with profile_steps: record the host's operators too (the table by operator, what ended each idle stretch); they
     # slow the host enough that the device idles more than unprofiled. false (GPU only): the device's kernels alone,
-    # whose idle stretches are those of an unprofiled step
+    # whose idle stretches are close to an unprofiled step's
     profile_host: bool = True
     # seconds without a completed step before the driver kills the worker group, which Ray Train restarts from the
     # last checkpoint (within run.max_failures); null = per device (HANG_TIMEOUT_S: 300 on CPU, 1800 on GPU), 0 = off.

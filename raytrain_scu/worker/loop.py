@@ -66,7 +66,7 @@ def train(s: State) -> None:
     t = s.cfg.train
     with profiled(steps=t.profile_steps, left=t.max_steps - s.rec.start_step, cuda=s.device.type == "cuda",
                   host=t.profile_host, out_dir=RunPaths.of(s.cfg).profile) as tick:  # off unless asked
-        for step in range(s.rec.start_step, s.cfg.train.max_steps):
+        for step in range(s.rec.start_step, t.max_steps):
             row = train_step(s, step)
             tick()
             done = after_step(s, step, row)

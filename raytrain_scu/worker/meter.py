@@ -11,7 +11,8 @@ from raytrain_scu.core.dist import notice0
 
 
 class Meter:
-    """Training throughput between reports (evals excluded) and how long each report blocked the loop."""
+    """Training throughput between reports (evals excluded), the peak device memory, and how long each report blocked
+    the loop."""
 
     def __init__(self, device, tokens_per_step: int, poll_interval_s: float):
         self.device, self.tokens_per_step, self.poll_interval_s = device, tokens_per_step, poll_interval_s

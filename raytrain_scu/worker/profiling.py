@@ -11,10 +11,10 @@ that wait: the device ran dry while the host waited for it, then waited for the 
 The copy account, from the same trace, charges the device time of every copy (a copy kernel, or a memcpy) to the
 host operators around its launch, innermost last: which cast, ``contiguous`` or ``cat`` in which phase wrote it.
 
-Recording the host's operators slows the host, and the device then waits on it where an unprofiled step would not:
-on an H200 at the 8B shape this account showed 48 ms of idle a step where a trace of the device alone showed 4. With
-``train.profile_host=false`` only the device is recorded (:func:`device_account`): its idle stretches are those of an
-unprofiled step, each named by the kernels on either side of it.
+Recording the host's operators slows the host, and the device then waits on it where an unprofiled step would not
+(docs/benchmarks.md measures how much). With ``train.profile_host=false`` only the device is recorded
+(:func:`device_account`): its idle stretches are close to an unprofiled step's, each named by the kernels on either
+side of it.
 """
 from __future__ import annotations
 
@@ -63,11 +63,12 @@ def profiled(*, steps: int, left: int, cuda: bool, out_dir: Path, host: bool = T
     if device_only:
         text = (device_account(_trace(prof, out_dir), steps=active) + "\n"
                 + prof.key_averages().table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=70))
-    else:
-        text = profile_table(prof.key_averages(), steps=active, device="cuda" if cuda else "cpu")
-    if cuda and not device_only:
+    elif cuda:
         trace = _trace(prof, out_dir)
-        text += "\n" + idle_account(trace, steps=active) + "\n" + copy_account(trace, steps=active)
+        text = (profile_table(prof.key_averages(), steps=active, device="cuda") + "\n"
+                + idle_account(trace, steps=active) + "\n" + copy_account(trace, steps=active))
+    else:
+        text = profile_table(prof.key_averages(), steps=active, device="cpu")
     (out_dir / f"rank{rank()}.txt").write_text(text)
     print0(f"[raytrain_scu] profile of the last {active} step(s): {out_dir}/rank<k>.txt")
 
@@ -81,9 +82,9 @@ def _trace(prof, out_dir: Path) -> dict:
 
 
 def device_account(trace: dict, *, steps: int, top: int = 15) -> str:
-    """A trace of the device alone: per profiled step, the span from its first kernel to its last, the time of its
-    kernels, copies and memsets, and its idle stretches grouped by the kernel that ended before each and the one that
-    started it, the largest first."""
+    """A trace of the device alone: per profiled step (the window's totals over ``steps``), the span from the first
+    kernel to the last, the time of the kernels, copies and memsets (work on overlapping streams counts twice), and
+    the idle stretches grouped by the kernel that ended before each and the one that started it, the largest first."""
     device = sorted((e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and e.get("cat") in DEVICE_CATS
                      and "ts" in e and "dur" in e), key=lambda e: e["ts"])
     if not device:

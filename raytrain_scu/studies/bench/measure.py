@@ -70,8 +70,8 @@ def peak_mem() -> float:
 
 
 def peak_reserved() -> float:
-    """The allocator's peak reserved memory since :func:`reset_mem` (allocated plus cached free blocks: what decides
-    an out-of-memory error)."""
+    """The allocator's peak reserved memory since :func:`reset_mem`: the allocated peak plus cached free blocks (which
+    the allocator releases and retries before it raises an out-of-memory error)."""
     return torch.cuda.max_memory_reserved() / 2**30 if torch.cuda.is_available() else 0.0
 
 

@@ -25,8 +25,8 @@ def bench_config(*, preset: str, batch: int, block: int, steps: int, report_ever
                  compile: bool, mode: str = "scu", load_in_4bit: bool = False, checkpointing: bool = False, chunk=4096,
                  workers: int = 1, compile_scope: str = "layers", targets=tuple(PROJ), fuse_lora: bool = False,
                  base_fp8: bool = False, profile_steps: int = 0, profile_host: bool = True,
-                 embedding_int8: bool = False, offload_embedding: bool = False, recompute_elementwise: str = "auto",
-                 head_fp8: bool = False,
+                 embedding_int8: bool = False, offload_embedding: bool = False,
+                 recompute_elementwise: str = "auto", head_fp8: bool = False,
                  compile_mode: str = "default", offload_activations: bool = False, dequant_4bit: str = "auto",
                  offload_activations_gib: float = 0.0):
     gpu = torch.cuda.is_available()

@@ -151,7 +151,8 @@ SCALE_NS = (2, 4, 8)  # the `scale` group: ray1 and rayN for these N up to the G
 # named sets of parts; each fits one 10-minute call on one H100 or H200 (docs/benchmarks.md has the measured times)
 GROUPS = {"1b": "attn,ref_eager,ref_compile_default,ref_compile,ours,ours_fp8,scu_none,ray1,mem_bf16,mem_qlora_emb8,"
                 "ref_liger,ref_liger_layers",
-          # the QLoRA part that meets #29's bounds: compiled, the offloaded embedding, the layers' inputs on the host
+          # the QLoRA part that meets the 8B QLoRA bounds: compiled, the offloaded embedding, the layers' inputs on
+          # the host
           "8b": "ref_compile_8b,ours_8b,ours_fp8_8b,mem_bf16_8b,qlora_offload_acts_8b,ref_liger_8b",
           "unsloth": "ref_unsloth,ref_unsloth_8b,ref_unsloth_qlora_8b",
           "scale": "ray1,rayN",  # rayN: see expand_parts
@@ -159,8 +160,13 @@ GROUPS = {"1b": "attn,ref_eager,ref_compile_default,ref_compile,ours,ours_fp8,sc
 
 
 # profile_<part>: that part under train.profile_steps; idle_<part>: the same with train.profile_host=false (the device
-# alone, whose idle stretches are an unprofiled step's)
+# alone, whose idle stretches are close to an unprofiled step's)
 PROFILING = ("profile_", "idle_")
+
+
+def profiles_host(part: str) -> bool:
+    """Whether a profiling part records the host's operators (``profile_``) or the device alone (``idle_``)."""
+    return not part.startswith("idle_")
 
 
 def unprofiled(part: str) -> str:

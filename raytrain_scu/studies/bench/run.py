@@ -29,7 +29,7 @@ from raytrain_scu.core.model.source import load_tokenizer
 from raytrain_scu.hardware.gpus import mfu, peak_flops, peak_fp8_flops
 from raytrain_scu.studies.bench.measure import device_name, versions
 from raytrain_scu.studies.bench.ours import bench_config
-from raytrain_scu.studies.bench.parts import Ctx, lookup, shape_of, unprofiled
+from raytrain_scu.studies.bench.parts import Ctx, lookup, profiles_host, shape_of, unprofiled
 
 # --shape (and the parts that name their own shape) -> (preset on a GPU, its shrunken twin for --smoke)
 SHAPES = {"1b": ("llama-3.2-1b-shape", "tiny"), "8b": ("llama-3.1-8b-shape", "tiny-llama-3.1-8b"),
@@ -51,7 +51,7 @@ def _ctx(args, part: str, *, storage: str, compile_: bool, blocks) -> Ctx:
     def cfg(**kw):
         kw = dict(preset=pre, batch=args.batch, block=block, steps=steps, report_every=args.report_every,
                   storage=storage, name=part, compile=compile_,
-                  profile_steps=args.profile_steps if profiled else 0, profile_host=not part.startswith("idle_")) | kw
+                  profile_steps=args.profile_steps if profiled else 0, profile_host=profiles_host(part)) | kw
         return bench_config(**kw)
 
     return Ctx(args=args, preset=pre, block=block, blocks=blocks, steps=steps, compile=compile_, cfg=cfg)
