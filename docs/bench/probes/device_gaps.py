@@ -54,7 +54,8 @@ for i, e in enumerate(dev):
 n = len(PROF)
 busy = sum(e["dur"] for e in dev)
 print(torch.cuda.get_device_name(0), preset, batch, "x 2048:", f"{(t1 - t0) / 1e3 / n:.2f} ms/step span, "
-      f"{busy / 1e3 / n:.2f} ms/step kernels, idle (gaps >= 5 us) {idle / 1e3 / n:.2f} ms/step in {len(gaps) / n:.0f} gaps")
+      f"{busy / 1e3 / n:.2f} ms/step kernels, idle (gaps >= 5 us) {idle / 1e3 / n:.2f} ms/step in "
+      f"{len(gaps) / n:.0f} gaps")
 by = collections.defaultdict(lambda: [0.0, 0])
 for gap, prev, nxt, at in gaps:
     by[(prev, nxt)][0] += gap
