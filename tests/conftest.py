@@ -24,6 +24,26 @@ def pytest_configure(config):
     import torch
 
     torch.set_num_threads(1)
+    # xdist's loadfile hands out the files with the most tests first by default, which puts the few-test files of
+    # minutes (a job submit, a local cluster) last, one process running them alone while the other idles: here it
+    # takes them in the order pytest_collection_modifyitems gives (an explicit --loadscope-reorder keeps xdist's)
+    if "--loadscope-reorder" not in config.invocation_params.args and hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(config, items):
+    """The files with the most tests that start Ray (marked slow) first, the files without any after them, each
+    file's tests together and in their own order. `make test` (--dist loadfile) hands whole files to its processes
+    in this order: the files of minutes start first and the files of seconds fill the end, so neither process sits
+    idle while the other runs a long file alone."""
+    def file_of(item):
+        return item.nodeid.split("::")[0]
+
+    slow = {}
+    for item in items:
+        slow[file_of(item)] = slow.get(file_of(item), 0) + (item.get_closest_marker("slow") is not None)
+    collected = {f: i for i, f in enumerate(slow)}  # the files in collection order
+    items.sort(key=lambda item: (-slow[file_of(item)], collected[file_of(item)]))
 
 
 @pytest.fixture(scope="session")
