@@ -20,8 +20,8 @@ REQUIRED_KEYS = ["scaling.num_workers", "scaling.use_gpu", "train.max_steps", "t
 
 @pytest.mark.parametrize("path", sorted(glob.glob(str(ROOT / "experiments" / "*.yaml"))))
 def test_every_experiment_loads(path):
-    from raytrain_scu.config.checks import check_law_keys
     from raytrain_scu.config.io import explicit_keys, load_raw
+    from raytrain_scu.config.law_keys import check_law_keys
 
     cfg = load_config(path)
     assert isinstance(cfg, Config) and cfg.run.name

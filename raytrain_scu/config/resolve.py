@@ -11,8 +11,9 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-from raytrain_scu.config.checks import check_law_keys, validate
+from raytrain_scu.config.checks import validate
 from raytrain_scu.config.io import default_run_name, explicit_keys, get_dotted, load_raw
+from raytrain_scu.config.law_keys import check_law_keys
 from raytrain_scu.config.load import build_config
 from raytrain_scu.config.schema import Config
 from raytrain_scu.errors import ConfigError, MemoryFitError
@@ -87,7 +88,7 @@ def _family_preset(cfg: Config, hf_config: Any, explicit: set[str]) -> dict[str,
 def resolve_config(path: Optional[str | Path], overrides: list[str] | tuple[str, ...] = (),
                    gpus: Optional[list[GpuInfo]] = None) -> tuple[Config, dict[str, tuple[Any, Any]]]:
     """Load a config like :func:`config.load_config`, refuse a key set or swept for a law that no run of it uses
-    (:func:`config.checks.check_law_keys`), then apply ``hardware.preset`` under the keys the YAML file and overrides
+    (:func:`config.law_keys.check_law_keys`), then apply ``hardware.preset`` under the keys the YAML file and overrides
     did not set. Returns ``(cfg, {key: (old, new)})``."""
     tree = load_raw(path, overrides)
     explicit = explicit_keys(tree)

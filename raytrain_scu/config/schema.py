@@ -181,7 +181,7 @@ class ControllerConfig:
 
 
 # the keys only one law reads, by law (core.laws: each law's from_config reads its own and no other's): set or swept
-# for a law that no run of a config uses, one changes nothing, and config.checks.check_law_keys refuses it
+# for a law that no run of a config uses, one changes nothing, and config.law_keys.check_law_keys refuses it
 LAW_KEYS = {
     "spec": ("controller.kp", "controller.ki", "controller.ema_alpha", "controller.deadband", "controller.leak",
              "controller.integral_limit"),

@@ -9,8 +9,8 @@ from __future__ import annotations
 import itertools
 from dataclasses import asdict
 
-from raytrain_scu.config.checks import check_space_laws, check_trial_law
 from raytrain_scu.config.io import get_dotted, set_dotted
+from raytrain_scu.config.law_keys import check_space_laws, check_trial_law
 from raytrain_scu.config.load import build_config
 from raytrain_scu.config.paths import run_dir
 from raytrain_scu.config.schema import ARM, GLOBAL_BATCH, Config, global_batch_tokens
