@@ -52,7 +52,8 @@ def profiled(*, steps: int, left: int, cuda: bool, out_dir: Path, host: bool = T
     device_only = cuda and not host
     active = min(steps, left - 1)  # one step before the window warms the profiler up
     when = schedule(wait=left - active - 1, warmup=1, active=active, repeat=1)
-    activities = [ProfilerActivity.CUDA] if device_only else [ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda
+    cpu, gpu = ProfilerActivity.CPU, ProfilerActivity.CUDA
+    activities = [gpu] if device_only else [cpu, gpu] if cuda else [cpu]
     with profile(activities=activities, schedule=when) as prof:
         yield prof.step
     if prof.step_num < left:  # after the last report: the worker's log, not the console
@@ -89,25 +90,40 @@ def device_account(trace: dict, *, steps: int, top: int = 15) -> str:
                      and "ts" in e and "dur" in e), key=lambda e: e["ts"])
     if not device:
         return "device: no kernels in the trace\n"
-    t0, busy_to, last = device[0]["ts"], device[0]["ts"], device[0]
-    idle, work, gaps = 0.0, 0.0, defaultdict(lambda: [0.0, 0])
-    for e in device:
-        gap = e["ts"] - busy_to
-        if gap >= MIN_GAP_US:
-            idle += gap
-            gaps[(last["name"][:60], e["name"][:60])][0] += gap
-            gaps[(last["name"][:60], e["name"][:60])][1] += 1
-        work += e["dur"]
-        if e["ts"] + e["dur"] >= busy_to:
-            busy_to, last = e["ts"] + e["dur"], e
+    t0 = device[0]["ts"]
+    stretches, busy_to = _idle_stretches(device, t0)
     n = max(1, steps)
     lines = [f"steps profiled: {steps}, the device alone; per step: span {(busy_to - t0) / 1e3 / n:.2f} ms, kernels, "
-             f"copies and memsets {work / 1e3 / n:.2f} ms, idle {idle / 1e3 / n:.2f} ms (stretches >= {MIN_GAP_US:g} "
-             f"us); the idle stretches by the kernels around them, per step:",
+             f"copies and memsets {sum(e['dur'] for e in device) / 1e3 / n:.2f} ms, idle "
+             f"{sum(gap for _, gap, _, _ in stretches) / 1e3 / n:.2f} ms (stretches >= {MIN_GAP_US:g} us); the idle "
+             f"stretches by the kernels around them, per step:",
              f"{'ms/step':>8}  {'count/step':>10}  ended before | started after"]
-    for (before, after), (us, c) in sorted(gaps.items(), key=lambda kv: -kv[1][0])[:top]:
-        lines.append(f"{us / 1e3 / n:8.2f}  {c / n:10.1f}  {before} | {after}")
-    return "\n".join(lines) + "\n"
+    by_kernels = [((before["name"][:60], after["name"][:60]), gap) for _, gap, before, after in stretches]
+    return "\n".join(lines + _grouped(by_kernels, steps=n, top=top)) + "\n"
+
+
+def _idle_stretches(device: list, start: float) -> tuple[list, float]:
+    """The idle stretches of at least ``MIN_GAP_US`` among ``device`` (device work sorted by start), counted from
+    ``start``: each as (its start, its length, the work that ended last before it, the work that ended it); and when
+    the last work ends."""
+    stretches, busy_to, last = [], start, None
+    for e in device:
+        if e["ts"] - busy_to >= MIN_GAP_US:
+            stretches.append((busy_to, e["ts"] - busy_to, last, e))
+        if e["ts"] + e["dur"] >= busy_to:
+            busy_to, last = e["ts"] + e["dur"], e
+    return stretches, busy_to
+
+
+def _grouped(keyed: list, *, steps: int, top: int) -> list[str]:
+    """Table rows of ``keyed`` ((a, b), microseconds) summed by key, per step: ms, count, ``a | b``, the largest
+    first."""
+    sums = defaultdict(lambda: [0.0, 0])
+    for key, us in keyed:
+        sums[key][0] += us
+        sums[key][1] += 1
+    return [f"{us / 1e3 / steps:8.2f}  {c / steps:10.1f}  {a} | {b}"
+            for (a, b), (us, c) in sorted(sums.items(), key=lambda kv: -kv[1][0])[:top]]
 
 
 def profile_table(events, *, steps: int, device: str) -> str:
@@ -138,22 +154,13 @@ def idle_account(trace: dict, *, steps: int, top: int = 15) -> str:
     waits = sorted((e["ts"] + e["dur"], e["name"]) for e in launches.values()
                    if "Synchronize" in e["name"] or "MemcpyDtoH" in e["name"]
                    or ("Memcpy" in e["name"] and "Async" not in e["name"]))
-    idle, causes, busy_to = 0.0, defaultdict(lambda: [0.0, 0]), t0
-    for e in device:
-        gap = e["ts"] - busy_to
-        if gap >= MIN_GAP_US:
-            idle += gap
-            cause = _cause(e, launches, host, waits, busy_to)
-            causes[cause][0] += gap
-            causes[cause][1] += 1
-        busy_to = max(busy_to, e["ts"] + e["dur"])
-    idle += max(0.0, t1 - busy_to)
+    stretches, busy_to = _idle_stretches(device, t0)
+    idle = sum(gap for _, gap, _, _ in stretches) + max(0.0, t1 - busy_to)
     wall = (t1 - t0) / 1e3 / steps
     lines = [f"device idle per step: {idle / 1e3 / steps:.2f} ms of {wall:.2f} ms wall (stretches >= {MIN_GAP_US:g} "
              f"us); what ended them, per step:", f"{'ms/step':>8}  {'count/step':>10}  phase | launching operator"]
-    for (phase, op), (us, n) in sorted(causes.items(), key=lambda kv: -kv[1][0])[:top]:
-        lines.append(f"{us / 1e3 / steps:8.2f}  {n / steps:10.1f}  {phase} | {op}")
-    return "\n".join(lines) + "\n"
+    by_cause = [(_cause(after, launches, host, waits, start), gap) for start, gap, _, after in stretches]
+    return "\n".join(lines + _grouped(by_cause, steps=steps, top=top)) + "\n"
 
 
 COPY_OPS = {"", "to", "copy", "t", "view", "unsafe", "transpose", "permute", "clone", "expand", "contiguous"}
