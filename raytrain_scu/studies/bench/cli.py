@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from raytrain_scu.studies.bench.parts import GROUPS, PARTS, expand_parts
+from raytrain_scu.studies.bench.parts import GROUPS, PARTS, expand_parts, profiling
 from raytrain_scu.studies.bench.report import table
 from raytrain_scu.studies.bench.run import run_parts
 
@@ -44,7 +44,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         args.steps, args.report_every, args.warmup_reports = 4, 2, 1
         if not args.parts and not args.group:
             args.parts = "attn,ref_eager,ref_compile_default,ref_compile,ours,scu_none"
-    if args.profile_steps < 1 and ("profile" in args.parts or "idle_" in args.parts):
+    if args.profile_steps < 1 and any(profiling(p) for p in args.parts.split(",")):
         p.error("--profile-steps must be >= 1 for the profile_ and idle_ parts")
     try:
         args.part_list = expand_parts(args.group or ("" if args.parts else "1b"), args.parts, torch.cuda.device_count())

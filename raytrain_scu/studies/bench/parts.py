@@ -164,6 +164,11 @@ GROUPS = {"1b": "attn,ref_eager,ref_compile_default,ref_compile,ours,ours_fp8,sc
 PROFILING = ("profile_", "idle_")
 
 
+def profiling(part: str) -> bool:
+    """Whether ``part`` is a ``profile_``/``idle_`` part (or ``profile`` alone)."""
+    return unprofiled(part) != part
+
+
 def profiles_host(part: str) -> bool:
     """Whether a profiling part records the host's operators (``profile_``) or the device alone (``idle_``)."""
     return not part.startswith("idle_")
@@ -208,7 +213,7 @@ def expand_parts(groups: str, parts: str, gpus: int) -> list[str]:
     loops = [n for n, p in PARTS.items() if p.loop]
     for p in filter(None, parts.split(",")):
         base = unprofiled(p)
-        if not (p in PARTS or p == "profile" or RAY_PART.fullmatch(base) or base != p and base in loops):
+        if not (p in PARTS or RAY_PART.fullmatch(base) or profiling(p) and base in loops):
             raise ValueError(f"--parts: unknown part {p!r}, expected rayN (N >= 1), one of {', '.join(PARTS)}, "
                              f"or profile_ or idle_ before rayN or one of {', '.join(loops)}")
         names.append(p)

@@ -29,7 +29,7 @@ from raytrain_scu.core.model.source import load_tokenizer
 from raytrain_scu.hardware.gpus import mfu, peak_flops, peak_fp8_flops
 from raytrain_scu.studies.bench.measure import device_name, versions
 from raytrain_scu.studies.bench.ours import bench_config
-from raytrain_scu.studies.bench.parts import Ctx, lookup, profiles_host, shape_of, unprofiled
+from raytrain_scu.studies.bench.parts import Ctx, lookup, profiles_host, profiling, shape_of
 
 # --shape (and the parts that name their own shape) -> (preset on a GPU, its shrunken twin for --smoke)
 SHAPES = {"1b": ("llama-3.2-1b-shape", "tiny"), "8b": ("llama-3.1-8b-shape", "tiny-llama-3.1-8b"),
@@ -46,7 +46,7 @@ def _ctx(args, part: str, *, storage: str, compile_: bool, blocks) -> Ctx:
     pre = preset_of(shape, args.smoke)
     block = args.granite_block if shape == "granite" else args.block
     steps = args.warmup_reports * args.report_every + args.steps
-    profiled = unprofiled(part) != part
+    profiled = profiling(part)
 
     def cfg(**kw):
         kw = dict(preset=pre, batch=args.batch, block=block, steps=steps, report_every=args.report_every,
@@ -86,7 +86,7 @@ def _measure(args, part: str, ctx: Ctx, res: dict, out_dir: Path, storage: str) 
         fp8 = mfu(r["tokens_per_s"], fpt, peak_fp8_flops(res["card"]))
         r["mfu_fp8_peak"] = float("nan") if fp8 is None else fp8
     r.update(preset=ctx.preset, block=ctx.block, flops_per_token=fpt)
-    if unprofiled(part) != part:  # each rank's table beside --out; the JSON keeps their first lines
+    if profiling(part):  # each rank's table beside --out; the JSON keeps their first lines
         r["profile"] = collect_profile(Path(storage) / part / "profile", out_dir, part)
     return r
 
