@@ -48,11 +48,17 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def ray_local():
-    """One local Ray instance for the in-process integration tests."""
+    """One local Ray instance for the in-process integration tests, with its dashboard on a port of its own.
+
+    Ray Train's placement-group cleaner asks the State API, at the dashboard address this cluster records, whether
+    the run's controller lives, and takes "not found" for dead. Without a dashboard that address is still
+    127.0.0.1:8265, so while another Ray on this machine serves its dashboard there (a CLI test's local Ray), the
+    cleaner finds no such controller and removes the live run's placement group: its workers die with "Destroying
+    worker since its placement group was removed"."""
     import ray
 
     if not ray.is_initialized():
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+        ray.init(num_cpus=4, include_dashboard=True, dashboard_port=free_port(), log_to_driver=False)
     yield ray
     shutdown_ray(ray)
 
