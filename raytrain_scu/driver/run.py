@@ -32,6 +32,7 @@ from raytrain_scu.driver.lock import run_lock
 from raytrain_scu.driver.preflight import check_storage, preflight
 from raytrain_scu.errors import CheckpointError, Interrupted
 from raytrain_scu.ray import launch
+from raytrain_scu.ray.callbacks import Sink
 from raytrain_scu.tracking.revisions import config_changes, format_changes, record_config_revision, recorded_config
 from raytrain_scu.tracking.store import (
     end_run,
@@ -172,7 +173,7 @@ def _launch(cfg: Config, facts: dict, run_id: Optional[str], *, verbose: bool):
     ray_logs = launch.logs_dir()
     if not verbose:
         print(f"[raytrain_scu] Ray's and the workers' logs: {ray_logs} (--verbose shows them here)", flush=True)
-    sink = launch.Sink()
+    sink = Sink()
     # the watchdog's actor exists from here: the block kills it whatever raises below (building the trainer, fit)
     with launch.hang_watchdog(cfg, use_gpu=facts["use_gpu"]) as watchdog:
         trainer = launch.build_trainer(cfg, use_gpu=facts["use_gpu"], run_id=run_id, callbacks=sink.callbacks(),

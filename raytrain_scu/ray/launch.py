@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import json
 import logging
 import os
 import shutil
 import signal
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import asdict
@@ -26,9 +24,8 @@ import ray
 import ray.train
 import ray.train.torch
 from ray.exceptions import RayTaskError
-from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig, TrainingFailedError, UserCallback
+from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig, TrainingFailedError
 from ray.train.torch import TorchTrainer
-from ray.train.v2._internal.execution.callback import WorkerGroupCallback
 from ray.util.queue import Empty, Queue
 
 from raytrain_scu.config.paths import RunPaths
@@ -36,6 +33,7 @@ from raytrain_scu.config.schema import Config, hang_timeout_s
 from raytrain_scu.console import NOTICES
 from raytrain_scu.core.checkpoint import BEST_METRIC
 from raytrain_scu.errors import Interrupted, NotEnoughResources
+from raytrain_scu.ray.callbacks import Sink
 from raytrain_scu.ray.hooks import train_func
 from raytrain_scu.ray.watchdog import HangWatchdog
 
@@ -153,51 +151,6 @@ def failure_notices(error: BaseException) -> list[str]:
     on its exception by :func:`train_func`; [] for any other error."""
     failures = getattr(error, "worker_failures", None) or {}
     return list(getattr(failures.get(0), NOTICES, None) or [])
-
-
-def _append(path: Path, record: dict) -> None:
-    with open(path, "a") as f:
-        f.write(json.dumps(record) + "\n")
-
-
-class WorkersStarted(WorkerGroupCallback):
-    """In the Ray Train controller: a line ``{"workers_started": n}`` in the sink's file at each start of the worker
-    group, the end of Ray's part of the wait before the first report (Ray Train hands a UserCallback no such
-    hook)."""
-
-    def __init__(self, path: Path):
-        self.path, self.starts = path, 0
-
-    def after_worker_group_start(self, worker_group):
-        self.starts += 1
-        _append(self.path, {"workers_started": self.starts})
-
-
-class Sink(UserCallback):
-    """Runs in the Ray Train controller (always on the driver's node): appends each report's rank-0 metrics and
-    whether it carried a checkpoint to a JSON-lines file the driver reads (:meth:`read`); with :meth:`callbacks`, the
-    worker group's starts too."""
-
-    def __init__(self):
-        self.path = Path(tempfile.mkdtemp(prefix="raytrain_scu-")) / "reports.jsonl"
-        self.path.touch()
-        self.offset = 0
-
-    def callbacks(self) -> list:
-        """What ``build_trainer`` takes: this sink and the worker group's start notes."""
-        return [self, WorkersStarted(self.path)]
-
-    def after_report(self, run_context, metrics, checkpoint):
-        _append(self.path, {"metrics": metrics[0], "checkpoint": checkpoint is not None})
-
-    def read(self) -> list[dict]:
-        """The driver side: the records written since the last call, whole lines only."""
-        with open(self.path) as f:
-            f.seek(self.offset)
-            text = f.read()
-        done = text[:text.rfind("\n") + 1]
-        self.offset += len(done.encode())
-        return [json.loads(line) for line in done.splitlines()]
 
 
 def workers_started_note(cfg: Config, starts: int) -> str:

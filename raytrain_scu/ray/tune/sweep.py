@@ -38,7 +38,6 @@ from typing import Optional
 
 import ray
 from ray import tune
-from ray.train.v2._internal.execution.callback import WorkerGroupCallback
 from ray.tune.integration.ray_train import TuneReportCallback
 from ray.tune.schedulers import ASHAScheduler
 from ray.tune.search import BasicVariantGenerator
@@ -48,6 +47,7 @@ from ray.util.queue import Queue
 from raytrain_scu.config.paths import RunPaths
 from raytrain_scu.config.schema import Config
 from raytrain_scu.errors import SweepError
+from raytrain_scu.ray.callbacks import NotePlacementGroup
 from raytrain_scu.ray.launch import build_trainer, driver_logs_to_file, init_ray, keep_logs, logs_dir, scu_env
 from raytrain_scu.ray.tune.events import TrialEvents
 from raytrain_scu.ray.tune.results import open_child_run, open_parent_run, write_results
@@ -106,23 +106,6 @@ def concurrent_trials(cluster: dict, need: dict) -> int:
 
 
 # ---------------------------------------------------------------- stopped trials give their resources back
-
-class NotePlacementGroup(WorkerGroupCallback):
-    """In a trial's Train controller: hand (this controller, its workers' placement group) to the sweep's driver.
-
-    A Train run's placement group outlives its controller while the job lives, and Ray Train's own cleaner finds
-    dead controllers through the state API, which is not always there (no dashboard, several Ray instances on a
-    node). Without a cleanup, every trial ASHA stops keeps its workers' CPUs/GPUs until the sweep ends, and later
-    trials wait for them forever.
-    """
-
-    def __init__(self, queue):
-        self.queue = queue
-
-    def after_worker_group_start(self, worker_group):
-        pg = worker_group.get_worker_group_state().placement_group_handle.placement_group
-        self.queue.put((ray.get_runtime_context().current_actor, pg))
-
 
 class PlacementGroupReaper:
     """In the sweep's driver, beside Tune: removes the placement group of every Train run whose controller died."""

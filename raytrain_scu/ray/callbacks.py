@@ -1,0 +1,80 @@
+"""Ray Train callbacks: what runs inside a Train controller. The controller unpickles them before it starts the
+workers, so this module imports only Ray and the standard library: importing the package's worker stack (torch,
+transformers, peft) there would add seconds to every run's start.
+
+- :class:`Sink` and :class:`WorkersStarted`: each report's rank-0 metrics and each start of the worker group, in a
+  JSON-lines file the driver reads (``launch.fit`` shows them).
+- :class:`NotePlacementGroup`: a sweep trial's (controller, placement group), handed to the sweep's driver, which
+  removes the group once the controller is gone (``tune.sweep.PlacementGroupReaper``).
+"""
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+import ray
+from ray.train import UserCallback
+from ray.train.v2._internal.execution.callback import WorkerGroupCallback
+
+
+def _append(path: Path, record: dict) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+class WorkersStarted(WorkerGroupCallback):
+    """In the Ray Train controller: a line ``{"workers_started": n}`` in the sink's file at each start of the worker
+    group, the end of Ray's part of the wait before the first report (Ray Train hands a UserCallback no such
+    hook)."""
+
+    def __init__(self, path: Path):
+        self.path, self.starts = path, 0
+
+    def after_worker_group_start(self, worker_group):
+        self.starts += 1
+        _append(self.path, {"workers_started": self.starts})
+
+
+class Sink(UserCallback):
+    """Runs in the Ray Train controller (always on the driver's node): appends each report's rank-0 metrics and
+    whether it carried a checkpoint to a JSON-lines file the driver reads (:meth:`read`); with :meth:`callbacks`, the
+    worker group's starts too."""
+
+    def __init__(self):
+        self.path = Path(tempfile.mkdtemp(prefix="raytrain_scu-")) / "reports.jsonl"
+        self.path.touch()
+        self.offset = 0
+
+    def callbacks(self) -> list:
+        """What ``build_trainer`` takes: this sink and the worker group's start notes."""
+        return [self, WorkersStarted(self.path)]
+
+    def after_report(self, run_context, metrics, checkpoint):
+        _append(self.path, {"metrics": metrics[0], "checkpoint": checkpoint is not None})
+
+    def read(self) -> list[dict]:
+        """The driver side: the records written since the last call, whole lines only."""
+        with open(self.path) as f:
+            f.seek(self.offset)
+            text = f.read()
+        done = text[:text.rfind("\n") + 1]
+        self.offset += len(done.encode())
+        return [json.loads(line) for line in done.splitlines()]
+
+
+class NotePlacementGroup(WorkerGroupCallback):
+    """In a trial's Train controller: hand (this controller, its workers' placement group) to the sweep's driver.
+
+    A Train run's placement group outlives its controller while the job lives, and Ray Train's own cleaner finds
+    dead controllers through the state API, which is not always there (no dashboard, several Ray instances on a
+    node). Without a cleanup, every trial ASHA stops keeps its workers' CPUs/GPUs until the sweep ends, and later
+    trials wait for them forever.
+    """
+
+    def __init__(self, queue):
+        self.queue = queue
+
+    def after_worker_group_start(self, worker_group):
+        pg = worker_group.get_worker_group_state().placement_group_handle.placement_group
+        self.queue.put((ray.get_runtime_context().current_actor, pg))
