@@ -34,7 +34,6 @@ from raytrain_scu.console import NOTICES
 from raytrain_scu.core.checkpoint import BEST_METRIC
 from raytrain_scu.errors import Interrupted, NotEnoughResources
 from raytrain_scu.ray.callbacks import Sink
-from raytrain_scu.ray.hooks import train_func
 from raytrain_scu.ray.watchdog import HangWatchdog
 
 
@@ -51,6 +50,15 @@ _no_colour_reset_at_exit()
 
 
 # ---------------------------------------------------------------- driver side
+
+def train_func(config: dict) -> None:
+    """What ``build_trainer`` hands Ray Train: ``ray.hooks.train_func``, imported when a worker calls it. Whoever
+    builds a trainer (the driver, a sweep's trial actors) pickles only this function's name, so none of them imports
+    the worker's stack (torch, transformers, peft: seconds per process) for it."""
+    from raytrain_scu.ray.hooks import train_func as run_worker
+
+    run_worker(config)
+
 
 def scu_env() -> dict[str, str]:
     """This process's RAYTRAIN_SCU_* variables (fault injection, cache location): what every worker gets."""
