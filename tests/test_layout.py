@@ -159,3 +159,18 @@ def test_the_layout_checks_see_the_real_graph():
     assert "config.schema" in g["config.load"] and "ray.launch" in g["driver.run"]
     assert layer_of("config.resolve") > layer_of("core.model") > layer_of("config.schema")
     assert layer_of("train") == SHIM_LAYER and layer_of("ray.tune.sweep") == layer_of("ray")
+
+
+def test_what_a_train_controller_and_a_trial_import_leaves_the_worker_stack_out():
+    """A Train controller unpickles ray.callbacks before it starts any worker, and a sweep trial's actor imports
+    ray.tune.sweep to build its trainer: neither imports transformers, peft or bitsandbytes (seconds per process,
+    paid at every run's and every trial's start). The controller's module leaves torch out too."""
+    import subprocess
+    import sys
+
+    heavy = ("torch", "transformers", "peft", "bitsandbytes")
+    for module, allowed in (("raytrain_scu.ray.callbacks", ()), ("raytrain_scu.ray.tune.sweep", ("torch",))):
+        code = f"import sys, {module}; print(' '.join(m for m in {heavy!r} if m in sys.modules))"
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert set(out.stdout.split()) <= set(allowed), (module, out.stdout)
