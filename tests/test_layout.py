@@ -165,12 +165,13 @@ def test_what_a_train_controller_and_a_trial_import_leaves_the_worker_stack_out(
     """A Train controller unpickles ray.callbacks before it starts any worker, and a sweep trial's actor imports
     ray.tune.sweep to build its trainer: neither imports transformers, peft or bitsandbytes (seconds per process,
     paid at every run's and every trial's start). The controller's module leaves torch out too."""
+    import json
     import subprocess
     import sys
 
     heavy = ("torch", "transformers", "peft", "bitsandbytes")
     for module, allowed in (("raytrain_scu.ray.callbacks", ()), ("raytrain_scu.ray.tune.sweep", ("torch",))):
-        code = f"import sys, {module}; print(' '.join(m for m in {heavy!r} if m in sys.modules))"
+        code = f"import json, sys, {module}; print(json.dumps([m for m in {heavy!r} if m in sys.modules]))"
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
         assert out.returncode == 0, out.stderr[-2000:]
-        assert set(out.stdout.split()) <= set(allowed), (module, out.stdout)
+        assert set(json.loads(out.stdout.splitlines()[-1])) <= set(allowed), (module, out.stdout)

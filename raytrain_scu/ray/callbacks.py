@@ -66,10 +66,10 @@ class Sink(UserCallback):
 class NotePlacementGroup(WorkerGroupCallback):
     """In a trial's Train controller: hand (this controller, its workers' placement group) to the sweep's driver.
 
-    A Train run's placement group outlives its controller while the job lives, and Ray Train's own cleaner finds
-    dead controllers through the state API, which is not always there (no dashboard, several Ray instances on a
-    node). Without a cleanup, every trial ASHA stops keeps its workers' CPUs/GPUs until the sweep ends, and later
-    trials wait for them forever.
+    A Train run's placement group outlives its controller while the job lives, and Ray Train's own cleaner asks the
+    state API, which answers for this cluster only where it has a dashboard of its own (docs/reliability.md), and
+    whose address its process may fail to resolve (several Ray instances on a node). Without a cleanup, every trial
+    ASHA stops keeps its workers' CPUs/GPUs until the sweep ends, and later trials wait for them forever.
     """
 
     def __init__(self, queue):

@@ -52,9 +52,9 @@ _no_colour_reset_at_exit()
 # ---------------------------------------------------------------- driver side
 
 def train_func(config: dict) -> None:
-    """What ``build_trainer`` hands Ray Train: ``ray.hooks.train_func``, imported when a worker calls it. Whoever
-    builds a trainer (the driver, a sweep's trial actors) pickles only this function's name, so none of them imports
-    the worker's stack (torch, transformers, peft: seconds per process) for it."""
+    """What ``build_trainer`` hands Ray Train: ``ray.hooks.train_func``, imported when a worker calls it. A sweep
+    trial's actor, which imports this module to build its trainer, therefore does not import transformers, peft or
+    bitsandbytes (seconds per process) for it; torch comes with ``ray.train.torch``."""
     from raytrain_scu.ray.hooks import train_func as run_worker
 
     run_worker(config)
@@ -156,7 +156,7 @@ def root_cause(error: BaseException) -> Optional[str]:
 
 def failure_notices(error: BaseException) -> list[str]:
     """The notices rank 0 had not reported yet when it failed (a resume, a fallback: the failure's context), carried
-    on its exception by :func:`train_func`; [] for any other error."""
+    on its exception by :func:`raytrain_scu.ray.hooks.train_func`; [] for any other error."""
     failures = getattr(error, "worker_failures", None) or {}
     return list(getattr(failures.get(0), NOTICES, None) or [])
 
