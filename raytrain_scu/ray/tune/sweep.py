@@ -122,6 +122,8 @@ class PlacementGroupReaper:
         for controller, pg in self.watched:
             try:
                 ray.get(controller.__ray_ready__.remote(), timeout=5)
+            except ray.exceptions.ActorUnavailableError:  # unreachable for now (a restart, the network), not dead
+                pass
             except ray.exceptions.RayActorError:  # the controller died: its workers' placement group is left behind
                 _remove(pg)
                 continue
