@@ -418,8 +418,8 @@ TUNE_NOISE = ("Configuration for experiment", "View detailed results", "╭", "T
 
 
 def held_cpus(ray) -> str:
-    """What holds the local cluster's CPUs: the resources and every placement group not removed (from the GCS: the
-    test cluster has no dashboard for the state API)."""
+    """What holds the local cluster's CPUs: the resources and every placement group not removed, read from the GCS
+    (the state API answers through a dashboard, which need not be this cluster's)."""
     groups = {k: (v["state"], v.get("name"), v.get("bundles")) for k, v in ray.util.placement_group_table().items()
               if v["state"] != "REMOVED"}
     return f"available {ray.available_resources()}, total {ray.cluster_resources()}, placement groups held: {groups}"
