@@ -159,13 +159,14 @@ def test_targets_are_against_the_best_peer_of_the_same_run():
                      "ours": part(121.0, peak_mem_gib=6.0), "ours_fp8": part(150.0),
                      "ray1": part(100.0), "ray2": part(90.0), "ref_compile_8b": part(10.0, "8b"),
                      "ours_8b": {"error": "OutOfMemoryError: ...", "shape_name": "8b"},
+                     "ref_liger_layers": {"error": "subprocess exited -6: ...", "shape_name": "1b"},
                      "qlora_offload_8b": part(5.0, "8b", peak_mem_gib=5.5, batch=2)}}
     assert best_peer(res, "1b") == ("ref_liger", 110.0)
     assert best_peer(res, "1b", key="peak_mem_gib", batch=8) == ("ref_compile", 7.0)  # ref_unsloth ran at batch 4
     rows = {label: (measured, status) for label, measured, _, status in target_rows(res)}
     assert rows["1B bf16: ours / best peer"] == ("1.100 (ours 121 / ref_liger 110)", "not met")
     assert rows["1B FP8 base: ours_fp8 / best peer"][1] == "not met"  # 1.364 < 1.45
-    assert rows["8B bf16: ours / best peer"][1] == "not run (ours_8b failed)"
+    assert rows["8B bf16: ours / best peer"][1] == "not run (ours_8b failed)"  # not the 1B peer that failed
     assert rows["1b: our peak memory / the best peer's at equal batch"] == ("0.750 (6.00 / ref_liger 8.00 GiB)", "met")
     assert rows["8B QLoRA (offloaded embedding, int8 head) 2 x 2048: speed / our bf16 LoRA, peak"][1] == \
         "not run (ours_8b failed)"
@@ -289,3 +290,18 @@ def test_peers_are_timed_in_intervals_synchronised_only_at_their_ends(monkeypatc
     batches = measure.pinned_batches(blocks, 3, 6, 4)
     assert [b.tolist() for b in batches] == [measure.batch_rows(blocks, i, 3, 6).tolist() for i in range(4)]
     assert batches[1].tolist()[0] == list(range(24, 30))  # step 1 starts at row 3, first 6 tokens
+
+
+def test_a_failed_subprocess_part_names_its_error_not_only_its_last_frames():
+    """A C++ abort (torch's CUDA errors) ends with a stack of frames: the part's error keeps the line that names the
+    cause; a Python exception's last line is the end of the output already."""
+    from raytrain_scu.studies.bench.run import failure_text
+
+    frames = "\n".join(f"frame #{i}: <unknown function> + 0x2a1ca (0x7f in /lib/libc.so.6)" for i in range(30))
+    text = failure_text("loading...\nterminate called after throwing an instance of 'c10::AcceleratorError'\n"
+                        "  what():  CUDA error: an illegal memory access was encountered\n" + frames)
+    assert text.startswith("what():  CUDA error: an illegal memory access was encountered [...] ")
+    assert text.endswith("frame #29: <unknown function> + 0x2a1ca (0x7f in /lib/libc.so.6)")
+    assert failure_text("Traceback (most recent call last):\n  File x\nRuntimeError: boom") == \
+        "Traceback (most recent call last):\n  File x\nRuntimeError: boom"
+    assert failure_text("") == "" and failure_text("no error named here") == "no error named here"

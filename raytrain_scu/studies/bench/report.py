@@ -99,7 +99,8 @@ def _vs_peer(res: dict, label: str, ours: str, shape: str, bound: float, mfu_bou
     peer, v = best_peer(res, shape)
     target = f">= {bound:g}x best peer" + (f", MFU >= {100 * mfu_bound:g}%" if mfu_bound else "")
     if "tokens_per_s" not in r or not peer or not v:
-        peers = [n for n in PARTS if PARTS[n].peer and shape_of(n, shape) == shape]
+        # the peers that ran at this shape: a peer that failed at another shape does not explain this row
+        peers = [n for n, p in res["parts"].items() if n in PARTS and PARTS[n].peer and p.get("shape_name") == shape]
         return label, "-", target, _missing(res, [ours, *peers])
     x = r["tokens_per_s"] / v
     met = x >= bound and (not mfu_bound or r["mfu"] >= mfu_bound)

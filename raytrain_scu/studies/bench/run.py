@@ -14,6 +14,7 @@ structure (``tiny``, ``tiny-llama-3.1-8b``, ``tiny-granite-4.0-h``).
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import tempfile
@@ -57,6 +58,25 @@ def _ctx(args, part: str, *, storage: str, compile_: bool, blocks) -> Ctx:
     return Ctx(args=args, preset=pre, block=block, blocks=blocks, steps=steps, compile=compile_, cfg=cfg)
 
 
+# a line that names why a process died: C++'s uncaught exception (torch's CUDA errors arrive as one) or Python's
+_WHAT = re.compile(r"what\(\):|terminate called")
+_RAISED = re.compile(r"^\s*[\w.]*(Error|Exception)\b")
+
+
+def failure_text(stderr: str, limit: int = 300) -> str:
+    """What a failed subprocess said, in about ``2 * limit`` characters: the line naming its error (C++'s ``what():``
+    line, else the last Python exception line) and the end of its output. A C++ abort ends with a stack of frames,
+    so its end alone loses the cause."""
+    text = stderr.strip()
+    lines = text.splitlines()
+    named = [ln.strip() for ln in lines if _WHAT.search(ln)][-1:] or \
+        [ln.strip() for ln in lines if _RAISED.match(ln)][-1:]
+    tail = text[-limit:]
+    if named and named[0] not in tail:
+        return f"{named[0][:limit]} [...] {tail}"
+    return tail
+
+
 def _isolated(args, part: str) -> dict:
     """A part in a subprocess of its own: it patches transformers for the rest of its process."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -68,7 +88,7 @@ def _isolated(args, part: str) -> dict:
         proc = subprocess.run([sys.executable, "-m", "raytrain_scu.bench", "--in-process", "--parts", part,
                                "--out", str(out), *flags], capture_output=True, text=True)
         if not out.exists():
-            return {"error": f"subprocess exited {proc.returncode}: {proc.stderr.strip()[-300:]}"}
+            return {"error": f"subprocess exited {proc.returncode}: {failure_text(proc.stderr)}"}
         return json.loads(out.read_text())["parts"][part]
 
 
