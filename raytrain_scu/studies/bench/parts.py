@@ -112,6 +112,9 @@ PEERS_AT_EVERY_SHAPE = {
     "ours_model_graphs": Part(_ours(compile_scope="model", compile_mode="reduce-overhead"), loop=True),
     "ours_fp8_model_graphs": Part(_ours(base_fp8=True, compile_scope="model", compile_mode="reduce-overhead"),
                                   loop=True),
+    # the FP8 base with the whole model compiled as one graph (no CUDA graphs): one compiled call a forward and one a
+    # backward where the per-layer compile makes one per layer each, for where the host falls behind the FP8 GEMMs
+    "ours_fp8_compile_model": Part(_ours(base_fp8=True, compile_scope="model"), loop=True),
 }
 PARTS: dict[str, Part] = {
     **PEERS_AT_EVERY_SHAPE,
