@@ -425,6 +425,41 @@ def held_cpus(ray) -> str:
     return f"available {ray.available_resources()}, total {ray.cluster_resources()}, placement groups held: {groups}"
 
 
+def test_the_reaper_removes_a_dead_controllers_placement_group_and_outlives_a_removal_that_fails(ray_local, capsys):
+    """A trial's controller that died leaves its workers' placement group: the reaper removes it and keeps watching a
+    live one's. A removal the GCS refuses is printed and tried again on the next pass, and the rest of the pass goes
+    on: one bad entry must not leave every later trial's resources held until the job ends."""
+    from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
+    from ray.util.queue import Queue
+
+    @ray_local.remote(num_cpus=0)
+    class Controller:
+        pass
+
+    queue = Queue(actor_options={"num_cpus": 0})
+    live, dead = Controller.remote(), Controller.remote()
+    live_pg, dead_pg = placement_group([{"CPU": 0.01}]), placement_group([{"CPU": 0.01}])
+    ray_local.get([live_pg.ready(), dead_pg.ready(), live.__ray_ready__.remote(), dead.__ray_ready__.remote()])
+    try:
+        queue.put((dead, "no such placement group"))  # its removal fails: placement_group_table needs a group
+        queue.put((dead, dead_pg))
+        queue.put((live, live_pg))
+        ray_local.kill(dead)
+        reaper = sweep.PlacementGroupReaper(queue)
+        for _ in range(20):  # the kill lands asynchronously
+            if reaper.release() == 2:
+                break
+            time.sleep(0.5)
+        assert placement_group_table(dead_pg)["state"] == "REMOVED"
+        assert placement_group_table(live_pg)["state"] == "CREATED"
+        assert [pg for _, pg in reaper.watched] == ["no such placement group", live_pg]  # the failed one is retried
+        assert "could not remove a trial's placement group no such placement group: AttributeError" in \
+            capsys.readouterr().err
+    finally:
+        remove_placement_group(live_pg)
+        queue.shutdown()
+
+
 @pytest.mark.slow
 def test_three_trial_sweep_asha_stops_the_bad_one_children_linked_best_yaml_trains(ray_local, tmp_path, capfd):
     from raytrain_scu.driver.run import run

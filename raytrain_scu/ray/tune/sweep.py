@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -115,7 +116,8 @@ class PlacementGroupReaper:
         self.watched: list = []
 
     def release(self) -> int:
-        """One pass over the runs noted so far; returns how many are still alive."""
+        """One pass over the runs noted so far; returns how many are still watched (alive, or whose removal failed
+        and is tried again on the next pass)."""
         while not self.queue.empty():
             self.watched.append(self.queue.get_nowait())
         alive = []
@@ -125,13 +127,24 @@ class PlacementGroupReaper:
             except ray.exceptions.ActorUnavailableError:  # unreachable for now (a restart, the network), not dead
                 pass
             except ray.exceptions.RayActorError:  # the controller died: its workers' placement group is left behind
-                _remove(pg)
-                continue
+                if _remove(pg):
+                    continue
             except ray.exceptions.GetTimeoutError:  # busy, not dead
                 pass
             alive.append((controller, pg))  # a run that ends by itself removes its own placement group
         self.watched = alive
         return len(alive)
+
+    def _release(self) -> int:
+        """:meth:`release`, whose failure (the queue's actor or the GCS not answering) is printed and leaves the runs
+        watched for the next pass: the watch must outlive one bad pass, or every placement group noted after it
+        stays until the job ends."""
+        try:
+            return self.release()
+        except Exception as e:  # noqa: BLE001
+            print(f"[raytrain_scu] sweep: a pass over the trials' placement groups failed, tried again: "
+                  f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
+            return len(self.watched) or 1
 
     def run(self, stop: threading.Event, every_s: float = 2.0) -> None:
         """Release every ``every_s`` seconds until ``stop`` (set when Tune has ended every trial); then wait up to 30 s
@@ -139,17 +152,24 @@ class PlacementGroupReaper:
         more, and a controller that is slow to die on a loaded machine would otherwise keep its workers' resources
         until the job ends."""
         while not stop.wait(every_s):
-            self.release()
+            self._release()
         deadline = time.monotonic() + 30
-        while self.release() and time.monotonic() < deadline:
+        while self._release() and time.monotonic() < deadline:
             time.sleep(1)
         for _, pg in self.watched:
             _remove(pg)
 
 
-def _remove(pg) -> None:
-    if placement_group_table(pg).get("state", "REMOVED") != "REMOVED":
-        remove_placement_group(pg)
+def _remove(pg) -> bool:
+    """Remove ``pg`` unless it is gone already; False (the error printed) when the GCS refused or did not answer."""
+    try:
+        if placement_group_table(pg).get("state", "REMOVED") != "REMOVED":
+            remove_placement_group(pg)
+        return True
+    except Exception as e:  # noqa: BLE001
+        print(f"[raytrain_scu] sweep: could not remove a trial's placement group {getattr(pg, 'id', pg)}: "
+              f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        return False
 
 
 # ---------------------------------------------------------------- one trial
