@@ -304,4 +304,9 @@ def test_a_failed_subprocess_part_names_its_error_not_only_its_last_frames():
     assert text.endswith("frame #29: <unknown function> + 0x2a1ca (0x7f in /lib/libc.so.6)")
     assert failure_text("Traceback (most recent call last):\n  File x\nRuntimeError: boom") == \
         "Traceback (most recent call last):\n  File x\nRuntimeError: boom"
+    # a Python error raised from C++: the exception line, not c10's "Exception raised from" or a later "ignored"
+    text = failure_text("Traceback (most recent call last):\n  File x\ntorch.AcceleratorError: CUDA error: bad\n"
+                        "Exception raised from c10_cuda_check_implementation at CUDAException.cpp:44\n" + frames
+                        + "\nException ignored in: <function _after_fork>")
+    assert text.startswith("torch.AcceleratorError: CUDA error: bad [...] ")
     assert failure_text("") == "" and failure_text("no error named here") == "no error named here"

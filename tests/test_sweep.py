@@ -425,10 +425,30 @@ def held_cpus(ray) -> str:
     return f"available {ray.available_resources()}, total {ray.cluster_resources()}, placement groups held: {groups}"
 
 
-def test_the_reaper_removes_a_dead_controllers_placement_group_and_outlives_a_removal_that_fails(ray_local, capsys):
+class QueueThatFailsOnce:
+    """A real Ray queue whose first read fails, as when its actor does not answer."""
+
+    def __init__(self, queue):
+        self.queue, self.failed = queue, False
+
+    def empty(self):
+        if not self.failed:
+            self.failed = True
+            raise ConnectionError("the queue's actor did not answer")
+        return self.queue.empty()
+
+    def get_nowait(self):
+        return self.queue.get_nowait()
+
+
+@pytest.mark.slow
+def test_the_reaper_removes_a_dead_controllers_placement_group_and_outlives_what_fails(ray_local, capsys):
     """A trial's controller that died leaves its workers' placement group: the reaper removes it and keeps watching a
-    live one's. A removal the GCS refuses is printed and tried again on the next pass, and the rest of the pass goes
-    on: one bad entry must not leave every later trial's resources held until the job ends."""
+    live one's. An entry it cannot check or remove (here: not an actor, not a placement group) and a queue that does
+    not answer are printed once and tried again on every pass, and the rest goes on: one failure must not leave every
+    later trial's resources held until the job ends."""
+    import threading
+
     from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
     from ray.util.queue import Queue
 
@@ -436,27 +456,50 @@ def test_the_reaper_removes_a_dead_controllers_placement_group_and_outlives_a_re
     class Controller:
         pass
 
+    def state(pg):
+        return placement_group_table(pg)["state"]
+
     queue = Queue(actor_options={"num_cpus": 0})
     live, dead = Controller.remote(), Controller.remote()
     live_pg, dead_pg = placement_group([{"CPU": 0.01}]), placement_group([{"CPU": 0.01}])
     ray_local.get([live_pg.ready(), dead_pg.ready(), live.__ray_ready__.remote(), dead.__ray_ready__.remote()])
     try:
-        queue.put((dead, "no such placement group"))  # its removal fails: placement_group_table needs a group
-        queue.put((dead, dead_pg))
-        queue.put((live, live_pg))
+        for entry in [("not an actor", "a"), (dead, "not a placement group"), (dead, dead_pg), (live, live_pg)]:
+            queue.put(entry)
         ray_local.kill(dead)
         reaper = sweep.PlacementGroupReaper(queue)
-        for _ in range(20):  # the kill lands asynchronously
-            if reaper.release() == 2:
+        for _ in range(120):  # the kill lands asynchronously
+            if reaper.release() == 3:
                 break
             time.sleep(0.5)
-        assert placement_group_table(dead_pg)["state"] == "REMOVED"
-        assert placement_group_table(live_pg)["state"] == "CREATED"
-        assert [pg for _, pg in reaper.watched] == ["no such placement group", live_pg]  # the failed one is retried
-        assert "could not remove a trial's placement group no such placement group: AttributeError" in \
-            capsys.readouterr().err
+        assert reaper.release() == 3
+        assert state(dead_pg) == "REMOVED" and state(live_pg) == "CREATED"
+        assert [pg for _, pg in reaper.watched] == ["a", "not a placement group", live_pg]  # kept, tried again
+        err = capsys.readouterr().err
+        assert err.count("placement group 'a' could not ask whether its controller lives; tried again") == 1
+        assert err.count("placement group 'not a placement group' could not be removed; tried again") == 1
+
+        # the same in its thread, from a queue whose first read fails: the watch goes on, and at the end the live
+        # controller's group goes too once that controller has ended
+        again, stop = sweep.PlacementGroupReaper(QueueThatFailsOnce(queue)), threading.Event()
+        queue.put((live, live_pg))
+        watcher = threading.Thread(target=again.run, args=(stop, 0.1), daemon=True)
+        watcher.start()
+        for _ in range(120):
+            if again.watched:
+                break
+            time.sleep(0.5)
+        assert [pg for _, pg in again.watched] == [live_pg]
+        ray_local.kill(live)
+        stop.set()
+        watcher.join(timeout=60)
+        assert not watcher.is_alive() and state(live_pg) == "REMOVED"
+        assert "the queue of trials' placement groups could not be read; tried again on every pass: ConnectionError" \
+            in capsys.readouterr().err
     finally:
-        remove_placement_group(live_pg)
+        for pg in (live_pg, dead_pg):
+            if state(pg) != "REMOVED":
+                remove_placement_group(pg)
         queue.shutdown()
 
 

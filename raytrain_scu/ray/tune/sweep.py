@@ -109,42 +109,56 @@ def concurrent_trials(cluster: dict, need: dict) -> int:
 # ---------------------------------------------------------------- stopped trials give their resources back
 
 class PlacementGroupReaper:
-    """In the sweep's driver, beside Tune: removes the placement group of every Train run whose controller died."""
+    """In the sweep's driver, beside Tune: removes the placement group of every Train run whose controller died.
+
+    It runs in a thread of its own for the whole sweep, so nothing that fails in it may end it: a check, a removal or
+    a read of the queue that fails is printed once and tried again on the next pass. Otherwise every placement group
+    noted after the failure would keep its CPUs/GPUs until the job ends."""
 
     def __init__(self, queue):
         self.queue = queue
         self.watched: list = []
+        self.said: set = set()  # the failures printed so far: one that repeats every pass is printed once
 
     def release(self) -> int:
-        """One pass over the runs noted so far; returns how many are still watched (alive, or whose removal failed
-        and is tried again on the next pass)."""
-        while not self.queue.empty():
-            self.watched.append(self.queue.get_nowait())
-        alive = []
-        for controller, pg in self.watched:
-            try:
-                ray.get(controller.__ray_ready__.remote(), timeout=5)
-            except ray.exceptions.ActorUnavailableError:  # unreachable for now (a restart, the network), not dead
-                pass
-            except ray.exceptions.RayActorError:  # the controller died: its workers' placement group is left behind
-                if _remove(pg):
-                    continue
-            except ray.exceptions.GetTimeoutError:  # busy, not dead
-                pass
-            alive.append((controller, pg))  # a run that ends by itself removes its own placement group
-        self.watched = alive
-        return len(alive)
-
-    def _release(self) -> int:
-        """:meth:`release`, whose failure (the queue's actor or the GCS not answering) is printed and leaves the runs
-        watched for the next pass: the watch must outlive one bad pass, or every placement group noted after it
-        stays until the job ends."""
+        """One pass over the runs noted so far; returns how many are still watched (a live controller's, or one
+        whose check or removal failed)."""
         try:
-            return self.release()
+            while not self.queue.empty():
+                self.watched.append(self.queue.get_nowait())
         except Exception as e:  # noqa: BLE001
-            print(f"[raytrain_scu] sweep: a pass over the trials' placement groups failed, tried again: "
-                  f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
-            return len(self.watched) or 1
+            self._say("the queue of trials' placement groups", "could not be read", e)
+        self.watched = [(controller, pg) for controller, pg in self.watched if not self._released(controller, pg)]
+        return len(self.watched)
+
+    def _released(self, controller, pg) -> bool:
+        """Whether ``pg`` is gone now: its controller died and the group is removed."""
+        try:
+            ray.get(controller.__ray_ready__.remote(), timeout=5)
+            return False  # alive: a run that ends by itself removes its own placement group
+        except (ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
+            return False  # unreachable for now (a restart, the network) or busy: not dead
+        except ray.exceptions.RayActorError:  # the controller died: its workers' placement group is left behind
+            return self.remove(pg)
+        except Exception as e:  # noqa: BLE001
+            self._say(f"placement group {_pg_id(pg)}", "could not ask whether its controller lives", e)
+            return False
+
+    def remove(self, pg) -> bool:
+        """Remove ``pg`` unless it is gone already; False when the GCS refused or did not answer."""
+        try:
+            if placement_group_table(pg).get("state", "REMOVED") != "REMOVED":
+                remove_placement_group(pg)
+            return True
+        except Exception as e:  # noqa: BLE001
+            self._say(f"placement group {_pg_id(pg)}", "could not be removed", e)
+            return False
+
+    def _say(self, what: str, failed: str, e: Exception) -> None:
+        if (what, failed) not in self.said:
+            self.said.add((what, failed))
+            print(f"[raytrain_scu] sweep: {what} {failed}; tried again on every pass: {type(e).__name__}: {e}",
+                  file=sys.stderr, flush=True)
 
     def run(self, stop: threading.Event, every_s: float = 2.0) -> None:
         """Release every ``every_s`` seconds until ``stop`` (set when Tune has ended every trial); then wait up to 30 s
@@ -152,24 +166,17 @@ class PlacementGroupReaper:
         more, and a controller that is slow to die on a loaded machine would otherwise keep its workers' resources
         until the job ends."""
         while not stop.wait(every_s):
-            self._release()
+            self.release()
         deadline = time.monotonic() + 30
-        while self._release() and time.monotonic() < deadline:
+        while self.release() and time.monotonic() < deadline:
             time.sleep(1)
         for _, pg in self.watched:
-            _remove(pg)
+            self.remove(pg)
 
 
-def _remove(pg) -> bool:
-    """Remove ``pg`` unless it is gone already; False (the error printed) when the GCS refused or did not answer."""
-    try:
-        if placement_group_table(pg).get("state", "REMOVED") != "REMOVED":
-            remove_placement_group(pg)
-        return True
-    except Exception as e:  # noqa: BLE001
-        print(f"[raytrain_scu] sweep: could not remove a trial's placement group {getattr(pg, 'id', pg)}: "
-              f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
-        return False
+def _pg_id(pg) -> str:
+    """A placement group's id as placement_group_table keys it (what a user can look up), else what was noted."""
+    return pg.id.hex() if hasattr(pg, "id") else repr(pg)
 
 
 # ---------------------------------------------------------------- one trial

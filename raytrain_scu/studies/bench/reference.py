@@ -52,8 +52,9 @@ def _register_causal() -> str:
 
 
 def kernel_profile(step, top: int = 12) -> dict:
-    """One call of ``step`` under the profiler: the device time of its kernels, the ``top`` kernels by device time, and
-    the attention kernels it ran (what says which SDPA path a loop took)."""
+    """One call of ``step`` under the profiler: the device time of its kernels, the ``top`` kernels by device time with
+    their launch counts (one kernel name can carry different products), and the attention kernels it ran (what says
+    which SDPA path a loop took)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -63,7 +64,7 @@ def kernel_profile(step, top: int = 12) -> dict:
     attention = sorted({e.key[:70] for e in kernels if any(w in e.key.lower() for w in
                                                             ("flash", "fmha", "attention", "cudnn", "sdpa"))})
     return {"device_ms": round(sum(e.device_time_total for e in kernels) / 1e3, 2),
-            "top": [f"{e.key[:70]} {e.device_time_total / 1e3:.2f}ms" for e in kernels[:top]],
+            "top": [f"{e.key[:70]} {e.device_time_total / 1e3:.2f}ms x{e.count}" for e in kernels[:top]],
             "attention": "; ".join(attention) or "-"}
 
 

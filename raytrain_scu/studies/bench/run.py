@@ -60,7 +60,7 @@ def _ctx(args, part: str, *, storage: str, compile_: bool, blocks) -> Ctx:
 
 # a line that names why a process died: C++'s uncaught exception (torch's CUDA errors arrive as one) or Python's
 _WHAT = re.compile(r"what\(\):|terminate called")
-_RAISED = re.compile(r"^\s*[\w.]*(Error|Exception)\b")
+_RAISED = re.compile(r"^\s*[\w.]*(Error|Exception)(:|$)")  # not c10's "Exception raised from ..." lines
 
 
 def failure_text(stderr: str, limit: int = 300) -> str:
