@@ -194,8 +194,8 @@ def noisy_fail():
 def test_the_secondary_arms_early_stopping_and_the_laws_best_checkpoint_are_chosen_on_the_select_plays():
     num = stats.plant_numbers(plant_record([0.001, 0.003, 0.002], best_is=0.1), RULES, 50)
     names = [g["name"] for g in num["gaps"]]
-    assert names[:4] == ["1 law − 2 best fixed λ (primary)", "1 law − 3 λ carried over", "1 law − 4 early stopping",
-                         "5 law's best checkpoint − 4 early stopping"]
+    assert names[:4] == ["1 law − 2 best fixed λ (primary)", "1 law − 3 λ carried over",
+                         "1 law − 4 early stopping", "5 law's best checkpoint − 4 early stopping"]
     assert num["choice"]["best_lambda"] == 0.1  # here the carried λ is the grid's best: arms 2 and 3 coincide
     carried = next(g for g in num["gaps"] if g["name"] == "1 law − 3 λ carried over")
     assert carried["mean"] == pytest.approx(num["gaps"][0]["mean"])
@@ -243,3 +243,19 @@ def test_bad_input_exits_2_and_a_later_call_may_not_change_the_rules(tmp_path, c
         **v3_cli.new_results(a)["setting"], "rules": {**v3_cli.rules_of(a), "target_s": 0.3}}}))
     assert v3_cli.main([V3_YAML, "--plants", "P5", "--plan", "--out", str(tmp_path)]) == 2
     assert "rules were fixed by its first call" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- the committed records
+
+def test_the_committed_report_and_readmes_figures_come_from_the_committed_results(tmp_path):
+    out = ROOT / "docs" / "ablation-v3"
+    results = json.loads((out / "results.json").read_text())
+    text = v3_report.write(results, tmp_path, n_boot=2000)
+    assert text + "\n" == (out / "table.md").read_text()
+    per, _ = v3_report.numbers(results, 50)
+    primary = per["P5"]["gaps"][0]
+    assert per["P5"]["complete"] and primary["name"].endswith("(primary)")
+    readme = (ROOT / "README.md").read_text()
+    assert (f"the law is {primary['mean']:+.4f} bits/token from the grid's best λ (95% across seeds\n  "
+            f"[{primary['t_low']:+.4f}, {primary['t_high']:+.4f}]") in readme
+    assert f"best λ is {per['P5']['choice']['best_lambda']:g} again" in readme

@@ -40,7 +40,8 @@ def parse_args(argv):
                                  description="The study v3: the logodds law at a grid-free target against a λ grid")
     ap.add_argument("config", nargs="?")
     ap.add_argument("overrides", nargs="*", help="key=value, applied after the plant's own overrides")
-    ap.add_argument("--out", default="ablation_v3_out", help="directory of results.json (read to resume) and the report")
+    ap.add_argument("--out", default="ablation_v3_out",
+                    help="directory of results.json (read to resume) and the report")
     ap.add_argument("--plants", default=p.ORDER[0], help=f"plants to run, of {','.join(p.ORDER)}")
     ap.add_argument("--seeds", default=",".join(map(str, p.SEEDS)), type=lambda s: [int(x) for x in s.split(",")])
     ap.add_argument("--lambdas", default=",".join(f"{x:g}" for x in p.LAMBDAS),
@@ -114,6 +115,30 @@ def check_order(results: dict, plant: str) -> None:
                                 f"plants run in the order {', '.join(p.ORDER)})")
 
 
+def run_plants(results: dict, a, plants: list[str], configs: dict, path: Path) -> None:
+    """Each plant's pending arms in order, at most ``--max-trials`` trials in all (``--plan``: print them only)."""
+    left = a.max_trials or math.inf
+    for pl in plants:
+        arms = call_arms(results, pl, configs[pl])
+        if not arms:
+            print(f"[raytrain_scu] ablation v3 {pl}: every trial already in {path}", flush=True)
+            continue
+        take = arms[:int(min(left, len(arms)))]
+        if not take:
+            print(f"[raytrain_scu] ablation v3 {pl}: {len(arms)} trial(s) left for a later call", flush=True)
+            continue
+        names = ", ".join(f"{v2.label(x)} seed {x['seed']}" for x in take)
+        if a.plan:
+            print(f"[raytrain_scu] ablation v3 {pl}: would run {len(take)} of {len(arms)} pending: {names}", flush=True)
+        else:
+            check_order(results, pl)
+            print(f"[raytrain_scu] ablation v3 {pl}: running {len(take)} of {len(arms)} pending: {names}", flush=True)
+            run_call(results, pl, take, a, path)
+            print(f"[raytrain_scu] ablation v3 {pl}: {len(take)} trial(s) recorded in "
+                  f"{results['plants'][pl]['calls'][-1]['wall_s']:.0f} s: {path}", flush=True)
+        left -= len(take)
+
+
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     if a.report:
@@ -151,29 +176,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if not a.plan:
         save(results, path)  # the rules and the splits, before any trial
-    left = a.max_trials or math.inf
     try:
-        for pl in plants:
-            arms = call_arms(results, pl, configs[pl])
-            if not arms:
-                print(f"[raytrain_scu] ablation v3 {pl}: every trial already in {path}", flush=True)
-                continue
-            take = arms[:int(min(left, len(arms)))]
-            if not take:
-                print(f"[raytrain_scu] ablation v3 {pl}: {len(arms)} trial(s) left for a later call", flush=True)
-                continue
-            names = ", ".join(f"{v2.label(x)} seed {x['seed']}" for x in take)
-            if a.plan:
-                print(f"[raytrain_scu] ablation v3 {pl}: would run {len(take)} of {len(arms)} pending: {names}",
-                      flush=True)
-            else:
-                check_order(results, pl)
-                print(f"[raytrain_scu] ablation v3 {pl}: running {len(take)} of {len(arms)} pending: {names}",
-                      flush=True)
-                run_call(results, pl, take, a, path)
-                print(f"[raytrain_scu] ablation v3 {pl}: {len(take)} trial(s) recorded in "
-                      f"{results['plants'][pl]['calls'][-1]['wall_s']:.0f} s: {path}", flush=True)
-            left -= len(take)
+        run_plants(results, a, plants, configs, path)
     except (AblationError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -18,9 +18,9 @@ from raytrain_scu.studies.ablation.v3 import stats
 
 
 def law_table(rows: list[dict]) -> str:
-    lines = [f"| seed | S* | settled on Ŝ (step) | settled on raw S | λ reversals | steps at a bound | last bound step "
-             f"after {v2.BOUND_AFTER} | mean abs(Ŝ − S*), 2nd half | passes | λ path (step: λ) | best checkpoint "
-             f"step (select plays) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [f"| seed | S* | settled on Ŝ (step) | settled on raw S | λ reversals | steps at a bound | "
+             f"last bound step after {v2.BOUND_AFTER} | mean abs(Ŝ − S*), 2nd half | passes | λ path (step: λ) | "
+             f"best checkpoint step (select plays) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         late = r["last_bound_step"] if (r["last_bound_step"] or 0) > v2.BOUND_AFTER else None
         path = ", ".join(f"{s}: {lam:.3g}" for s, lam in r["path"])
