@@ -215,7 +215,7 @@ def test_the_report_states_each_plants_verdict_and_what_did_not_run(tmp_path):
         "plants": {"P5": plant_record([0.001, 0.003, 0.002]),
                    "P3": {"split": None, "data": None, "trials": [], "units": {}, "calls": []},
                    "P4": {"split": None, "data": None, "trials": [], "units": {}, "calls": []}}}
-    text = v3_report.write(results, tmp_path, n_boot=50)
+    text = v3_report.write(results, tmp_path, n_boot=50, plots=False)
     assert text.startswith("## The answer\n\nnot decided: plant(s) P3, P4 are not complete")
     assert "P5: meets" in text and "Not run: P3" in text and "meets the primary endpoint" in text
     assert (tmp_path / "table.md").exists() and json.loads((tmp_path / "summary.json").read_text())["answer"]
@@ -250,7 +250,7 @@ def test_bad_input_exits_2_and_a_later_call_may_not_change_the_rules(tmp_path, c
 def test_the_committed_report_and_readmes_figures_come_from_the_committed_results(tmp_path):
     out = ROOT / "docs" / "ablation-v3"
     results = json.loads((out / "results.json").read_text())
-    text = v3_report.write(results, tmp_path, n_boot=2000)
+    text = v3_report.write(results, tmp_path, n_boot=2000, plots=False)
     assert text + "\n" == (out / "table.md").read_text()
     per, _ = v3_report.numbers(results, 50)
     primary = per["P5"]["gaps"][0]

@@ -15,6 +15,7 @@ from raytrain_scu.studies.ablation.v2 import protocol as v2
 from raytrain_scu.studies.ablation.v2.report import arms_table, gaps_table, split_table
 from raytrain_scu.studies.ablation.v3 import protocol as p
 from raytrain_scu.studies.ablation.v3 import stats
+from raytrain_scu.studies.ablation.v3.figures import NAMES, figures
 
 
 def law_table(rows: list[dict]) -> str:
@@ -69,6 +70,7 @@ def plant_text(pl: str, plant: dict, results: dict) -> str:
         parts.append("#### Gaps, paired by seed (report plays, bits/token)\n\n" + gaps_table(plant["gaps"]))
     if plant["law_runs"]:
         parts.append("#### The law's runs (`core.settling`)\n\n" + law_table(plant["law_runs"]))
+    parts.append("#### Figures\n\n" + "\n".join(f"![{pl}_{n}](plots/{pl}_{n}.png)" for n in NAMES))
     return "\n\n".join(parts)
 
 
@@ -94,10 +96,12 @@ def markdown(results: dict, per: dict, answer: dict) -> str:
     return "\n\n".join(parts)
 
 
-def write(results: dict, out: Path, *, n_boot: int = 2000, doc: Path | None = None) -> str:
-    """summary.json and table.md under ``out``; with ``doc``, also that document (``out/notes.md`` if there, then
-    the generated part). Returns the markdown."""
+def write(results: dict, out: Path, *, n_boot: int = 2000, doc: Path | None = None, plots: bool = True) -> str:
+    """summary.json, table.md and (``plots``) the figures under ``out``; with ``doc``, also that document
+    (``out/notes.md`` if there, then the generated part). Returns the markdown."""
     per, answer = numbers(results, n_boot)
+    if plots:
+        figures(results, per, out / "plots")
     text = markdown(results, per, answer)
     (out / "table.md").write_text(text + "\n")
     (out / "summary.json").write_text(json.dumps(json_ready({"answer": answer, "plants": per}), indent=1,
