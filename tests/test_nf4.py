@@ -81,3 +81,27 @@ def test_the_setting_resolves_and_the_config_refuses_what_torch_cannot_read():
         load_config(TINY, ["quant.dequant_4bit=torch", "quant.load_in_4bit=true", "quant.quant_type=fp4"])
     with pytest.raises(ConfigError, match=r"quant\.dequant_4bit"):
         load_config(TINY, ["quant.dequant_4bit=triton"])
+
+
+def test_an_eval_forward_leaves_the_4bit_layers_as_they_train(tmp_path, monkeypatch):
+    """bitsandbytes repacks a Linear4bit for its fused CPU inference kernel on its first eval forward without grad,
+    where the CPU has AVX512-BF16; a repacked layer's forward has no backward (the LoRA layers below it stop learning)
+    and a compiled layer meets a weight of another shape. build_model keeps every 4-bit layer in its trained layout:
+    here as on a CPU that has the kernel, the weights keep their shape and the input's gradient survives the eval."""
+    import bitsandbytes.nn.modules as bnb_modules
+
+    monkeypatch.setattr(bnb_modules, "has_avx512bf16", lambda: True)  # as on such a CPU, whatever this one is
+    model = _model(tmp_path, double_quant=True)
+    layers = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    shapes = [tuple(m.weight.shape) for m in layers]
+    assert layers and all(s[1] == 1 for s in shapes)  # bitsandbytes' packed [N*K/2, 1] codes
+    x = torch.randint(0, 512, (1, 8))
+    model.eval()
+    with torch.no_grad():
+        model(input_ids=x)
+    assert [tuple(m.weight.shape) for m in layers] == shapes
+    assert not any(getattr(m.weight.quant_state, "packing_format_for_cpu", False) for m in layers)
+    model.train()
+    emb = model.get_input_embeddings()(x).detach().requires_grad_(True)
+    model(inputs_embeds=emb).logits.float().square().mean().backward()
+    assert emb.grad is not None and emb.grad.abs().sum() > 0

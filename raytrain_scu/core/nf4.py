@@ -135,6 +135,27 @@ def convert_4bit_to_torch_dequant(model, setting: str = "torch") -> int:
     return n
 
 
+def keep_4bit_layout(model) -> int:
+    """Turn off bitsandbytes' CPU inference repacking in every Linear4bit of ``model``; returns how many layers.
+
+    On a CPU with AVX512-BF16 (``bitsandbytes.functional.has_avx512bf16``, read once per layer at construction), the
+    first forward of a Linear4bit in eval mode on an input without grad (bitsandbytes' fused CPU kernel; 0.50.1 and
+    0.50.2 do it) rewrites the layer in place for inference: ``weight.data`` goes from the packed [N*K/2, 1] codes to
+    an [N, K/2] tiled layout, and the QuantState's doubly quantised absmaxes become bf16 ones
+    (``packing_format_for_cpu``). From then on every forward, training ones too, runs ``bitsandbytes::gemv_4bit``,
+    which has no autograd kernel: the gradient through the frozen layer is silently None (a warning only), so the LoRA
+    layers below it stop learning after the first evaluation. Under torch.compile the swap of ``weight.data`` inside
+    the traced forward leaves the compiled layer expecting the [N, K/2] weight while it is given the [N*K/2, 1] one
+    (inductor's assert_size_stride on the input). A layer kept in bitsandbytes' own layout dequantises and multiplies,
+    in eval as in training."""
+    import bitsandbytes as bnb
+
+    layers = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    for m in layers:
+        m.support_avx512bf16_for_cpu = False
+    return len(layers)
+
+
 def torch_dequant(setting: str, quant_type: str, compiled: bool) -> bool:
     """``quant.dequant_4bit`` resolved: torch where asked, or with ``auto`` for nf4 under torch.compile (eager, its
     torch ops would each run as a kernel of their own where bitsandbytes runs one)."""

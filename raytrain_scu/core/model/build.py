@@ -26,6 +26,7 @@ from raytrain_scu.core.embed_quant import (
 from raytrain_scu.core.model.families import family_of
 from raytrain_scu.core.model.presets import PRESETS, is_preset, preset_config
 from raytrain_scu.core.model.source import default_cache_dir, file_lock, gguf_cache, no_progress_bars, resolve_name
+from raytrain_scu.core.nf4 import keep_4bit_layout
 from raytrain_scu.errors import ModelError
 
 
@@ -106,6 +107,8 @@ def build_model(name: str, *, gguf_file: str = "", vocab_size: int = 0, dtype: t
         if not load_in_4bit:  # what follows (FP8 quantisation, fused projections) works on the device's weights
             model = model.to(device)
     model.requires_grad_(False)
+    if load_in_4bit:  # bitsandbytes' CPU eval repacking breaks the backward and torch.compile: nf4.py
+        keep_4bit_layout(model)
     prepare = family_of(model.config).prepare
     if prepare is not None:
         prepare(model)
