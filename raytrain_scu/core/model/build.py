@@ -11,7 +11,42 @@ import os
 from pathlib import Path
 
 import torch
-from peft import LoraConfig, get_peft_model
+
+
+@contextlib.contextmanager
+def _compile_on_first_call():
+    """``torch.compile(fn)`` compiles when the result is first called, not when it is made. Importing peft imports
+    bitsandbytes, whose CPU kernels are wrapped in ``torch.compile`` at import: that loads inductor (about a second of
+    CPU) in every process that imports peft (each worker, each CLI), though a run compiles those kernels only where it
+    calls them. Their wrappers call the compiled function inside their own fallback, so a compile that fails on the
+    first call still falls back to the eager kernel."""
+    real = torch.compile
+
+    def deferred(model=None, **options):
+        if model is None:  # used as @torch.compile(...)
+            return lambda fn: deferred(fn, **options)
+        if isinstance(model, torch.nn.Module):  # a module compiled at import stays what torch.compile makes of it
+            return real(model, **options)
+        compiled = None
+
+        @functools.wraps(model)
+        def call(*args, **kwargs):
+            nonlocal compiled
+            if compiled is None:
+                compiled = real(model, **options)
+            return compiled(*args, **kwargs)
+
+        return call
+
+    torch.compile = deferred
+    try:
+        yield
+    finally:
+        torch.compile = real
+
+
+with _compile_on_first_call():
+    from peft import LoraConfig, get_peft_model
 from transformers import AttentionInterface, AutoModelForCausalLM, BitsAndBytesConfig
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
