@@ -221,6 +221,7 @@ def fake_grid(calls):
     return grid
 
 
+@pytest.mark.slow
 def test_staged_ablation_runs_every_stage_in_order_and_resumes_from_its_file(tmp_path, capsys, monkeypatch):
     from raytrain_scu.driver import evaluate
 

@@ -234,6 +234,7 @@ def v2_results():
             "plants": {"P1": plant_records(), "P2": plant_records(0.05)}}
 
 
+@pytest.mark.slow
 def test_the_report_reads_the_choices_gaps_tracking_and_decision_from_the_records(v2_results, tmp_path):
     per, decision = v2_report.numbers(v2_results, n_boot=100)
     p1 = per["P1"]
@@ -295,6 +296,7 @@ def fake_run_call(results, plant, stage, arms, a, path):
     save(results, path)
 
 
+@pytest.mark.slow
 def test_a_study_runs_in_calls_of_at_most_max_trials_each_going_on_from_the_file(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(v2_cli, "run_call", fake_run_call)
     out = tmp_path / "out"
@@ -401,6 +403,7 @@ def test_a_real_tiny_stage_through_ray_tune_is_scored_on_both_halves_and_resumes
     assert len(json.loads((out / "results.json").read_text())["plants"]["P1"]["calls"]) == 1
 
 
+@pytest.mark.slow
 def test_seeds_scored_in_ray_tasks_equal_the_seeds_scored_in_this_process(tmp_path, capsys):
     """The multi-GPU path of the study's scoring (one Ray task per seed), run on CPU tasks: the same nats as scoring
     each seed in this process."""

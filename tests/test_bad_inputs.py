@@ -171,6 +171,7 @@ def test_a_launch_checks_the_storage_path_once(tmp_path, no_ray, capsys, monkeyp
     ("unknown key (CLI)", ["train.max_stepz=5"], {}, ["unknown config key 'train.max_stepz'"]),
     ("undecodable data (CLI)", ["data.source=text", "data.path={tmp}/bin.txt"], {}, ["bin.txt is not UTF-8"]),
 ])
+@pytest.mark.slow
 def test_cli_bad_input_exits_non_zero_without_starting_ray(name, args, env, expected, tmp_path):
     (tmp_path / "bin.txt").write_bytes(b"\xff\xfe")
     r = cli(f"run.storage_path={tmp_path}", *[a.format(tmp=tmp_path) for a in args], env=env, timeout=300)

@@ -8,6 +8,7 @@ import pytest
 from conftest import ROOT
 
 
+@pytest.mark.slow
 def test_bench_smoke_prints_the_table(tmp_path):
     out = tmp_path / "bench.json"
     r = subprocess.run([sys.executable, "-m", "raytrain_scu.bench", "--smoke", "--out", str(out)],
@@ -128,6 +129,7 @@ def test_groups_and_parts_expand_in_order_and_unknown_names_are_refused():
             expand_parts("", bad, 1)
 
 
+@pytest.mark.slow
 def test_profile_parts_write_each_ranks_table_beside_the_json(tmp_path):
     """profile_<part> runs the part with train.profile_steps: the loop itself (bare, and on a Ray worker) writes a
     kernel table per rank, which the bench copies beside --out and summarises in the JSON."""
@@ -198,6 +200,7 @@ def test_targets_are_against_the_best_peer_of_the_same_run():
     assert all(status.split(" ")[0] in ("met", "not") for _, status in rows.values())
 
 
+@pytest.mark.slow
 def test_a_part_that_patches_transformers_runs_in_its_own_process(tmp_path):
     """Unsloth (and Liger) patch transformers for the rest of their process: the bench runs them in a subprocess and
     takes its row. Here, without CUDA, that row is the part's own clear error, and the parts around it still run."""
@@ -210,6 +213,7 @@ def test_a_part_that_patches_transformers_runs_in_its_own_process(tmp_path):
     assert "CUDA" in parts["ref_unsloth"]["error"], parts["ref_unsloth"]
 
 
+@pytest.mark.slow
 def test_bench_8b_and_granite_parts_train_on_cpu(tmp_path):
     """The 8B parts and the Granite part at their shrunken CPU shapes (same preset builders): each trains, the 4-bit
     part really loads a 4-bit base, the Granite part records the Mamba path it ran, the targets table lists them."""

@@ -169,6 +169,7 @@ class FastLanguageModel:
 '''
 
 
+@pytest.mark.slow
 def test_a_part_runs_end_to_end_in_its_subprocess_with_a_stand_in_unsloth(tmp_path):
     """The child (model saved then loaded, the timed loop, the proof, the JSON) with the stand-in above: what the GPU
     run adds is only Unsloth itself."""

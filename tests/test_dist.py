@@ -33,6 +33,7 @@ def _worker(rank: int, port: int, out: dict) -> None:
         tdist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_gradients_become_their_mean_over_ranks_and_parameters_start_from_rank_0():
     with mp.Manager() as manager:
         out = manager.dict()
@@ -78,6 +79,7 @@ def _codes_worker(rank: int, port: int, out: dict) -> None:
         tdist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_every_rank_runs_rank_0s_fp8_codes():
     from test_fp8 import CPU_FP8_MISSING
 

@@ -111,6 +111,7 @@ def test_the_forward_takes_the_rows_staged_for_its_ids_and_looks_up_any_others()
     assert emb(x_dev).requires_grad
 
 
+@pytest.mark.slow
 def test_the_loop_stages_every_training_batch_and_trains(tmp_path, monkeypatch):
     from conftest import tiny_cfg
 

@@ -154,6 +154,7 @@ def test_adapters_train_and_track_the_full_precision_run():
     assert losses[1] == pytest.approx(losses[0], rel=2e-2)
 
 
+@pytest.mark.slow
 @cpu_fp8
 @pytest.mark.parametrize("scope", ["layers", "model"])
 def test_compiled_fp8_model_agrees_with_eager_and_has_no_graph_break_of_its_own(scope):
@@ -307,6 +308,7 @@ def test_preflight_checks_the_device(tmp_path, monkeypatch, key):
         preflight(cfg)
 
 
+@pytest.mark.slow
 @cpu_fp8
 def test_bench_part_ours_fp8_trains(tmp_path):
     import json

@@ -151,6 +151,7 @@ def test_preflight_refuses_an_exclusion_that_matches_no_layer(tmp_path):
         preflight(head_only)  # a Linear, but not one LoRA adapts
 
 
+@pytest.mark.slow
 @cpu_fp8
 def test_the_loop_trains_with_gptq_codes_and_an_exclusion(tmp_path):
     from raytrain_scu.worker.hooks import LocalHooks

@@ -58,6 +58,7 @@ def test_the_fused_fp8_head_equals_the_models_own_fp8_logits_and_is_close_to_bf1
         assert rel(fused_grads[name], bf16_grads[name]) < GRAD_TOL, name
 
 
+@pytest.mark.slow
 @cpu_fp8
 def test_the_compiled_softmax_writes_the_same_fp8_gradient_as_the_eager_one():
     torch._dynamo.reset()

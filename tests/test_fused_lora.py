@@ -198,6 +198,7 @@ def test_disabled_adapters_give_the_base_model():
     assert rel(got, want) < TOL
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scope", ["layers", "model"])
 def test_compiled_fused_model_agrees_with_eager(scope):
     torch._dynamo.reset()
@@ -303,6 +304,7 @@ def test_dora_and_dropout_are_refused():
             fuse_lora_projections(model)
 
 
+@pytest.mark.slow
 def test_bench_part_ours_fused_trains_like_ours(tmp_path):
     import json
 

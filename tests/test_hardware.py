@@ -444,6 +444,7 @@ def check_report():
     return json.loads(out.stdout)
 
 
+@pytest.mark.slow
 def test_check_reports_no_gpu_and_passes():
     out = run_check()
     assert out.returncode == 0, out.stdout + out.stderr
@@ -451,6 +452,7 @@ def test_check_reports_no_gpu_and_passes():
     assert "auto would pick 'cpu'" in out.stdout
 
 
+@pytest.mark.slow
 def test_check_require_gpu_fails_with_the_message():
     out = run_check("--require-gpu", "--json")
     assert out.returncode == 1, out.stdout + out.stderr
@@ -460,6 +462,7 @@ def test_check_require_gpu_fails_with_the_message():
     assert gpu_row["status"] == "fail" and gpu_row["detail"] == check.NO_GPU_MESSAGE
 
 
+@pytest.mark.slow
 def test_check_json_lists_versions_and_skips_ray_without_address(check_report):
     rows = {r["name"]: r for r in check_report["checks"]}
     assert check_report["ok"] is True
@@ -470,6 +473,7 @@ def test_check_json_lists_versions_and_skips_ray_without_address(check_report):
     assert rows["nccl"]["status"] == "skip"
 
 
+@pytest.mark.slow
 def test_check_fails_when_ray_address_is_unreachable(tmp_path):
     out = run_check(f"run.storage_path={tmp_path / 'new' / 'runs'}", env_over={"RAY_ADDRESS": "http://127.0.0.1:9"})
     assert out.returncode == 1

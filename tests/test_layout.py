@@ -7,6 +7,8 @@ import re
 import tokenize
 from pathlib import Path
 
+import pytest
+
 PACKAGE = Path(__file__).resolve().parents[1] / "raytrain_scu"
 MAX_FUNCTION_LINES = 60
 MAX_MODULE_LINES = 400
@@ -161,6 +163,7 @@ def test_the_layout_checks_see_the_real_graph():
     assert layer_of("train") == SHIM_LAYER and layer_of("ray.tune.sweep") == layer_of("ray")
 
 
+@pytest.mark.slow
 def test_what_a_train_controller_and_a_trial_import_leaves_the_worker_stack_out():
     """A Train controller unpickles ray.callbacks before it starts any worker, and a sweep trial's actor imports
     ray.tune.sweep to build its trainer: neither imports transformers, peft or bitsandbytes (seconds per process,

@@ -217,6 +217,7 @@ def test_fp8_trained_adapters_score_within_a_hundredth_of_a_bit_of_bf16_ones_in_
     assert abs(c["diff_bpt"]) < FP8_VAL_TOL, c
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("compile_, setting, applied", [("true", "auto", True), ("true", "never", False),
                                                          ("false", "always", False)])
 def test_the_loop_trains_inside_the_recompute_setting_it_resolved(tmp_path, monkeypatch, compile_, setting, applied):
@@ -248,6 +249,7 @@ def test_the_loop_trains_inside_the_recompute_setting_it_resolved(tmp_path, monk
     assert hooks.reports[-1]["train/lora_b_norm"] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scope", ["layers", "model"])
 def test_compiled_training_matches_eager_on_cpu(scope):
     """Both compile scopes give eager's losses and adapters (fp32 on the CPU; the GPU test above covers bf16)."""

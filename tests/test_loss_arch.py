@@ -144,7 +144,7 @@ def assert_loss_matches_own_logits(model):
         assert_close(flat_grad(nats, params), ref_grad, f"gradient wrt the adapters, fused={fused}")
 
 
-@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("transform", [HeadTransform(), HeadTransform(scale=0.125), HeadTransform(softcap=3.0),
                                        HeadTransform(scale=2.0, softcap=5.0)])
 def test_chunked_kernel_applies_the_transform_and_its_derivative(transform, compiled):
@@ -178,7 +178,7 @@ def test_chunked_kernel_applies_the_transform_and_its_derivative(transform, comp
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
-@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("transform", [HeadTransform(), HeadTransform(scale=2.0, softcap=5.0)])
 def test_an_int8_head_walks_the_vocabulary_slice_by_slice_and_matches_its_dequantised_table(transform, compiled,
                                                                                              device, monkeypatch,

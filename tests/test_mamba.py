@@ -63,6 +63,7 @@ def _kernel(zxbcdt, width, outproj_weight, calls):
     return out @ outproj_weight.T if outproj_weight is not None else out
 
 
+@pytest.mark.slow
 def test_a_compiled_layer_compiles_the_mixer_projections_and_leaves_only_the_kernel_out(monkeypatch):
     """Under torch.compile the mixer's in_proj and out_proj (with their adapters) are traced into graphs and only the
     kernel call breaks the graph; the compiled decoder layers train to eager's loss and adapter gradients (fp32)."""

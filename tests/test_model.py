@@ -238,6 +238,7 @@ def test_a_model_from_a_path_is_built_on_the_device_asked(tmp_path):
     assert {p.device.type for p in model.parameters()} == {"meta"}
 
 
+@pytest.mark.slow
 def test_recomputing_elementwise_ops_saves_fewer_activations_with_the_same_gradients(tok):
     """model.recompute_elementwise: the compiled layers keep less for the backward (the norms' outputs and
     SiLU(gate)*up are recomputed beside the kernels that read them) and give the same loss and adapter gradients;

@@ -26,6 +26,7 @@ def _model(tmp_path, double_quant: bool, device: str = "cpu"):
     return model
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
 @pytest.mark.parametrize("double_quant", [True, False])

@@ -28,6 +28,7 @@ def _model(device="cpu", name="tiny-llama-3.1-8b", dtype=torch.float32, checkpoi
     return model
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("compiled", [False, True])
 def test_the_layers_saved_inputs_move_and_nothing_else_changes(compiled):
     """Each checkpointed layer's input crosses (and the final norm's), never a parameter; the loss and every adapter
@@ -53,6 +54,7 @@ def test_the_layers_saved_inputs_move_and_nothing_else_changes(compiled):
     assert off.moved >= LAYERS  # still the last training forward's count
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("compiled", [False, True])
 def test_without_checkpointing_a_budget_moves_the_bottom_activations_and_nothing_else_changes(compiled):
     """No checkpointing, a budget of about one and a half layers' activations: the first tensors saved move until the

@@ -3,6 +3,7 @@ import math
 import re
 from pathlib import Path
 
+import pytest
 from conftest import tiny_cfg
 
 from raytrain_scu.config.io import flatten
@@ -75,6 +76,7 @@ def test_config_changes_compare_as_param_text(tmp_path):
     assert config_changes(before, flatten(tiny_cfg(tmp_path, "x"))) == {}
 
 
+@pytest.mark.slow
 def test_each_config_change_is_the_next_revision_of_the_mlflow_run(tmp_path, capsys):
     """A real sqlite store, no Ray: revision 0 is the params a worker logged; each changed re-run adds one."""
     import yaml

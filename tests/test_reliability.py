@@ -275,6 +275,7 @@ def resume_pick_worker(r: int, port: int, roots: list, out: str) -> None:
     tdist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_ranks_resume_from_the_checkpoint_rank0_picks_or_all_fail_loudly(tmp_path):
     import torch.multiprocessing as mp
 
@@ -764,6 +765,7 @@ def nan_on_one_rank_worker(r: int, port: int, tmp: str) -> None:
     tdist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_a_nonfinite_loss_on_one_rank_is_skipped_on_both_and_counts_toward_the_stop(tmp_path):
     """Two ranks, rank 1's loss NaN at steps 3, 5, 6, 7: both skip step 3 (rank 0's own loss was finite) and keep
     identical adapters, both count it, and both stop with the same error after the third skip in a row (no rank left

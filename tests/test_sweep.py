@@ -241,6 +241,7 @@ def test_concurrent_trials_from_cluster_resources(tmp_path):
         sweep.concurrent_trials({"CPU": 64.0, "GPU": 1.0}, sweep.trial_need(gpu, use_gpu=True))
 
 
+@pytest.mark.slow
 def test_space_results_and_ablation_modules_import_no_ray():
     # Ray lives at the edge: only ray/ imports it, and of the sweep only its Tune wiring; a fresh interpreter shows
     # what each module pulls in
@@ -372,6 +373,7 @@ def test_tiny_sweep_experiment_resolves():
     assert [sweep_space.apply_params(cfg, {"global_batch_tokens": g}).data.grad_accum for g in (256, 512, 1024)] == [1, 2, 4]
 
 
+@pytest.mark.slow
 def test_close_parent_run_ends_only_the_children_left_running(tmp_path):
     # a real sqlite store; the four ways a trial's child run ends
     cfg = base(tmp_path, "tune.space={optim.lr: {choice: [0.01, 0.001]}}")
