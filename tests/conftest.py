@@ -63,6 +63,13 @@ def ray_local():
     shutdown_ray(ray)
 
 
+@pytest.fixture(scope="session")
+def ray_address(ray_local) -> str:
+    """The GCS address of the tests' Ray (``ray_local``), for a CLI subprocess to join as RAY_ADDRESS: a test whose
+    property is not Ray's start saves that start (seconds of CPU for its daemons and their idle polling)."""
+    return ray_local.get_runtime_context().gcs_address
+
+
 def shutdown_ray(ray, timeout_s: float = 60.0) -> None:
     """ray.shutdown() that cannot hang the test process: Ray's GCS subscribers can block for good while they close
     (ray-project/ray#45044; seen here at a session's end), so they are closed first, each in a daemon thread given
