@@ -223,11 +223,17 @@ def test_fp8_trained_adapters_score_within_a_hundredth_of_a_bit_of_bf16_ones_in_
 def test_the_loop_trains_inside_the_recompute_setting_it_resolved(tmp_path, monkeypatch, compile_, setting, applied):
     """model.recompute_elementwise reaches the steps: every training step runs with the partitioner's bans lifted
     exactly when the build resolved it on (auto: the Llama family's choice), eager runs have no compiled graphs to
-    change, and torch's own settings are back once the run ends."""
+    change, and torch's own settings are back once the run ends. The run with model.compile=true and never builds
+    its loss uncompiled: the loop's choice is read from the config alone, and compiling the same layers again (the
+    auto case's graphs) would only cost time."""
     import torch._functorch.config as functorch_config
 
+    import raytrain_scu.worker.build as build_mod
     import raytrain_scu.worker.loop as loop_mod
     from raytrain_scu.core.loss import ELEMENTWISE_RECOMPUTE_BANS
+
+    if compile_ == "true" and setting == "never":
+        monkeypatch.setattr(build_mod, "compile_for_training", lambda loss_model, **kw: loss_model)
 
     real_step, seen = loop_mod.train_step, []
 
