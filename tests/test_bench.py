@@ -130,13 +130,14 @@ def test_groups_and_parts_expand_in_order_and_unknown_names_are_refused():
 
 
 @pytest.mark.slow
-def test_profile_parts_write_each_ranks_table_beside_the_json(tmp_path):
+def test_profile_parts_write_each_ranks_table_beside_the_json(tmp_path, ray_address):
     """profile_<part> runs the part with train.profile_steps: the loop itself (bare, and on a Ray worker) writes a
-    kernel table per rank, which the bench copies beside --out and summarises in the JSON."""
+    kernel table per rank, which the bench copies beside --out and summarises in the JSON. The bench joins the tests'
+    Ray (RAY_ADDRESS) rather than starting its own: the property is the profile, not Ray's start."""
     out = tmp_path / "b.json"
     r = subprocess.run([sys.executable, "-m", "raytrain_scu.bench", "--smoke", "--parts", "profile,profile_ray1",
                         "--profile-steps", "2", "--out", str(out)], capture_output=True, text=True, timeout=600,
-                       env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+                       env={**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_ADDRESS": ray_address})
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     parts = json.loads(out.read_text())["parts"]
     for part in ("profile", "profile_ray1"):
@@ -250,13 +251,15 @@ def test_bench_8b_and_granite_parts_train_on_cpu(tmp_path):
 
 
 @pytest.mark.slow
-def test_bench_ray_parts_scale_and_refuse_more_workers_than_the_cluster_has(tmp_path):
-    """ray1 and ray2 on real Ray with CPU workers give a per-worker ratio row; ray64 asks for more CPUs than the local
-    Ray has and is refused before any worker starts, as an error in its row, while the other parts still report."""
+def test_bench_ray_parts_scale_and_refuse_more_workers_than_the_cluster_has(tmp_path, ray_address):
+    """ray1 and ray2 on real Ray with CPU workers give a per-worker ratio row; ray64 asks for more CPUs than the Ray
+    it runs on has (the tests' Ray of 4 CPUs, joined through RAY_ADDRESS) and is refused before any worker starts, as
+    an error in its row, while the other parts still report."""
     out = tmp_path / "bench.json"
     r = subprocess.run([sys.executable, "-m", "raytrain_scu.bench", "--smoke", "--parts", "ray1,ray2,ray64", "--out",
                         str(out)], capture_output=True, text=True, cwd=ROOT, timeout=600,
-                       env={**os.environ, "RAY_AUTH_MODE": "disabled", "RAYTRAIN_SCU_CACHE": str(tmp_path / "c")})
+                       env={**os.environ, "RAY_AUTH_MODE": "disabled", "RAYTRAIN_SCU_CACHE": str(tmp_path / "c"),
+                            "RAY_ADDRESS": ray_address})
     assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]  # one part failed: ray64
     res = json.loads(out.read_text())
     for name, workers in (("ray1", 1), ("ray2", 2)):
@@ -265,7 +268,7 @@ def test_bench_ray_parts_scale_and_refuse_more_workers_than_the_cluster_has(tmp_
         assert p["bpt_after"] < p["bpt_before"], p
     err = res["parts"]["ray64"]["error"]
     assert err.startswith("NotEnoughResources: scaling.num_workers=64: 64 workers x 1 CPU need 64 CPUs, but the Ray "
-                          "cluster has"), err
+                          "cluster has 4"), err
     assert res["parts"]["ray64"]["wall_s"] < 60  # refused, not left waiting for workers
     assert "| ray2 / ray1 per GPU | " in r.stdout
     assert "| ray64 | - | error: NotEnoughResources" in r.stdout
