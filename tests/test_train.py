@@ -3,7 +3,7 @@ import json
 
 import pytest
 import torch
-from conftest import cli, tiny_cfg
+from conftest import tiny_cfg
 from safetensors.torch import load_file
 
 from raytrain_scu.driver.run import run
@@ -66,11 +66,16 @@ def test_resume_by_rerunning_same_name_matches_uninterrupted(ray_local, tmp_path
     # the checkpoint holds both ranks' RNG, and they differ: the ranks drew distinct dropout masks
     rngs = torch.load(tmp_path / "cut" / "checkpoint_00000010" / "state.pt", weights_only=False)["rng"]
     assert len(rngs) == 2 and not torch.equal(rngs[0]["torch"], rngs[1]["torch"])
-    # changed data (a different tokens_per_epoch) is refused by the workers too, past the driver's preflight
+    # changed data (a different tokens_per_epoch) is refused by the loop itself when it opens the checkpoint, past
+    # the driver's preflight (whose refusal test_reliability's ..._changed_data_is_refused_before_ray proves): the
+    # check is the worker's own, so the loop runs here in this process on the cut run's checkpoints
+    from raytrain_scu.worker.hooks import LocalHooks
+    from raytrain_scu.worker.loop import run_loop
+
     changed = tiny_cfg(tmp_path, "cut", *common, "data.max_documents=5", "run.max_failures=0")
     with pytest.raises(Exception, match="the checkpoint was written with tokens_per_epoch=204544 but the data now "
                        "gives tokens_per_epoch=140416"):
-        build_trainer(changed, use_gpu=False, run_id=None).fit()
+        run_loop(changed, hooks=LocalHooks(device=torch.device("cpu"), run_dir=tmp_path / "cut"))
     resumed = run(tiny_cfg(tmp_path, "cut", *common), quiet=True)
     a, b = history_of(full), history_of(resumed)
     assert [r["step"] for r in b] == list(range(0, 21))
@@ -150,9 +155,11 @@ def test_finished_run_is_reported_before_ray_and_its_adapter_generates(finished_
                        timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.startswith("To be, or not") and len(r.stdout.strip()) > len("To be, or not")
-    r = subprocess.run([sys.executable, "-m", "raytrain_scu.generate", f"{tmp_path}/nothing", "x"],
-                       capture_output=True, text=True, cwd=ROOT, timeout=300)
-    assert r.returncode == 2 and "run directory not found" in r.stderr
+    from raytrain_scu.cli.generate import main as generate_main  # the same CLI, in this process
+
+    capsys.readouterr()
+    assert generate_main([f"{tmp_path}/nothing", "x"]) == 2
+    assert "run directory not found" in capsys.readouterr().err
 
 
 def test_qlora_4bit_runs_on_cpu(tmp_path):
@@ -183,10 +190,20 @@ def test_qlora_4bit_compiled_trains_on_cpu_and_preflight_wants_a_bitsandbytes_th
     assert last["step"] == 4 and last["train/lora_b_norm"] > 0 and last["val/data_bpt"] < last["val/data_bpt_start"]
 
 
-def test_cli_rejects_bad_config_before_ray(tmp_path):
-    r = cli("controller.target_s=1.5", f"run.storage_path={tmp_path}")
-    assert r.returncode == 2 and "controller.target_s" in r.stderr
-    assert "Started a local Ray instance" not in r.stdout + r.stderr
+def test_cli_rejects_bad_config_before_ray(tmp_path, capsys):
+    """The CLI's main in this process: exit 2 naming the key, and Ray neither started nor joined."""
+    import ray
+
+    from conftest import TINY
+
+    from raytrain_scu.cli.train import main
+
+    was_up = ray.is_initialized()
+    assert main([TINY, "controller.target_s=1.5", f"run.storage_path={tmp_path}"]) == 2
+    out = capsys.readouterr()
+    assert "controller.target_s" in out.err
+    assert "starting a local Ray" not in out.out and "joining the Ray cluster" not in out.out
+    assert ray.is_initialized() == was_up
 
 
 def test_loop_logs_mfu_where_the_card_peak_is_known_and_leaves_it_out_elsewhere(tmp_path, monkeypatch, capfd):
