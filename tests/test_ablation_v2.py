@@ -356,7 +356,8 @@ def test_none_needs_a_checkpoint_per_eval_and_keeps_only_its_last_once_scored(tm
 # ---------------------------------------------------------------- one real tiny stage, end to end on CPU
 
 @pytest.mark.slow
-def test_a_real_tiny_stage_through_ray_tune_is_scored_on_both_halves_and_resumes_from_its_file(tmp_path, capsys):
+def test_a_real_tiny_stage_through_ray_tune_is_scored_on_both_halves_and_resumes_from_its_file(ray_local, tmp_path,
+                                                                                               capsys):
     import ray
 
     out = tmp_path / "out"
@@ -368,7 +369,7 @@ def test_a_real_tiny_stage_through_ray_tune_is_scored_on_both_halves_and_resumes
             "train.eval_every=2", "train.checkpoint_every=4", "lora.r=4", "lora.alpha=8", "optim.warmup_steps=1"]
     from raytrain_scu.studies.ablation import cli as ablation_cli
 
-    ray_was_up = ray.is_initialized()  # an earlier test's ray_local in this process: left up for the tests after
+    ray_was_up = ray.is_initialized()  # the tests' Ray (ray_local), joined: left up for the tests after
     try:
         assert ablation_cli.main(args) == 0
     finally:
@@ -404,7 +405,7 @@ def test_a_real_tiny_stage_through_ray_tune_is_scored_on_both_halves_and_resumes
 
 
 @pytest.mark.slow
-def test_seeds_scored_in_ray_tasks_equal_the_seeds_scored_in_this_process(tmp_path, capsys):
+def test_seeds_scored_in_ray_tasks_equal_the_seeds_scored_in_this_process(ray_local, tmp_path, capsys):
     """The multi-GPU path of the study's scoring (one Ray task per seed), run on CPU tasks: the same nats as scoring
     each seed in this process."""
     from dataclasses import asdict
