@@ -22,7 +22,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, TINY, cli, free_port, tiny_cfg, user_env
+from conftest import ROOT, TINY, cli, free_port, mlflow_runs, tiny_cfg, user_env
 
 pytestmark = pytest.mark.slow
 
@@ -281,30 +281,46 @@ def test_on_a_terminal_a_bar_the_workers_notices_and_no_stray_escape_codes(quiet
     assert set(escapes) <= {"\x1b[A"}, escapes  # tqdm's cursor up, nothing else: no colour codes
 
 
-def test_a_failure_shows_what_the_worker_said_since_its_last_report(quiet_run, capsys):
+def test_a_failure_shows_what_the_worker_said_since_its_last_report(quiet_run, ray_address, capsys):
     """Resumed, then stopped by non-finite losses before its first report: the worker's "resumed at step N" comes
-    with the failure (no report carried it), before the one-line error; the runs listing says it failed."""
-    from raytrain_scu.core.checkpoint import newest_good_local, read_meta
+    with the failure (no report carried it), before the one-line error (exit 1, the root cause, not Ray's wrapping
+    nor a traceback); the last good checkpoint is kept, the MLflow run is FAILED with that line as its reason, and the
+    runs listing says it failed. The CLI joins the tests' Ray (RAY_ADDRESS): what is shown is the driver's, whichever
+    Ray the workers run in. (That a skipped step leaves the weights as they were, and the count across ranks:
+    test_reliability.py's non-finite tests.)"""
+    from raytrain_scu.core.checkpoint import newest_good_local, read_meta, verify
+    from raytrain_scu.tracking.store import FAILURE_TAG
 
     _, storage = quiet_run
     start = read_meta(newest_good_local(storage / "quiet")[0])["step"]  # 10, or 15 after the terminal test
     r = cli(f"run.storage_path={storage}", "run.name=quiet", f"train.max_steps={start + 5}", "train.report_every=5",
             "train.max_consecutive_skips=3", "run.max_failures=0", "scaling.num_workers=1",
-            env={"RAYTRAIN_SCU_NAN_AT_STEPS": ",".join(str(start + k) for k in (1, 2, 3))})
+            env={"RAYTRAIN_SCU_NAN_AT_STEPS": ",".join(str(start + k) for k in (1, 2, 3)), "RAY_ADDRESS": ray_address})
     assert r.returncode == 1, (r.stdout + r.stderr)[-3000:]
     assert r.stdout.count(f"[raytrain_scu] resumed at step {start}\n") == 1, r.stdout
     assert "[raytrain_scu] step " not in r.stdout  # no report came: the notice travelled with the failure
-    assert "error: NonFiniteError: 3 optimizer steps in a row" in r.stderr, r.stderr[-3000:]
+    line = (f"error: NonFiniteError: 3 optimizer steps in a row had a non-finite loss or gradient (last at step "
+            f"{start + 3}); the last good checkpoint is kept")
+    errors = [e for e in r.stderr.splitlines() if e.startswith("error: ")]
+    assert len(errors) == 1 and errors[0].startswith(line) and "Traceback" not in r.stderr, r.stderr[-3000:]
+    newest = newest_good_local(storage / "quiet")[0]
+    assert verify(newest) is None and read_meta(newest)["step"] == start  # kept, and nothing written after the stop
+    _, runs = mlflow_runs(storage, "quiet")
+    assert len(runs) == 1 and runs[0].info.status == "FAILED"
+    assert runs[0].data.tags[FAILURE_TAG] == errors[0][len("error: "):]  # the reason, as the console said it
     row = next(line for line in runs_listing(capsys, storage).splitlines() if line.split()[:1] == ["quiet"])
     assert row.split()[1:3] == ["failed", str(start)], row  # the failed attempt wrote no checkpoint
 
 
-def _train(tmp_path, *overrides):
+def _train(tmp_path, ray_address, *overrides):
+    """The train CLI in its own process group, as a shell gives a foreground job: os.killpg is the terminal's Ctrl-C.
+    It joins the Ray at ``ray_address`` (Ctrl-C reaches the driver alone, the workers live in that Ray), or with None
+    starts its own."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    # its own process group, as a shell gives a foreground job: os.killpg is the terminal's Ctrl-C
+    env.update({"RAY_AUTH_MODE": "disabled", **({"RAY_ADDRESS": ray_address} if ray_address else {})})
     return subprocess.Popen([sys.executable, "-m", "raytrain_scu.train", TINY, f"run.storage_path={tmp_path}",
                              "run.name=ctrlc", *overrides], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, cwd=ROOT, env={**env, "RAY_AUTH_MODE": "disabled"}, start_new_session=True)
+                            text=True, cwd=ROOT, env=env, start_new_session=True)
 
 
 def _press_ctrl_c(proc, presses: int, before=None) -> tuple[str, float]:
@@ -340,18 +356,22 @@ def _status(capsys, storage, name: str) -> list[str]:
                 if line.split()[:1] == [name])
 
 
-def test_ctrl_c_stops_at_a_checkpoint_a_second_aborts_at_once_and_the_same_command_resumes(quiet_run, capsys):
+def test_ctrl_c_stops_at_a_checkpoint_a_second_aborts_at_once_and_the_same_command_resumes(quiet_run, ray_address,
+                                                                                          capsys):
     """One run, three commands (in the quiet run's storage, beside it): Ctrl-C once (a checkpoint of the step, KILLED,
     exit 130, the command that resumes); that command, with Ctrl-C twice (no checkpoint, at once, still KILLED); the
     same command once more, to the end (FINISHED). The runs listing says running, killed and finished as it goes, and
-    compares the run with the quiet one. λ is held at its upper bound here: the console says so, once."""
+    compares the run with the quiet one. λ is held at its upper bound here: the console says so, once. The first and
+    the last command join the tests' Ray (RAY_ADDRESS): one Ctrl-C is the driver's to handle, whichever Ray the
+    workers run in. The aborting one starts its own Ray, as a user's does: a driver that left a joined Ray on a second
+    Ctrl-C has died of SIGSEGV at exit instead of exiting 130."""
     from raytrain_scu.core.checkpoint import newest_good_local, read_meta, verify
     from raytrain_scu.tracking.store import client_for, default_uri
 
     _, storage = quiet_run
     args = ["train.max_steps=300", "train.report_every=5", "train.checkpoint_every=100", "train.eval_every=100",
             "scaling.num_workers=1", "controller.lambda_max=1.05", "controller.bound_notice_steps=2"]
-    listed, proc = {}, _train(storage, *args)
+    listed, proc = {}, _train(storage, ray_address, *args)
     text, _ = _press_ctrl_c(proc, presses=1, before=lambda: listed.update(running=_status(capsys, storage, "ctrlc")))
     assert proc.returncode == 130, text[-3000:]
     assert listed["running"][0] == "running", listed
@@ -373,7 +393,7 @@ def test_ctrl_c_stops_at_a_checkpoint_a_second_aborts_at_once_and_the_same_comma
     assert client.get_run(run_id).info.status == "KILLED"
     assert _status(capsys, storage, "ctrlc") == ["killed", f"{step}/300"]
 
-    proc = _train(storage, *args)  # the command it printed, and Ctrl-C twice: the driver exits at once
+    proc = _train(storage, None, *args)  # the command it printed, and Ctrl-C twice: the driver exits at once
     text, took = _press_ctrl_c(proc, presses=2)
     assert proc.returncode == 130, text[-3000:]
     assert text.count(f"[raytrain_scu] resumed at step {step}\n") == 1, text
@@ -384,7 +404,8 @@ def test_ctrl_c_stops_at_a_checkpoint_a_second_aborts_at_once_and_the_same_comma
     # the aborted run's workers may still finish the step the first press asked for, with its checkpoint, after the
     # driver is gone: the run goes on from the newest checkpoint on disk, whichever that is
     newest = read_meta(newest_good_local(run_dir)[0])["step"]
-    again = cli(f"run.storage_path={storage}", "run.name=ctrlc", *args[1:], f"train.max_steps={newest + 4}")
+    again = cli(f"run.storage_path={storage}", "run.name=ctrlc", *args[1:], f"train.max_steps={newest + 4}",
+                env={"RAY_ADDRESS": ray_address})
     assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
     # the worker's own notice, relayed with the reports: the console shows it without --verbose, once
     assert again.stdout.count(f"[raytrain_scu] resumed at step {newest}\n") == 1, again.stdout
