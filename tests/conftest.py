@@ -14,6 +14,10 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 # Ray Train's preemption watcher (a node-drain poller, one more actor process per run) watches for spot-instance
 # reclaims, which never happen here: off in tests, one process start (~2 s of CPU on 2 cores) less per run
 os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
+# inductor compiles in this process instead of a pool of compile workers, each a process that imports torch: on 2
+# cores the pool's start-up cost more than its parallelism saved (one compiled-training test: 98 CPU-s with the pool
+# of 2, 80 without). Inherited by the Ray workers and CLI subprocesses the tests start.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 
 def pytest_configure(config):
