@@ -55,10 +55,21 @@ def test_ranks_agree_on_lambda_and_s_every_step(ray_local, tmp_path):
     assert statistics.median(waits) < 1.0, waits
 
 
-def test_resume_by_rerunning_same_name_matches_uninterrupted(ray_local, tmp_path, monkeypatch):
-    # with LoRA dropout on, so the resumed run must also go on with every rank's own RNG stream where it stopped
-    common = ["tracking.enabled=false", "lora.dropout=0.1"]
-    full = run(tiny_cfg(tmp_path, "full", *common), quiet=True)
+# with LoRA dropout on, so a resumed run must also go on with every rank's own RNG stream where it stopped
+RESUME_COMMON = ["tracking.enabled=false", "lora.dropout=0.1"]
+
+
+@pytest.fixture(scope="module")
+def finished_run(ray_local, tmp_path_factory):
+    """(config, summary) of one finished, uninterrupted 20-step run (tiny-cpu.yaml's 2 workers, no MLflow): the
+    resume test compares against it, the tests below only read it or re-run its name, which returns before Ray."""
+    cfg = tiny_cfg(tmp_path_factory.mktemp("full"), "full", *RESUME_COMMON)
+    return cfg, run(cfg)
+
+
+def test_resume_by_rerunning_same_name_matches_uninterrupted(finished_run, tmp_path, monkeypatch):
+    common = RESUME_COMMON
+    full = finished_run[1]
     monkeypatch.setenv("RAYTRAIN_SCU_FAULT_AT_STEP", "13")
     with pytest.raises(Exception, match="fault injected after step 13"):
         run(tiny_cfg(tmp_path, "cut", *common, "run.max_failures=0"), quiet=True)
@@ -122,15 +133,6 @@ def test_exported_adapter_loads_with_peft(finished_run):
     assert json.loads(open(f"{s['adapter']}/adapter_config.json").read())["r"] == 4
 
 
-@pytest.fixture(scope="module")
-def finished_run(ray_local, tmp_path_factory):
-    """(config, summary) of one finished 4-step run (1 worker, no MLflow): the tests below only read it, or re-run
-    its name, which returns before Ray."""
-    cfg = tiny_cfg(tmp_path_factory.mktemp("fin"), "fin", "tracking.enabled=false", "scaling.num_workers=1",
-                   "train.max_steps=4", "train.checkpoint_every=4", "train.report_every=2")
-    return cfg, run(cfg)
-
-
 def test_finished_run_is_reported_before_ray_and_its_adapter_generates(finished_run, tmp_path, capsys):
     """Re-running a finished run prints its summary within seconds, without Ray; generate rebuilds the base model from
     the run directory (a preset: base_model.json's seed, dtype and device) and completes a prompt with the adapter."""
@@ -147,10 +149,10 @@ def test_finished_run_is_reported_before_ray_and_its_adapter_generates(finished_
     again = run(cfg)
     assert time.perf_counter() - t0 < 5.0 and again == json.loads(json.dumps(first, default=str))
     out = capsys.readouterr().out
-    assert "run fin already finished at step 4" in out and "held-out BPT" in out
-    recipe = json.loads(open(f"{storage}/fin/output/base_model.json").read())
+    assert "run full already finished at step 20" in out and "held-out BPT" in out
+    recipe = json.loads(open(f"{storage}/full/output/base_model.json").read())
     assert recipe["init_device"] == "cpu" and recipe["dtype"] == "float32" and recipe["seed"] == cfg.seed
-    r = subprocess.run([sys.executable, "-m", "raytrain_scu.generate", f"{storage}/fin", "To be, or not",
+    r = subprocess.run([sys.executable, "-m", "raytrain_scu.generate", f"{storage}/full", "To be, or not",
                         "--max-new-tokens", "8", "--temperature", "0"], capture_output=True, text=True, cwd=ROOT,
                        timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
