@@ -251,10 +251,11 @@ def test_bench_8b_and_granite_parts_train_on_cpu(tmp_path):
 
 
 @pytest.mark.slow
-def test_bench_ray_parts_scale_and_refuse_more_workers_than_the_cluster_has(tmp_path, ray_address):
+def test_bench_ray_parts_scale_and_refuse_more_workers_than_the_cluster_has(tmp_path, ray_local, ray_address):
     """ray1 and ray2 on real Ray with CPU workers give a per-worker ratio row; ray64 asks for more CPUs than the Ray
-    it runs on has (the tests' Ray of 4 CPUs, joined through RAY_ADDRESS) and is refused before any worker starts, as
-    an error in its row, while the other parts still report."""
+    it runs on has (the tests' Ray, joined through RAY_ADDRESS) and is refused before any worker starts, as an error
+    in its row naming that cluster's CPUs, while the other parts still report."""
+    cpus = int(ray_local.cluster_resources()["CPU"])
     out = tmp_path / "bench.json"
     r = subprocess.run([sys.executable, "-m", "raytrain_scu.bench", "--smoke", "--parts", "ray1,ray2,ray64", "--out",
                         str(out)], capture_output=True, text=True, cwd=ROOT, timeout=600,
@@ -268,7 +269,7 @@ def test_bench_ray_parts_scale_and_refuse_more_workers_than_the_cluster_has(tmp_
         assert p["bpt_after"] < p["bpt_before"], p
     err = res["parts"]["ray64"]["error"]
     assert err.startswith("NotEnoughResources: scaling.num_workers=64: 64 workers x 1 CPU need 64 CPUs, but the Ray "
-                          "cluster has 4"), err
+                          f"cluster has {cpus}"), err
     assert res["parts"]["ray64"]["wall_s"] < 60  # refused, not left waiting for workers
     assert "| ray2 / ray1 per GPU | " in r.stdout
     assert "| ray64 | - | error: NotEnoughResources" in r.stdout
