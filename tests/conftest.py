@@ -36,18 +36,21 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    """The files with the most tests that start Ray (marked slow) first, the files without any after them, each
-    file's tests together and in their own order. `make test` (--dist loadfile) hands whole files to its processes
-    in this order: the files of minutes start first and the files of seconds fill the end, so neither process sits
-    idle while the other runs a long file alone."""
+    """The files whose every test is slow first, then those with the most slow tests, the files without any after
+    them, each file's tests together and in their own order. `make test` (--dist loadfile) hands whole files to its
+    processes in this order: the files of minutes start first and the files of seconds fill the end, so neither
+    process sits idle while the other runs a long file alone."""
     def file_of(item):
         return item.nodeid.split("::")[0]
 
-    slow = {}
+    slow, count = {}, {}
     for item in items:
         slow[file_of(item)] = slow.get(file_of(item), 0) + (item.get_closest_marker("slow") is not None)
+        count[file_of(item)] = count.get(file_of(item), 0) + 1
     collected = {f: i for i, f in enumerate(slow)}  # the files in collection order
-    items.sort(key=lambda item: (-slow[file_of(item)], collected[file_of(item)]))
+    # a file slow as a whole (a few end-to-end tests of minutes: a local cluster over SSH) before the rest
+    items.sort(key=lambda item: (slow[file_of(item)] < count[file_of(item)], -slow[file_of(item)],
+                                 collected[file_of(item)]))
 
 
 @pytest.fixture(scope="session")
