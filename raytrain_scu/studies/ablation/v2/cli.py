@@ -92,6 +92,18 @@ def locked_changes(recorded_yaml: str, cfg) -> list[str]:
     return [f"{k}: {old} -> {new}" for k, (old, new) in sorted(changes.items())]
 
 
+def check_locked(recorded: dict, plant: str, cfg) -> None:
+    """The plant's resolved config must match the one in ``recorded`` (plant -> YAML) but for :data:`FREE_KEYS`;
+    a plant config ``recorded`` lacks is recorded."""
+    changes = locked_changes(recorded[plant], cfg) if plant in recorded else []
+    if changes:
+        free = ", ".join(k.rstrip(".") + (".*" if k.endswith(".") else "") for k in FREE_KEYS)
+        raise AblationError(f"{plant}: this call's resolved config differs from the one its plant's first call "
+                            f"recorded, in {'; '.join(changes)}. Only how trials share a machine and where they are "
+                            f"stored may change ({free})")
+    recorded.setdefault(plant, to_yaml(cfg, redact=True))
+
+
 def check_rules(results: dict, a, configs: dict) -> None:
     """A later call keeps the first call's rules and each plant's resolved config (but for :data:`FREE_KEYS`);
     a plant config the file lacks is recorded."""
@@ -102,15 +114,8 @@ def check_rules(results: dict, a, configs: dict) -> None:
     if differ:
         raise AblationError(f"this study's rules were fixed by its first call; this call changes {'; '.join(differ)}. "
                             f"Give the recorded values, or start a new study with another --out")
-    recorded = results["setting"]["config_yaml"]
     for pl, c in configs.items():
-        changes = locked_changes(recorded[pl], c) if pl in recorded else []
-        if changes:
-            free = ", ".join(k.rstrip(".") + (".*" if k.endswith(".") else "") for k in FREE_KEYS)
-            raise AblationError(f"{pl}: this call's resolved config differs from the one the study's first call "
-                                f"recorded, in {'; '.join(changes)}. Only how trials share a machine and where they "
-                                f"are stored may change ({free})")
-        recorded.setdefault(pl, to_yaml(c, redact=True))
+        check_locked(results["setting"]["config_yaml"], pl, c)
 
 
 def the_split(results: dict, a, cfg) -> str:

@@ -24,6 +24,14 @@ def _plt():
     return plt
 
 
+def save_figure(fig, path: Path, dpi: int = 80) -> Path:
+    """Write ``fig`` to ``path`` with a tight layout, and free it."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    _plt().close(fig)
+    return path
+
+
 def model_run(t: dict, plant: str, steps: int) -> dict:
     """The plant model driven by the trial's law at its target, at the trial's scale: ParamBPT's first value sets σ²N
     (over A's init at this plant's rank, ``init_per_r16`` x 65 bits), its first DataBPTs the base level."""
@@ -54,11 +62,7 @@ def early_stopping_figure(trials: list[dict], plant: str, out: Path) -> Path | N
     ax.set(xlabel="optimizer step", ylabel="held-out BPT (whole plays, units)",
            title=f"{plant}: none, scored at every eval (dotted: the early-stopping step)")
     ax.legend(fontsize=6, ncol=2)
-    fig.tight_layout()
-    path = out / f"{plant}_early_stopping.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, out / f"{plant}_early_stopping.png", dpi=110)
 
 
 def law_figure(trials: list[dict], plant: str, law: str, best_lambda: float | None, out: Path) -> Path | None:
@@ -91,11 +95,7 @@ def law_figure(trials: list[dict], plant: str, law: str, best_lambda: float | No
         for ax in (top, bottom):
             ax.grid(alpha=0.3)
             ax.legend(fontsize=6)
-    fig.tight_layout()
-    path = out / f"{plant}_{law}.png"
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
-    return path
+    return save_figure(fig, out / f"{plant}_{law}.png")
 
 
 def figures(results: dict, numbers: dict, out: Path) -> list[Path]:

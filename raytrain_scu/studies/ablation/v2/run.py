@@ -79,14 +79,15 @@ def eval_checkpoints(trial_dir: Path, cfg: Config) -> list[tuple[int, Path]]:
     return [(s, found[s]) for s in want]
 
 
-def _group(family_cfg: Config, rows: list[dict]) -> dict[int, list[dict]]:
-    """The grid's trials by seed: row, config, final checkpoint, and (``none``) the checkpoint of every eval."""
+def _group(family_cfg: Config, rows: list[dict], eval_families: tuple[str, ...]) -> dict[int, list[dict]]:
+    """The grid's trials by seed: row, config, final checkpoint, and (``eval_families``) the checkpoint of every
+    eval."""
     groups: dict[int, list[dict]] = {}
     for row in rows:
         cfg = trial_config(family_cfg, row["params"], row["trial"])
         tdir = Path(run_dir(cfg))
         params = flat_params(row["params"])
-        evals = eval_checkpoints(tdir, cfg) if p.family_of(params) == "none" else []
+        evals = eval_checkpoints(tdir, cfg) if p.family_of(params) in eval_families else []
         groups.setdefault(cfg.seed, []).append({"row": row, "cfg": cfg, "params": params, "dir": tdir,
                                                 "final": final_checkpoint(tdir, cfg.train.max_steps), "evals": evals})
     return groups
@@ -96,11 +97,13 @@ def _round(xs) -> list[float]:
     return [float(f"{x:.9g}") for x in xs]
 
 
-def _trial(plant: str, stage: str, seed: int, i: int, g: dict, part: dict, sel_tokens, rep_tokens) -> dict:
-    """The record of trial ``t{i}`` of a seed's group ``g``, from the seed's scores split into (select, report)."""
+def _trial(plant: str, stage: Optional[str], seed: int, i: int, g: dict, part: dict, sel_tokens, rep_tokens) -> dict:
+    """The record of trial ``t{i}`` of a seed's group ``g``, from the seed's scores split into (select, report);
+    ``stage`` None: a study without stages, whose records have no ``stage`` key."""
     sel, rep = part[f"t{i}"]
     c = g["cfg"].controller
-    trial = {"plant": plant, "stage": stage, "family": p.family_of(g["params"]), "arm": p.label(g["params"]),
+    staged = {} if stage is None else {"stage": stage}
+    trial = {"plant": plant, **staged, "family": p.family_of(g["params"]), "arm": p.label(g["params"]),
              "seed": seed, "trial": g["row"]["trial"], "params": g["params"], "law": c.law,
              "target_s": c.target_s if c.mode == "scu" else None, "lambda_init": c.lambda_init,
              "lambda_min": c.lambda_min, "lambda_max": c.lambda_max, "time_s": g["row"].get("time_s"),
@@ -141,12 +144,14 @@ def score_seeds(family_cfg: Config, calls: dict[int, tuple], *, tasks: Optional[
     return scored
 
 
-def collect(plant: str, stage: str, family_cfg: Config, rows: list[dict], splits: dict) -> tuple[list[dict], dict]:
-    """Each trial's record (arm, seed, history, nats per unit on the select and the report plays; ``none``: the same
-    at every eval, step 0 being the base model) and each seed's unit token counts."""
+def collect(plant: str, stage: Optional[str], family_cfg: Config, rows: list[dict], splits: dict,
+            eval_families: tuple[str, ...] = ("none",)) -> tuple[list[dict], dict]:
+    """Each trial's record (arm, seed, history, nats per unit on the select and the report plays; the families of
+    ``eval_families``: the same at every eval, step 0 being the base model) and each seed's unit token counts.
+    ``stage`` None: the records have no ``stage`` key (v3)."""
     d = family_cfg.data
     docs = load_documents(d.source, d.path, d.text_field, d.max_documents)
-    groups, calls, cut = _group(family_cfg, rows), {}, {}
+    groups, calls, cut = _group(family_cfg, rows, eval_families), {}, {}
     for seed, group in groups.items():
         split = splits[str(seed)]
         select = scoring_units([docs[i] for i in split["select"]])

@@ -23,12 +23,11 @@ import sys
 import time
 from pathlib import Path
 
-from raytrain_scu.config.io import to_yaml
 from raytrain_scu.core.data.blocks import load_documents
 from raytrain_scu.errors import USER_ERRORS, AblationError, CheckpointError
 from raytrain_scu.studies.ablation.results import save
 from raytrain_scu.studies.ablation.v2 import protocol as v2
-from raytrain_scu.studies.ablation.v2.cli import FREE_KEYS, locked_changes
+from raytrain_scu.studies.ablation.v2.cli import check_locked
 from raytrain_scu.studies.ablation.v3 import protocol as p
 from raytrain_scu.studies.ablation.v3 import report
 from raytrain_scu.studies.ablation.v3.rule import grid_free_target
@@ -76,14 +75,8 @@ def prepare_data(plant: str) -> dict | None:
 
 def check_plant(results: dict, plant: str, cfg, data: dict | None) -> None:
     """A plant's locked config and its data's record must match what its first call recorded (recorded if new)."""
-    rec, recorded = results["plants"][plant], results["setting"]["config_yaml"]
-    changes = locked_changes(recorded[plant], cfg) if plant in recorded else []
-    if changes:
-        free = ", ".join(k.rstrip(".") + (".*" if k.endswith(".") else "") for k in FREE_KEYS)
-        raise AblationError(f"{plant}: this call's resolved config differs from the one recorded, in "
-                            f"{'; '.join(changes)}. Only how trials share a machine and where they are stored may "
-                            f"change ({free})")
-    recorded.setdefault(plant, to_yaml(cfg, redact=True))
+    check_locked(results["setting"]["config_yaml"], plant, cfg)
+    rec = results["plants"][plant]
     if rec["data"] is None:
         rec["data"] = data
     elif json.loads(json.dumps(data)) != rec["data"]:

@@ -11,7 +11,7 @@ from raytrain_scu.core import laws
 from raytrain_scu.core.plant import Plant, simulate
 from raytrain_scu.core.settling import TOL, logit
 from raytrain_scu.studies.ablation.report import aligned, end_level
-from raytrain_scu.studies.ablation.v2.figures import _plt
+from raytrain_scu.studies.ablation.v2.figures import _plt, save_figure
 from raytrain_scu.studies.ablation.v3 import protocol as p
 from raytrain_scu.studies.control.fit_plant import R_REF
 
@@ -49,11 +49,7 @@ def curve_figure(trials: list[dict], plant: str, target_s: float, out: Path) -> 
     ax.title.set_fontsize(9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=6)
-    fig.tight_layout()
-    path = out / f"{plant}_curve.png"
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
-    return path
+    return save_figure(fig, out / f"{plant}_curve.png")
 
 
 def model_run(t: dict, plant: str, steps: int) -> dict:
@@ -94,11 +90,7 @@ def law_figure(trials: list[dict], plant: str, best_lambda: float | None, out: P
     for ax in (top, bottom):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=6)
-    fig.tight_layout()
-    path = out / f"{plant}_law.png"
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
-    return path
+    return save_figure(fig, out / f"{plant}_law.png")
 
 
 def figures(results: dict, numbers: dict, out: Path) -> list[Path]:
