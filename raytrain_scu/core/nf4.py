@@ -135,8 +135,8 @@ def convert_4bit_to_torch_dequant(model, setting: str = "torch") -> int:
     return n
 
 
-def keep_4bit_layout(model) -> int:
-    """Turn off bitsandbytes' CPU inference repacking in every Linear4bit of ``model``; returns how many layers.
+def keep_4bit_layout(model) -> None:
+    """Turn off bitsandbytes' CPU inference repacking in every Linear4bit of ``model``.
 
     On a CPU with AVX512-BF16 (``bitsandbytes.functional.has_avx512bf16``, read once per layer at construction), the
     first forward of a Linear4bit in eval mode on an input without grad (bitsandbytes' fused CPU kernel; 0.50.1 and
@@ -150,10 +150,9 @@ def keep_4bit_layout(model) -> int:
     in eval as in training."""
     import bitsandbytes as bnb
 
-    layers = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
-    for m in layers:
-        m.support_avx512bf16_for_cpu = False
-    return len(layers)
+    for m in model.modules():
+        if isinstance(m, bnb.nn.Linear4bit):
+            m.support_avx512bf16_for_cpu = False
 
 
 def torch_dequant(setting: str, quant_type: str, compiled: bool) -> bool:
