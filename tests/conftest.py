@@ -14,9 +14,9 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 # Ray Train's preemption watcher (a node-drain poller, one more actor process per run) watches for spot-instance
 # reclaims, which never happen here: off in tests, one process start (~2 s of CPU on 2 cores) less per run
 os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
-# inductor compiles in this process instead of a pool of compile workers, each a process that imports torch: on 2
-# cores the pool's start-up cost more than its parallelism saved (one compiled-training test: 98 CPU-s with the pool
-# of 2, 80 without). Inherited by the Ray workers and CLI subprocesses the tests start.
+# inductor compiles in the process that compiles, without a pool of compile workers (each a process that imports
+# torch): on 2 cores the pool's start-up costs more CPU than its parallelism saves. Inherited by the Ray workers and
+# CLI subprocesses the tests start.
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 
@@ -29,7 +29,7 @@ def pytest_configure(config):
 
     torch.set_num_threads(1)
     # xdist's loadfile hands out the files with the most tests first by default, which puts the few-test files of
-    # minutes (a job submit, a local cluster) last, one process running them alone while the other idles: here it
+    # minutes (a local cluster) last, one process running them alone while the other idles: here it
     # takes them in the order pytest_collection_modifyitems gives (an explicit --loadscope-reorder keeps xdist's)
     if "--loadscope-reorder" not in config.invocation_params.args and hasattr(config.option, "loadscopereorder"):
         config.option.loadscopereorder = False
@@ -114,6 +114,18 @@ def plain_run(ray_local, tmp_path_factory):
 
     storage = tmp_path_factory.mktemp("plain")
     return storage, run(tiny_cfg(storage, "plain", *PLAIN_RUN), quiet=True)
+
+
+def in_process(cfg) -> dict:
+    """The loop in this process (one rank, no Ray: what it computes does not depend on Ray); its last report."""
+    import torch
+
+    from raytrain_scu.worker.hooks import LocalHooks
+    from raytrain_scu.worker.loop import run_loop
+
+    hooks = LocalHooks(device=torch.device("cpu"))
+    run_loop(cfg, hooks=hooks)
+    return hooks.reports[-1]
 
 
 def metric_history(storage, run_name: str, key: str) -> list[float]:

@@ -9,7 +9,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from conftest import ROOT, TINY, tiny_cfg
+from conftest import ROOT, TINY, in_process, tiny_cfg
 
 from raytrain_scu.cli import sweep as sweep_cli
 from raytrain_scu.config.io import to_yaml
@@ -509,11 +509,7 @@ def test_the_reaper_removes_a_dead_controllers_placement_group_and_outlives_what
 def test_two_trial_sweep_asha_stops_the_bad_one_children_linked_best_yaml_trains(ray_local, tmp_path, capfd):
     """Two trials (the table's order among more rows: test_table_sorted_by_metric_and_best_yaml_loads); best.yaml
     passes preflight and trains in the loop, in this process (what a run of it computes does not depend on Ray)."""
-    import torch
-
     from raytrain_scu.driver.preflight import preflight
-    from raytrain_scu.worker.hooks import LocalHooks
-    from raytrain_scu.worker.loop import run_loop
 
     # one trial at a time in grid order, the bad lr last: ASHA judges it against the good one at the first rung (step
     # 2), where it stops a trial below the best half (reduction factor 2) of those recorded there
@@ -583,9 +579,7 @@ def test_two_trial_sweep_asha_stops_the_bad_one_children_linked_best_yaml_trains
     assert best.optim.lr == rows[0]["params"]["optim.lr"] and best.tune.space == {}
     best = load_config(summary["best_yaml"], ["tracking.enabled=false"])  # no MLflow record is asserted of it
     preflight(best)
-    hooks = LocalHooks(device=torch.device("cpu"))
-    run_loop(best, hooks=hooks)
-    last = hooks.reports[-1]
+    last = in_process(best)
     assert last["step"] == 8 and math.isfinite(last["val/data_bpt"]) and last["train/lora_b_norm"] > 0
 
 

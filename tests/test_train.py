@@ -3,7 +3,7 @@ import json
 
 import pytest
 import torch
-from conftest import tiny_cfg
+from conftest import in_process, tiny_cfg
 from safetensors.torch import load_file
 
 from raytrain_scu.driver.run import run
@@ -98,16 +98,6 @@ def test_resume_by_rerunning_same_name_matches_uninterrupted(finished_run, tmp_p
     assert all(torch.equal(adapters[0][k], adapters[1][k]) for k in adapters[0])  # bitwise
 
 
-def in_process(cfg) -> dict:
-    """The loop in this process (one rank, no Ray: what it computes does not depend on Ray); its last report."""
-    from raytrain_scu.worker.hooks import LocalHooks
-    from raytrain_scu.worker.loop import run_loop
-
-    hooks = LocalHooks(device=torch.device("cpu"))
-    run_loop(cfg, hooks=hooks)
-    return hooks.reports[-1]
-
-
 def test_fixed_large_lambda_shrinks_adapter(tmp_path):
     """The penalty reaches the adapters: a large fixed λ leaves Σw² (ParamBPT, at one N) under 0.64 of no penalty's,
     an adapter norm under 0.8 of it."""
@@ -192,20 +182,22 @@ def test_qlora_4bit_compiled_trains_on_cpu_and_preflight_wants_a_bitsandbytes_th
     assert last["step"] == 4 and last["train/lora_b_norm"] > 0 and last["val/data_bpt"] < last["val/data_bpt_start"]
 
 
-def test_cli_rejects_bad_config_before_ray(tmp_path, capsys):
-    """The CLI's main in this process: exit 2 naming the key, and Ray neither started nor joined."""
-    import ray
-
+def test_cli_rejects_bad_config_before_ray(tmp_path, capsys, monkeypatch):
+    """The CLI's main in this process: exit 2 naming the key, before anything reaches for Ray (an init_ray that
+    raises would turn the exit into a traceback)."""
     from conftest import TINY
 
     from raytrain_scu.cli.train import main
+    from raytrain_scu.ray import launch
 
-    was_up = ray.is_initialized()
+    def no_ray(*args, **kwargs):
+        raise AssertionError("the bad config reached init_ray")
+
+    monkeypatch.setattr(launch, "init_ray", no_ray)
     assert main([TINY, "controller.target_s=1.5", f"run.storage_path={tmp_path}"]) == 2
     out = capsys.readouterr()
     assert "controller.target_s" in out.err
     assert "starting a local Ray" not in out.out and "joining the Ray cluster" not in out.out
-    assert ray.is_initialized() == was_up
 
 
 def test_loop_logs_mfu_where_the_card_peak_is_known_and_leaves_it_out_elsewhere(tmp_path, monkeypatch, capfd):
