@@ -18,6 +18,9 @@ os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
 # torch): on 2 cores the pool's start-up costs more CPU than its parallelism saves. Inherited by the Ray workers and
 # CLI subprocesses the tests start.
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+# an MLflow server or UI a test starts runs without MLflow's job execution (GenAI jobs: a job runner and seven huey
+# consumers, each a process importing MLflow), which serving a tracking store does not use
+os.environ.setdefault("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")
 
 
 def pytest_configure(config):

@@ -200,10 +200,7 @@ def test_the_ui_command_the_summary_prints_serves_the_run(quiet_run):
     assert printed and printed.group(1) == ui_command(tiny_cfg(storage, "quiet")), out.stdout
     port = free_port()
     bin_dir = str(Path(sys.executable).parent)  # the venv's `mlflow`, as an activated venv finds it
-    # without MLflow's job execution (GenAI jobs: a job runner and seven huey consumers, each importing MLflow, about
-    # 20 s of CPU here), which serving the store does not use
-    env = {**os.environ, "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""),
-           "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    env = {**os.environ, "PATH": bin_dir + os.pathsep + os.environ.get("PATH", "")}
     with open(storage / "ui.log", "w") as log:
         serve = ["--host", "127.0.0.1", "--port", str(port), "--workers", "1"]  # one worker: no child to lose
         ui = subprocess.Popen(shlex.split(printed.group(1)) + serve,

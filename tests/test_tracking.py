@@ -174,15 +174,12 @@ def test_unreachable_tracking_server_does_not_stop_training(tmp_path):
 
 class MlflowServer:
     """A real ``mlflow server`` on a sqlite store and a fixed port, in a session of its own, started and stopped by
-    the test (the same port each time). Without MLflow's job execution (GenAI jobs, which the tracker never asks
-    for): with it, every start adds a job runner and seven huey consumers, each importing MLflow (about 20 s of CPU
-    here, and their polling after)."""
+    the test (the same port each time), without MLflow's job execution (conftest)."""
 
     def __init__(self, root: Path, port: int):
         self.root, self.port, self.proc = root, port, None
 
     def start(self) -> None:
-        import os
         import shutil
         import subprocess
         import sys
@@ -192,7 +189,7 @@ class MlflowServer:
             [mlflow, "server", "--backend-store-uri", f"sqlite:///{self.root}/server.db", "--artifacts-destination",
              str(self.root / "artifacts"), "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1"],
             cwd=self.root, stdout=open(self.root / "server.log", "a"), stderr=subprocess.STDOUT,
-            env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}, start_new_session=True)
+            start_new_session=True)
         wait(lambda: self.healthy() or self.proc.poll() is not None, 120, "the MLflow server")
         assert self.proc.poll() is None, (self.root / "server.log").read_text()[-3000:]
 
