@@ -241,11 +241,13 @@ def test_more_workers_than_the_joined_cluster_has_are_refused_before_any_starts(
 
     from raytrain_scu.cli.train import main
 
+    cpus = int(ray_local.cluster_resources()["CPU"])
     t0 = time.time()
-    code = main([TINY, "scaling.num_workers=3", "scaling.cpus_per_worker=2", f"run.storage_path={tmp_path}",
+    code = main([TINY, f"scaling.num_workers={cpus}", "scaling.cpus_per_worker=2", f"run.storage_path={tmp_path}",
                  "run.name=toobig", "tracking.enabled=false"])
     assert code == 2 and time.time() - t0 < 30  # Ray Train's start-up timeout alone is 60 s
-    assert "scaling.num_workers=3: 3 workers x 2 CPU need 6 CPUs, but the Ray cluster has 4" in capsys.readouterr().err
+    assert f"scaling.num_workers={cpus}: {cpus} workers x 2 CPU need {2 * cpus} CPUs, but the Ray cluster has {cpus}" \
+        in capsys.readouterr().err
 
 
 def test_summarize_downloads_each_remote_checkpoint_once(tmp_path, monkeypatch):
