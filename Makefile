@@ -27,10 +27,9 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 # two pytest-xdist processes, a test file each at a time (--dist loadfile keeps a file's tests, and its module
-# fixtures, in one process): the Ray tests spend much of their time waiting on process start-up and health checks,
-# so two at once on 2 cores take ~15 min where one after another took ~21 (each Ray-heavy test runs 1.2-1.5x
-# slower). No test depends on the order its process takes files in. PYTEST_ARGS= (empty) runs them serially; with
-# more cores, try -n 3 or more.
+# fixtures, in one process), sharing one Ray (tests/conftest.py): the Ray tests spend part of their time waiting on
+# process start-up and health checks, which the other process fills. No test depends on the order its process takes
+# files in. PYTEST_ARGS= (empty) runs them serially; with more cores, try -n 3 or more.
 PYTEST_ARGS ?= -n 2 --dist loadfile
 test: setup
 	RAY_AUTH_MODE=disabled $(BIN)/python -m pytest -q $(PYTEST_ARGS) --durations=25 tests

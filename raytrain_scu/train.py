@@ -1,7 +1,5 @@
 """``python -m raytrain_scu.train``: see :mod:`raytrain_scu.cli.train`."""
-import sys
-
-from raytrain_scu.cli.train import main
+from raytrain_scu.cli.train import entry
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

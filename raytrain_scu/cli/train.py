@@ -5,8 +5,10 @@ Exit 0 when the run finished, 2 for bad input (found before any worker starts wh
 """
 from __future__ import annotations
 
+import os
 import shlex
 import sys
+import threading
 
 from raytrain_scu.config.io import help_text
 from raytrain_scu.config.resolve import resolve
@@ -55,3 +57,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {cause}", file=sys.stderr)
         return 1
     return 0
+
+
+def entry() -> None:
+    """The program (``python -m raytrain_scu.train``, ``raytrain-scu-train``): :func:`main`'s exit code. After a
+    second Ctrl-C, fit()'s thread is still inside Ray's client; the interpreter's teardown of that thread has ended a
+    driver that joined a running Ray with SIGSEGV instead of 130, so the process then ends at once, its output
+    flushed (the MLflow run is already KILLED; a local Ray this process started is stopped by Ray's reaper)."""
+    code = main()
+    launch = sys.modules.get("raytrain_scu.ray.launch")  # imported only once a run started
+    if launch is not None and any(t.name == launch.FIT_THREAD and t.is_alive() for t in threading.enumerate()):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)

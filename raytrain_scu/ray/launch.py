@@ -183,6 +183,9 @@ def show_records(records: list[dict], cfg: Config, progress, last: dict) -> None
         progress.update(r["metrics"], checkpoint=r["checkpoint"])
 
 
+FIT_THREAD = "raytrain_scu-fit"  # the thread fit() runs trainer.fit() in
+
+
 def fit(trainer: TorchTrainer, cfg: Config, sink: Sink, progress, watchdog: Optional[HangWatchdog] = None):
     """``trainer.fit()`` with each report shown by ``progress`` (``console.Progress``) on the driver, the workers'
     notices it carries (``console.notice``) and the hang ``watchdog``'s (the caller runs it) above it, and Ctrl-C.
@@ -217,7 +220,7 @@ def fit(trainer: TorchTrainer, cfg: Config, sink: Sink, progress, watchdog: Opti
             progress.note(watchdog.notices.pop(0))
         show_records(sink.read(), cfg, progress, last)
 
-    thread = threading.Thread(target=target, name="raytrain_scu-fit", daemon=True)
+    thread = threading.Thread(target=target, name=FIT_THREAD, daemon=True)
     # only the main thread may handle signals: run() called from another thread (a test, a notebook's worker) shows
     # progress but leaves Ctrl-C to whoever owns the main thread
     main = threading.current_thread() is threading.main_thread()
