@@ -36,7 +36,7 @@ def pytest_configure(config):
     # takes them in the order pytest_collection_modifyitems gives (an explicit --loadscope-reorder keeps xdist's)
     if "--loadscope-reorder" not in config.invocation_params.args and hasattr(config.option, "loadscopereorder"):
         config.option.loadscopereorder = False
-    if _xdist_controller(config):
+    if _xdist_controller(config) and not config.option.collectonly:
         _start_shared_ray()
 
 
@@ -59,9 +59,10 @@ def _xdist_controller(config) -> bool:
 def _start_shared_ray() -> None:
     """One local Ray for both of xdist's processes, started by the process that hands them files and stopped when it
     ends (:func:`ray_local` joins it through ``RAYTRAIN_SCU_TEST_RAY``, which they inherit). Ray's daemons poll while
-    idle: measured here, one local Ray with its dashboard keeps ~0.45 of a core busy doing nothing, so a Ray per
-    process cost ~0.9 of the suite's 2 cores for its whole length. 8 CPUs: each process's runs get the 4 a Ray of
-    their own had. Its own driver runs nothing, so Ray starts no idle workers for it."""
+    idle: measured on a 2-core machine, one local Ray with its dashboard keeps 0.2-0.45 of a core busy doing nothing,
+    so a Ray per process spent that twice over for the suite's whole length. 8 logical CPUs, twice what one process's
+    own Ray had (either process's runs may take them all). Its own driver runs nothing, so Ray starts no idle workers
+    for it."""
     import ray
 
     os.environ["RAY_prestart_worker_first_driver"] = "false"

@@ -269,5 +269,8 @@ def test_the_committed_report_and_readmes_figures_come_from_the_committed_result
            f"{per['P5']['choice']['best_lambda']:g} again" in readme
     assert f"the law's mean is better, {num(p3[0]['mean'])}, but its interval {gap(p3[0])} passes +0.01" in readme
     assert f"beats early stopping ({num(p3[2]['mean'])} {gap(p3[2])})" in readme
-    assert f"the grid's best λ is {per['P4']['choice']['best_lambda']:g} and the law is {p4[0]['mean']:.3f} worse" \
+    assert p4[0]["mean"] > 0 and \
+        f"the grid's best λ is {per['P4']['choice']['best_lambda']:g} and the law is {p4[0]['mean']:.3f} worse" \
         in readme
+    assert p4[2]["mean"] > 0 and f"early stopping beats the law by {p4[2]['mean']:.3f}" in readme
+    assert f"as the best fixed λ does too ({num(p3[5]['mean'])} {gap(p3[5])})" in readme

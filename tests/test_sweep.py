@@ -553,6 +553,8 @@ def test_two_trial_sweep_asha_stops_the_bad_one_children_linked_best_yaml_trains
     # group this job made is removed. Ray frees an exited actor's resources asynchronously, which on a loaded 2-core
     # machine can take tens of seconds. The cluster may be shared with another test process, so its free CPUs are not
     # the measure.
+    job = ray_local.get_runtime_context().get_job_id()
+    assert any(k.endswith(job) for k in ray_local.util.placement_group_table())  # the sweep's groups are found
     for _ in range(240):
         if not held_groups(ray_local):
             break

@@ -61,9 +61,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def entry() -> None:
     """The program (``python -m raytrain_scu.train``, ``raytrain-scu-train``): :func:`main`'s exit code. After a
-    second Ctrl-C, fit()'s thread is still inside Ray's client; the interpreter's teardown of that thread has ended a
-    driver that joined a running Ray with SIGSEGV instead of 130, so the process then ends at once, its output
-    flushed (the MLflow run is already KILLED; a local Ray this process started is stopped by Ray's reaper)."""
+    second Ctrl-C, fit()'s thread is still inside Ray's client, and the interpreter's teardown of it can kill a driver
+    joined to a running Ray with SIGSEGV instead of exiting 130: the process then ends at once, its output flushed
+    (the MLflow run is already KILLED; the processes of a local Ray it started die with it, as Ray sets them up)."""
     code = main()
     launch = sys.modules.get("raytrain_scu.ray.launch")  # imported only once a run started
     if launch is not None and any(t.name == launch.FIT_THREAD and t.is_alive() for t in threading.enumerate()):
