@@ -1,5 +1,5 @@
-"""``python -m raytrain_scu.train``: see :mod:`raytrain_scu.cli.train` (``main`` is its function, for callers in a
-process of their own)."""
+"""``python -m raytrain_scu.train``: see :mod:`raytrain_scu.cli.train`; ``main`` is there for callers in this
+process."""
 from raytrain_scu.cli.train import entry, main
 
 __all__ = ["main"]

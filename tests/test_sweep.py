@@ -419,11 +419,16 @@ TUNE_NOISE = ("Configuration for experiment", "View detailed results", "╭", "T
               "tensorboard", "Trial ")
 
 
-def held_groups(ray) -> list:
-    """The placement groups this job (this process's driver) made that are not removed: a placement group's id ends
-    with its creator's job id."""
+def job_groups(ray) -> dict:
+    """{id: state} of the placement groups this job (this process's driver) made: a placement group's id ends with
+    its creator's job id."""
     job = ray.get_runtime_context().get_job_id()
-    return [k for k, v in ray.util.placement_group_table().items() if v["state"] != "REMOVED" and k.endswith(job)]
+    return {k: v["state"] for k, v in ray.util.placement_group_table().items() if k.endswith(job)}
+
+
+def held_groups(ray) -> list:
+    """This job's placement groups that are not removed."""
+    return [k for k, state in job_groups(ray).items() if state != "REMOVED"]
 
 
 def held_cpus(ray) -> str:
@@ -553,8 +558,7 @@ def test_two_trial_sweep_asha_stops_the_bad_one_children_linked_best_yaml_trains
     # group this job made is removed. Ray frees an exited actor's resources asynchronously, which on a loaded 2-core
     # machine can take tens of seconds. The cluster may be shared with another test process, so its free CPUs are not
     # the measure.
-    job = ray_local.get_runtime_context().get_job_id()
-    assert any(k.endswith(job) for k in ray_local.util.placement_group_table())  # the sweep's groups are found
+    assert job_groups(ray_local)  # the sweep's groups are found
     for _ in range(240):
         if not held_groups(ray_local):
             break
