@@ -135,7 +135,7 @@ def test_a_disk_that_fills_during_a_checkpoint_stops_the_run_and_a_rerun_resumes
             box = {}
 
             def filler():
-                wait_for(lambda: (hold / "rank0.pid").exists(), 300, "the pause after step 2")
+                wait_for(lambda: (hold / "rank0.paused").exists(), 300, "the pause after step 2")
                 box["filler"] = fill(storage)
                 (hold / "go").touch()
             threading.Thread(target=filler, daemon=True).start()

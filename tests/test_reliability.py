@@ -89,12 +89,13 @@ def wait_for(predicate, timeout_s: float, what: str):
     raise TimeoutError(f"waited {timeout_s:.0f} s for {what} (last error: {last_error!r})")
 
 
-def held_pids(hold_dir: Path, world: int) -> dict[int, int]:
-    """rank -> pid of the workers that reached the hold step (files written by faults.hold_for_kill)."""
-    files = sorted(hold_dir.glob("rank*.pid"))
+def held_pids(hold_dir: Path, world: int, kind: str = "pid") -> dict[int, int]:
+    """rank -> pid of the workers that reached the hold step (``rank<R>.pid``, written by faults.hold_for_kill) or
+    the pause step (``rank<R>.paused``, by faults.pause_until_go)."""
+    files = sorted(hold_dir.glob(f"rank*.{kind}"))
     if len(files) < world:
         return {}
-    return {int(f.stem[4:]): int(f.read_text().split()[0]) for f in files}
+    return {int(f.name[4:].split(".")[0]): int(f.read_text().split()[0]) for f in files}
 
 
 def mlflow_run(storage, name):
@@ -346,60 +347,6 @@ def assert_same_end(clean: dict, faulty: dict) -> float:
     return diff
 
 
-@pytest.mark.slow
-def test_sigkill_worker_mid_run_recovers_exactly(clean_run, tmp_path, monkeypatch):
-    import psutil
-
-    from raytrain_scu.driver.run import run
-
-    clean, clean_s = clean_run
-    hold = tmp_path / "hold"
-    monkeypatch.setenv("RAYTRAIN_SCU_HOLD_AT_STEP", "15")  # both ranks stop after step 15 and wait to be killed
-    monkeypatch.setenv("RAYTRAIN_SCU_HOLD_DIR", str(hold))
-    kill = {}
-
-    def killer():
-        try:
-            pids = wait_for(lambda: held_pids(hold, 2), 300, "both workers to reach step 15")
-            cmdline = " ".join(psutil.Process(pids[0]).cmdline())
-            step = int((hold / "rank0.pid").read_text().split()[1])  # the step rank 0 had finished
-            kill.update(pid=pids[0], step=step, cmdline=cmdline, t=time.time(),
-                        ckpts=[p.name for p in checkpoint_dirs(tmp_path / "cut")])
-            os.kill(pids[0], signal.SIGKILL)  # rank 0: the checkpoint writer and MLflow client
-        except Exception as e:  # noqa: BLE001 - reported by the test body
-            kill["error"] = repr(e)
-
-    threading.Thread(target=killer, daemon=True).start()
-    t0 = time.time()
-    cut = run(tiny_cfg(tmp_path, "cut", *FAULT_RUN), quiet=True)
-    cut_s = time.time() - t0
-    assert "error" not in kill and "RayTrainWorker" in kill["cmdline"]
-    assert held_pids(hold, 2)[0] == kill["pid"]  # the restart did not start over: nobody reached step 15 again
-    assert not psutil.pid_exists(kill["pid"]) or psutil.Process(kill["pid"]).status() == psutil.STATUS_ZOMBIE
-
-    # it completed, from the checkpoint that existed when the worker died
-    assert cut["steps"] == 20 and kill["ckpts"] == ["checkpoint_00000010"]
-    last = checkpoint_dirs(tmp_path / "cut")[-1]
-    assert last.name == "checkpoint_00000020"
-    meta = ckpt.read_meta(last)
-    assert meta["resumed_at"] == [10]
-    steps_lost = kill["step"] - meta["resumed_at"][0]  # steps done before the kill and redone after it
-    assert steps_lost == 5  # killed after step 15, last checkpoint at 10 (bound: train.checkpoint_every)
-
-    # same final adapter and controller state as the uninterrupted run, within 1e-6 (figures() prints the max |Δ|)
-    diff = assert_same_end(clean, cut)
-
-    # one MLflow run; every step logged exactly once
-    mrun, client = mlflow_run(tmp_path, "cut")
-    assert mrun.info.status == "FINISHED"
-    for key in ("ctrl/lambda", "train/data_bpt"):
-        steps = [m.step for m in client.get_metric_history(mrun.info.run_id, key)]
-        assert sorted(steps) == list(range(0 if key == "ctrl/lambda" else 1, 21)), key
-    figures(test="sigkill", kill_step=15, resumed_at=meta["resumed_at"], steps_lost=steps_lost,
-            adapter_max_abs_diff=diff, clean_s=round(clean_s, 1), killed_run_s=round(cut_s, 1),
-            recovery_s=round(time.time() - kill["t"], 1))
-
-
 def stop_one_worker(hold: Path, out: dict, rank: int = 1) -> None:
     """Once both workers paused after step 10 (RAYTRAIN_SCU_PAUSE_AT_STEP): SIGSTOP rank ``rank``, let the other go on
     (into the next step's all-reduce, where it waits for the stopped one), and wait for the watchdog to kill the
@@ -407,10 +354,10 @@ def stop_one_worker(hold: Path, out: dict, rank: int = 1) -> None:
     import psutil
 
     try:
-        pids = wait_for(lambda: held_pids(hold, 2), 300, "both workers to pause after step 10")
-        # the clock: the later rank's pid file, written just after its heartbeat of step 10
+        pids = wait_for(lambda: held_pids(hold, 2, "paused"), 300, "both workers to pause after step 10")
+        # the clock: the later rank's file, written just after its heartbeat of step 10
         out.update(pid=pids[rank], cmdline=" ".join(psutil.Process(pids[rank]).cmdline()),
-                   t=max(f.stat().st_mtime for f in hold.glob("rank*.pid")))
+                   t=max(f.stat().st_mtime for f in hold.glob("rank*.paused")))
         os.kill(pids[rank], signal.SIGSTOP)
         (hold / "go").touch()
         t0 = time.time()
@@ -425,34 +372,85 @@ def stop_one_worker(hold: Path, out: dict, rank: int = 1) -> None:
         out["error"] = repr(e)
 
 
+def kill_rank0_at_the_hold(hold: Path, run_dir: Path, out: dict) -> None:
+    """Once both workers hold after step 15 (RAYTRAIN_SCU_HOLD_AT_STEP): SIGKILL rank 0, the checkpoint writer and
+    MLflow client; ``out`` gets its pid, the step it finished and the checkpoints on disk at that moment."""
+    import psutil
+
+    try:
+        pids = wait_for(lambda: held_pids(hold, 2), 300, "both workers to reach step 15")
+        step = int((hold / "rank0.pid").read_text().split()[1])  # the step rank 0 had finished
+        out.update(pid=pids[0], step=step, cmdline=" ".join(psutil.Process(pids[0]).cmdline()), t=time.time(),
+                   ckpts=[p.name for p in checkpoint_dirs(run_dir)])
+        os.kill(pids[0], signal.SIGKILL)
+    except Exception as e:  # noqa: BLE001 - reported by the test body
+        out["error"] = repr(e)
+
+
 @pytest.mark.slow
-def test_hung_worker_is_killed_by_the_watchdog_and_the_run_recovers_exactly(clean_run, tmp_path, monkeypatch,
-                                                                          capsys):
+def test_a_hung_worker_then_a_killed_one_and_the_run_recovers_exactly(clean_run, tmp_path, monkeypatch, capsys):
+    """One 2-worker run, two faults, each followed by a restart from checkpoint 10:
+    - hung: both ranks pause after step 10 and its checkpoint; rank 1 is stopped (SIGSTOP) and rank 0 goes on into
+      step 11's all-reduce, where it waits. The driver's watchdog sees no step for train.hang_timeout_s, kills the
+      worker group from outside (a stopped process runs nothing) and says so in one line; no step is lost;
+    - killed: the restarted ranks hold after step 15; rank 0 (the checkpoint writer and MLflow client) is SIGKILLed
+      and the 5 steps since checkpoint 10 are redone.
+    The run ends where the uninterrupted one does (adapter and controller state within 1e-6), with one MLflow run
+    that logged every step exactly once."""
+    import psutil
+
     from raytrain_scu.driver.run import run
 
-    clean, _ = clean_run
+    clean, clean_s = clean_run
     hold = tmp_path / "hold"
     monkeypatch.setenv("RAYTRAIN_SCU_PAUSE_AT_STEP", "10")  # after step 10 and its checkpoint, until hold/go
+    monkeypatch.setenv("RAYTRAIN_SCU_HOLD_AT_STEP", "15")  # after step 15, the first time: wait to be killed
     monkeypatch.setenv("RAYTRAIN_SCU_HOLD_DIR", str(hold))
-    stop = {}
-    threading.Thread(target=stop_one_worker, args=(hold, stop), daemon=True).start()
+    stop, kill = {}, {}
+
+    def faults():
+        stop_one_worker(hold, stop)
+        if "error" not in stop:
+            kill_rank0_at_the_hold(hold, tmp_path / "faulty", kill)
+
+    threading.Thread(target=faults, daemon=True).start()
     t0 = time.time()
-    hung = run(tiny_cfg(tmp_path, "hung", *FAULT_RUN, "train.hang_timeout_s=30", "tracking.enabled=false"),
-               quiet=True)
-    hung_s = time.time() - t0
+    faulty = run(tiny_cfg(tmp_path, "faulty", *FAULT_RUN, "train.hang_timeout_s=15"), quiet=True)
+    faulty_s = time.time() - t0
     out = capsys.readouterr().out
+
+    # hung: found from outside after the timeout, not much later, and said once
     assert "error" not in stop and "RayTrainWorker" in stop["cmdline"], stop
-    # found from outside after the timeout (the stopped process runs nothing), not much later
-    assert 29.5 <= stop["killed_after_s"] < 30 + 60, stop
+    assert 14.5 <= stop["killed_after_s"] < 15 + 60, stop
     notice = [line for line in out.splitlines() if "no step completed in" in line]
-    assert len(notice) == 1 and "train.hang_timeout_s=30" in notice[0] and str(stop["pid"]) in notice[0], out
+    assert len(notice) == 1 and "train.hang_timeout_s=15" in notice[0] and str(stop["pid"]) in notice[0], out
     assert "killed the worker group" in notice[0] and "last completed step 10" in notice[0]
-    last = checkpoint_dirs(tmp_path / "hung")[-1]
-    assert hung["steps"] == 20 and last.name == "checkpoint_00000020"
-    assert ckpt.read_meta(last)["resumed_at"] == [10]  # paused right after checkpoint 10: no step lost
-    diff = assert_same_end(clean, hung)
-    figures(test="sigstop", stop_step=10, resumed_at=[10], steps_lost=0, adapter_max_abs_diff=diff,
-            killed_after_s=round(stop["killed_after_s"], 1), hung_run_s=round(hung_s, 1))
+
+    # killed: rank 0 of the restarted group, after step 15, while checkpoint 10 was the newest
+    assert "error" not in kill and "RayTrainWorker" in kill["cmdline"], kill
+    assert kill["pid"] != stop["pid"] and kill["step"] == 15 and kill["ckpts"] == ["checkpoint_00000010"], kill
+    assert held_pids(hold, 2)[0] == kill["pid"]  # the second restart held no more: nobody was held at 15 again
+    assert not psutil.pid_exists(kill["pid"]) or psutil.Process(kill["pid"]).status() == psutil.STATUS_ZOMBIE
+
+    # it completed, each restart from the checkpoint that existed at the fault
+    assert faulty["steps"] == 20
+    last = checkpoint_dirs(tmp_path / "faulty")[-1]
+    assert last.name == "checkpoint_00000020"
+    # both restarts resumed from checkpoint 10 (the newest at each fault), so its line holds one resume: at 10
+    assert ckpt.read_meta(last)["resumed_at"] == [10]
+
+    # same final adapter and controller state as the uninterrupted run, within 1e-6 (figures() prints the max |Δ|)
+    diff = assert_same_end(clean, faulty)
+
+    # one MLflow run; every step logged exactly once
+    mrun, client = mlflow_run(tmp_path, "faulty")
+    assert mrun.info.status == "FINISHED"
+    for key in ("ctrl/lambda", "train/data_bpt"):
+        steps = [m.step for m in client.get_metric_history(mrun.info.run_id, key)]
+        assert sorted(steps) == list(range(0 if key == "ctrl/lambda" else 1, 21)), key
+    figures(test="sigstop+sigkill", stop_step=10, kill_step=15, restarted_from=[10, 10], steps_lost=[0, 5],
+            adapter_max_abs_diff=diff, killed_after_s=round(stop["killed_after_s"], 1), clean_s=round(clean_s, 1),
+            faulty_run_s=round(faulty_s, 1), recovery_s=round(time.time() - kill["t"], 1))
 
 
 class FakeHeartbeats:

@@ -247,7 +247,7 @@ def test_an_mlflow_outage_loses_no_metric_and_doubles_none(tmp_path, monkeypatch
 
     def outage():  # stop at step 10; start again once step 20 is reported (its flush found the server down)
         try:
-            wait(lambda: (hold / "rank0.pid").exists(), 300, "the pause after step 10")
+            wait(lambda: (hold / "rank0.paused").exists(), 300, "the pause after step 10")
             server.stop()
             times["down"] = time.time()
             (hold / "go").touch()

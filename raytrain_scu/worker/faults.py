@@ -27,19 +27,26 @@ def _hold_dir() -> Path:
 
 
 def hold_for_kill(step: int, seconds: float = 120.0) -> None:
-    """RAYTRAIN_SCU_HOLD_AT_STEP=N: after step N of a fresh start, write ``rank<R>.pid`` under RAYTRAIN_SCU_HOLD_DIR
-    and wait to be killed from outside (SIGKILL, node removal), so a test kills at a known step."""
-    (_hold_dir() / f"rank{rank()}.pid").write_text(f"{os.getpid()} {step}")
+    """RAYTRAIN_SCU_HOLD_AT_STEP=N: the first time this rank finishes step N (no ``rank<R>.pid`` under
+    RAYTRAIN_SCU_HOLD_DIR yet), write that file and wait to be killed from outside (SIGKILL, node removal), so a test
+    kills at a known step; an attempt that reaches step N again, after the restart, goes on."""
+    held = _hold_dir() / f"rank{rank()}.pid"
+    if held.exists():
+        return
+    held.write_text(f"{os.getpid()} {step}")
     time.sleep(seconds)
     raise InjectedFault(f"held after step {step} for {seconds:.0f} s and nobody killed this worker")
 
 
 def pause_until_go(step: int, seconds: float = 300.0) -> None:
-    """RAYTRAIN_SCU_PAUSE_AT_STEP=N: after step N of a fresh start and its report (and checkpoint), write
-    ``rank<R>.pid`` under RAYTRAIN_SCU_HOLD_DIR and wait until a file ``go`` appears there, then go on: a test acts
-    on the paused workers (SIGSTOP one, stop a server) at a known step."""
+    """RAYTRAIN_SCU_PAUSE_AT_STEP=N: after step N, its report (and checkpoint), until a file ``go`` appears under
+    RAYTRAIN_SCU_HOLD_DIR, write ``rank<R>.paused`` there and wait for ``go``, then go on: a test acts on the paused
+    workers (SIGSTOP one, stop a server) at a known step. Once ``go`` exists, an attempt that reaches step N again,
+    after a restart, goes on."""
     hold_dir = _hold_dir()
-    (hold_dir / f"rank{rank()}.pid").write_text(f"{os.getpid()} {step}")
+    if (hold_dir / "go").exists():
+        return
+    (hold_dir / f"rank{rank()}.paused").write_text(f"{os.getpid()} {step}")
     t0 = time.time()
     while not (hold_dir / "go").exists():
         if time.time() - t0 > seconds:
@@ -57,8 +64,8 @@ def _steps(text: str) -> set[int]:
 
 @dataclass
 class Faults:
-    """Which faults to inject: a crash (``fault_at``), a hold (``hold_at``) or a pause (``pause_at``) after that step
-    of a fresh start, a non-finite loss on the steps in ``nan_at`` (counted from 1), a full disk at the checkpoint of
+    """Which faults to inject: a crash (``fault_at``) after that step of a fresh start, a hold (``hold_at``) or a
+    pause (``pause_at``) after that step the first time the run reaches it, a non-finite loss on the steps in ``nan_at`` (counted from 1), a full disk at the checkpoint of
     the steps in ``enospc_at``, and an out-of-memory error at the start of a phase (``oom_at``: ``"train:1"``,
     ``"eval:20"``, ``"checkpoint:10"``; eval 0 is the evaluation before the first step). 0 / empty: none."""
 
@@ -87,15 +94,16 @@ class Faults:
         return nats * float("nan") if step in self.nan_at else nats
 
     def after_step(self, step: int, *, fresh: bool) -> None:
-        """Crash or hold after step ``step`` (from 1) of a run that did not resume from a checkpoint."""
+        """Crash after step ``step`` (from 1) of a run that did not resume from a checkpoint; hold after it the first
+        time the run reaches it."""
         if self.fault_at and fresh and step == self.fault_at:
             raise InjectedFault(f"fault injected after step {step} (RAYTRAIN_SCU_FAULT_AT_STEP)")
-        if self.hold_at and fresh and step == self.hold_at:
+        if self.hold_at and step == self.hold_at:
             hold_for_kill(step)
 
-    def after_report(self, step: int, *, fresh: bool) -> None:
-        """Pause after step ``step``, its report and its checkpoint, on a fresh start."""
-        if self.pause_at and fresh and step == self.pause_at:
+    def after_report(self, step: int) -> None:
+        """Pause after step ``step``, its report and its checkpoint, the first time the run reaches it."""
+        if self.pause_at and step == self.pause_at:
             pause_until_go(step)
 
     def fsync(self, step: int) -> Callable[[int], None]:

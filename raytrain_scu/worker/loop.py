@@ -71,7 +71,7 @@ def train(s: State) -> None:
             tick()
             done = after_step(s, step, row)
             s.hooks.heartbeat(step + 1)
-            s.hooks.faults.after_report(step + 1, fresh=s.rec.fresh)
+            s.hooks.faults.after_report(step + 1)
             if done:
                 break
 
