@@ -227,16 +227,20 @@ class Counter:
 
 
 def _adapter_rows(summary: dict) -> list[tuple[str, Optional[str]]]:
-    """The exported adapter(s): the last step's, and the best checkpoint's beside it when that is another step."""
-    last, best = summary.get("adapter"), summary.get("best_adapter")
-    if not last:
+    """The exported adapter(s): the primary one (run.primary_adapter: the best checkpoint's or the last step's), and
+    the other beside it when that is another step."""
+    adapter = summary.get("adapter")
+    if not adapter:
         return []
-    step, best_step = summary.get("adapter_step"), summary.get("best_step")
-    if best:
-        return [("adapter", f"{last}   (step {step}, the last)"),
-                ("best adapter", f"{best}   (step {best_step}, lowest held-out BPT)")]
+    step, best_step, last_step = summary.get("adapter_step"), summary.get("best_step"), summary.get("steps")
+    if summary.get("last_adapter"):
+        return [("adapter", f"{adapter}   (step {step}, lowest held-out BPT)"),
+                ("last adapter", f"{summary['last_adapter']}   (step {last_step}, the last)")]
+    if summary.get("best_adapter"):
+        return [("adapter", f"{adapter}   (step {step}, the last)"),
+                ("best adapter", f"{summary['best_adapter']}   (step {best_step}, lowest held-out BPT)")]
     same = step is not None and step == best_step
-    return [("adapter", f"{last}" + (f"   (step {step}, the last and the best)" if same else ""))]
+    return [("adapter", f"{adapter}" + (f"   (step {step}, the last and the best)" if same else ""))]
 
 
 def format_summary(summary: dict, *, title: str = "done") -> str:

@@ -243,12 +243,13 @@ def test_controller_checks_are_one_copy_shared_by_config_and_controller():
         load_config(TINY, bad)
     with pytest.raises(ConfigError, match=r"controller\.lambda_max: must be > lambda_min"):
         SCUController(mode="fixed", lambda_min=2.0, lambda_max=1.0)
-    # the public API's keyword defaults are the config's defaults
+    # the public API's keyword defaults are the config's defaults, but for its mode: SCUController is the SCU
     import inspect
 
     d = ControllerConfig()
-    params = inspect.signature(SCUController).parameters
+    params = {k: p for k, p in inspect.signature(SCUController).parameters.items() if k != "mode"}
     assert {k: getattr(d, k) for k in params} == {k: p.default for k, p in params.items()}
+    assert SCUController().mode == "scu" and d.mode == "none"
 
 
 def test_make_ui_opens_the_store_the_config_uses(tmp_path):

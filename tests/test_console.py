@@ -153,6 +153,10 @@ def test_the_summary_names_both_adapters_and_the_plots_when_the_best_is_not_the_
     assert "  adapter          /r/output/adapter   (step 200, the last)" in both.splitlines()
     assert "  best adapter     /r/output/adapter_best   (step 20, lowest held-out BPT)" in both.splitlines()
     assert "  plots            /r/output/plots: s_tracking.png lambda.png" in both.splitlines()
+    # run.primary_adapter=best (the default): adapter/ is the best checkpoint's, the last step's beside it
+    best = format_summary({**base, "adapter_step": 20, "best_step": 20, "last_adapter": "/r/output/adapter_last"})
+    assert "  adapter          /r/output/adapter   (step 20, lowest held-out BPT)" in best.splitlines()
+    assert "  last adapter     /r/output/adapter_last   (step 200, the last)" in best.splitlines()
     one = format_summary({**base, "best_step": 200, "best_val_bpt": 4.7})
     assert "/r/output/adapter   (step 200, the last and the best)" in one and "best adapter" not in one
 

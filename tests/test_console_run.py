@@ -139,7 +139,7 @@ def test_when_the_best_checkpoint_is_not_the_last_both_adapters_are_exported_and
     from raytrain_scu.console import format_summary
     from raytrain_scu.driver.run import summarize
 
-    cfg = tiny_cfg(tmp_path, "both", "tracking.enabled=false", "train.max_steps=200")
+    cfg = tiny_cfg(tmp_path, "both", "tracking.enabled=false", "train.max_steps=200", "run.primary_adapter=last")
     last, best = _checkpoint(tmp_path / "ck200", 200), _checkpoint(tmp_path / "ck20", 20)
     metrics = {"step": 200, "val/data_bpt": 4.9, "ctrl/lambda_applied": 1.5, "ctrl/lambda": 1.6}
     result = SimpleNamespace(metrics=metrics, checkpoint=last, path=str(tmp_path / "both"),

@@ -260,7 +260,7 @@ def test_lambda_held_at_a_bound_is_said_once_per_stretch_with_what_it_means():
     from raytrain_scu.config.schema import ControllerConfig
     from raytrain_scu.core.bounds import BoundWatch
 
-    c = ControllerConfig(law="spec", lambda_min=1e-4, lambda_max=10.0, target_s=0.01, bound_notice_steps=3)
+    c = ControllerConfig(mode="scu", law="spec", lambda_min=1e-4, lambda_max=10.0, target_s=0.01, bound_notice_steps=3)
     w = BoundWatch(c)
     said = [w.update(step, lam, s_hat) for step, lam, s_hat in
             [(1, 5.0, 0.5), (2, 10.0, 0.4), (3, 10.0, 0.3), (4, 10.0, 0.2), (5, 10.0, 0.1), (6, 10.0, 0.05)]]
@@ -275,7 +275,7 @@ def test_lambda_held_at_a_bound_is_said_once_per_stretch_with_what_it_means():
     low = BoundWatch(c)
     assert [low.update(k, 1e-4, 0.001) for k in range(1, 5)][-1].startswith("λ has sat at its lower bound 0.0001")
     assert BoundWatch(ControllerConfig(mode="fixed", bound_notice_steps=1)).update(5, 10.0, 0.5) is None
-    off = BoundWatch(ControllerConfig(bound_notice_steps=0))
+    off = BoundWatch(ControllerConfig(mode="scu", bound_notice_steps=0))
     assert all(off.update(k, 10.0, 0.5) is None for k in range(1, 100))
     resumed = BoundWatch(c)  # a stretch carried over a checkpoint: neither restarted nor said again
     first = BoundWatch(c)
@@ -284,7 +284,8 @@ def test_lambda_held_at_a_bound_is_said_once_per_stretch_with_what_it_means():
     assert resumed.update(3, 10.0, 0.5) is None and "since step 1 (4 steps" in resumed.update(4, 10.0, 0.5)
     resumed.load_state_dict(resumed.state_dict())
     assert resumed.update(5, 10.0, 0.5) is None
-    logodds = BoundWatch(ControllerConfig(law="logodds", lambda_max=10.0, target_s=0.01, bound_notice_steps=1))
+    logodds = BoundWatch(ControllerConfig(mode="scu", law="logodds", lambda_max=10.0, target_s=0.01,
+                                          bound_notice_steps=1))
     said = [logodds.update(k, 10.0, 5e-5) for k in (1, 2)][-1]  # past S* at the bound: the law's own advice
     assert "logodds law moves ln λ back by its integral term" in said and "controller.logodds_ki" in said
     assert "controller.integral_limit" not in said

@@ -167,7 +167,7 @@ def test_modes_fixed_and_none_measure_only():
 
 def test_every_law_has_the_spec_telemetry_and_the_loop_can_call_it():
     for name, cls in LAWS.items():
-        c = laws.build(ControllerConfig(law=name, target_s=0.2))
+        c = laws.build(ControllerConfig(mode="scu", law=name, target_s=0.2))
         assert isinstance(c, cls)
         lam = laws.update(c, 4.0, 2.0, step=1, lr_factor=0.5)
         for attr in TELEMETRY:
@@ -180,7 +180,7 @@ def test_every_law_has_the_spec_telemetry_and_the_loop_can_call_it():
 def test_spec_law_from_the_table_is_the_spec_law_unchanged():
     rows = inputs(100)
     direct = SCUController(target_s=0.2, lambda_max=1e3)
-    built = laws.build(ControllerConfig(law="spec", target_s=0.2, lambda_max=1e3))
+    built = laws.build(ControllerConfig(mode="scu", law="spec", target_s=0.2, lambda_max=1e3))
     for t, (d, p, f) in enumerate(rows):
         assert laws.update(built, d, p, step=t + 1, lr_factor=f) == direct.update(d, p, step=t + 1)
 

@@ -251,7 +251,7 @@ def test_more_workers_than_the_joined_cluster_has_are_refused_before_any_starts(
 
 
 def test_summarize_downloads_each_remote_checkpoint_once(tmp_path, monkeypatch):
-    """The last checkpoint gives the adapter and the trace, the best one adapter_best/: each is read from the
+    """The last checkpoint gives adapter_last/ and the trace, the best one adapter/: each is read from the
     storage once (a pyarrow filesystem that is not the local one: Ray's Checkpoint.as_directory downloads it)."""
     import types
 
@@ -276,4 +276,4 @@ def test_summarize_downloads_each_remote_checkpoint_once(tmp_path, monkeypatch):
                                                      (ck4, {"val/data_bpt": 2.0, "step": 4})])
     summary = summarize(cfg, result, None, {}, [], {"use_gpu": False, "vocab_size": 100})
     assert sorted(downloads) == [ck2.path, ck4.path]
-    assert summary["best_step"] == 2 and summary["best_adapter"].endswith("adapter_best") and summary["plots"]
+    assert summary["best_step"] == 2 and summary["last_adapter"].endswith("adapter_last") and summary["plots"]

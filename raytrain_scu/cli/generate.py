@@ -1,7 +1,8 @@
 """``python -m raytrain_scu.generate RUN_DIR "prompt"``: try a trained adapter on its base model.
 
 RUN_DIR is a run directory (``<run.storage_path>/<run.name>``), its ``output/``, or one checkpoint directory. A
-finished run supplies ``output/config.yaml`` and ``output/adapter``; an unfinished one its newest good checkpoint.
+finished run supplies ``output/config.yaml`` and ``output/adapter``, its primary adapter (``run.primary_adapter``: by
+default the best checkpoint's); an unfinished one its newest good checkpoint.
 The base model is rebuilt from the run's config: a real model from the same local path, GGUF file or hub id (offline
 with ``HF_HUB_OFFLINE=1`` once cached), a random-init preset from ``output/base_model.json``, which records the seed,
 dtype and device its weights were drawn with.

@@ -208,6 +208,7 @@ def _check_run(cfg: Config) -> None:
            f"run.storage_path to the remote URI (the output goes to <storage_path>/<run.name>/output)")
     _check(r.max_failures >= -1, "run.max_failures", f"must be >= -1 (-1 = unlimited), got {r.max_failures}")
     _check(r.num_to_keep >= 1, "run.num_to_keep", f"must be >= 1, got {r.num_to_keep}")
+    _one_of("run.primary_adapter", r.primary_adapter, ("best", "last"))
 
     _check_tracking(cfg)
 

@@ -125,9 +125,11 @@ class OptimConfig:
 @dataclass
 class TrainConfig:
     max_steps: int = 100  # optimizer steps; a larger value on a finished run's name extends it
-    checkpoint_every: int = 50  # steps between checkpoints (and always at the end)
+    # steps between checkpoints (and always at the end); every checkpoint is evaluated, and the best adapter
+    # (run.primary_adapter=best) is chosen among them, so one at every evaluation makes it early stopping
+    checkpoint_every: int = 10
     report_every: int = 10  # steps between reports to Ray (progress, tokens/s, MFU)
-    eval_every: int = 50  # steps between held-out evaluations
+    eval_every: int = 10  # steps between held-out evaluations (study v3 evaluated every 10 of 200-300 steps)
     # validation blocks each eval scores, spread evenly over the split (0 or more than it has = the whole split):
     # one fixed set, the same whatever data.batch_size, data.grad_accum and scaling.num_workers are
     eval_blocks: int = 0
@@ -147,7 +149,10 @@ class TrainConfig:
 
 @dataclass
 class ControllerConfig:
-    mode: str = "scu"  # scu | fixed | none
+    # none (λ = 0) | fixed (λ = lambda_init) | scu (λ under the control law). none: with run.primary_adapter=best
+    # this is early stopping, what study v3 found the best one-run choice across its plants; the grid-free SCU
+    # target failed its pre-registered test on 2 of 3 plants (docs/ablation-v3.md, README "Does SCU help?")
+    mode: str = "none"
     # the update law under scu (core.laws.LAWS): logodds (PI on ln λ, log-odds error; docs/control.md), the GPU
     # study v2's choice (docs/ablation-v2.md) | spec (SCU_SPEC.md, exact). Each reads its own gains (LAW_KEYS)
     law: str = "logodds"
@@ -209,6 +214,10 @@ class RunConfig:
     storage_path: str = "~/raytrain_scu_runs"
     max_failures: int = 3  # worker-group restarts Ray Train makes before the run fails
     num_to_keep: int = 2  # checkpoints kept: the best by val/data_bpt, plus the latest
+    # which checkpoint's adapter is the run's adapter (output/adapter, MLflow's "adapter", generate's): best (lowest
+    # held-out BPT among the checkpoints: early stopping; the last step's goes to output/adapter_last when it is
+    # another step) | last (the last step's; the best goes to output/adapter_best when it is another step)
+    primary_adapter: str = "best"
     output_dir: str = ""  # "" = <storage_path>/<name>/output
 
 

@@ -82,8 +82,10 @@ class SCUController:
                  integral_limit: float = _D.integral_limit, lambda_init: float = _D.lambda_init,
                  lambda_min: float = _D.lambda_min, lambda_max: float = _D.lambda_max,
                  saturation_window: int = _D.saturation_window, saturation_rel_tol: float = _D.saturation_rel_tol,
-                 mode: str = _D.mode):
-        # defaults and checks live in config.py alone (ControllerConfig, check_controller): one truth for both
+                 mode: str = "scu"):
+        # defaults and checks live in config.py alone (ControllerConfig, check_controller): one truth for both. The
+        # mode is the exception: this class is the SCU, so it is one unless told otherwise, whatever a run's default
+        # controller.mode is
         check_controller(ControllerConfig(
             mode=mode, law="spec", target_s=target_s, kp=kp, ki=ki, ema_alpha=ema_alpha, deadband=deadband,
             leak=leak, integral_limit=integral_limit, lambda_init=lambda_init, lambda_min=lambda_min,

@@ -57,7 +57,7 @@ class LogOddsController:
                  max_step: float = _D.logodds_max_step, hold_error: float = _D.logodds_hold_error,
                  lambda_init: float = _D.lambda_init, lambda_min: float = _D.lambda_min,
                  lambda_max: float = _D.lambda_max, saturation_window: int = _D.saturation_window,
-                 saturation_rel_tol: float = _D.saturation_rel_tol, mode: str = _D.mode):
+                 saturation_rel_tol: float = _D.saturation_rel_tol, mode: str = "scu"):
         check_controller(ControllerConfig(
             mode=mode, law="logodds", target_s=target_s, lambda_init=lambda_init, lambda_min=lambda_min,
             lambda_max=lambda_max, saturation_window=saturation_window, saturation_rel_tol=saturation_rel_tol,

@@ -3,6 +3,7 @@ control trace (plots, history). ``driver.run.summarize`` calls these."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 from pathlib import Path
@@ -13,7 +14,8 @@ import torch
 from raytrain_scu.config.schema import Config
 from raytrain_scu.plots import plot_history
 
-BEST_ADAPTER = "adapter_best"  # beside adapter/ when the best checkpoint is not the last step's
+# the adapter that is not the primary one (run.primary_adapter), beside adapter/ when it is another step
+OTHER_ADAPTER = {"best": "adapter_best", "last": "adapter_last"}
 HISTORY = "scu_history.json"  # the per-step rows the plots are drawn from (MLflow has the same artifact)
 
 
@@ -44,20 +46,47 @@ def export_adapter(checkpoint_dir: Path, dest: Path) -> Path:
     return dest
 
 
-def export_adapters(last_dir: Optional[Path], last_step: Optional[int], best: Optional[tuple], out: Path) -> dict:
-    """``adapter/``: the last step's (from the local checkpoint directory ``last_dir``); ``adapter_best/`` beside it
-    when the best checkpoint (``(local dir, metrics)``, lowest held-out BPT) is another step, so neither is taken
-    for the other. Returns the summary's ``adapter``, ``adapter_step`` and ``best_adapter`` (None when the last is
-    the best)."""
-    found = {"adapter_step": last_step, "best_adapter": None}
-    if last_dir is not None:
-        found["adapter"] = str(export_adapter(last_dir, out / "adapter"))
+def export_adapters(last_dir: Optional[Path], last_step: Optional[int], best: Optional[tuple], out: Path,
+                    primary: str = "best") -> dict:
+    """``adapter/``: the primary adapter, ``primary`` (run.primary_adapter): the best checkpoint's (``(local dir,
+    metrics)``, lowest held-out BPT) or the last step's (from the local checkpoint directory ``last_dir``). The other
+    one goes beside it, ``adapter_last/`` or ``adapter_best/``, when it is another step, so neither is taken for the
+    other; without a best checkpoint the last step's is the primary. Returns the summary's ``adapter``,
+    ``adapter_step``, ``primary_adapter`` (best | last: what ``adapter/`` holds) and ``last_adapter`` /
+    ``best_adapter`` (the other one's path, None when it is not apart)."""
     best_step = best[1].get("step") if best is not None else None
-    if best is not None and best_step != last_step:
-        found["best_adapter"] = str(export_adapter(best[0], out / BEST_ADAPTER))
+    dirs = {"last": last_dir, "best": best[0] if best is not None else None}
+    steps = {"last": last_step, "best": best_step}
+    first = primary if dirs[primary] is not None else "last"
+    other = "best" if first == "last" else "last"
+    found = {"adapter_step": steps[first], "primary_adapter": first, "last_adapter": None, "best_adapter": None}
+    if dirs[first] is not None:
+        found["adapter"] = str(export_adapter(dirs[first], out / "adapter"))
+    if dirs[other] is not None and steps[other] != steps[first]:
+        found[f"{other}_adapter"] = str(export_adapter(dirs[other], out / OTHER_ADAPTER[other]))
     else:  # an extended run's earlier best is no longer apart from the last
-        shutil.rmtree(out / BEST_ADAPTER, ignore_errors=True)
+        shutil.rmtree(out / OTHER_ADAPTER[other], ignore_errors=True)
+    shutil.rmtree(out / OTHER_ADAPTER[first], ignore_errors=True)  # left by a run under the other primary_adapter
     return found
+
+
+def unexported_best(history: list[dict], best_step: Optional[int]) -> Optional[str]:
+    """A note when the lowest held-out BPT of the run's evaluations was measured where no checkpoint was kept (the
+    base model at step 0, or an evaluation between checkpoints), so the best adapter is not the best evaluation's;
+    None when it is."""
+    evals = [(r["val/data_bpt"], r["step"]) for r in history
+             if isinstance(r.get("val/data_bpt"), (int, float)) and math.isfinite(r["val/data_bpt"])]
+    if not evals or best_step is None:
+        return None
+    val, step = min(evals, key=lambda e: (e[0], -e[1]))
+    if step == best_step or val >= next((v for v, s in evals if s == best_step), math.inf):
+        return None
+    if step == 0:
+        return (f"the untrained adapter's held-out BPT ({val:.4g}, step 0) is lower than every checkpoint's: "
+                f"training did not lower it")
+    return (f"the lowest held-out BPT ({val:.4g}) was at step {step}, which has no checkpoint: the best adapter is "
+            f"step {best_step}'s (train.checkpoint_every that divides train.eval_every keeps one at every "
+            f"evaluation)")
 
 
 def history_of(checkpoint_dir: Path) -> list[dict]:

@@ -36,6 +36,7 @@ from raytrain_scu.ray.callbacks import Sink
 from raytrain_scu.tracking.revisions import config_changes, format_changes, record_config_revision, recorded_config
 from raytrain_scu.tracking.store import (
     end_run,
+    log_adapter,
     log_best_checkpoint,
     open_run,
     remember_run_id,
@@ -269,8 +270,9 @@ def _log_best(cfg: Config, result, run_id: Optional[str], summary: dict, notes: 
 
 
 def summarize(cfg: Config, result, run_id: Optional[str], changes: dict, notes: list, facts: dict) -> dict:
-    """After fit(): log the best checkpoint; write the adapter (and adapter_best/ when the best checkpoint is another
-    step), the control trace (scu_history.json, plots/), config.yaml, summary.json and base_model.json (what rebuilds
+    """After fit(): log the best checkpoint; write the primary adapter (run.primary_adapter: the best checkpoint's or
+    the last step's) to adapter/, the other beside it when it is another step (and to MLflow as ``adapter`` when it is
+    the best), the control trace (scu_history.json, plots/), config.yaml, summary.json and base_model.json (what rebuilds
     the base model: generate) to the output directory (local, or on the remote storage); returns the summary."""
     paths = RunPaths.of(cfg)
     last = result.metrics or {}
@@ -293,9 +295,15 @@ def summarize(cfg: Config, result, run_id: Optional[str], changes: dict, notes: 
             best = _log_best(cfg, result, run_id, summary, notes, local)
             last_dir = local(result.checkpoint) if result.checkpoint is not None else None
         with _writing_output(cfg) as out:
-            found = outputs.export_adapters(last_dir, last.get("step"), best, out)
+            found = outputs.export_adapters(last_dir, last.get("step"), best, out, cfg.run.primary_adapter)
+            summary["primary_adapter"] = found.pop("primary_adapter")  # a word, not a path under the output
             if last_dir is not None:
                 found["plots"] = outputs.write_trace(cfg, last_dir, out)
+                note = outputs.unexported_best(outputs.history_of(last_dir), summary.get("best_step"))
+                notes.extend([note] if note else [])
+            if run_id and summary["primary_adapter"] == "best":  # the workers logged the last step's as adapter_last
+                warn = log_adapter(cfg, run_id, str(out / "adapter"))
+                notes.extend([warn] if warn else [])
             summary.update(_in_output(found, out, paths.output))
             (out / "config.yaml").write_text(to_yaml(cfg, redact=True))
             (out / BASE_RECIPE).write_text(json.dumps(base_recipe(cfg, use_gpu=facts["use_gpu"],

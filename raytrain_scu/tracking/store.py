@@ -168,6 +168,16 @@ def log_best_checkpoint(cfg: Config, run_id: str, ckpt_dir: str, *, step: int, v
         return f"best checkpoint not logged to MLflow: {type(e).__name__}: {redact_uri(str(e))[:200]}"
 
 
+def log_adapter(cfg: Config, run_id: str, adapter_dir: str) -> Optional[str]:
+    """Driver side, after fit(): the run's primary adapter (run.primary_adapter=best: the best checkpoint's) as the
+    ``adapter`` artifact. Returns a warning text on failure."""
+    try:
+        client_for(tracking_uri(cfg)).log_artifacts(run_id, adapter_dir, artifact_path="adapter")
+        return None
+    except Exception as e:  # noqa: BLE001
+        return f"adapter not logged to MLflow: {type(e).__name__}: {redact_uri(str(e))[:200]}"
+
+
 # ---------------------------------------------------------------- sweeps: one parent run, one child run per trial
 
 SWEEP_TAG = "raytrain_scu.sweep"  # the sweep's name, on the parent and on every child

@@ -218,9 +218,10 @@ class MlflowTracker(NullTracker):
             plots = t / "plots"
             plot_history(history, plots, target_s=self.cfg.controller.target_s, title=self.cfg.run.name)
             self.client.log_artifacts(self.run_id, str(plots), artifact_path="plots")
-            if model is not None:
-                model.save_pretrained(str(t / "adapter"), safe_serialization=True)
-                self.client.log_artifacts(self.run_id, str(t / "adapter"), artifact_path="adapter")
+            if model is not None:  # the last step's: "adapter" when it is the primary one, else the driver logs that
+                name = "adapter" if self.cfg.run.primary_adapter == "last" else "adapter_last"
+                model.save_pretrained(str(t / name), safe_serialization=True)
+                self.client.log_artifacts(self.run_id, str(t / name), artifact_path=name)
 
 
 def for_rank(cfg: Config, rank: int, run_id: Optional[str] = None, parent_run_id: Optional[str] = None):

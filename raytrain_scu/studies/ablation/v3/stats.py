@@ -27,6 +27,8 @@ GAPS = (
     ("2 best fixed λ − 4 early stopping", "best", "early"),
 )
 PATH_FRACTIONS = (0.1, 0.25, 0.5, 0.75, 1.0)  # where the λ path is read, as fractions of the run's steps
+EARLY_STOP = "none, stopped early (arm 4)"
+LAW_BEST = "law's best checkpoint (arm 5)"
 
 
 def _nats(ts: list[dict]) -> dict:
@@ -73,7 +75,7 @@ def plant_numbers(plant: dict, rules: dict, n_boot: int) -> dict:
     for t in v2.by_arm(trials, p.LAW).get(law_name, []):
         if t.get("evals"):
             out["law_best"][t["seed"]] = p.best_eval(t)
-    for key, label in (("early_stop", "none, stopped early (arm 4)"), ("law_best", "law's best checkpoint (arm 5)")):
+    for key, label in (("early_stop", EARLY_STOP), ("law_best", LAW_BEST)):
         es = list(out[key].values())
         if es:
             rep = t_interval([e["report_bpt"] for e in es])
@@ -127,3 +129,21 @@ def overall(per: dict, plants) -> dict:
         text = ("not decided: plant(s) " + ", ".join(pl for pl, v in verdicts.items() if v is None)
                 + " are not complete")
     return {"verdicts": verdicts, "adopt": all(v is True for v in verdicts.values()), "text": text}
+
+
+def one_run_arms(per: dict, plants, rules: dict) -> dict | None:
+    """The arms a user runs once, without a grid (1 the law, 3 λ carried over, 4 early stopping, 5 the law's best
+    checkpoint), across the plants once every plant is complete: each arm's mean report BPT per plant, its gap to the
+    plant's best one-run arm, and its worst and mean gap. ``chosen``: the arm whose worst gap is smallest. This
+    criterion is not in the protocol: §5 did not say what "won" means when the winner differs by plant, and it was
+    chosen after the results were seen."""
+    if not all(pl in per and per[pl]["complete"] for pl in plants):
+        return None
+    names = {"law": f"{p.LAW} S*={rules['target_s']:g}", "carried": f"fixed λ={rules['carried_lambda']:g}",
+             "early": EARLY_STOP, "law_best": LAW_BEST}
+    bpt = {pl: {k: next(a["report_bpt"] for a in per[pl]["arms"] if a["arm"] == name) for k, name in names.items()}
+           for pl in plants}
+    gap = {k: {pl: bpt[pl][k] - min(bpt[pl].values()) for pl in plants} for k in names}
+    worst = {k: max(g.values()) for k, g in gap.items()}
+    return {"arms": names, "bpt": bpt, "gap": gap, "worst": worst,
+            "mean": {k: float(np.mean(list(g.values()))) for k, g in gap.items()}, "chosen": min(worst, key=worst.get)}
