@@ -415,15 +415,15 @@ def test_a_hung_worker_then_a_killed_one_and_the_run_recovers_exactly(clean_run,
 
     threading.Thread(target=faults, daemon=True).start()
     t0 = time.time()
-    faulty = run(tiny_cfg(tmp_path, "faulty", *FAULT_RUN, "train.hang_timeout_s=15"), quiet=True)
+    faulty = run(tiny_cfg(tmp_path, "faulty", *FAULT_RUN, "train.hang_timeout_s=30"), quiet=True)
     faulty_s = time.time() - t0
     out = capsys.readouterr().out
 
     # hung: found from outside after the timeout, not much later, and said once
     assert "error" not in stop and "RayTrainWorker" in stop["cmdline"], stop
-    assert 14.5 <= stop["killed_after_s"] < 15 + 60, stop
+    assert 29.5 <= stop["killed_after_s"] < 30 + 60, stop
     notice = [line for line in out.splitlines() if "no step completed in" in line]
-    assert len(notice) == 1 and "train.hang_timeout_s=15" in notice[0] and str(stop["pid"]) in notice[0], out
+    assert len(notice) == 1 and "train.hang_timeout_s=30" in notice[0] and str(stop["pid"]) in notice[0], out
     assert "killed the worker group" in notice[0] and "last completed step 10" in notice[0]
 
     # killed: rank 0 of the restarted group, after step 15, while checkpoint 10 was the newest
@@ -1038,8 +1038,13 @@ def two_node_scenario(storage: str) -> dict:
     hold = Path(storage) / "hold"
     os.environ.update(RAYTRAIN_SCU_HOLD_AT_STEP="15", RAYTRAIN_SCU_HOLD_DIR=str(hold))
     t0 = time.time()
-    # the state API needs the head's dashboard; 8265 may be another Ray's on this box
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "dashboard_port": free_port()})
+    # the state API needs the head's dashboard; 8265 may be another Ray's on this box. The GCS checks each node's
+    # health every second and takes 3 failed checks in a row for a lost node (Ray's defaults: every 3 s, 5 in a row);
+    # a dead node's checks fail at once, a live one has 5 s to answer each. Measured on an idle 2-core machine: the
+    # new worker group started 5.4 s after the node's loss, against 9.0 s with the defaults (38 s against 43 s in all)
+    health = {"health_check_period_ms": 1000, "health_check_timeout_ms": 5000, "health_check_failure_threshold": 3}
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "dashboard_port": free_port(),
+                                                            "_system_config": health})
     worker_node = cluster.add_node(num_cpus=2)
     ray.init(address=cluster.address, log_to_driver=False)
     out = {"head": cluster.head_node.node_id, "worker_node": worker_node.node_id,
