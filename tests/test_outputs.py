@@ -31,18 +31,19 @@ class Checkpoint:
         yield self.path
 
 
-def finished(tmp_path, *overrides):
-    """summarize() of a 200-step run checkpointed at steps 20 and 200, whose held-out BPT was lowest at step 20."""
+def finished(tmp_path, *overrides, val_bpt=None, run_id=None):
+    """summarize() of a 200-step run checkpointed at steps 20 and 200, whose held-out BPT was lowest at step 20 (or
+    ``val_bpt``), logged into the MLflow run ``run_id``."""
     from types import SimpleNamespace
 
-    val_bpt = {0: 6.0, 20: 4.7, 200: 4.9}
+    val_bpt = val_bpt or {0: 6.0, 20: 4.7, 200: 4.9}
     cfg = tiny_cfg(tmp_path, "r", "tracking.enabled=false", "train.max_steps=200", *overrides)
     last = Checkpoint(tmp_path / "ck200", 200, val_bpt)
     best = Checkpoint(tmp_path / "ck20", 20, val_bpt)
     metrics = {"step": 200, "val/data_bpt": val_bpt[200]}
     result = SimpleNamespace(metrics=metrics, checkpoint=last,
                              best_checkpoints=[(last, metrics), (best, {"step": 20, "val/data_bpt": val_bpt[20]})])
-    return summarize(cfg, result, None, {}, [], {"use_gpu": False, "vocab_size": 2048}), tmp_path / "r" / "output"
+    return summarize(cfg, result, run_id, {}, [], {"use_gpu": False, "vocab_size": 2048}), tmp_path / "r" / "output"
 
 
 def step_of(adapter_dir: Path) -> int:
@@ -84,6 +85,27 @@ def test_switching_primary_adapter_on_one_output_leaves_no_stale_directory(tmp_p
     # no best checkpoint (no finite held-out BPT): the last step's is the primary whatever was asked
     found = outputs.export_adapters(Path(ck[200].path), 200, None, out, "best")
     assert found["primary_adapter"] == "last" and sorted(p.name for p in out.iterdir()) == ["adapter"]
+
+
+@pytest.mark.parametrize("driver_opened", [True, False])
+def test_without_a_best_checkpoint_mlflows_adapter_is_the_last_steps_as_in_the_output(tmp_path, driver_opened):
+    """No checkpoint has a finite held-out BPT, so adapter/ is the last step's under primary_adapter=best; MLflow's
+    adapter is the same, in the run the driver opened or, when MLflow was unreachable at the driver's start, in the
+    one rank 0 opened (found by its run key)."""
+    from raytrain_scu.tracking.store import client_for, open_run, tracking_uri
+
+    on = ["tracking.enabled=true"]
+    cfg = tiny_cfg(tmp_path, "r", "train.max_steps=200", *on)
+    run_id = open_run(cfg)  # the driver's, or rank 0's own
+    nan = float("nan")
+    summary, out = finished(tmp_path, *on, val_bpt={0: nan, 20: nan, 200: nan},
+                            run_id=run_id if driver_opened else None)
+    assert (summary["primary_adapter"], summary["adapter_step"], summary["mlflow_run_id"]) == ("last", 200, run_id)
+    assert sorted(p.name for p in out.glob("adapter*")) == ["adapter"] and step_of(out / "adapter") == 200
+    client = client_for(tracking_uri(cfg))
+    logged = client.download_artifacts(run_id, "adapter", str(tmp_path / "from_mlflow"))
+    assert step_of(Path(logged)) == 200
+    assert [f.path for f in client.list_artifacts(run_id) if f.path.startswith("best")] == []
 
 
 @pytest.mark.parametrize("val_bpt, says", [

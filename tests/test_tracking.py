@@ -115,13 +115,14 @@ def test_params_metrics_and_artifacts(restarted):
     assert json.loads(Path(meta).read_text())["step"] == best_step, val
     assert r.data.tags[BEST_STEP_TAG] == str(best_step) and summary["best_step"] == best_step
     assert summary["best_val_bpt"] == pytest.approx(val[best_step])
-    # MLflow's adapter is the run's primary one (run.primary_adapter=best): the best checkpoint's; the last step's
-    # is adapter_last
+    # MLflow's adapter is what output/adapter holds, the run's primary one (run.primary_adapter=best): the best
+    # checkpoint's; the last step's is adapter_last
     assert "adapter_last/adapter_model.safetensors" in arts
     got = {name: Path(client.download_artifacts(r.info.run_id, f"{name}/adapter_model.safetensors",
                                                 str(tmp_path / "artifacts" / name))).read_bytes()
            for name in ("adapter", "best_checkpoint/adapter")}
     assert got["adapter"] == got["best_checkpoint/adapter"]
+    assert got["adapter"] == (Path(summary["adapter"]) / "adapter_model.safetensors").read_bytes()  # output/adapter
 
 
 def test_restart_continues_the_same_run_without_duplicate_steps(rerun):

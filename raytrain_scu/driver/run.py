@@ -36,6 +36,7 @@ from raytrain_scu.ray.callbacks import Sink
 from raytrain_scu.tracking.revisions import config_changes, format_changes, record_config_revision, recorded_config
 from raytrain_scu.tracking.store import (
     end_run,
+    find_run,
     log_adapter,
     log_best_checkpoint,
     open_run,
@@ -269,12 +270,30 @@ def _log_best(cfg: Config, result, run_id: Optional[str], summary: dict, notes: 
     return best_dir, best[1]
 
 
+def _run_rank0_opened(cfg: Config, notes: list) -> Optional[str]:
+    """The MLflow run rank 0 opened when the driver could not (found by its run key), so the best checkpoint and the
+    adapter go into it; None, with a note, when the store has none or is still unreachable."""
+    try:
+        run_id = find_run(cfg)
+    except Exception as e:  # noqa: BLE001 - tracking never fails a finished run
+        notes.append(f"MLflow unreachable after the run ({type(e).__name__}): no adapter or best checkpoint logged")
+        return None
+    if run_id is None:
+        notes.append("MLflow has no run of this training run: no adapter or best checkpoint logged")
+        return None
+    remember_run_id(cfg, run_id)
+    return run_id
+
+
 def summarize(cfg: Config, result, run_id: Optional[str], changes: dict, notes: list, facts: dict) -> dict:
     """After fit(): log the best checkpoint; write the primary adapter (run.primary_adapter: the best checkpoint's or
-    the last step's) to adapter/, the other beside it when it is another step (and to MLflow as ``adapter`` when it is
-    the best), the control trace (scu_history.json, plots/), config.yaml, summary.json and base_model.json (what rebuilds
-    the base model: generate) to the output directory (local, or on the remote storage); returns the summary."""
+    the last step's) to adapter/, the other beside it when it is another step, the control trace (scu_history.json,
+    plots/), config.yaml, summary.json and base_model.json (what rebuilds the base model: generate) to the output
+    directory (local, or on the remote storage); MLflow's ``adapter`` is what adapter/ holds. ``run_id`` None with
+    tracking on (MLflow unreachable at start): the run rank 0 opened, found by its run key. Returns the summary."""
     paths = RunPaths.of(cfg)
+    if run_id is None and cfg.tracking.enabled:
+        run_id = _run_rank0_opened(cfg, notes)
     last = result.metrics or {}
     # λ as the last progress line shows it: the value the last step's loss used (ctrl/lambda is the next step's)
     summary = {"run": cfg.run.name, "steps": last.get("step"), "val_bpt_start": last.get("val/data_bpt_start"),
@@ -301,7 +320,10 @@ def summarize(cfg: Config, result, run_id: Optional[str], changes: dict, notes: 
                 found["plots"] = outputs.write_trace(cfg, last_dir, out)
                 note = outputs.unexported_best(outputs.history_of(last_dir), summary.get("best_step"))
                 notes.extend([note] if note else [])
-            if run_id and summary["primary_adapter"] == "best":  # the workers logged the last step's as adapter_last
+            # rank 0 logged the last step's adapter: as adapter under primary_adapter=last, where adapter/ is always
+            # the last step's; as adapter_last otherwise, where adapter/ is the best checkpoint's or, with no best
+            # checkpoint, the last step's
+            if run_id and cfg.run.primary_adapter != "last" and "adapter" in found:
                 warn = log_adapter(cfg, run_id, str(out / "adapter"))
                 notes.extend([warn] if warn else [])
             summary.update(_in_output(found, out, paths.output))

@@ -92,16 +92,28 @@ def experiment_id(client, name: str, uri: str) -> str:
         return client.get_experiment_by_name(name).experiment_id
 
 
+def _run_with_key(client, exp_id: str, cfg: Config) -> Optional[str]:
+    found = client.search_runs([exp_id], filter_string=f"tags.`{RUN_KEY_TAG}` = '{run_key(cfg)}'", max_results=1)
+    return found[0].info.run_id if found else None
+
+
+def find_run(cfg: Config) -> Optional[str]:
+    """The MLflow run id of this training run, found by its run-key tag; None when the store has none. Raises on an
+    unreachable store."""
+    client = client_for(tracking_uri(cfg))
+    exp = client.get_experiment_by_name(cfg.tracking.experiment or cfg.run.name)
+    return None if exp is None else _run_with_key(client, exp.experiment_id, cfg)
+
+
 def _find_or_create_run(cfg: Config, parent_run_id: Optional[str] = None) -> str:
     """The MLflow run id for this training run: found by its run-key tag, else created."""
     uri = tracking_uri(cfg)
     client = client_for(uri)
     exp_id = experiment_id(client, cfg.tracking.experiment or cfg.run.name, uri)
-    key = run_key(cfg)
-    found = client.search_runs([exp_id], filter_string=f"tags.`{RUN_KEY_TAG}` = '{key}'", max_results=1)
-    if found:
-        return found[0].info.run_id
-    tags = {RUN_KEY_TAG: key, "mlflow.runName": cfg.run.name}
+    found = _run_with_key(client, exp_id, cfg)
+    if found is not None:
+        return found
+    tags = {RUN_KEY_TAG: run_key(cfg), "mlflow.runName": cfg.run.name}
     if parent_run_id:
         tags[PARENT_TAG] = parent_run_id
     return client.create_run(exp_id, tags=tags, run_name=cfg.run.name).info.run_id
@@ -169,8 +181,8 @@ def log_best_checkpoint(cfg: Config, run_id: str, ckpt_dir: str, *, step: int, v
 
 
 def log_adapter(cfg: Config, run_id: str, adapter_dir: str) -> Optional[str]:
-    """Driver side, after fit(): the run's primary adapter (run.primary_adapter=best: the best checkpoint's) as the
-    ``adapter`` artifact. Returns a warning text on failure."""
+    """Driver side, after fit(): what the output's ``adapter/`` holds (the run's primary adapter) as the ``adapter``
+    artifact. Returns a warning text on failure."""
     try:
         client_for(tracking_uri(cfg)).log_artifacts(run_id, adapter_dir, artifact_path="adapter")
         return None

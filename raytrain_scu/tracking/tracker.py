@@ -218,7 +218,10 @@ class MlflowTracker(NullTracker):
             plots = t / "plots"
             plot_history(history, plots, target_s=self.cfg.controller.target_s, title=self.cfg.run.name)
             self.client.log_artifacts(self.run_id, str(plots), artifact_path="plots")
-            if model is not None:  # the last step's: "adapter" when it is the primary one, else the driver logs that
+            # the last step's adapter: "adapter" under primary_adapter=last (output/adapter is the last step's then);
+            # else "adapter_last", and the driver logs output/adapter as "adapter" (the best checkpoint's, or with
+            # no best checkpoint the last step's)
+            if model is not None:
                 name = "adapter" if self.cfg.run.primary_adapter == "last" else "adapter_last"
                 model.save_pretrained(str(t / name), safe_serialization=True)
                 self.client.log_artifacts(self.run_id, str(t / name), artifact_path=name)
