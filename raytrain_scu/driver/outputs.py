@@ -47,7 +47,7 @@ def export_adapter(checkpoint_dir: Path, dest: Path) -> Path:
 
 
 def export_adapters(last_dir: Optional[Path], last_step: Optional[int], best: Optional[tuple], out: Path,
-                    primary: str = "best") -> dict:
+                    primary: str) -> dict:
     """``adapter/``: the primary adapter, ``primary`` (run.primary_adapter): the best checkpoint's (``(local dir,
     metrics)``, lowest held-out BPT) or the last step's (from the local checkpoint directory ``last_dir``). The other
     one goes beside it, ``adapter_last/`` or ``adapter_best/``, when it is another step, so neither is taken for the
@@ -64,7 +64,7 @@ def export_adapters(last_dir: Optional[Path], last_step: Optional[int], best: Op
         found["adapter"] = str(export_adapter(dirs[first], out / "adapter"))
     if dirs[other] is not None and steps[other] != steps[first]:
         found[f"{other}_adapter"] = str(export_adapter(dirs[other], out / OTHER_ADAPTER[other]))
-    else:  # an extended run's earlier best is no longer apart from the last
+    else:  # the other one is the primary's step (or absent): a copy left by an earlier export of this output goes
         shutil.rmtree(out / OTHER_ADAPTER[other], ignore_errors=True)
     shutil.rmtree(out / OTHER_ADAPTER[first], ignore_errors=True)  # left by a run under the other primary_adapter
     return found
