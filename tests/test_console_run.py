@@ -113,8 +113,9 @@ def test_the_run_directory_holds_the_plots_and_the_adapter_the_summary_names(qui
     summary = json.loads((output / "summary.json").read_text())
     adapter = re.search(r"^  adapter\s+(\S+)(.*)$", out.stdout, re.M)
     assert adapter and Path(adapter.group(1)) == output / "adapter" and (output / "adapter").is_dir()
-    # the best checkpoint here is the last one: one adapter, said to be both
-    assert summary["best_step"] == 10 and summary["best_adapter"] is None and not (output / "adapter_best").exists()
+    # the best checkpoint here is the last one: one adapter (the primary, the best checkpoint's), said to be both
+    assert (summary["primary_adapter"], summary["adapter_step"], summary["best_step"]) == ("best", 10, 10)
+    assert summary["last_adapter"] is None and not (output / "adapter_last").exists()
     assert adapter.group(2).strip() == "(step 10, the last and the best)"
 
 
@@ -132,8 +133,8 @@ def _checkpoint(path: Path, step: int):
 
 
 def test_when_the_best_checkpoint_is_not_the_last_both_adapters_are_exported_and_named(tmp_path):
-    """A run whose best held-out BPT was at step 20 of 200: adapter/ is step 200's, adapter_best/ step 20's, and the
-    summary says which is which (it used to export step 200's alone, as "the adapter")."""
+    """A run whose best held-out BPT was at step 20 of 200, under run.primary_adapter=last: adapter/ is step 200's,
+    adapter_best/ step 20's, and the summary says which is which."""
     from types import SimpleNamespace
 
     from raytrain_scu.console import format_summary
