@@ -40,7 +40,8 @@ from raytrain_scu.tracking.store import (
 def trial_rows(results, base: Config, space: dict) -> list[dict]:
     """One row per trial, best first: id, swept values, grad_accum, global batch, metric, steps, status.
 
-    The metric is the trial's last value reported to Tune, at step ``scored_step``; ``steps`` is how far it trained
+    The metric is the trial's last value reported to Tune, at step ``scored_step``, not its best (the adapter of a run
+    under run.primary_adapter=best is its best checkpoint's: docs/sweep.md); ``steps`` is how far it trained
     (a stopped trial's workers may log a few steps more before they end: :func:`sync_with_mlflow`). Status, in
     MLflow's words so the table, trials.csv and the MLflow run agree: FINISHED (reached train.max_steps, or ended by
     train.stop_on_saturation), KILLED (stopped early by Tune: ASHA or the time budget), FAILED, PENDING (never
