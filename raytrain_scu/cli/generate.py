@@ -2,7 +2,8 @@
 
 RUN_DIR is a run directory (``<run.storage_path>/<run.name>``), its ``output/``, or one checkpoint directory. A
 finished run supplies ``output/config.yaml`` and ``output/adapter``, its primary adapter (``run.primary_adapter``: by
-default the best checkpoint's); an unfinished one its newest good checkpoint.
+default the best checkpoint's); an unfinished one its newest good checkpoint, which is not necessarily the best (the
+best is chosen when the run finishes): give a checkpoint directory to try another one.
 The base model is rebuilt from the run's config: a real model from the same local path, GGUF file or hub id (offline
 with ``HF_HUB_OFFLINE=1`` once cached), a random-init preset from ``output/base_model.json``, which records the seed,
 dtype and device its weights were drawn with.
@@ -22,7 +23,9 @@ from raytrain_scu.errors import EvalError, GenerateError, ModelError
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m raytrain_scu.generate", description=__doc__.split("\n\n")[0])
-    p.add_argument("run_dir", help="<run.storage_path>/<run.name>, its output/, or a checkpoint directory")
+    p.add_argument("run_dir", help="<run.storage_path>/<run.name> (finished: its output/adapter; unfinished: its "
+                                   "newest good checkpoint, not necessarily the best), its output/, or a checkpoint "
+                                   "directory")
     p.add_argument("prompt")
     p.add_argument("--max-new-tokens", type=int, default=60)
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
