@@ -153,15 +153,15 @@ PLAIN_RUN = ["train.max_steps=6", "train.report_every=3", "train.checkpoint_ever
 def plain_run(ray_local, tmp_path_factory):
     """(storage, summary) of one plain 2-worker tiny run with MLflow (PLAIN_RUN), trained once per session. Under
     xdist its storage is the one both processes share (the parent of their temporary directories): the first to ask
-    trains it, holding a lock, and the other waits for the lock and gets the finished run's summary the way a
-    re-run does (driver.run: a finished run is reported without Ray)."""
+    trains it, holding a lock, and the other waits for the lock (at most 15 minutes) and gets the finished run's
+    summary the way a re-run does (driver.run: a finished run is reported without Ray)."""
     from filelock import FileLock
 
     from raytrain_scu.driver.run import run
 
     base = tmp_path_factory.getbasetemp()
     storage = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "plain-shared"
-    with FileLock(f"{storage}.lock"):
+    with FileLock(f"{storage}.lock", timeout=900):
         return storage, run(tiny_cfg(storage, "plain", *PLAIN_RUN), quiet=True)
 
 

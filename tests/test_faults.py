@@ -43,6 +43,33 @@ def wait_for(predicate, timeout_s: float, what: str):
 
 # ---------------------------------------------------------------- a full disk while a checkpoint is written
 
+def test_a_hold_and_a_pause_happen_the_first_time_their_step_is_reached_and_need_a_directory(tmp_path, monkeypatch):
+    """The hold writes rank<R>.pid and waits to be killed (here: its wait runs out at once), the pause writes
+    rank<R>.paused and waits for ``go``; a restarted attempt that reaches the step again goes on. Without
+    RAYTRAIN_SCU_HOLD_DIR either is refused: a shared default directory's leftover files would turn it off."""
+    from raytrain_scu.errors import InjectedFault
+    from raytrain_scu.worker.faults import Faults, hold_for_kill, pause_until_go
+
+    monkeypatch.delenv("RAYTRAIN_SCU_HOLD_DIR", raising=False)
+    for key in ("RAYTRAIN_SCU_HOLD_AT_STEP", "RAYTRAIN_SCU_PAUSE_AT_STEP"):
+        monkeypatch.setenv(key, "3")
+        with pytest.raises(ValueError, match=f"{key} needs RAYTRAIN_SCU_HOLD_DIR"):
+            Faults.from_env()
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("RAYTRAIN_SCU_HOLD_DIR", str(tmp_path))
+    with pytest.raises(InjectedFault, match="held after step 3"):
+        hold_for_kill(3, seconds=0)
+    assert (tmp_path / "rank0.pid").read_text() == f"{os.getpid()} 3"
+    hold_for_kill(3, seconds=0)  # reached again after a restart: goes on
+    with pytest.raises(InjectedFault, match="paused after step 4"):
+        pause_until_go(4, seconds=0)
+    assert (tmp_path / "rank0.paused").read_text() == f"{os.getpid()} 4"
+    (tmp_path / "rank0.paused").unlink()
+    (tmp_path / "go").touch()
+    pause_until_go(4, seconds=0)  # released: goes on, and writes nothing
+    assert not (tmp_path / "rank0.paused").exists()
+
+
 def test_a_full_disk_at_the_writer_leaves_the_previous_checkpoint_and_says_where(tmp_path):
     from raytrain_scu.core.model.build import apply_lora, build_model
     from raytrain_scu.worker.faults import Faults

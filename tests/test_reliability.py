@@ -322,13 +322,15 @@ def figures(**kw) -> None:
 
 # ---------------------------------------------------------------- workers killed (SIGKILL) or hung (SIGSTOP)
 
-FAULT_RUN = ["train.max_steps=20", "train.checkpoint_every=10", "train.report_every=5", "run.max_failures=2"]
+# the last step's adapter is the run's output (run.primary_adapter=last), so the faulty run's end is compared
+FAULT_RUN = ["train.max_steps=30", "train.checkpoint_every=10", "train.report_every=5", "run.max_failures=2",
+             "run.primary_adapter=last"]
 
 
 @pytest.fixture(scope="module")
 def clean_run(ray_local, tmp_path_factory):
-    """(summary, seconds) of one uninterrupted 2-worker run of FAULT_RUN: the run the killed and the hung runs must
-    end equal to."""
+    """(summary, seconds) of one uninterrupted 2-worker run of FAULT_RUN: the run that the run with a killed and a
+    hung worker must end equal to."""
     from raytrain_scu.driver.run import run
 
     t0 = time.time()
@@ -348,14 +350,14 @@ def assert_same_end(clean: dict, faulty: dict) -> float:
 
 
 def stop_one_worker(hold: Path, out: dict, rank: int = 1) -> None:
-    """Once both workers paused after step 10 (RAYTRAIN_SCU_PAUSE_AT_STEP): SIGSTOP rank ``rank``, let the other go on
-    (into the next step's all-reduce, where it waits for the stopped one), and wait for the watchdog to kill the
-    stopped process. A watchdog that never fires fails the test instead of hanging it: after 300 s this kills it."""
+    """Once both workers paused (RAYTRAIN_SCU_PAUSE_AT_STEP): SIGSTOP rank ``rank``, let the other go on (into the next
+    step's all-reduce, where it waits for the stopped one), and wait for the watchdog to kill the stopped process. A
+    watchdog that never fires fails the test instead of hanging it: after 300 s this kills it."""
     import psutil
 
     try:
-        pids = wait_for(lambda: held_pids(hold, 2, "paused"), 300, "both workers to pause after step 10")
-        # the clock: the later rank's file, written just after its heartbeat of step 10
+        pids = wait_for(lambda: held_pids(hold, 2, "paused"), 300, "both workers to pause")
+        # the clock: the later rank's file, written just after its heartbeat of the pause step
         out.update(pid=pids[rank], cmdline=" ".join(psutil.Process(pids[rank]).cmdline()),
                    t=max(f.stat().st_mtime for f in hold.glob("rank*.paused")))
         os.kill(pids[rank], signal.SIGSTOP)
@@ -388,13 +390,15 @@ def kill_rank0_at_the_hold(hold: Path, run_dir: Path, out: dict) -> None:
 
 
 @pytest.mark.slow
-def test_a_hung_worker_then_a_killed_one_and_the_run_recovers_exactly(clean_run, tmp_path, monkeypatch, capsys):
-    """One 2-worker run, two faults, each followed by a restart from checkpoint 10:
-    - hung: both ranks pause after step 10 and its checkpoint; rank 1 is stopped (SIGSTOP) and rank 0 goes on into
-      step 11's all-reduce, where it waits. The driver's watchdog sees no step for train.hang_timeout_s, kills the
-      worker group from outside (a stopped process runs nothing) and says so in one line; no step is lost;
-    - killed: the restarted ranks hold after step 15; rank 0 (the checkpoint writer and MLflow client) is SIGKILLed
-      and the 5 steps since checkpoint 10 are redone.
+def test_a_killed_worker_then_a_hung_one_and_the_run_recovers_exactly(clean_run, tmp_path, monkeypatch, capsys):
+    """One 2-worker run of 30 steps, two faults, each followed by a restart from the newest checkpoint:
+    - killed: both ranks hold after step 15; rank 0 (the checkpoint writer and MLflow client) is SIGKILLed 5 steps
+      after checkpoint 10, which this attempt wrote: the restart resumes from it (Ray had committed it) and redoes
+      the 5 steps;
+    - hung: the restarted ranks pause after step 20 and its checkpoint; rank 1 is stopped (SIGSTOP) and rank 0 goes
+      on into step 21's all-reduce, where it waits. The driver's watchdog sees no step for train.hang_timeout_s,
+      kills the worker group from outside (a stopped process runs nothing) and says so in one line; the restart
+      resumes from checkpoint 20: no step is lost.
     The run ends where the uninterrupted one does (adapter and controller state within 1e-6), with one MLflow run
     that logged every step exactly once."""
     import psutil
@@ -403,15 +407,15 @@ def test_a_hung_worker_then_a_killed_one_and_the_run_recovers_exactly(clean_run,
 
     clean, clean_s = clean_run
     hold = tmp_path / "hold"
-    monkeypatch.setenv("RAYTRAIN_SCU_PAUSE_AT_STEP", "10")  # after step 10 and its checkpoint, until hold/go
     monkeypatch.setenv("RAYTRAIN_SCU_HOLD_AT_STEP", "15")  # after step 15, the first time: wait to be killed
+    monkeypatch.setenv("RAYTRAIN_SCU_PAUSE_AT_STEP", "20")  # after step 20 and its checkpoint, until hold/go
     monkeypatch.setenv("RAYTRAIN_SCU_HOLD_DIR", str(hold))
-    stop, kill = {}, {}
+    kill, stop = {}, {}
 
     def faults():
-        stop_one_worker(hold, stop)
-        if "error" not in stop:
-            kill_rank0_at_the_hold(hold, tmp_path / "faulty", kill)
+        kill_rank0_at_the_hold(hold, tmp_path / "faulty", kill)
+        if "error" not in kill:
+            stop_one_worker(hold, stop)
 
     threading.Thread(target=faults, daemon=True).start()
     t0 = time.time()
@@ -419,25 +423,26 @@ def test_a_hung_worker_then_a_killed_one_and_the_run_recovers_exactly(clean_run,
     faulty_s = time.time() - t0
     out = capsys.readouterr().out
 
-    # hung: found from outside after the timeout, not much later, and said once
-    assert "error" not in stop and "RayTrainWorker" in stop["cmdline"], stop
+    # killed: rank 0 after step 15, while checkpoint 10 (this attempt's own) was the newest
+    assert "error" not in kill and "RayTrainWorker" in kill["cmdline"], kill
+    assert kill["step"] == 15 and kill["ckpts"] == ["checkpoint_00000010"], kill
+    assert not psutil.pid_exists(kill["pid"]) or psutil.Process(kill["pid"]).status() == psutil.STATUS_ZOMBIE
+
+    # hung: a worker of the restarted group, found from outside after the timeout, not much later, and said once
+    assert "error" not in stop and "RayTrainWorker" in stop["cmdline"] and stop["pid"] != kill["pid"], stop
     assert 29.5 <= stop["killed_after_s"] < 30 + 60, stop
     notice = [line for line in out.splitlines() if "no step completed in" in line]
     assert len(notice) == 1 and "train.hang_timeout_s=30" in notice[0] and str(stop["pid"]) in notice[0], out
-    assert "killed the worker group" in notice[0] and "last completed step 10" in notice[0]
+    assert "killed the worker group" in notice[0] and "last completed step 20" in notice[0]
 
-    # killed: rank 0 of the restarted group, after step 15, while checkpoint 10 was the newest
-    assert "error" not in kill and "RayTrainWorker" in kill["cmdline"], kill
-    assert kill["pid"] != stop["pid"] and kill["step"] == 15 and kill["ckpts"] == ["checkpoint_00000010"], kill
-    assert held_pids(hold, 2)[0] == kill["pid"]  # the second restart held no more: nobody was held at 15 again
-    assert not psutil.pid_exists(kill["pid"]) or psutil.Process(kill["pid"]).status() == psutil.STATUS_ZOMBIE
-
-    # it completed, each restart from the checkpoint that existed at the fault
-    assert faulty["steps"] == 20
+    # it completed; the restarts resumed from checkpoint 10 (not from step 0) and then from checkpoint 20
+    assert faulty["steps"] == 30
     last = checkpoint_dirs(tmp_path / "faulty")[-1]
-    assert last.name == "checkpoint_00000020"
-    # both restarts resumed from checkpoint 10 (the newest at each fault), so its line holds one resume: at 10
-    assert ckpt.read_meta(last)["resumed_at"] == [10]
+    assert last.name == "checkpoint_00000030"
+    resumed_at = ckpt.read_meta(last)["resumed_at"]
+    assert resumed_at == [10, 20]
+    steps_lost = [kill["step"] - resumed_at[0], 20 - resumed_at[1]]  # redone after each fault
+    assert steps_lost == [5, 0]  # bound: train.checkpoint_every
 
     # same final adapter and controller state as the uninterrupted run, within 1e-6 (figures() prints the max |Δ|)
     diff = assert_same_end(clean, faulty)
@@ -447,10 +452,10 @@ def test_a_hung_worker_then_a_killed_one_and_the_run_recovers_exactly(clean_run,
     assert mrun.info.status == "FINISHED"
     for key in ("ctrl/lambda", "train/data_bpt"):
         steps = [m.step for m in client.get_metric_history(mrun.info.run_id, key)]
-        assert sorted(steps) == list(range(0 if key == "ctrl/lambda" else 1, 21)), key
-    figures(test="sigstop+sigkill", stop_step=10, kill_step=15, restarted_from=[10, 10], steps_lost=[0, 5],
-            adapter_max_abs_diff=diff, killed_after_s=round(stop["killed_after_s"], 1), clean_s=round(clean_s, 1),
-            faulty_run_s=round(faulty_s, 1), recovery_s=round(time.time() - kill["t"], 1))
+        assert sorted(steps) == list(range(0 if key == "ctrl/lambda" else 1, 31)), key
+    figures(test="sigkill+sigstop", kill_step=kill["step"], stop_step=20, resumed_at=resumed_at,
+            steps_lost=steps_lost, adapter_max_abs_diff=diff, killed_after_s=round(stop["killed_after_s"], 1),
+            clean_s=round(clean_s, 1), faulty_run_s=round(faulty_s, 1))
 
 
 class FakeHeartbeats:
@@ -1039,10 +1044,11 @@ def two_node_scenario(storage: str) -> dict:
     os.environ.update(RAYTRAIN_SCU_HOLD_AT_STEP="15", RAYTRAIN_SCU_HOLD_DIR=str(hold))
     t0 = time.time()
     # the state API needs the head's dashboard; 8265 may be another Ray's on this box. The GCS checks each node's
-    # health every second and takes 3 failed checks in a row for a lost node (Ray's defaults: every 3 s, 5 in a row);
-    # a dead node's checks fail at once, a live one has 5 s to answer each. Measured on an idle 2-core machine: the
-    # new worker group started 5.4 s after the node's loss, against 9.0 s with the defaults (38 s against 43 s in all)
-    health = {"health_check_period_ms": 1000, "health_check_timeout_ms": 5000, "health_check_failure_threshold": 3}
+    # health every second and takes 3 failed checks in a row for a lost node (Ray's defaults: every 3 s, 5 in a row;
+    # each check's timeout stays Ray's 10 s, so a live node that is slow to answer is not taken for a lost one). A
+    # dead node's checks fail at once. Measured on an idle 2-core machine: the new worker group started 5.4 s after
+    # the node's loss, against 9.0 s with the defaults (38 s against 43 s in all)
+    health = {"health_check_period_ms": 1000, "health_check_failure_threshold": 3}
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "dashboard_port": free_port(),
                                                             "_system_config": health})
     worker_node = cluster.add_node(num_cpus=2)

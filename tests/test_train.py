@@ -55,8 +55,9 @@ def test_ranks_agree_on_lambda_and_s_every_step(ray_local, tmp_path):
     assert statistics.median(waits) < 1.0, waits
 
 
-# with LoRA dropout on, so a resumed run must also go on with every rank's own RNG stream where it stopped
-RESUME_COMMON = ["tracking.enabled=false", "lora.dropout=0.1"]
+# with LoRA dropout on, so a resumed run must also go on with every rank's own RNG stream where it stopped; the
+# last step's adapter is the run's output (run.primary_adapter=last), so the resumed run's end is compared
+RESUME_COMMON = ["tracking.enabled=false", "lora.dropout=0.1", "run.primary_adapter=last"]
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import errno
 import os
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +20,9 @@ from raytrain_scu.errors import InjectedFault
 
 
 def _hold_dir() -> Path:
-    hold_dir = Path(os.environ.get("RAYTRAIN_SCU_HOLD_DIR") or tempfile.gettempdir())
+    """RAYTRAIN_SCU_HOLD_DIR, a directory of this run's own: its files say which hold or pause already happened (on
+    one node: a rank restarted on another node finds its own node's directory)."""
+    hold_dir = Path(os.environ["RAYTRAIN_SCU_HOLD_DIR"])
     hold_dir.mkdir(parents=True, exist_ok=True)
     return hold_dir
 
@@ -65,9 +66,10 @@ def _steps(text: str) -> set[int]:
 @dataclass
 class Faults:
     """Which faults to inject: a crash (``fault_at``) after that step of a fresh start, a hold (``hold_at``) or a
-    pause (``pause_at``) after that step the first time the run reaches it, a non-finite loss on the steps in ``nan_at`` (counted from 1), a full disk at the checkpoint of
-    the steps in ``enospc_at``, and an out-of-memory error at the start of a phase (``oom_at``: ``"train:1"``,
-    ``"eval:20"``, ``"checkpoint:10"``; eval 0 is the evaluation before the first step). 0 / empty: none."""
+    pause (``pause_at``) after that step the first time the run reaches it, a non-finite loss on the steps in
+    ``nan_at`` (counted from 1), a full disk at the checkpoint of the steps in ``enospc_at``, and an out-of-memory
+    error at the start of a phase (``oom_at``: ``"train:1"``, ``"eval:20"``, ``"checkpoint:10"``; eval 0 is the
+    evaluation before the first step). 0 / empty: none."""
 
     fault_at: int = 0
     hold_at: int = 0
@@ -82,6 +84,10 @@ class Faults:
         """RAYTRAIN_SCU_FAULT_AT_STEP, _HOLD_AT_STEP, _PAUSE_AT_STEP, _NAN_AT_STEPS, _ENOSPC_AT_STEP (comma-separated)
         and _OOM_AT (``phase:step``, comma-separated); Ray passes RAYTRAIN_SCU_* to every worker."""
         env = os.environ
+        for key in ("RAYTRAIN_SCU_HOLD_AT_STEP", "RAYTRAIN_SCU_PAUSE_AT_STEP"):
+            if env.get(key) and not env.get("RAYTRAIN_SCU_HOLD_DIR"):
+                raise ValueError(f"{key} needs RAYTRAIN_SCU_HOLD_DIR: a directory of this run's own, where the files "
+                                 "that say a hold or pause happened are written")
         return cls(fault_at=int(env.get("RAYTRAIN_SCU_FAULT_AT_STEP", "0") or 0),
                    hold_at=int(env.get("RAYTRAIN_SCU_HOLD_AT_STEP", "0") or 0),
                    pause_at=int(env.get("RAYTRAIN_SCU_PAUSE_AT_STEP", "0") or 0),
