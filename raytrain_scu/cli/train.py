@@ -61,12 +61,14 @@ def main(argv: list[str] | None = None) -> int:
 
 def entry() -> None:
     """The program (``python -m raytrain_scu.train``, ``raytrain-scu-train``): :func:`main`'s exit code. After a
-    second Ctrl-C, fit()'s thread is still inside Ray's client, and the interpreter's teardown of it can kill a driver
-    joined to a running Ray with SIGSEGV instead of exiting 130: the process then ends at once, its output flushed
+    second Ctrl-C, fit()'s thread may still be inside Ray's client, and the interpreter's teardown of Ray's threads
+    can kill a driver joined to a running Ray with SIGSEGV instead of exiting 130, also once that thread has just
+    ended: after an interrupted run (130) or with that thread alive, the process ends at once, its output flushed
     (the MLflow run is already KILLED; the processes of a local Ray it started die with it, as Ray sets them up)."""
     code = main()
     launch = sys.modules.get("raytrain_scu.ray.launch")  # imported only once a run started
-    if launch is not None and any(t.name == launch.FIT_THREAD and t.is_alive() for t in threading.enumerate()):
+    if launch is not None and (code == 130 or any(t.name == launch.FIT_THREAD and t.is_alive()
+                                                  for t in threading.enumerate())):
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
