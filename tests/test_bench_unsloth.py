@@ -175,7 +175,7 @@ def test_a_part_runs_end_to_end_in_its_subprocess_with_a_stand_in_unsloth(tmp_pa
     run adds is only Unsloth itself."""
     import numpy as np
 
-    from raytrain_scu.core.data.blocks import prepare_data
+    from raytrain_scu.core.data.cache import prepare_data
     from raytrain_scu.core.model.source import load_tokenizer
 
     (tmp_path / "stub" / "unsloth").mkdir(parents=True)

@@ -12,7 +12,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from raytrain_scu.core.data.batches import epoch_of, stream_indices, train_batch, val_batches
-from raytrain_scu.core.data.blocks import TokenData, load_documents, prepare_data, split_documents, tokenize_documents
+from raytrain_scu.core.data.blocks import load_documents, split_documents, tokenize_documents
+from raytrain_scu.core.data.cache import TokenData, prepare_data
 from raytrain_scu.core.data.sources import check_source, resolve_source, source_files
 from raytrain_scu.errors import DataError
 
@@ -261,7 +262,7 @@ def step_rows(data, *, position, world_size, grad_accum, batch_size, seed=0):
     rows = []
     for m in range(grad_accum):
         for r in range(world_size):
-            x, y = train_batch(data, position=position, micro_step=m, rank=r, world_size=world_size,
+            x, y, _ = train_batch(data, position=position, micro_step=m, rank=r, world_size=world_size,
                                batch_size=batch_size, seed=seed)
             assert x.shape == y.shape == (batch_size, data.block_size) and x.dtype == torch.int64
             assert torch.equal(x[:, 1:], y[:, :-1])  # y is x shifted by one
@@ -299,7 +300,7 @@ def test_val_batches_cover_every_block_once(world_size, batch_size):
     for r in range(world_size):
         batches = list(val_batches(data, rank=r, world_size=world_size, batch_size=batch_size))
         counts.append(len(batches))
-        for x, y in batches:
+        for x, y, _ in batches:
             assert x.shape == y.shape == (batch_size, 4)
             real = (y != -100).all(dim=1)
             assert ((y == -100).all(dim=1) | real).all()  # a row is either real or padding
@@ -313,7 +314,7 @@ def scored_blocks(data, *, world_size, batch_size, max_blocks):
     out = []
     for r in range(world_size):
         batches = list(val_batches(data, rank=r, world_size=world_size, batch_size=batch_size, max_blocks=max_blocks))
-        out.append(([i for x, y in batches for i in rows_of(x[(y != -100).all(dim=1)], data.block_size)],
+        out.append(([i for x, y, _ in batches for i in rows_of(x[(y != -100).all(dim=1)], data.block_size)],
                     len(batches)))
     return out
 
@@ -362,7 +363,7 @@ def test_eval_is_the_same_number_for_any_batch_and_world():
         stats = torch.zeros(2, dtype=torch.float64)
         with torch.no_grad():
             for r in range(world_size):
-                for x, y in val_batches(data, rank=r, world_size=world_size, batch_size=batch_size, max_blocks=6):
+                for x, y, _ in val_batches(data, rank=r, world_size=world_size, batch_size=batch_size, max_blocks=6):
                     nats, n = loss_model(x, y)
                     stats += torch.stack([nats.double(), n.double()])
         assert stats[1] == 6 * block  # exactly the 6 chosen blocks' targets: padding counts for nothing
@@ -378,7 +379,7 @@ def test_eval_is_the_same_number_for_any_batch_and_world():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA for pinned memory")
 def test_pinned():
-    x, y = train_batch(synthetic(8, 2), position=0, micro_step=0, rank=0, world_size=1, batch_size=2, seed=0,
+    x, y, _ = train_batch(synthetic(8, 2), position=0, micro_step=0, rank=0, world_size=1, batch_size=2, seed=0,
                        pin_memory=True)
     assert x.is_pinned() and y.is_pinned()
 

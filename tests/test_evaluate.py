@@ -15,7 +15,8 @@ from conftest import ROOT, TINY, user_env
 
 from raytrain_scu.cli.evaluate import main
 from raytrain_scu.config.load import load_config
-from raytrain_scu.core.data.blocks import document_ids, prepare_data
+from raytrain_scu.core.data.blocks import document_ids
+from raytrain_scu.core.data.cache import prepare_data
 from raytrain_scu.core.loss import CausalLMLoss
 from raytrain_scu.core.model.build import apply_lora, build_model
 from raytrain_scu.core.model.source import load_tokenizer

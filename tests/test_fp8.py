@@ -332,7 +332,7 @@ def step1_data_bpt(cfg, *, base_fp8: bool) -> float:
     """The DataBPT of a run's first optimizer step, computed apart from the loop: the untrained model (LoRA B is zero)
     on the training batches every rank takes at position 0, plain cross-entropy on its logits, token-weighted."""
     from raytrain_scu.core.data.batches import train_batch
-    from raytrain_scu.core.data.blocks import prepare_data
+    from raytrain_scu.core.data.cache import prepare_data
     from raytrain_scu.core.model.source import load_tokenizer
 
     d, world = cfg.data, cfg.scaling.num_workers
@@ -347,7 +347,7 @@ def step1_data_bpt(cfg, *, base_fp8: bool) -> float:
     with torch.no_grad():
         for rank in range(world):
             for micro in range(d.grad_accum):
-                x, y = train_batch(data, position=0, micro_step=micro, rank=rank, world_size=world,
+                x, y, _ = train_batch(data, position=0, micro_step=micro, rank=rank, world_size=world,
                                    batch_size=d.batch_size, seed=cfg.seed)
                 logits = model(input_ids=x).logits.double()
                 nats += F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum").item()

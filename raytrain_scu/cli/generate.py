@@ -17,7 +17,7 @@ import sys
 
 import torch
 
-from raytrain_scu.driver.generate import complete, find_run, load_for_generation
+from raytrain_scu.driver.generate import chat_ids, complete, find_run, load_for_generation, trained_on_chat
 from raytrain_scu.errors import EvalError, GenerateError, ModelError
 
 
@@ -31,16 +31,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=0.95)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                   help="the prompt as a user turn in the run's chat template, the reply as the assistant's "
+                        "(default: on for a run trained on conversations)")
     args = p.parse_args(argv)
     try:
         cfg, adapter, recipe = find_run(args.run_dir)
+        chat = trained_on_chat(cfg) if args.chat is None else args.chat
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         model, tok = load_for_generation(cfg, adapter, recipe, device)
+        prompt_ids = chat_ids(cfg, tok, args.prompt) if chat else None
     except (GenerateError, EvalError, ModelError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     text = complete(model, tok, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                    top_p=args.top_p, seed=args.seed)
-    print(args.prompt + text, flush=True)
+                    top_p=args.top_p, seed=args.seed, prompt_ids=prompt_ids)
+    print(f"user: {args.prompt}\nassistant: {text.strip()}" if chat else args.prompt + text, flush=True)
     return 0
 

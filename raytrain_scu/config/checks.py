@@ -148,9 +148,13 @@ def _check_model_and_data(cfg: Config) -> None:
                                                             f"{q.quant_type}; set quant.dequant_4bit=bitsandbytes")
 
     d = cfg.data
-    _one_of("data.source", d.source, ("shakespeare", "text", "jsonl", "hf_disk", "hf_hub", "auto"))
-    _check(d.source in ("shakespeare",) or bool(d.path), "data.path",
+    _one_of("data.source", d.source, ("shakespeare", "text", "jsonl", "hf_disk", "hf_hub", "auto", "chat",
+                                      "prompt_completion", "shakespeare_chat"))
+    _check(d.source in ("shakespeare", "shakespeare_chat") or bool(d.path), "data.path",
            f"must be set for data.source={d.source}")
+    _one_of("data.format", d.format, ("auto", "text", "chat", "prompt_completion"))
+    _one_of("data.train_on", d.train_on, ("answers", "all"))
+    _one_of("data.too_long", d.too_long, ("truncate", "refuse"))
     _check(d.block_size >= 2, "data.block_size", f"must be >= 2, got {d.block_size}")
     _check(d.batch_size >= 1, "data.batch_size", f"must be >= 1, got {d.batch_size}")
     _check(d.grad_accum >= 1, "data.grad_accum", f"must be >= 1, got {d.grad_accum}")

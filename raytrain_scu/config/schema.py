@@ -97,11 +97,23 @@ class QuantConfig:
 
 @dataclass
 class DataConfig:
-    # source: shakespeare | text (file, directory or glob) | jsonl | hf_disk | hf_hub | auto (from path)
+    # source: shakespeare | text (file, directory or glob) | jsonl | hf_disk | hf_hub | auto (from path) |
+    # chat (jsonl of {"messages": [{"role", "content"}, ...]}) | prompt_completion (jsonl of {"prompt", "completion"})
+    # | shakespeare_chat (the bundled plays' dialogue as conversations: a speech, then the reply)
     source: str = "shakespeare"
     path: str = ""  # file, directory or glob of the text/jsonl source; dataset name or directory for hf_*
+    # what the source holds: text | chat | prompt_completion | auto (the source's kind; jsonl and hf_* by the first
+    # record's fields: messages -> chat, prompt and completion -> prompt_completion, else text)
+    format: str = "auto"
     text_field: str = "text"  # the field holding the text (jsonl and hf_* sources)
-    max_documents: int = 0  # 0 = all documents of the source
+    max_documents: int = 0  # 0 = all documents (examples) of the source
+    # conversations' template: a Jinja file or an inline template ("" = the tokenizer's own; one without is refused)
+    chat_template: str = ""
+    train_on: str = "answers"  # examples' target tokens: answers (assistant turns, completions) | all
+    too_long: str = "truncate"  # an example beyond block_size + 1 tokens: truncate (counted in the run's first lines) | refuse
+    # examples several to a row (each attending only to itself, positions restarting) | false: one a row, padded,
+    # in length-grouped batches
+    packing: bool = True
     block_size: int = 256  # tokens per training sequence
     batch_size: int = 8  # sequences per worker per micro-step
     grad_accum: int = 1  # micro-steps per optimizer step
@@ -319,6 +331,15 @@ def sequences_per_step(cfg: Config, world: Optional[int] = None) -> int:
 def global_batch_tokens(cfg: Config, world: Optional[int] = None) -> int:
     """Tokens per optimizer step over all workers: the global batch."""
     return sequences_per_step(cfg, world) * cfg.data.block_size
+
+
+def data_options(cfg: Config) -> dict:
+    """``prepare_data``'s keyword arguments (all but the tokenizer): the data section, the seed."""
+    d = cfg.data
+    return {"source": d.source, "path": d.path, "text_field": d.text_field, "max_documents": d.max_documents,
+            "block_size": d.block_size, "val_fraction": d.val_fraction, "seed": cfg.seed, "cache_dir": d.cache_dir,
+            "fmt": d.format, "chat_template": d.chat_template, "train_on": d.train_on, "too_long": d.too_long,
+            "packing": d.packing}
 
 
 def hang_timeout_s(cfg: Config, *, use_gpu: bool) -> float:

@@ -15,6 +15,7 @@ from raytrain_scu.console import notice
 from raytrain_scu.core.embed_quant import Int8Head, dequant_rows, slice_rows
 from raytrain_scu.core.fp8 import Fp8FrozenLinear, fp8_head_grad, fp8_head_logits, quantize_rows, quantize_rows_
 from raytrain_scu.core.model.families import HeadTransform, family_of, head_of_class
+from raytrain_scu.core.model.packed import packed_inputs
 from raytrain_scu.core.model.parts import base_of, body_of
 from raytrain_scu.core.offload import ActivationOffload
 
@@ -264,7 +265,8 @@ def _note_once(text: str) -> None:
 
 
 class CausalLMLoss(nn.Module):
-    """forward(x, y) -> (Σ CE nats, number of target tokens). What torch.compile wraps.
+    """forward(x, y, pos=None) -> (Σ CE nats, number of target tokens). What torch.compile wraps. ``pos``: packed
+    rows' positions (:mod:`~raytrain_scu.core.model.packed`), each example attending only to itself.
 
     With ``fused`` the LM head and the cross-entropy are computed chunk by chunk (``_ChunkedLinearCE``), with the
     model's own logit transform (``core.model.families``); a model whose head is not known there, or whose lm_head
@@ -284,18 +286,19 @@ class CausalLMLoss(nn.Module):
         self.compiled_ce = False  # compile_for_training turns it on: the loss' float32 part compiled per chunk
         self.offload: Optional[ActivationOffload] = None  # model.offload_activations: saved activations on the host
 
-    def forward(self, x: torch.Tensor, y: torch.Tensor):
+    def forward(self, x: torch.Tensor, y: torch.Tensor, pos: Optional[torch.Tensor] = None):
         n_tokens = (y != -100).sum()
+        kw = {} if pos is None else packed_inputs(pos)
         if self.fused:
             with self._offloading():
-                hidden = self.decoder()(input_ids=x).last_hidden_state
+                hidden = self.decoder()(input_ids=x, **kw).last_hidden_state
             head = self.model.get_output_embeddings()
             nats = chunked_ce_sum(hidden.reshape(-1, hidden.shape[-1]), head.weight, y.reshape(-1), self.chunk_size,
                                   bias=head.bias, transform=self.transform, compiled=self.compiled_ce,
                                   weight_scale=getattr(head, "weight_scale", None), fp8_head=_fp8(head))
         else:
             with self._offloading():
-                logits = self.model(input_ids=x, return_dict=True).logits
+                logits = self.model(input_ids=x, return_dict=True, **kw).logits
             nats = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1),
                                    ignore_index=-100, reduction="sum")
         return nats, n_tokens

@@ -91,12 +91,38 @@ def load_for_generation(cfg: Config, adapter: Path, recipe: dict, device: torch.
     return model, tok
 
 
+def trained_on_chat(cfg: Config) -> bool:
+    """Whether the run trained on conversations: its data.format, or its source's own kind."""
+    from raytrain_scu.core.data.sources import SOURCES
+
+    source = SOURCES.get(cfg.data.source)
+    return cfg.data.format == "chat" or (source is not None and source.format == "chat")
+
+
+def chat_ids(cfg: Config, tok, prompt: str) -> list[int]:
+    """``prompt`` as one user turn with the assistant's turn opened, in the template the run trained with
+    (data.chat_template, else the tokenizer's own)."""
+    from raytrain_scu.core.data.examples import chat_template, read_template
+    from raytrain_scu.errors import DataError
+
+    try:
+        template = chat_template(tok, read_template(cfg.data.chat_template))
+    except DataError as e:
+        raise GenerateError(str(e)) from None
+    return list(tok.apply_chat_template([{"role": "user", "content": prompt}], chat_template=template,
+                                        tokenize=True, add_generation_prompt=True, return_dict=True)["input_ids"])
+
+
 @torch.no_grad()
 def complete(model, tok, prompt: str, *, max_new_tokens: int = 60, temperature: float = 0.8, top_p: float = 0.95,
-             seed: int = 0) -> str:
-    """The prompt's continuation (sampled when ``temperature`` > 0, greedy at 0)."""
+             seed: int = 0, prompt_ids: list[int] | None = None) -> str:
+    """The prompt's continuation (sampled when ``temperature`` > 0, greedy at 0); ``prompt_ids``: the prompt
+    already tokenized (a chat turn)."""
     device = next(model.parameters()).device
-    ids = tok(prompt, return_tensors="pt")["input_ids"].to(device)
+    if prompt_ids is not None:
+        ids = torch.tensor([prompt_ids], device=device)
+    else:
+        ids = tok(prompt, return_tensors="pt")["input_ids"].to(device)
     torch.manual_seed(seed)
     sample = temperature > 0
     out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,

@@ -15,9 +15,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from raytrain_scu.config.paths import RunPaths
-from raytrain_scu.config.schema import Config, sequences_per_step
+from raytrain_scu.config.schema import Config, data_options, sequences_per_step
 from raytrain_scu.core.checkpoint import check_structure, check_tokens_per_epoch, newest_good_local, read_meta
-from raytrain_scu.core.data.blocks import prepare_data
+from raytrain_scu.core.data import sft
+from raytrain_scu.core.data.cache import Rows, prepare_data
 from raytrain_scu.core.data.sources import check_source
 from raytrain_scu.core.embed_quant import (
     EMBEDDING_TARGETS,
@@ -29,6 +30,7 @@ from raytrain_scu.core.embed_quant import (
 from raytrain_scu.core.fp8 import check_fp8_device, check_fp8_head_config, unmatched_exclude
 from raytrain_scu.core.fused_lora import check_fusable_config
 from raytrain_scu.core.model.build import missing_targets, structure_of
+from raytrain_scu.core.model.packed import check_packing
 from raytrain_scu.core.model.source import check_model_source, load_tokenizer, max_positions, model_config
 from raytrain_scu.errors import CheckpointError, DataError, ModelError, PreflightError
 
@@ -122,7 +124,7 @@ def check_4bit_compiles(bnb_version: str) -> None:
 
 def _check_model(cfg: Config, *, use_gpu: bool, gpus: int):
     """The model exists, takes the block size, has the LoRA targets, and supports the chosen fast paths; returns
-    (where it comes from, its tokenizer)."""
+    (where it comes from, its tokenizer, its transformers config)."""
     m = cfg.model
     with _as_preflight(ModelError):
         where = check_model_source(m.name, m.gguf_file)
@@ -160,7 +162,7 @@ def _check_model(cfg: Config, *, use_gpu: bool, gpus: int):
     if head:
         raise PreflightError(f"model.head_fp8=true: lora.target_modules {head} puts LoRA on the LM head, whose frozen "
                              f"product the FP8 head replaces; drop it from the targets or set model.head_fp8=false")
-    return where, tok
+    return where, tok, hf_config
 
 
 def resume_point(cfg: Config) -> tuple[Optional[Path], Optional[dict]]:
@@ -188,21 +190,25 @@ def preflight(cfg: Config, *, storage_checked: bool = False) -> dict:
     if not storage_checked:
         check_storage(cfg)
     use_gpu, gpus = check_machine(cfg)
-    where, tok = _check_model(cfg, use_gpu=use_gpu, gpus=gpus)
+    where, tok, hf_config = _check_model(cfg, use_gpu=use_gpu, gpus=gpus)
     good, resume_meta = resume_point(cfg)
     with _as_preflight(DataError):
-        check_source(d.source, d.path, d.text_field)
-        data = prepare_data(tok, source=d.source, path=d.path, text_field=d.text_field,
-                            max_documents=d.max_documents, block_size=d.block_size, val_fraction=d.val_fraction,
-                            seed=cfg.seed, cache_dir=d.cache_dir)
+        check_source(d.source, d.path, d.text_field, d.format)
+        data = prepare_data(tok, **data_options(cfg))
     if resume_meta is not None:  # the data must give the checkpoint's tokens_per_epoch (the loop checks it too)
         with _as_preflight(CheckpointError):
             check_tokens_per_epoch(resume_meta, measured=data.tokens_per_epoch,
                                    override=cfg.controller.tokens_per_epoch)
+    examples = isinstance(data.train, Rows)
+    if examples and data.train.packed:
+        with _as_preflight(ModelError):
+            check_packing(hf_config, cfg.model.name)
+    unit = "rows" if examples else "blocks"
     global_batch = sequences_per_step(cfg)
     if len(data.train) < global_batch:
-        raise PreflightError(f"the training split has {len(data.train)} blocks of {d.block_size} tokens, fewer than "
-                             f"one global batch ({global_batch} = batch_size x grad_accum x num_workers)")
+        raise PreflightError(f"the training split has {len(data.train)} {unit} of {d.block_size} tokens, fewer than "
+                             f"one global batch ({global_batch} = data.batch_size x data.grad_accum x "
+                             f"scaling.num_workers): lower those, or lower data.val_fraction or add data")
     return {"model": where, "use_gpu": use_gpu, "tokens_per_epoch": data.tokens_per_epoch,
             "train_blocks": len(data.train), "val_blocks": len(data.val), "gpus": gpus, "resume_from": good,
-            "vocab_size": len(tok)}
+            "vocab_size": len(tok), "unit": unit, "examples": sft.summary(data.meta) if examples else ""}

@@ -171,7 +171,9 @@ def _launch(cfg: Config, facts: dict, run_id: Optional[str], *, verbose: bool):
     launch.check_capacity(cfg, use_gpu=facts["use_gpu"])
     print(f"[raytrain_scu] run {cfg.run.name}: {facts['model']}, {cfg.scaling.num_workers} worker(s) "
           f"({'GPU' if facts['use_gpu'] else 'CPU'}), {facts['train_blocks']} train / {facts['val_blocks']} val "
-          f"blocks, tokens_per_epoch={facts['tokens_per_epoch']}", flush=True)
+          f"{facts['unit']}, tokens_per_epoch={facts['tokens_per_epoch']}", flush=True)
+    if facts["examples"]:
+        print(f"[raytrain_scu] data: {facts['examples']}", flush=True)
     ray_logs = launch.logs_dir()
     if not verbose:
         print(f"[raytrain_scu] Ray's and the workers' logs: {ray_logs} (--verbose shows them here)", flush=True)

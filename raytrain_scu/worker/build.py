@@ -9,12 +9,12 @@ from typing import Optional
 import torch
 
 from raytrain_scu.config.paths import RunPaths
-from raytrain_scu.config.schema import Config, sequences_per_step
+from raytrain_scu.config.schema import Config, data_options, sequences_per_step
 from raytrain_scu.core import checkpoint as ckpt
 from raytrain_scu.core import laws
 from raytrain_scu.core.bounds import BoundWatch
 from raytrain_scu.core.data.batches import calibration_batches
-from raytrain_scu.core.data.blocks import prepare_data
+from raytrain_scu.core.data.cache import prepare_data
 from raytrain_scu.core.dist import broadcast_params, notice0, rank, world_size
 from raytrain_scu.core.embed_quant import offloaded_embedding
 from raytrain_scu.core.fp8 import Fp8FrozenLinear, convert_base_to_fp8, convert_head_to_fp8
@@ -117,8 +117,7 @@ def build(cfg: Config, hooks, run_id: Optional[str] = None, phase: Optional[Phas
     torch.backends.cudnn.allow_tf32 = True
     dtype = resolve_dtype(m.precision, device)
     tok = load_tokenizer(m.name, m.gguf_file, m.tokenizer, m.cache_dir)
-    data = prepare_data(tok, source=d.source, path=d.path, text_field=d.text_field, max_documents=d.max_documents,
-                        block_size=d.block_size, val_fraction=d.val_fraction, seed=cfg.seed, cache_dir=d.cache_dir)
+    data = prepare_data(tok, **data_options(cfg))
     base, model = _model(cfg, data=data, vocab_size=len(tok), dtype=dtype, device=device)
     ckpt.seed_all(ckpt.rank_seed(cfg.seed, rank()))  # then each rank its own stream: distinct dropout masks
     opt = _optimisation(cfg, hooks, model, device=device, dtype=dtype)

@@ -27,10 +27,10 @@ def evaluate(loss_model, data, *, device, batch_size: int, max_blocks: int, auto
     rank runs the same number of batches)."""
     loss_model.eval()
     stats = torch.zeros(2, dtype=torch.float64, device=device)
-    for x, y in val_batches(data, rank=rank(), world_size=world_size(), batch_size=batch_size,
-                            max_blocks=max_blocks):
+    for batch in val_batches(data, rank=rank(), world_size=world_size(), batch_size=batch_size,
+                             max_blocks=max_blocks):
         with autocast:
-            nats, n = loss_model(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
+            nats, n = loss_model(*(t if t is None else t.to(device, non_blocking=True) for t in batch))
         stats += torch.stack([nats.double(), n.double()])
     loss_model.train()
     nats, n = all_reduce_sum(stats).tolist()

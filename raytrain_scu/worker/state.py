@@ -12,7 +12,7 @@ import torch
 from raytrain_scu.config.schema import Config
 from raytrain_scu.core import laws
 from raytrain_scu.core.bounds import BoundWatch
-from raytrain_scu.core.data.blocks import TokenData
+from raytrain_scu.core.data.cache import TokenData
 from raytrain_scu.core.dist import notice0
 from raytrain_scu.worker.meter import Meter
 from raytrain_scu.worker.oom import Phase

@@ -19,13 +19,13 @@ from raytrain_scu.errors import NonFiniteError
 from raytrain_scu.worker.state import State
 
 
-def loss_step(s: State, x, y, *, step: int, lam: float, last: bool):
-    """One micro-batch's forward and backward; returns (nats, tokens, ParamBPT or None). The penalty's gradient enters
-    on the last micro-step only, with full weight."""
+def loss_step(s: State, batch, *, step: int, lam: float, last: bool):
+    """One micro-batch's (x, y, pos) forward and backward; returns (nats, tokens, ParamBPT or None). The penalty's
+    gradient enters on the last micro-step only, with full weight."""
     c, accum = s.cfg.controller, s.cfg.data.grad_accum
     pbpt = None
     with s.opt.autocast:
-        nats, n = s.opt.loss_model(x, y)
+        nats, n = s.opt.loss_model(*batch)
         nats = s.hooks.faults.poison(step + 1, nats)
         loss = nats / n / accum
         if last:
@@ -37,19 +37,20 @@ def loss_step(s: State, x, y, *, step: int, lam: float, last: bool):
 
 
 def device_batch(s: State, micro: int):
-    """(x, y) of micro-step ``micro`` of the step at the current position, on the device: the one sent ahead
-    (:func:`send_ahead`) where it is that batch."""
+    """(x, y, pos) of micro-step ``micro`` of the step at the current position, on the device (pos None for text
+    blocks and padded rows): the one sent ahead (:func:`send_ahead`) where it is that batch."""
     key = (s.pos.position, micro)
     ahead, s.pos.ahead = s.pos.ahead, None
     if ahead is not None and ahead[0] == key:
         return ahead[1]
     d = s.cfg.data
-    x, y = train_batch(s.pos.data, position=s.pos.position, micro_step=micro, rank=rank(), world_size=world_size(),
-                       batch_size=d.batch_size, seed=s.cfg.seed, pin_memory=s.device.type == "cuda")
+    x, y, pos = train_batch(s.pos.data, position=s.pos.position, micro_step=micro, rank=rank(),
+                            world_size=world_size(), batch_size=d.batch_size, seed=s.cfg.seed,
+                            pin_memory=s.device.type == "cuda")
     x_dev = x.to(s.device, non_blocking=True)
     if s.opt.offloaded is not None:  # its rows looked up from the host ids now: the forward then needs no sync
         s.opt.offloaded.stage(x, x_dev)
-    return x_dev, y.to(s.device, non_blocking=True)
+    return x_dev, y.to(s.device, non_blocking=True), None if pos is None else pos.to(s.device, non_blocking=True)
 
 
 def send_ahead(s: State) -> None:
@@ -64,8 +65,7 @@ def micro_steps(s: State, step: int, lam: float):
     nats_sum = torch.zeros((), dtype=torch.float32, device=s.device)
     tokens = torch.zeros((), dtype=torch.float32, device=s.device)
     for micro in range(d.grad_accum):
-        x, y = device_batch(s, micro)
-        nats, n, pbpt = loss_step(s, x, y, step=step, lam=lam, last=micro == d.grad_accum - 1)
+        nats, n, pbpt = loss_step(s, device_batch(s, micro), step=step, lam=lam, last=micro == d.grad_accum - 1)
         nats_sum += nats
         tokens += n
     return nats_sum, tokens, pbpt

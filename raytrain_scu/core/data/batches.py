@@ -1,9 +1,15 @@
-"""Deterministic, resumable sharded batches of the token blocks.
+"""Deterministic, resumable sharded batches of the token blocks or example rows.
 
-The training stream is the concatenation of permutations perm(seed, epoch) of the train blocks; a global sample
-counter ``position`` indexes it. A step takes ``batch_size * grad_accum * world_size`` consecutive positions, so
-resuming from ``position`` with a different world size continues the same stream. Validation scores one fixed set of
-blocks, sharded over the ranks.
+The training stream is the concatenation of permutations perm(seed, epoch) of the train blocks (rows); a global
+sample counter ``position`` indexes it. A step takes ``batch_size * grad_accum * world_size`` consecutive positions,
+so resuming from ``position`` with a different world size continues the same stream. Validation scores one fixed set
+of blocks, sharded over the ranks.
+
+A batch is (x, y, pos): pos is None for text blocks and for one example a row (right-padded: causal attention keeps
+the padding out of every real token's view), and each example's own positions for packed rows. Rows of one example
+each are cut to the batch's longest (rounded up to :data:`PAD_MULTIPLE`), and their stream is length-grouped: each
+chunk of :data:`GROUP_BATCHES` micro-batches of the permutation is sorted longest first, so a micro-batch holds
+examples of similar length.
 """
 from __future__ import annotations
 
@@ -14,9 +20,11 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from raytrain_scu.core.data.blocks import TokenData
+from raytrain_scu.core.data.cache import Rows, TokenData
 
 IGNORE_INDEX = -100  # cross_entropy's default ignore_index: val padding rows count for nothing
+PAD_MULTIPLE = 64  # a padded batch's width rounds up to this: few distinct shapes for torch.compile
+GROUP_BATCHES = 64  # micro-batches per length-sorted chunk of a padded stream
 
 
 @functools.lru_cache(maxsize=4)  # consecutive steps touch one or two epochs: a few entries make each lookup free
@@ -31,42 +39,88 @@ def epoch_of(position: int, n_blocks: int) -> int:
     return position // n_blocks
 
 
-def stream_indices(position: int, count: int, *, n_blocks: int, seed: int) -> np.ndarray:
-    """Train block indices at stream positions position .. position + count - 1 (p -> perm(seed, p // n)[p % n])."""
+def grouped_perm(seed: int, epoch: int, rows: Rows, chunk: int) -> np.ndarray:
+    """perm(seed, epoch) with each chunk of ``chunk`` consecutive entries sorted longest first (stable); kept on
+    ``rows`` for the epochs in use (a step touches one or two)."""
+    key = (seed, epoch, chunk)
+    if key not in rows.perms:
+        perm = _epoch_perm(seed, epoch, len(rows)).copy()
+        lengths = np.asarray(rows.length)
+        for start in range(0, len(perm), chunk):
+            part = perm[start:start + chunk]
+            perm[start:start + chunk] = part[np.argsort(-lengths[part], kind="stable")]
+        while len(rows.perms) >= 4:
+            rows.perms.pop(next(iter(rows.perms)))
+        rows.perms[key] = perm
+    return rows.perms[key]
+
+
+def stream_indices(position: int, count: int, *, n_blocks: int, seed: int, grouped: Rows | None = None,
+                   chunk: int = 0) -> np.ndarray:
+    """Train block indices at stream positions position .. position + count - 1 (p -> perm(seed, p // n)[p % n]);
+    with ``grouped`` (rows of one example each), each epoch's permutation length-grouped in chunks of ``chunk``."""
     epochs, offsets = np.divmod(np.arange(position, position + count, dtype=np.int64), n_blocks)
     out = np.empty(count, dtype=np.int64)
     for epoch in np.unique(epochs):
         sel = epochs == epoch
-        out[sel] = _epoch_perm(seed, int(epoch), n_blocks)[offsets[sel]]
+        perm = (_epoch_perm(seed, int(epoch), n_blocks) if grouped is None
+                else grouped_perm(seed, int(epoch), grouped, chunk))
+        out[sel] = perm[offsets[sel]]
     return out
+
+
+def _pinned(tensors, pin_memory: bool):
+    if pin_memory and torch.cuda.is_available():
+        return tuple(t.pin_memory() if t is not None else None for t in tensors)
+    return tuple(tensors)
 
 
 def _to_xy(rows: np.ndarray, pin_memory: bool) -> tuple[torch.Tensor, torch.Tensor]:
     t = torch.from_numpy(np.asarray(rows, dtype=np.int64))
-    x, y = t[:, :-1].contiguous(), t[:, 1:].contiguous()
-    if pin_memory and torch.cuda.is_available():
-        x, y = x.pin_memory(), y.pin_memory()
-    return x, y
+    return _pinned((t[:, :-1].contiguous(), t[:, 1:].contiguous()), pin_memory)
+
+
+def rows_batch(split, idx: np.ndarray, *, pin_memory: bool = False):
+    """(x, y, pos) int64 on CPU of the blocks or rows ``idx`` of a split (pos None where not packed); rows of one
+    example each cut to the longest, rounded up to PAD_MULTIPLE."""
+    if not isinstance(split, Rows):
+        return (*_to_xy(split[idx], pin_memory), None)
+    width = split.x.shape[1]
+    if not split.packed:
+        longest = int(split.length[idx].max()) if len(idx) else 1
+        width = min(width, -(-longest // PAD_MULTIPLE) * PAD_MULTIPLE)
+    x, y = (torch.from_numpy(np.asarray(a[idx, :width], dtype=np.int64)) for a in (split.x, split.y))
+    pos = torch.from_numpy(np.asarray(split.pos[idx, :width], dtype=np.int64)) if split.packed else None
+    return _pinned((x, y, pos), pin_memory)
 
 
 def train_batch(data: TokenData, *, position: int, micro_step: int, rank: int, world_size: int,
-                batch_size: int, seed: int, pin_memory: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x, y) int64 (batch_size, block_size) on CPU for one rank's micro-step of the step starting at `position`.
+                batch_size: int, seed: int, pin_memory: bool = False):
+    """(x, y, pos) int64 (batch_size, width) on CPU for one rank's micro-step of the step starting at `position`
+    (pos None, width block_size, for text blocks: see :func:`rows_batch`).
 
     The step owns positions [position, position + batch_size * grad_accum * world_size); micro-step m of rank r
     takes the batch_size positions from position + (m * world_size + r) * batch_size. Advance `position` by the
     global batch after each optimizer step and save it in checkpoints.
     """
     start = position + (micro_step * world_size + rank) * batch_size
-    idx = stream_indices(start, batch_size, n_blocks=len(data.train), seed=seed)
-    return _to_xy(data.train[idx], pin_memory)
+    idx = stream_indices(start, batch_size, **_stream(data, batch_size, seed))
+    return rows_batch(data.train, idx, pin_memory=pin_memory)
+
+
+def _stream(data: TokenData, batch_size: int, seed: int) -> dict:
+    """stream_indices' settings for a split: length-grouped where rows hold one example each."""
+    train = data.train
+    grouped = isinstance(train, Rows) and not train.packed
+    return {"n_blocks": len(train), "seed": seed, "grouped": train if grouped else None,
+            "chunk": batch_size * GROUP_BATCHES}
 
 
 def calibration_batches(data: TokenData, *, blocks: int, batch_size: int, seed: int) -> list[torch.Tensor]:
     """The token ids (int64, CPU) of the first ``blocks`` train blocks in stream order (all of them where there are
     fewer), in batches of at most ``batch_size``: the same on every rank."""
-    idx = stream_indices(0, min(blocks, len(data.train)), n_blocks=len(data.train), seed=seed)
-    return [_to_xy(data.train[idx[i:i + batch_size]], False)[0] for i in range(0, len(idx), batch_size)]
+    idx = stream_indices(0, min(blocks, len(data.train)), **_stream(data, batch_size, seed))
+    return [rows_batch(data.train, idx[i:i + batch_size])[0] for i in range(0, len(idx), batch_size)]
 
 
 def val_block_indices(n_val: int, max_blocks: int = 0) -> np.ndarray:
@@ -80,7 +134,7 @@ def val_block_indices(n_val: int, max_blocks: int = 0) -> np.ndarray:
 
 
 def val_batches(data: TokenData, *, rank: int, world_size: int, batch_size: int, max_blocks: int = 0,
-                pin_memory: bool = False) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+                pin_memory: bool = False) -> Iterator[tuple]:
     """This rank's validation batches: its shard (every world_size-th, from `rank`) of the fixed set of blocks
     :func:`val_block_indices` picks, in order.
 
@@ -94,11 +148,12 @@ def val_batches(data: TokenData, *, rank: int, world_size: int, batch_size: int,
     mine = chosen[rank::world_size]
     for b in range(n_batches):
         idx = mine[b * batch_size:(b + 1) * batch_size]
-        x, y = _to_xy(data.val[idx], pin_memory=False)
+        x, y, pos = rows_batch(data.val, idx)
         n_pad = batch_size - len(idx)
         if n_pad:
-            x = torch.cat([x, torch.zeros(n_pad, data.block_size, dtype=torch.int64)])
-            y = torch.cat([y, torch.full((n_pad, data.block_size), IGNORE_INDEX, dtype=torch.int64)])
-        if pin_memory and torch.cuda.is_available():
-            x, y = x.pin_memory(), y.pin_memory()
-        yield x, y
+            width = x.shape[1]
+            x = torch.cat([x, torch.zeros(n_pad, width, dtype=torch.int64)])
+            y = torch.cat([y, torch.full((n_pad, width), IGNORE_INDEX, dtype=torch.int64)])
+            if pos is not None:  # every padding token a segment of its own
+                pos = torch.cat([pos, torch.zeros(n_pad, width, dtype=torch.int64)])
+        yield _pinned((x, y, pos), pin_memory)

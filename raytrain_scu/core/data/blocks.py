@@ -1,26 +1,16 @@
-"""Documents -> token blocks in an on-disk cache.
+"""Documents -> token blocks.
 
 Documents are split into train/val BY DOCUMENT (a seeded permutation), tokenized with EOS after every document and
-packed into non-overlapping blocks of ``block_size + 1`` tokens (x = blk[:-1], y = blk[1:]). The blocks live in a
-memory-mapped uint32 cache keyed by everything that changes them, so a second call (or a second worker on the node)
-skips tokenization.
+packed into non-overlapping blocks of ``block_size + 1`` tokens (x = blk[:-1], y = blk[1:]). :mod:`.cache` keeps
+them on disk.
 """
 from __future__ import annotations
 
-import hashlib
 import itertools
-import json
-import os
-import shutil
-import tempfile
-from dataclasses import dataclass
-from datetime import datetime, timezone
-from pathlib import Path
 
-import filelock
 import numpy as np
 
-from raytrain_scu.core.data.sources import SOURCES, describe, iter_documents, resolve_source, source_files
+from raytrain_scu.core.data.sources import describe, iter_documents, resolve_source
 from raytrain_scu.errors import DataError
 
 TOKENIZE_BATCH_DOCS = 64
@@ -84,124 +74,18 @@ def pack_blocks(tokens: np.ndarray, block_size: int) -> np.ndarray:
     return tokens[:n_blocks * (block_size + 1)].reshape(n_blocks, block_size + 1)
 
 
-# ---------------------------------------------------------------- cache
-
-@dataclass
-class TokenData:
-    """Packed token blocks of both splits (memory-mapped uint32, shape (n_blocks, block_size + 1)).
-
-    Each worker builds its own with prepare_data (a cache hit): pickling a memmap ships a full copy.
-    """
-    train: np.ndarray
-    val: np.ndarray
-    block_size: int
-    cache_path: str
-    meta: dict
-
-    @property
-    def tokens_per_epoch(self) -> int:
-        """Target tokens in one pass over the train split, over ALL ranks (the N of ParamBPT)."""
-        return len(self.train) * self.block_size
-
-
-def tokenizer_identity(tokenizer) -> dict:
-    """What makes two tokenizers produce the same ids: name, size, eos id and a hash of the full definition."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None:
-        definition = backend.to_str()
-    else:  # slow tokenizers have no serialised form; the vocabulary is the next best thing
-        definition = json.dumps(sorted(tokenizer.get_vocab().items()))
-    return {"name": tokenizer.name_or_path, "len": len(tokenizer), "eos_token_id": tokenizer.eos_token_id,
-            "sha256": hashlib.sha256(definition.encode()).hexdigest()}
-
-
-def cache_key(*, source: str, path: str, files: list[Path], text_field: str, max_documents: int,
-              val_fraction: float, seed: int, tokenizer_id: dict, block_size: int) -> str:
-    """A directory name that changes whenever the blocks would: inputs (with sizes and mtimes) and settings."""
-    stats = [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
-    # hf_hub has no files: its identity is the dataset id
-    key = {"source": source, "path": path if source == "hf_hub" else "", "files": stats, "text_field": text_field,
-           "max_documents": max_documents, "val_fraction": val_fraction, "seed": seed,
-           "tokenizer": tokenizer_id, "block_size": block_size}
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
-    return f"{source}-b{block_size}-{digest[:24]}"
-
-
-def _open_cache(dir_path: Path) -> TokenData:
-    meta = json.loads((dir_path / "meta.json").read_text())
-    shapes = {"train": (meta["n_train_blocks"], meta["block_size"] + 1),
-              "val": (meta["n_val_blocks"], meta["block_size"] + 1)}
-    arrays = {}
-    for split, shape in shapes.items():
-        f = dir_path / f"{split}.bin"
-        if not f.is_file() or f.stat().st_size != shape[0] * shape[1] * 4:
-            raise DataError(f"token cache {dir_path} is incomplete ({f.name} missing or of the wrong size): delete it")
-        arrays[split] = np.memmap(f, dtype=np.uint32, mode="r", shape=shape)
-    return TokenData(train=arrays["train"], val=arrays["val"], block_size=meta["block_size"],
-                     cache_path=str(dir_path), meta=meta)
-
-
-def _build_blocks(tokenizer, *, source, path, text_field, max_documents, block_size, val_fraction, seed):
-    """(train_blocks, val_blocks, meta) from the source: read, split, tokenize, pack."""
+def build_blocks(tokenizer, *, source, path, text_field, max_documents, block_size, val_fraction, seed):
+    """({split: {"blocks": array}}, meta) from the source: read, split, tokenize, pack."""
     docs = load_documents(source, path, text_field, max_documents)
     train_docs, val_docs = split_documents(docs, val_fraction=val_fraction, seed=seed)
-    blocks, meta = {}, {}
+    arrays, meta = {}, {}
     for split, split_docs in (("train", train_docs), ("val", val_docs)):
         tokens = tokenize_documents(tokenizer, split_docs)
-        blocks[split] = pack_blocks(tokens, block_size)
-        if len(blocks[split]) == 0:
+        blocks = pack_blocks(tokens, block_size)
+        if len(blocks) == 0:
             raise DataError(f"{describe(source, path)}: the {split} split has {len(tokens)} tokens, too few for one "
                             f"block of block_size + 1 = {block_size + 1} (lower data.block_size or add data)")
+        arrays[split] = {"blocks": blocks}
         meta.update({f"n_{split}_docs": len(split_docs), f"n_{split}_tokens": len(tokens),
-                     f"n_{split}_blocks": len(blocks[split])})
-    return blocks["train"], blocks["val"], meta
-
-
-def prepare_data(tokenizer, *, source: str, path: str, text_field: str = "text", max_documents: int = 0,
-                 block_size: int, val_fraction: float = 0.1, seed: int = 0, cache_dir: str = "") -> TokenData:
-    """Token blocks of a source, from the on-disk cache or built once (under a file lock) and cached.
-
-    `seed` picks the validation documents. `cache_dir` "" = ~/.cache/raytrain_scu/tokens. Every worker may call
-    this: on one node the lock makes one process tokenize while the others wait; across nodes sharing a
-    filesystem the atomic rename makes the first finished copy win.
-    """
-    if block_size < 1 or not 0.0 < val_fraction < 1.0:
-        raise ValueError(f"need block_size >= 1 and 0 < val_fraction < 1, got {block_size}, {val_fraction}")
-    source = resolve_source(source, path)
-    files = source_files(source, path)
-    key = cache_key(source=source, path=path, files=files, text_field=text_field, max_documents=max_documents,
-                    val_fraction=val_fraction, seed=seed, tokenizer_id=tokenizer_identity(tokenizer),
-                    block_size=block_size)
-    root = Path(cache_dir or "~/.cache/raytrain_scu/tokens").expanduser()
-    final = root / key
-    if (final / "meta.json").exists():
-        return _open_cache(final)
-
-    root.mkdir(parents=True, exist_ok=True)
-    with filelock.FileLock(str(final) + ".lock"):
-        if (final / "meta.json").exists():  # another process built it while we waited
-            return _open_cache(final)
-        print(f"[raytrain_scu] data: tokenizing {describe(source, path)} -> {final}", flush=True)
-        train, val, meta = _build_blocks(tokenizer, source=source, path=path, text_field=text_field,
-                                         max_documents=max_documents, block_size=block_size,
-                                         val_fraction=val_fraction, seed=seed)
-        meta.update({"source": source, "path": SOURCES[source].where(path),
-                     "n_files": len(files), "text_field": text_field, "max_documents": max_documents,
-                     "val_fraction": val_fraction, "seed": seed, "tokenizer": tokenizer.name_or_path,
-                     "vocab_size": len(tokenizer), "eos_token_id": tokenizer.eos_token_id,
-                     "block_size": block_size, "dtype": "uint32", "key": key,
-                     "created": datetime.now(timezone.utc).isoformat(timespec="seconds")})
-        # build beside the target, then one rename: readers never see a half-written cache
-        tmp = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=root))
-        os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is shared by every process on the node
-        train.tofile(tmp / "train.bin")
-        val.tofile(tmp / "val.bin")
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            shutil.rmtree(tmp, ignore_errors=True)
-            if not (final / "meta.json").exists():
-                raise
-            # another node on a shared filesystem won the race: its copy is identical
-    return _open_cache(final)
+                     f"n_{split}_blocks": len(blocks)})
+    return arrays, meta

@@ -1,6 +1,10 @@
-"""Data sources, one table entry each (``data.source``): the files a source reads, its documents in a deterministic
-order, and the cheap checks run before any worker starts. ``auto`` picks hf_disk (a ``save_to_disk`` directory),
-jsonl (``*.jsonl``) or text from the path."""
+"""Data sources, one table entry each (``data.source``): the files a source reads, its documents (text) or records
+(examples: one dict each, named by file and line or row) in a deterministic order, and the cheap checks run before
+any worker starts. ``auto`` picks hf_disk (a ``save_to_disk`` directory), jsonl (``*.jsonl``) or text from the path.
+
+``data.format`` says what a source holds: text documents, conversations (chat) or prompt/completion pairs. The
+chat, prompt_completion and shakespeare_chat sources hold one kind; jsonl and hf_* sources hold any, told by their
+first record's fields with ``auto``."""
 from __future__ import annotations
 
 import codecs
@@ -14,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
+from raytrain_scu.core.data.examples import FORMATS, detect_format, jsonl_records, to_example
 from raytrain_scu.errors import DataError
 
 TEXT_SUFFIXES = (".txt", ".md")
@@ -88,6 +93,19 @@ def _import_datasets():
 
 
 def _read_hf(source: str, path: str, text_field: str) -> Iterator[str]:
+    ds = _hf_dataset(source, path)
+    if text_field not in ds.column_names:
+        raise DataError(f"dataset at {path} has no column {text_field!r} (data.text_field); "
+                        f"columns: {', '.join(ds.column_names)}")
+    # slices of 1000 rows: never materialise the whole column when max_documents stops early
+    for start in range(0, len(ds), 1000):
+        for text in ds[start:start + 1000][text_field]:
+            if not isinstance(text, str):
+                raise DataError(f"dataset at {path}: column {text_field!r} holds {type(text).__name__}, not strings")
+            yield text
+
+
+def _hf_dataset(source: str, path: str):
     datasets = _import_datasets()
     if source == "hf_disk":
         try:
@@ -105,15 +123,50 @@ def _read_hf(source: str, path: str, text_field: str) -> Iterator[str]:
         if "train" not in ds:
             raise DataError(f"dataset at {path} has splits {sorted(ds)}, expected a 'train' split")
         ds = ds["train"]
-    if text_field not in ds.column_names:
-        raise DataError(f"dataset at {path} has no column {text_field!r} (data.text_field); "
-                        f"columns: {', '.join(ds.column_names)}")
-    # slices of 1000 rows: never materialise the whole column when max_documents stops early
-    for start in range(0, len(ds), 1000):
-        for text in ds[start:start + 1000][text_field]:
-            if not isinstance(text, str):
-                raise DataError(f"dataset at {path}: column {text_field!r} holds {type(text).__name__}, not strings")
-            yield text
+    return ds
+
+
+def _hf_records(source: str, path: str) -> Iterator[tuple[str, dict]]:
+    ds = _hf_dataset(source, path)
+    for start in range(0, len(ds), 1000):  # slices: never the whole dataset in memory at once
+        rows = ds[start:start + 1000]
+        for i in range(len(next(iter(rows.values())))):
+            yield f"dataset {path} row {start + i}", {k: v[i] for k, v in rows.items()}
+
+
+def _jsonl_records(files: list[Path]) -> Iterator[tuple[str, dict]]:
+    for f in files:
+        with open(f, "rb") as lines:  # line by line: telling the format reads the first line alone
+            yield from jsonl_records(f, (_decode(raw, f) for raw in lines))
+
+
+SPEAKER = re.compile(r"^[A-Z][A-Za-z'\- ]{0,30}\.$")  # a speech's first line: "Hor." or "First Witch."
+MAX_SPEECH_CHARS = 400  # the dialogue pairs keep short speeches: a tiny model learns them on a CPU
+
+
+def _speeches(file: Path) -> Iterator[tuple[int, str, str]]:
+    """(line, speaker, speech) of a play: a paragraph whose first line is a speaker's name; stage directions
+    ([...]) left out."""
+    lineno = 1
+    for para in re.split(r"\n\s*\n", _decode(file.read_bytes(), file)):
+        lines = para.strip("\n").split("\n")
+        start, lineno = lineno, lineno + para.count("\n") + 2
+        if len(lines) < 2 or not SPEAKER.match(lines[0].strip()):
+            continue
+        speech = "\n".join(ln.strip() for ln in lines[1:] if ln.strip() and not ln.strip().startswith("["))
+        if speech:
+            yield start, lines[0].strip(), speech
+
+
+def _dialogue_records(files: list[Path]) -> Iterator[tuple[str, dict]]:
+    """Conversations from the plays: one speaker's speech, then the next speaker's reply, where both are short."""
+    for f in files:
+        prev = None
+        for lineno, speaker, speech in _speeches(f):
+            if prev is not None and prev[1] != speaker and max(len(prev[2]), len(speech)) <= MAX_SPEECH_CHARS:
+                yield f"{f.name}:{lineno}", {"messages": [{"role": "user", "content": prev[2]},
+                                                          {"role": "assistant", "content": speech}]}
+            prev = (lineno, speaker, speech)
 
 
 def _shakespeare_files(path: str) -> list[Path]:
@@ -169,16 +222,29 @@ def _no_check(files: list[Path], path: str, text_field: str) -> None:
     pass
 
 
+def _no_documents(files: list[Path], path: str, text_field: str) -> Iterator[str]:
+    raise DataError("this data.source holds examples (conversations or prompt/completion pairs), not text documents: "
+                    "what reads documents (python -m raytrain_scu.evaluate, the ablation studies) needs text; a run on "
+                    "examples scores its held-out answers itself (val/data_bpt)")
+
+
+def _no_records(files: list[Path], path: str) -> Iterator[tuple[str, dict]]:
+    raise DataError("this source holds text documents, not examples")
+
+
 @dataclass(frozen=True)
 class Source:
     """One kind of data source. ``files(path)``: what it reads, in reading order ([] when a library reads it);
-    ``documents(files, path, text_field)``: its documents; ``check(files, path, text_field)``: cheap checks that
-    raise DataError before any worker starts; ``where(path)``: how messages name it."""
+    ``documents(files, path, text_field)``: its documents; ``records(files, path)``: its examples' records;
+    ``check(files, path, text_field)``: cheap checks that raise DataError before any worker starts; ``where(path)``:
+    how messages name it; ``format``: what it holds (``auto``: told by its first record)."""
 
     files: Callable[[str], list[Path]]
     documents: Callable[[list[Path], str, str], Iterator[str]]
     check: Callable[[list[Path], str, str], None]
     where: Callable[[str], str] = lambda path: path
+    records: Callable[[list[Path], str], Iterator[tuple[str, dict]]] = _no_records
+    format: str = "text"
 
 
 SOURCES: dict[str, Source] = {
@@ -188,11 +254,20 @@ SOURCES: dict[str, Source] = {
                    documents=lambda files, path, field: _text_documents(files), check=_check_text),
     "jsonl": Source(files=lambda path: _match_files(path, JSONL_SUFFIXES),
                     documents=lambda files, path, field: (t for f in files for t in _read_jsonl(f, field)),
-                    check=_check_jsonl),
+                    check=_check_jsonl, records=lambda files, path: _jsonl_records(files), format="auto"),
     "hf_disk": Source(files=_hf_disk_files, documents=lambda files, path, field: _read_hf("hf_disk", path, field),
-                      check=_check_datasets),
+                      check=_check_datasets, records=lambda files, path: _hf_records("hf_disk", path), format="auto"),
     "hf_hub": Source(files=lambda path: [], documents=lambda files, path, field: _read_hf("hf_hub", path, field),
-                     check=_check_datasets),
+                     check=_check_datasets, records=lambda files, path: _hf_records("hf_hub", path), format="auto"),
+    "chat": Source(files=lambda path: _match_files(path, JSONL_SUFFIXES), documents=_no_documents,
+                   check=_no_check, records=lambda files, path: _jsonl_records(files), format="chat"),
+    "prompt_completion": Source(files=lambda path: _match_files(path, JSONL_SUFFIXES), documents=_no_documents,
+                                check=_no_check, records=lambda files, path: _jsonl_records(files),
+                                format="prompt_completion"),
+    # the plays' dialogue as conversations: a speech, then the reply
+    "shakespeare_chat": Source(files=_shakespeare_files, documents=_no_documents, check=_no_check,
+                               where=lambda path: str(_shakespeare_dir()),
+                               records=lambda files, path: _dialogue_records(files), format="chat"),
 }
 
 
@@ -208,6 +283,31 @@ def resolve_source(source: str, path: str) -> str:
     if path.endswith(".jsonl"):
         return "jsonl"
     return "text"
+
+
+def iter_records(source: str, path: str) -> Iterator[tuple[str, dict]]:
+    """(where, record) of every example of a (resolved) source: where names the file and line, or the row."""
+    entry = SOURCES[source]
+    return entry.records(entry.files(path), path)
+
+
+def resolve_format(source: str, path: str, fmt: str, text_field: str = "text") -> str:
+    """What a (resolved) source holds: ``fmt`` where set, the source's own kind, or (``auto``, on jsonl and hf_*
+    sources) the kind its first record's fields tell (:func:`~raytrain_scu.core.data.examples.detect_format`).
+    Refuses a format the source cannot hold."""
+    if fmt != "auto" and fmt not in FORMATS:
+        raise DataError(f"unknown data.format {fmt!r}, expected one of {', '.join([*FORMATS, 'auto'])}")
+    own = SOURCES[source].format
+    if own != "auto":
+        if fmt not in ("auto", own):
+            raise DataError(f"data.source={source} holds {own} data, not data.format={fmt}")
+        return own
+    if fmt != "auto":
+        return fmt
+    first = next(iter_records(source, path), None)
+    if first is None:
+        raise DataError(f"no records in {describe(source, path)}")
+    return detect_format(first[1], text_field)
 
 
 def source_files(source: str, path: str) -> list[Path]:
@@ -226,14 +326,20 @@ def iter_documents(source: str, path: str, text_field: str) -> Iterator[str]:
     return entry.documents(entry.files(path), path, text_field)
 
 
-def check_source(source: str, path: str, text_field: str = "text") -> None:
+def check_source(source: str, path: str, text_field: str = "text", fmt: str = "auto") -> None:
     """Cheap checks before any worker starts (no tokenization, no full reads); raises DataError.
 
-    Unknown source, missing path, no matched files, a missing optional package, text files whose first bytes are
-    not UTF-8 or that are all empty, and (jsonl) a first line that is not JSON or lacks `text_field`.
+    Unknown source or format, missing path, no matched files, a missing optional package, text files whose first
+    bytes are not UTF-8 or that are all empty, (jsonl) a first line that is not JSON or lacks `text_field`, and for
+    examples a first record that is not a valid one.
     """
     source = resolve_source(source, path)
     if source in ("hf_disk", "hf_hub"):
         _import_datasets()  # before the files: a missing package is the first thing to say
     files = SOURCES[source].files(path)
-    SOURCES[source].check(files, path, text_field)
+    fmt = resolve_format(source, path, fmt, text_field)
+    if fmt == "text":
+        SOURCES[source].check(files, path, text_field)
+        return
+    where, record = next(iter_records(source, path))
+    to_example(record, fmt, where)

@@ -58,6 +58,7 @@ from raytrain_scu.core.embed_quant import (
     embedding_targets,
     shrink_embeddings,
 )
+from raytrain_scu.core.model import packed
 from raytrain_scu.core.model.families import family_of
 from raytrain_scu.core.model.presets import PRESETS, is_preset, preset_config
 from raytrain_scu.core.model.source import default_cache_dir, file_lock, gguf_cache, no_progress_bars, resolve_name
@@ -89,7 +90,8 @@ def causal_sdpa() -> str:
     builds an explicit T x T mask, expands the KV heads and SDPA takes a ~3x slower masked kernel (cuDNN, H200,
     block 2048, batch 8: 2.7 ms vs 0.9 ms per layer backward). Contract: models built here are fed whole, unpacked
     blocks (this package never passes position_ids or a padding mask). A padding mask, a KV-cache offset, extra mask
-    functions (use_vmap) or a sliding-window/chunked config get transformers' own SDPA mask."""
+    functions (use_vmap) or a sliding-window/chunked config get transformers' own SDPA mask. Packed rows pass their
+    own mask (``packed_mask``, :mod:`~raytrain_scu.core.model.packed`), which this attention uses instead."""
     def mask(**kw):
         cfg, q_len = kw.get("config"), kw.get("q_length")
         if q_len is None and kw.get("cache_position") is not None:  # older transformers pass cache_position
@@ -100,7 +102,15 @@ def causal_sdpa() -> str:
                  and not getattr(cfg, "sliding_window", None) and not getattr(cfg, "attention_chunk_size", None))
         return None if plain else sdpa_mask(**kw)
 
-    AttentionInterface.register(CAUSAL_SDPA, sdpa_attention_forward)
+    def attention(module, query, key, value, attention_mask, packed_mask=None, **kw):
+        # packed rows (core.model.packed): the mask the loss made from their positions, never transformers' mask
+        if packed_mask is not None:
+            return packed.attention(module, query, key, value, packed_mask, scaling=kw.get("scaling"),
+                                    dropout=kw.get("dropout", 0.0), sliding_window=kw.get("sliding_window"),
+                                    softcap=kw.get("softcap"))
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kw)
+
+    AttentionInterface.register(CAUSAL_SDPA, attention)
     AttentionMaskInterface.register(CAUSAL_SDPA, mask)
     return CAUSAL_SDPA
 

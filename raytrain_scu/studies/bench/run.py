@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from raytrain_scu.core.data.blocks import prepare_data
+from raytrain_scu.core.data.cache import prepare_data
 from raytrain_scu.core.model.flops import flops_per_token
 from raytrain_scu.core.model.presets import preset_config
 from raytrain_scu.core.model.source import load_tokenizer
