@@ -215,7 +215,8 @@ def test_packed_or_padded_loss_and_gradients_equal_each_example_run_alone(family
         for a, b in zip(starts, ends):
             if a >= rows["length"][r]:
                 continue  # the row's filler
-            ex = next(e for e in examples if len(e[0]) - 1 == b - a and (np.asarray(e[0][:-1]) == rows["x"][r, a:b]).all())
+            ex = next(e for e in examples
+                      if len(e[0]) - 1 == b - a and (np.asarray(e[0][:-1]) == rows["x"][r, a:b]).all())
             model.zero_grad()
             mine = torch.zeros_like(y[r:r + 1]).fill_(IGNORE_INDEX)
             mine[0, a:b] = y[r, a:b]  # this example's targets alone, in the packed row

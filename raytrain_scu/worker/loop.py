@@ -52,7 +52,7 @@ def setup(cfg: Config, hooks, run_id: Optional[str] = None, phase: Optional[Phas
         s.tracker.log_step(s.rec.history[-1])
     first = s.rec.history[0] if s.rec.history else {}
     s.rec.val_bpt_start = first["val/data_bpt"] if first.get("step") == 0 else float("nan")
-    s.metering.meter = Meter(s.device, s.pos.seqs_per_step * cfg.data.block_size, cfg.scaling.poll_interval_s)
+    s.metering.meter = Meter(s.device, cfg.scaling.poll_interval_s)
     s.metering.peak_flops = device_peak_flops(s.device)
     if s.metering.peak_flops == 0:
         _say_no_mfu(s.device)

@@ -14,9 +14,12 @@ class Meter:
     """Training throughput between reports (evals excluded), the peak device memory, and how long each report blocked
     the loop."""
 
-    def __init__(self, device, tokens_per_step: int, poll_interval_s: float):
-        self.device, self.tokens_per_step, self.poll_interval_s = device, tokens_per_step, poll_interval_s
-        self.t_last, self.steps, self.interval, self.report_wait, self.warned = time.perf_counter(), 0, 0.0, 0.0, False
+    def __init__(self, device, poll_interval_s: float):
+        self.device, self.poll_interval_s = device, poll_interval_s
+        self.t_last, self.interval, self.report_wait, self.warned = time.perf_counter(), 0.0, 0.0, False
+        # target tokens over all ranks since the last lap (the step's all-reduced count): every token of text
+        # blocks; the answers of examples, never their padding or prompts
+        self.tokens = 0.0
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
 
@@ -28,12 +31,12 @@ class Meter:
         self.t_last += time.perf_counter() - t0
 
     def lap(self) -> float:
-        """Tokens/s over all ranks since the last lap; starts the next one."""
+        """Target tokens/s over all ranks since the last lap; starts the next one."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         now = time.perf_counter()
         self.interval, self.t_last = now - self.t_last, now
-        tokens_per_s, self.steps = self.tokens_per_step * self.steps / self.interval, 0
+        tokens_per_s, self.tokens = self.tokens / self.interval, 0.0
         return tokens_per_s
 
     def max_mem_gib(self) -> float:

@@ -104,8 +104,8 @@ def _read(copy) -> dict:
         done.synchronize()
     nats, n, stop_f, pbpt_f, norm, pa, pb, pu = host.tolist()
     # no tokens: NaN, a skipped step, as the device's flag says
-    return {"data_bpt": bits_per_token(nats, n), "param_bpt": pbpt_f, "grad_norm": norm, "stop": stop_f > 0,
-            "param_bpt_a": pa, "param_bpt_b": pb, "param_bpt_update": pu}
+    return {"data_bpt": bits_per_token(nats, n), "tokens": n, "param_bpt": pbpt_f, "grad_norm": norm,
+            "stop": stop_f > 0, "param_bpt_a": pa, "param_bpt_b": pb, "param_bpt_update": pu}
 
 
 def _refuse_repeated_skips(s: State, step: int) -> None:
@@ -141,7 +141,7 @@ def train_step(s: State, step: int) -> dict:
     s.opt.step(data_bpt=g["data_bpt"], param_bpt=g["param_bpt"], grad_norm=g["grad_norm"])
     _refuse_repeated_skips(s, step)
     s.ctrl.update(step + 1, data_bpt=g["data_bpt"], param_bpt=g["param_bpt"], lr_factor=lr / cfg.optim.lr)
-    s.metering.meter.steps += 1
+    s.metering.meter.tokens += g["tokens"]
     s.hooks.faults.after_step(step + 1, fresh=s.rec.fresh)
     return {"step": step + 1, "train/data_bpt": g["data_bpt"], "train/param_bpt": g["param_bpt"], **s.ctrl.row(),
             **s.opt.row(), "train/lr": lr, "train/grad_norm": g["grad_norm"], "ctrl/lambda_applied": lam,
