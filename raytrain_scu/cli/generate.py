@@ -38,6 +38,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg, adapter, recipe = find_run(args.run_dir)
         chat = trained_on_chat(cfg) if args.chat is None else args.chat
+        if chat is None:
+            print(f"note: the run's data ({cfg.data.source} {cfg.data.path}) is not readable here, so whether it "
+                  f"trained on conversations is unknown: completing the prompt as text (--chat: as a chat turn)",
+                  file=sys.stderr)
+            chat = False
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         model, tok = load_for_generation(cfg, adapter, recipe, device)
         prompt_ids = chat_ids(cfg, tok, args.prompt) if chat else None

@@ -15,7 +15,7 @@ from raytrain_scu.console import notice
 from raytrain_scu.core.embed_quant import Int8Head, dequant_rows, slice_rows
 from raytrain_scu.core.fp8 import Fp8FrozenLinear, fp8_head_grad, fp8_head_logits, quantize_rows, quantize_rows_
 from raytrain_scu.core.model.families import HeadTransform, family_of, head_of_class
-from raytrain_scu.core.model.packed import packed_inputs
+from raytrain_scu.core.model.packed import head_dim, packed_inputs
 from raytrain_scu.core.model.parts import base_of, body_of
 from raytrain_scu.core.offload import ActivationOffload
 
@@ -283,12 +283,13 @@ class CausalLMLoss(nn.Module):
             _note_once(f"model.fused_loss: {self.fused_reason}; using the model's own logits "
                        f"(the full tokens x vocab logits are materialised)")
         self.chunk_size = chunk_size
+        self.head_size = head_dim(model.config)  # packed rows' attention kernel depends on it
         self.compiled_ce = False  # compile_for_training turns it on: the loss' float32 part compiled per chunk
         self.offload: Optional[ActivationOffload] = None  # model.offload_activations: saved activations on the host
 
     def forward(self, x: torch.Tensor, y: torch.Tensor, pos: Optional[torch.Tensor] = None):
         n_tokens = (y != -100).sum()
-        kw = {} if pos is None else packed_inputs(pos)
+        kw = {} if pos is None else packed_inputs(pos, head_size=self.head_size)
         if self.fused:
             with self._offloading():
                 hidden = self.decoder()(input_ids=x, **kw).last_hidden_state

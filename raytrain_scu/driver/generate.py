@@ -91,12 +91,17 @@ def load_for_generation(cfg: Config, adapter: Path, recipe: dict, device: torch.
     return model, tok
 
 
-def trained_on_chat(cfg: Config) -> bool:
-    """Whether the run trained on conversations: its data.format, or its source's own kind."""
-    from raytrain_scu.core.data.sources import SOURCES
+def trained_on_chat(cfg: Config) -> bool | None:
+    """Whether the run trained on conversations: its data.format, or the format its data has (read from the
+    source, as training told it); None when the data cannot be read here."""
+    from raytrain_scu.core.data.sources import resolve_format, resolve_source
+    from raytrain_scu.errors import DataError
 
-    source = SOURCES.get(cfg.data.source)
-    return cfg.data.format == "chat" or (source is not None and source.format == "chat")
+    d = cfg.data
+    try:
+        return resolve_format(resolve_source(d.source, d.path), d.path, d.format, d.text_field) == "chat"
+    except DataError:
+        return None
 
 
 def chat_ids(cfg: Config, tok, prompt: str) -> list[int]:

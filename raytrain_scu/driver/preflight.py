@@ -18,8 +18,8 @@ from raytrain_scu.config.paths import RunPaths
 from raytrain_scu.config.schema import Config, data_options, sequences_per_step
 from raytrain_scu.core.checkpoint import check_structure, check_tokens_per_epoch, newest_good_local, read_meta
 from raytrain_scu.core.data import sft
-from raytrain_scu.core.data.cache import Rows, prepare_data
-from raytrain_scu.core.data.sources import check_source
+from raytrain_scu.core.data.cache import prepare_data
+from raytrain_scu.core.data.sources import check_source, resolve_format, resolve_source
 from raytrain_scu.core.embed_quant import (
     EMBEDDING_TARGETS,
     TIED_OFFLOAD,
@@ -194,15 +194,16 @@ def preflight(cfg: Config, *, storage_checked: bool = False) -> dict:
     good, resume_meta = resume_point(cfg)
     with _as_preflight(DataError):
         check_source(d.source, d.path, d.text_field, d.format)
+        examples = resolve_format(resolve_source(d.source, d.path), d.path, d.format, d.text_field) != "text"
+    if examples and d.packing:  # before the tokenization: the model alone decides it
+        with _as_preflight(ModelError):
+            check_packing(hf_config, cfg.model.name, gpu=use_gpu)
+    with _as_preflight(DataError):
         data = prepare_data(tok, **data_options(cfg))
     if resume_meta is not None:  # the data must give the checkpoint's tokens_per_epoch (the loop checks it too)
         with _as_preflight(CheckpointError):
             check_tokens_per_epoch(resume_meta, measured=data.tokens_per_epoch,
                                    override=cfg.controller.tokens_per_epoch)
-    examples = isinstance(data.train, Rows)
-    if examples and data.train.packed:
-        with _as_preflight(ModelError):
-            check_packing(hf_config, cfg.model.name)
     unit = "rows" if examples else "blocks"
     global_batch = sequences_per_step(cfg)
     if len(data.train) < global_batch:

@@ -17,9 +17,9 @@ class Meter:
     def __init__(self, device, poll_interval_s: float):
         self.device, self.poll_interval_s = device, poll_interval_s
         self.t_last, self.interval, self.report_wait, self.warned = time.perf_counter(), 0.0, 0.0, False
-        # target tokens over all ranks since the last lap (the step's all-reduced count): every token of text
-        # blocks; the answers of examples, never their padding or prompts
-        self.tokens = 0.0
+        # tokens over all ranks since the last lap (batches.step_counts): every token of text blocks; of examples,
+        # their prompts and answers, never padding or a packed row's filler
+        self.tokens = 0
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
 
@@ -31,12 +31,12 @@ class Meter:
         self.t_last += time.perf_counter() - t0
 
     def lap(self) -> float:
-        """Target tokens/s over all ranks since the last lap; starts the next one."""
+        """Tokens/s over all ranks since the last lap; starts the next one."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         now = time.perf_counter()
         self.interval, self.t_last = now - self.t_last, now
-        tokens_per_s, self.tokens = self.tokens / self.interval, 0.0
+        tokens_per_s, self.tokens = self.tokens / self.interval, 0
         return tokens_per_s
 
     def max_mem_gib(self) -> float:

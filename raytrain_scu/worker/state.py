@@ -155,7 +155,7 @@ class Position:
     seqs_per_step: int  # sequences per optimizer step, over all ranks
     block_size: int
     position: int = 0
-    # ((position, micro-step), (x, y)): a batch sent to the device ahead of its step; never saved (rebuilt at will)
+    # ((position, micro-step), (x, y, pos)): a batch sent to the device ahead of its step; never saved (rebuilt at will)
     ahead: Optional[tuple] = None
 
     def advance(self) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from raytrain_scu.core.bootstrap import LN2
-from raytrain_scu.core.data.batches import train_batch
+from raytrain_scu.core.data.batches import step_counts, train_batch
 from raytrain_scu.core.dist import all_reduce_sum, average_gradients, barrier, rank, world_size
 from raytrain_scu.core.model.flops import bits_per_token
 from raytrain_scu.core.regularizer import param_bpt, param_bpt_parts
@@ -19,15 +19,17 @@ from raytrain_scu.errors import NonFiniteError
 from raytrain_scu.worker.state import State
 
 
-def loss_step(s: State, batch, *, step: int, lam: float, last: bool):
-    """One micro-batch's (x, y, pos) forward and backward; returns (nats, tokens, ParamBPT or None). The penalty's
-    gradient enters on the last micro-step only, with full weight."""
-    c, accum = s.cfg.controller, s.cfg.data.grad_accum
+def loss_step(s: State, batch, *, step: int, lam: float, last: bool, scale: float):
+    """One micro-batch's (x, y, pos) forward and backward; returns (nats, tokens, ParamBPT or None). ``scale``: the
+    ranks' count over the step's target tokens, so that after the gradients' mean over the ranks every target token
+    of the step weighs the same whichever micro-batch holds it (examples' micro-batches hold different numbers). The
+    penalty's gradient enters on the last micro-step only, with full weight."""
+    c = s.cfg.controller
     pbpt = None
     with s.opt.autocast:
         nats, n = s.opt.loss_model(*batch)
         nats = s.hooks.faults.poison(step + 1, nats)
-        loss = nats / n / accum
+        loss = nats * scale
         if last:
             pbpt = param_bpt(s.opt.params, sigma=c.prior_sigma, tokens_per_epoch=s.ctrl.tokens_per_epoch,
                              center=s.opt.centers if c.prior_center == "init" else None)
@@ -60,12 +62,18 @@ def send_ahead(s: State) -> None:
 
 
 def micro_steps(s: State, step: int, lam: float):
-    """All ranks: the ``data.grad_accum`` micro-batches; returns this rank's summed nats and tokens, and ParamBPT."""
+    """All ranks: the ``data.grad_accum`` micro-batches; returns this rank's summed nats and tokens, and ParamBPT.
+    The meter counts the step's tokens over all ranks (its target tokens weigh the loss: :func:`loss_step`)."""
     d = s.cfg.data
+    targets, processed = step_counts(s.pos.data, position=s.pos.position, count=s.pos.seqs_per_step,
+                                     batch_size=d.batch_size, seed=s.cfg.seed)
+    s.metering.meter.tokens += processed
+    scale = world_size() / max(targets, 1)
     nats_sum = torch.zeros((), dtype=torch.float32, device=s.device)
     tokens = torch.zeros((), dtype=torch.float32, device=s.device)
     for micro in range(d.grad_accum):
-        nats, n, pbpt = loss_step(s, device_batch(s, micro), step=step, lam=lam, last=micro == d.grad_accum - 1)
+        nats, n, pbpt = loss_step(s, device_batch(s, micro), step=step, lam=lam, last=micro == d.grad_accum - 1,
+                                  scale=scale)
         nats_sum += nats
         tokens += n
     return nats_sum, tokens, pbpt
@@ -104,8 +112,8 @@ def _read(copy) -> dict:
         done.synchronize()
     nats, n, stop_f, pbpt_f, norm, pa, pb, pu = host.tolist()
     # no tokens: NaN, a skipped step, as the device's flag says
-    return {"data_bpt": bits_per_token(nats, n), "tokens": n, "param_bpt": pbpt_f, "grad_norm": norm,
-            "stop": stop_f > 0, "param_bpt_a": pa, "param_bpt_b": pb, "param_bpt_update": pu}
+    return {"data_bpt": bits_per_token(nats, n), "param_bpt": pbpt_f, "grad_norm": norm, "stop": stop_f > 0,
+            "param_bpt_a": pa, "param_bpt_b": pb, "param_bpt_update": pu}
 
 
 def _refuse_repeated_skips(s: State, step: int) -> None:
@@ -141,7 +149,6 @@ def train_step(s: State, step: int) -> dict:
     s.opt.step(data_bpt=g["data_bpt"], param_bpt=g["param_bpt"], grad_norm=g["grad_norm"])
     _refuse_repeated_skips(s, step)
     s.ctrl.update(step + 1, data_bpt=g["data_bpt"], param_bpt=g["param_bpt"], lr_factor=lr / cfg.optim.lr)
-    s.metering.meter.tokens += g["tokens"]
     s.hooks.faults.after_step(step + 1, fresh=s.rec.fresh)
     return {"step": step + 1, "train/data_bpt": g["data_bpt"], "train/param_bpt": g["param_bpt"], **s.ctrl.row(),
             **s.opt.row(), "train/lr": lr, "train/grad_norm": g["grad_norm"], "ctrl/lambda_applied": lam,

@@ -8,8 +8,8 @@ of blocks, sharded over the ranks.
 A batch is (x, y, pos): pos is None for text blocks and for one example a row (right-padded: causal attention keeps
 the padding out of every real token's view), and each example's own positions for packed rows. Rows of one example
 each are cut to the batch's longest (rounded up to :data:`PAD_MULTIPLE`), and their stream is length-grouped: each
-chunk of :data:`GROUP_BATCHES` micro-batches of the permutation is sorted longest first, so a micro-batch holds
-examples of similar length.
+chunk of :data:`GROUP_BATCHES` micro-batches of the permutation is sorted longest first and its micro-batches taken in
+a seeded order, so a micro-batch holds examples of similar length.
 """
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ import numpy as np
 import torch
 
 from raytrain_scu.core.data.cache import Rows, TokenData
+from raytrain_scu.core.data.packing import IGNORE_INDEX  # cross_entropy's default: what counts for nothing
 
-IGNORE_INDEX = -100  # cross_entropy's default ignore_index: val padding rows count for nothing
 PAD_MULTIPLE = 64  # a padded batch's width rounds up to this: few distinct shapes for torch.compile
 GROUP_BATCHES = 64  # micro-batches per length-sorted chunk of a padded stream
 
@@ -39,16 +39,21 @@ def epoch_of(position: int, n_blocks: int) -> int:
     return position // n_blocks
 
 
-def grouped_perm(seed: int, epoch: int, rows: Rows, chunk: int) -> np.ndarray:
-    """perm(seed, epoch) with each chunk of ``chunk`` consecutive entries sorted longest first (stable); kept on
-    ``rows`` for the epochs in use (a step touches one or two)."""
-    key = (seed, epoch, chunk)
+def grouped_perm(seed: int, epoch: int, rows: Rows, batch_size: int) -> np.ndarray:
+    """perm(seed, epoch) length-grouped: each chunk of GROUP_BATCHES micro-batches sorted longest first (stable), then
+    its micro-batches in a seeded order, so a step's width does not fall chunk after chunk. Kept on ``rows`` for the
+    epochs in use (a step touches one or two)."""
+    key = (seed, epoch, batch_size)
     if key not in rows.perms:
         perm = _epoch_perm(seed, epoch, len(rows)).copy()
         lengths = np.asarray(rows.length)
-        for start in range(0, len(perm), chunk):
+        chunk = batch_size * GROUP_BATCHES
+        for c, start in enumerate(range(0, len(perm), chunk)):
             part = perm[start:start + chunk]
-            perm[start:start + chunk] = part[np.argsort(-lengths[part], kind="stable")]
+            part = part[np.argsort(-lengths[part], kind="stable")]
+            batches = [part[i:i + batch_size] for i in range(0, len(part), batch_size)]
+            order = np.random.default_rng([seed, epoch, c]).permutation(len(batches))
+            perm[start:start + chunk] = np.concatenate([batches[i] for i in order])
         while len(rows.perms) >= 4:
             rows.perms.pop(next(iter(rows.perms)))
         rows.perms[key] = perm
@@ -56,15 +61,15 @@ def grouped_perm(seed: int, epoch: int, rows: Rows, chunk: int) -> np.ndarray:
 
 
 def stream_indices(position: int, count: int, *, n_blocks: int, seed: int, grouped: Rows | None = None,
-                   chunk: int = 0) -> np.ndarray:
+                   batch_size: int = 1) -> np.ndarray:
     """Train block indices at stream positions position .. position + count - 1 (p -> perm(seed, p // n)[p % n]);
-    with ``grouped`` (rows of one example each), each epoch's permutation length-grouped in chunks of ``chunk``."""
+    with ``grouped`` (rows of one example each), each epoch's permutation length-grouped (:func:`grouped_perm`)."""
     epochs, offsets = np.divmod(np.arange(position, position + count, dtype=np.int64), n_blocks)
     out = np.empty(count, dtype=np.int64)
     for epoch in np.unique(epochs):
         sel = epochs == epoch
         perm = (_epoch_perm(seed, int(epoch), n_blocks) if grouped is None
-                else grouped_perm(seed, int(epoch), grouped, chunk))
+                else grouped_perm(seed, int(epoch), grouped, batch_size))
         out[sel] = perm[offsets[sel]]
     return out
 
@@ -108,12 +113,21 @@ def train_batch(data: TokenData, *, position: int, micro_step: int, rank: int, w
     return rows_batch(data.train, idx, pin_memory=pin_memory)
 
 
+def step_counts(data: TokenData, *, position: int, count: int, batch_size: int, seed: int) -> tuple[int, int]:
+    """(target tokens, tokens) of the training stream's positions position .. position + count - 1: an optimizer
+    step's over all ranks when ``count`` is its sequences, the same numbers on every rank without a collective.
+    Tokens leave out padding and a packed row's filler; every token of a text block is both."""
+    if not isinstance(data.train, Rows):
+        return count * data.block_size, count * data.block_size
+    idx = stream_indices(position, count, **_stream(data, batch_size, seed))
+    return int((np.asarray(data.train.y[idx]) != IGNORE_INDEX).sum()), int(np.asarray(data.train.length)[idx].sum())
+
+
 def _stream(data: TokenData, batch_size: int, seed: int) -> dict:
     """stream_indices' settings for a split: length-grouped where rows hold one example each."""
     train = data.train
     grouped = isinstance(train, Rows) and not train.packed
-    return {"n_blocks": len(train), "seed": seed, "grouped": train if grouped else None,
-            "chunk": batch_size * GROUP_BATCHES}
+    return {"n_blocks": len(train), "seed": seed, "grouped": train if grouped else None, "batch_size": batch_size}
 
 
 def calibration_batches(data: TokenData, *, blocks: int, batch_size: int, seed: int) -> list[torch.Tensor]:

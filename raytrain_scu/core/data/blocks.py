@@ -10,7 +10,7 @@ import itertools
 
 import numpy as np
 
-from raytrain_scu.core.data.sources import describe, iter_documents, resolve_source
+from raytrain_scu.core.data.sources import NOT_DOCUMENTS, describe, iter_documents, resolve_format, resolve_source
 from raytrain_scu.errors import DataError
 
 TOKENIZE_BATCH_DOCS = 64
@@ -23,6 +23,8 @@ def load_documents(source: str, path: str, text_field: str = "text", max_documen
     files, undecodable text, a bad JSONL line, or no text at all.
     """
     source = resolve_source(source, path)
+    if resolve_format(source, path, "auto", text_field) != "text":
+        raise DataError(f"{describe(source, path)} {NOT_DOCUMENTS}")
     docs = (d for d in iter_documents(source, path, text_field) if d.strip())
     if max_documents > 0:
         docs = itertools.islice(docs, max_documents)

@@ -34,8 +34,10 @@ class Example:
 
 
 def detect_format(record: dict, text_field: str) -> str:
-    """The format of a record by its fields: ``messages`` -> chat, ``prompt`` and ``completion`` ->
-    prompt_completion, else text."""
+    """The format of a record by its fields: ``text_field`` -> text (what a text config has always read),
+    ``messages`` -> chat, ``prompt`` and ``completion`` -> prompt_completion, else text."""
+    if text_field in record:
+        return "text"
     if "messages" in record:
         return "chat"
     if "prompt" in record and "completion" in record:
@@ -94,11 +96,11 @@ def read_template(value: str) -> str:
     """``data.chat_template``: a Jinja file's text, or the value itself when it is an inline Jinja template."""
     if not value:
         return ""
+    if "{{" in value or "{%" in value:  # a template, never a path (a long one is no valid file name)
+        return value
     p = Path(value).expanduser()
     if p.is_file():
         return p.read_text()
-    if "{{" in value or "{%" in value:
-        return value
     raise DataError(f"data.chat_template={value!r}: no such file, and not an inline Jinja template "
                     f"(one has {{% ... %}} or {{{{ ... }}}})")
 
@@ -115,22 +117,26 @@ def chat_template(tokenizer, override: str) -> str:
     return own
 
 
-def _apply(tokenizer, messages, template: str, generation_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(list(messages), chat_template=template, tokenize=False,
-                                         add_generation_prompt=generation_prompt)
+def _apply(tokenizer, messages, template: str, generation_prompt: bool, where: str) -> str:
+    try:
+        return tokenizer.apply_chat_template(list(messages), chat_template=template, tokenize=False,
+                                             add_generation_prompt=generation_prompt)
+    except Exception as e:  # noqa: BLE001 - the template's own refusals (jinja2 errors, raise_exception)
+        raise DataError(f"{where}: the chat template refused this conversation: {type(e).__name__}: "
+                        f"{str(e)[:300]}") from None
 
 
 def answer_spans(tokenizer, ex: Example, template: str) -> tuple[str, list[tuple[int, int]]]:
     """The rendered conversation and the character spans of its assistant turns: turn i's span is what rendering
     messages[:i+1] adds to rendering messages[:i] with the generation prompt. Refuses a template under which those
     renderings are not prefixes of the whole (one that rewrites earlier turns)."""
-    full = _apply(tokenizer, ex.messages, template, False)
+    full = _apply(tokenizer, ex.messages, template, False, ex.where)
     spans = []
     for i, m in enumerate(ex.messages):
         if m["role"] != "assistant":
             continue
-        before = _apply(tokenizer, ex.messages[:i], template, True) if i else ""
-        upto = _apply(tokenizer, ex.messages[:i + 1], template, False)
+        before = _apply(tokenizer, ex.messages[:i], template, True, ex.where) if i else ""
+        upto = _apply(tokenizer, ex.messages[:i + 1], template, False, ex.where)
         if not (full.startswith(upto) and upto.startswith(before)):
             raise DataError(f"{ex.where}: the chat template renders earlier turns differently once later ones follow "
                             f"(message {i}): the answer tokens cannot be located; use data.train_on=all or a "

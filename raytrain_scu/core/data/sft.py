@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from raytrain_scu.core.data.blocks import split_documents
 from raytrain_scu.core.data.examples import chat_template, fit, read_template, render, to_example
-from raytrain_scu.core.data.packing import rows_of
+from raytrain_scu.core.data.packing import IGNORE_INDEX, rows_of
 from raytrain_scu.core.data.sources import describe, iter_records
 from raytrain_scu.errors import DataError
 
@@ -55,7 +55,7 @@ def build_rows(tokenizer, *, source: str, path: str, fmt: str, template: str, tr
                             f"data.block_size={block_size}")
         rows = rows_of(fitted, block_size=block_size, packing=packing, pad_id=eos if eos is not None else 0)
         arrays[split] = rows
-        n_targets = int((rows["y"] != -100).sum())
+        n_targets = int((rows["y"] != IGNORE_INDEX).sum())
         meta.update({f"n_{split}_examples": len(fitted), f"n_{split}_truncated": truncated,
                      f"n_{split}_dropped": dropped, f"n_{split}_targets": n_targets,
                      f"n_{split}_tokens": int(rows["length"].sum()), f"n_{split}_rows": len(rows["x"]),

@@ -159,13 +159,16 @@ def _speeches(file: Path) -> Iterator[tuple[int, str, str]]:
 
 
 def _dialogue_records(files: list[Path]) -> Iterator[tuple[str, dict]]:
-    """Conversations from the plays: one speaker's speech, then the next speaker's reply, where both are short."""
+    """Conversations from the plays: one speaker's speech, then the next speaker's reply, where both are short. No
+    two conversations share a speech, so no reply of the validation split is a prompt in the training split."""
     for f in files:
         prev = None
         for lineno, speaker, speech in _speeches(f):
             if prev is not None and prev[1] != speaker and max(len(prev[2]), len(speech)) <= MAX_SPEECH_CHARS:
-                yield f"{f.name}:{lineno}", {"messages": [{"role": "user", "content": prev[2]},
-                                                          {"role": "assistant", "content": speech}]}
+                yield f"{f.name}:{prev[0]}", {"messages": [{"role": "user", "content": prev[2]},
+                                                           {"role": "assistant", "content": speech}]}
+                prev = None
+                continue
             prev = (lineno, speaker, speech)
 
 
@@ -222,10 +225,13 @@ def _no_check(files: list[Path], path: str, text_field: str) -> None:
     pass
 
 
+NOT_DOCUMENTS = ("holds examples (conversations or prompt/completion pairs), not text documents: what reads "
+                 "documents (python -m raytrain_scu.evaluate, the ablation studies) needs text; a run on examples "
+                 "scores its held-out answers itself (val/data_bpt)")
+
+
 def _no_documents(files: list[Path], path: str, text_field: str) -> Iterator[str]:
-    raise DataError("this data.source holds examples (conversations or prompt/completion pairs), not text documents: "
-                    "what reads documents (python -m raytrain_scu.evaluate, the ablation studies) needs text; a run on "
-                    "examples scores its held-out answers itself (val/data_bpt)")
+    raise DataError(f"this data.source {NOT_DOCUMENTS}")
 
 
 def _no_records(files: list[Path], path: str) -> Iterator[tuple[str, dict]]:
@@ -341,5 +347,7 @@ def check_source(source: str, path: str, text_field: str = "text", fmt: str = "a
     if fmt == "text":
         SOURCES[source].check(files, path, text_field)
         return
-    where, record = next(iter_records(source, path))
-    to_example(record, fmt, where)
+    first = next(iter_records(source, path), None)
+    if first is None:
+        raise DataError(f"no records in {describe(source, path)}")
+    to_example(first[1], fmt, first[0])

@@ -8,8 +8,8 @@ A 0 in ``pos`` starts an example. The mask is made once per forward and shared b
   examples: on an H200 at 8 x 2048 tokens of ~390-token examples, forward and backward of one layer's attention take
   1.80 ms (1B shape) and 2.04 ms (8B shape), against 3.81 / 6.53 ms for SDPA with a boolean mask and 2.09 / 3.39 ms
   for ``varlen_attn`` (docs/bench/h200_2026-12-02_packed_attention_*.json);
-- elsewhere, a boolean (B, 1, T, T) block-diagonal causal mask for SDPA: exact, what the CPU tests compare against
-  examples run one at a time.
+- elsewhere (and for heads smaller than FlexAttention's 16), a boolean (B, 1, T, T) block-diagonal causal mask for
+  SDPA: exact, what the CPU tests compare against examples run one at a time.
 
 Models whose attention is not plain causal attention over the whole row (a sliding window, logit soft-capping,
 chunked attention, non-attention layers) are refused: :func:`check_packing`.
@@ -36,11 +36,22 @@ def _flex():
     return create_block_mask, torch.compile(flex_attention)
 
 
-def packed_mask(pos: torch.Tensor):
-    """The mask of packed rows ``pos`` (B, T): a BlockMask on CUDA, else a boolean (B, 1, T, T) tensor."""
+FLEX_MIN_HEAD_DIM = 16  # FlexAttention's kernels need query/key/value heads of at least 16
+
+
+def head_dim(config) -> int:
+    """The attention head size of a transformers config (0 where it has no attention heads)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = getattr(text, "num_attention_heads", 0)
+    return getattr(text, "head_dim", None) or (getattr(text, "hidden_size", 0) // heads if heads else 0)
+
+
+def packed_mask(pos: torch.Tensor, *, flex: bool):
+    """The mask of packed rows ``pos`` (B, T): a BlockMask with ``flex`` (CUDA, heads of at least
+    FLEX_MIN_HEAD_DIM), else a boolean (B, 1, T, T) tensor."""
     seg = segments(pos)
     B, T = pos.shape
-    if pos.is_cuda:
+    if flex:
         create_block_mask, _ = _flex()
 
         def document_causal(b, h, q, k):
@@ -50,9 +61,11 @@ def packed_mask(pos: torch.Tensor):
     return (seg[:, None, :, None] == seg[:, None, None, :]) & causal
 
 
-def packed_inputs(pos: torch.Tensor) -> dict:
-    """The model's keyword arguments for packed rows: the positions, and the mask its attention reads."""
-    return {"position_ids": pos, "packed_mask": packed_mask(pos)}
+def packed_inputs(pos: torch.Tensor, *, head_size: int) -> dict:
+    """The model's keyword arguments for packed rows: the positions, and the mask its attention reads (FlexAttention's
+    on CUDA where the heads are large enough, the boolean one elsewhere)."""
+    flex = pos.is_cuda and head_size >= FLEX_MIN_HEAD_DIM
+    return {"position_ids": pos, "packed_mask": packed_mask(pos, flex=flex)}
 
 
 def attention(module, query, key, value, mask, *, scaling=None, dropout: float = 0.0, **kwargs):
@@ -72,11 +85,14 @@ def attention(module, query, key, value, mask, *, scaling=None, dropout: float =
     return out.transpose(1, 2).contiguous(), None
 
 
-def check_packing(config, name: str) -> None:
+def check_packing(config, name: str, *, gpu: bool = False) -> None:
     """Refuse packed rows for a model whose attention does not see a whole row causally (a sliding window, logit
-    soft-capping, chunked attention, non-attention layers), naming what it has."""
+    soft-capping, chunked attention, non-attention layers), or on GPUs (FlexAttention) has attention dropout, naming
+    what it has."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     problems = []
+    if gpu and getattr(text, "attention_dropout", 0.0):
+        problems.append(f"attention dropout {text.attention_dropout} (FlexAttention, the GPU kernel, has none)")
     if getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True):
         problems.append(f"a sliding window of {text.sliding_window}")
     if getattr(text, "attn_logit_softcapping", None):
