@@ -362,3 +362,16 @@ def test_a_steps_counts_are_its_target_tokens_and_its_tokens_on_every_rank():
         assert targets == sum(sum(t[1:]) for _, t in examples) and tokens == sum(len(i) - 1 for i, _ in examples)
     blocks = type("D", (), {"train": np.zeros((10, 9), np.uint32), "block_size": 8})()
     assert step_counts(blocks, position=3, count=4, batch_size=2, seed=0) == (32, 32)
+
+
+def test_a_saved_dataset_of_conversations_is_read_with_the_same_fields(tmp_path, tok):
+    datasets = pytest.importorskip("datasets")
+    records = [conv(("user", f"q{i}"), ("assistant", f"a{i}")) for i in range(6)]
+    datasets.Dataset.from_list(records).save_to_disk(str(tmp_path / "ds"))
+    data = prepare_data(tok, source="auto", path=str(tmp_path / "ds"), block_size=64, val_fraction=0.5,
+                        cache_dir=str(tmp_path / "c"))
+    assert data.meta["source"] == "hf_disk" and data.meta["format"] == "chat"
+    assert data.meta["n_train_examples"] + data.meta["n_val_examples"] == 6
+    datasets.Dataset.from_list([conv(("user", "a"), ("robot", "b"))]).save_to_disk(str(tmp_path / "bad"))
+    with pytest.raises(DataError, match=r"dataset .*bad row 0: message 1 has role 'robot'"):
+        check_source("hf_disk", str(tmp_path / "bad"))
