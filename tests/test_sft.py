@@ -375,3 +375,19 @@ def test_a_saved_dataset_of_conversations_is_read_with_the_same_fields(tmp_path,
     datasets.Dataset.from_list([conv(("user", "a"), ("robot", "b"))]).save_to_disk(str(tmp_path / "bad"))
     with pytest.raises(DataError, match=r"dataset .*bad row 0: message 1 has role 'robot'"):
         check_source("hf_disk", str(tmp_path / "bad"))
+
+
+def test_a_step_weighs_every_answer_token_the_same_however_the_rows_are_split_into_micro_batches(tmp_path):
+    """Packed rows hold different numbers of answer tokens: 4 rows a micro-batch, or 2 rows in each of 2 micro-batches,
+    is the same step (the loss is scaled by the step's answer tokens, not each micro-batch's), so the same model
+    comes out."""
+    from conftest import in_process, tiny_cfg
+
+    common = ["data.source=shakespeare_chat", "data.max_documents=120", "data.block_size=128",
+              f"data.chat_template={TEMPLATE}", "data.val_fraction=0.2", f"data.cache_dir={tmp_path / 'tokens'}",
+              "tracking.enabled=false", "scaling.num_workers=1", "train.max_steps=3", "train.report_every=3",
+              "train.eval_every=3", "train.checkpoint_every=3", "optim.lr=0.003", "lora.dropout=0"]
+    one = in_process(tiny_cfg(tmp_path, "one", *common, "data.batch_size=4", "data.grad_accum=1"))
+    two = in_process(tiny_cfg(tmp_path, "two", *common, "data.batch_size=2", "data.grad_accum=2"))
+    for key in ("train/data_bpt", "val/data_bpt", "train/lora_b_norm"):
+        assert abs(two[key] - one[key]) < 1e-6, (key, two[key] - one[key])

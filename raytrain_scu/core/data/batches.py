@@ -120,7 +120,7 @@ def step_counts(data: TokenData, *, position: int, count: int, batch_size: int, 
     if not isinstance(data.train, Rows):
         return count * data.block_size, count * data.block_size
     idx = stream_indices(position, count, **_stream(data, batch_size, seed))
-    return int((np.asarray(data.train.y[idx]) != IGNORE_INDEX).sum()), int(np.asarray(data.train.length)[idx].sum())
+    return int(data.train.targets[idx].sum()), int(np.asarray(data.train.length)[idx].sum())
 
 
 def _stream(data: TokenData, batch_size: int, seed: int) -> dict:

@@ -18,6 +18,7 @@ import numpy as np
 
 from raytrain_scu.core.data import sft
 from raytrain_scu.core.data.blocks import build_blocks
+from raytrain_scu.core.data.packing import IGNORE_INDEX
 from raytrain_scu.core.data.sources import SOURCES, describe, resolve_format, resolve_source, source_files
 from raytrain_scu.errors import DataError
 
@@ -33,6 +34,10 @@ class Rows:
     length: np.ndarray
     packed: bool
     perms: dict = field(default_factory=dict, repr=False, compare=False)  # the stream's length-grouped epochs
+    targets: np.ndarray = field(init=False, repr=False, compare=False)  # target tokens a row, read once
+
+    def __post_init__(self):
+        self.targets = (np.asarray(self.y) != IGNORE_INDEX).sum(axis=1)
 
     def __len__(self) -> int:
         return len(self.x)

@@ -21,7 +21,6 @@ from raytrain_scu.errors import DataError
 
 FORMATS = ("text", "chat", "prompt_completion")
 ROLES = ("system", "user", "assistant", "tool")
-TRAIN_ON = ("answers", "all")
 
 
 @dataclass(frozen=True)

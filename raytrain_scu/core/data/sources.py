@@ -11,7 +11,6 @@ import codecs
 import fnmatch
 import glob
 import importlib.resources
-import json
 import os
 import re
 from dataclasses import dataclass
@@ -69,17 +68,11 @@ def _read_jsonl(file: Path, text_field: str) -> Iterator[str]:
 
 
 def _read_jsonl_lines(file: Path, lines: list[str], text_field: str) -> Iterator[str]:
-    for lineno, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{file}:{lineno}: not a JSON object ({e.msg})") from None
-        if not isinstance(obj, dict) or text_field not in obj:
-            raise DataError(f"{file}:{lineno}: no field {text_field!r} (data.text_field) in this line")
+    for where, obj in jsonl_records(file, lines):
+        if text_field not in obj:
+            raise DataError(f"{where}: no field {text_field!r} (data.text_field) in this line")
         if not isinstance(obj[text_field], str):
-            raise DataError(f"{file}:{lineno}: field {text_field!r} is {type(obj[text_field]).__name__}, not a string")
+            raise DataError(f"{where}: field {text_field!r} is {type(obj[text_field]).__name__}, not a string")
         yield obj[text_field]
 
 
