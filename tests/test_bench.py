@@ -204,14 +204,54 @@ def test_targets_are_against_the_best_peer_of_the_same_run():
 @pytest.mark.slow
 def test_a_part_that_patches_transformers_runs_in_its_own_process(tmp_path):
     """Unsloth (and Liger) patch transformers for the rest of their process: the bench runs them in a subprocess and
-    takes its row. Here, without CUDA, that row is the part's own clear error, and the parts around it still run."""
+    takes its row. Here, without CUDA, that row is the part's own clear error, and the parts around it still run.
+    The SFT parts run here too: ours packed and padded and the HF + peft padded peer each train on the same examples
+    of LIMA's lengths; TRL's part (CUDA only) says so in its row."""
     out = tmp_path / "bench.json"
-    r = subprocess.run([sys.executable, "-m", "raytrain_scu.bench", "--smoke", "--parts", "ours,ref_unsloth", "--out",
-                        str(out)], capture_output=True, text=True, cwd=ROOT, timeout=600)
-    assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-2000:]  # one part failed
-    parts = json.loads(out.read_text())["parts"]
+    r = subprocess.run([sys.executable, "-m", "raytrain_scu.bench", "--smoke", "--parts",
+                        "ours,ref_unsloth,sft_packed,sft_padded,sft_ref_padded,sft_ref_trl", "--out", str(out)],
+                       capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-2000:]  # two parts failed
+    res = json.loads(out.read_text())
+    parts = res["parts"]
     assert parts["ours"]["lora_b_norm"] > 0
     assert "CUDA" in parts["ref_unsloth"]["error"], parts["ref_unsloth"]
+    assert "CUDA only" in parts["sft_ref_trl"]["error"], parts["sft_ref_trl"]
+    for name in ("sft_packed", "sft_padded", "sft_ref_padded"):
+        p = parts[name]
+        assert 0 < p["target_tokens_per_s"] < p["tokens_per_s"] and p["bpt_after"] < p["bpt_before"], (name, p)
+    assert parts["sft_packed"]["packing"] is True and parts["sft_padded"]["packing"] is False
+    assert res["sft_data"]["examples"] == 200 and 0 < res["sft_data"]["target_share"] < 1
+    assert "| 1b SFT (LIMA lengths): sft_packed / best SFT peer, answer tokens/s | " in r.stdout
+    assert "| 1b | sft_ref_padded |" not in r.stdout  # the SFT peers are not the text bench's best peer
+
+
+def test_sft_bench_examples_have_lima_lengths_and_padded_batches_keep_to_their_capacity(tmp_path):
+    """The SFT bench's examples: LIMA's 1,029 measured (prompt, answer) lengths, drawn the same for a seed; text of
+    those lengths re-tokenises to within a few tokens of them, answers only as targets; the padded peer's
+    micro-batches stay within their token capacity and ignore prompts and padding."""
+    import numpy as np
+
+    from raytrain_scu.core.model.source import load_tokenizer
+    from raytrain_scu.studies.bench import sft_data
+    from raytrain_scu.studies.bench.sft_peers import IGNORE, padded_batches
+
+    pairs = json.loads(sft_data.LENGTHS.read_text())["pairs"]
+    assert len(pairs) == 1029 and round(np.mean([p + a for p, a in pairs])) == 651
+    lengths = sft_data.draw(40, seed=0)
+    assert lengths == sft_data.draw(40, seed=0) != sft_data.draw(40, seed=1)
+    tok = load_tokenizer("tiny")
+    stream = np.asarray(tok(" ".join(["Now is the winter of our discontent made glorious summer"] * 4000))["input_ids"])
+    path = sft_data.write_examples(tmp_path / "x.jsonl", tok, stream, lengths)
+    examples = sft_data.token_examples(path, tok, block=4096)
+    for (p, a), (ids, target) in zip(lengths, examples):
+        assert abs(len(ids) - (p + a + 2)) <= 4 and abs(sum(target) - (a + 1)) <= 2  # + BOS, + EOS
+        assert not any(target[:max(0, p - 2)]) and target[-1]  # the prompt is no target; the EOS is
+    batches = padded_batches(examples, capacity=4096, count=8, seed=0, pad_id=-1)  # -1: no token id
+    for x, y, tokens, targets in batches:
+        assert (x.numel() <= 4096 or len(x) == 1) and x.shape[1] % 64 == 0
+        assert tokens == int((x != -1).sum()) and bool((y[x == -1] == IGNORE).all())
+        assert targets == int((y[:, 1:] != IGNORE).sum()) <= tokens
 
 
 @pytest.mark.slow

@@ -20,6 +20,7 @@ class Meter:
         # tokens over all ranks since the last lap (batches.step_counts): every token of text blocks; of examples,
         # their prompts and answers, never padding or a packed row's filler
         self.tokens = 0
+        self.targets, self.targets_per_s = 0, 0.0  # of those, the target tokens (examples: the answers)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
 
@@ -31,12 +32,14 @@ class Meter:
         self.t_last += time.perf_counter() - t0
 
     def lap(self) -> float:
-        """Tokens/s over all ranks since the last lap; starts the next one."""
+        """Tokens/s over all ranks since the last lap (and ``targets_per_s``, their target tokens); starts the next
+        one."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         now = time.perf_counter()
         self.interval, self.t_last = now - self.t_last, now
         tokens_per_s, self.tokens = self.tokens / self.interval, 0
+        self.targets_per_s, self.targets = self.targets / self.interval, 0
         return tokens_per_s
 
     def max_mem_gib(self) -> float:

@@ -9,7 +9,7 @@ import time
 import torch
 
 from raytrain_scu.config.io import to_yaml
-from raytrain_scu.console import ETA, NOTICES, VAL_STEP, take_notices
+from raytrain_scu.console import ETA, NOTICES, RESUMED_AT, VAL_STEP, take_notices
 from raytrain_scu.core import checkpoint as ckpt
 from raytrain_scu.core.data.batches import val_batches
 from raytrain_scu.core.dist import all_gather_object, all_reduce_sum, rank, world_size
@@ -58,7 +58,8 @@ def perf_metrics(s: State, step: int) -> dict:
         raise NotLearningError(f"after {step + 1 - s.rec.start_step} optimizer step(s) every LoRA B matrix is still "
                                f"exactly zero: no gradient reached the adapters (model.compile={m.compile}, "
                                f"model.fused_loss={m.fused_loss}, model.precision={m.precision})")
-    perf = {"perf/tokens_per_s": tokens_per_s, "train/lora_b_norm": b_norm, "perf/max_mem_gib": meter.max_mem_gib(),
+    perf = {"perf/tokens_per_s": tokens_per_s, "perf/target_tokens_per_s": meter.targets_per_s,
+            "train/lora_b_norm": b_norm, "perf/max_mem_gib": meter.max_mem_gib(),
             "perf/max_reserved_gib": meter.max_reserved_gib(),
             "perf/report_wait_s": meter.report_wait}  # time the previous report (and checkpoint) took
     # perf/mfu as docs/benchmarks.md defines it: tokens/s per GPU x FLOPs/token of the frozen base / the card's peak
@@ -117,6 +118,8 @@ def report(s: State, step: int, row: dict, is_ckpt: bool) -> None:
                "max_steps": s.cfg.train.max_steps, "world_size": world_size()}
     if s.rec.val_step is not None:  # None: resumed from a checkpoint that predates it
         metrics[VAL_STEP] = s.rec.val_step
+    if s.rec.resumed_at:  # one text, as the notices: a sweep's table and MLflow say which trial restarted, from where
+        metrics[RESUMED_AT] = ",".join(str(step) for step in s.rec.resumed_at)
     notices = take_notices()  # rank 0's reach the driver's console (ray.launch.fit)
     if notices:  # one text, not a list: Tune's TensorBoard logger warns about a list it cannot plot (sweeps)
         metrics[NOTICES] = "\n".join(notices)
@@ -133,9 +136,11 @@ def report(s: State, step: int, row: dict, is_ckpt: bool) -> None:
 
 
 def after_step(s: State, step: int, row: dict) -> bool:
-    """Once in a while: eval (all ranks), report (all ranks), checkpoint (rank 0 writes). True when the run is done."""
+    """Once in a while: eval (all ranks), report (all ranks), checkpoint (rank 0 writes). True when the run is done,
+    or stops here (Ctrl-C, a preemption) with the checkpoint of this step."""
     t = s.cfg.train
-    done = step + 1 == t.max_steps or (t.stop_on_saturation and s.ctrl.law.saturated) or s.stopping
+    done = (step + 1 == t.max_steps or (t.stop_on_saturation and s.ctrl.law.saturated) or s.stopping
+            or s.preempting)
     is_ckpt = (step + 1) % t.checkpoint_every == 0 or done
     if (step + 1) % t.eval_every == 0 or is_ckpt:
         t0 = time.perf_counter()

@@ -1,5 +1,5 @@
-"""One optimizer step, all ranks: the learning rate, the micro-steps, one all-reduce of (nats, tokens, stop), the
-optimizer step (or a skip), one host sync, the control update. Returns the step's metrics row.
+"""One optimizer step, all ranks: the learning rate, the micro-steps, one all-reduce of (nats, tokens, stop,
+preempt), the optimizer step (or a skip), one host sync, the control update. Returns the step's metrics row.
 
 The device is kept busy across the host sync: the step's numbers start back to the host, then the optimizer step is
 launched (fused AdamW skips it on the device where DataBPT, ParamBPT or the gradient norm is non-finite) and the next
@@ -68,6 +68,7 @@ def micro_steps(s: State, step: int, lam: float):
     targets, processed = step_counts(s.pos.data, position=s.pos.position, count=s.pos.seqs_per_step,
                                      batch_size=d.batch_size, seed=s.cfg.seed)
     s.metering.meter.tokens += processed
+    s.metering.meter.targets += targets
     scale = world_size() / max(targets, 1)
     nats_sum = torch.zeros((), dtype=torch.float32, device=s.device)
     tokens = torch.zeros((), dtype=torch.float32, device=s.device)
@@ -80,17 +81,19 @@ def micro_steps(s: State, step: int, lam: float):
 
 
 def global_sums(s: State, nats_sum, tokens, pbpt, grad_norm):
-    """All ranks: one all-reduce of (nats, tokens, stop), with ParamBPT, the gradient norm and ParamBPT's parts as
-    one float32 tensor on the device, whose copy to the host has started; and whether any of DataBPT, ParamBPT and
-    the norm is non-finite, on the device. Rank 0 adds whether a stop was asked for (Ctrl-C), so every rank agrees
-    without another collective."""
+    """All ranks: one all-reduce of (nats, tokens, stop, preempt), with ParamBPT, the gradient norm and ParamBPT's
+    parts as one float32 tensor on the device, whose copy to the host has started; and whether any of DataBPT,
+    ParamBPT and the norm is non-finite, on the device. Rank 0 adds whether a stop was asked for (Ctrl-C, the
+    driver's SIGTERM) and every rank whether it was told its node is going (``hooks.preempt_notice``: a drain, its own
+    SIGTERM), so every rank agrees on both without another collective."""
     # a fill on the device, not torch.tensor(): a host->device copy from pageable memory would sync mid-step
     stop = tokens.new_full((), float(rank() == 0 and s.stop_path is not None and s.stop_path.exists()))
-    stats = all_reduce_sum(torch.stack([nats_sum, tokens, stop]))
+    preempt = tokens.new_full((), float(s.hooks.preempt_notice()))
+    stats = all_reduce_sum(torch.stack([nats_sum, tokens, stop, preempt]))
     parts = param_bpt_parts(s.opt.params, s.opt.centers, sigma=s.cfg.controller.prior_sigma,
                             tokens_per_epoch=s.ctrl.tokens_per_epoch)  # telemetry: ParamBPT's A and B parts
     sums = torch.cat([stats, pbpt.detach().float().reshape(1), grad_norm.float().reshape(1), parts])
-    nonfinite = (~torch.isfinite(torch.stack([sums[0] / sums[1], sums[3], sums[4]]))).any().float()
+    nonfinite = (~torch.isfinite(torch.stack([sums[0] / sums[1], sums[4], sums[5]]))).any().float()
     return _to_host(sums), nonfinite
 
 
@@ -110,10 +113,10 @@ def _read(copy) -> dict:
     host, done = copy
     if done is not None:
         done.synchronize()
-    nats, n, stop_f, pbpt_f, norm, pa, pb, pu = host.tolist()
+    nats, n, stop_f, preempt_f, pbpt_f, norm, pa, pb, pu = host.tolist()
     # no tokens: NaN, a skipped step, as the device's flag says
     return {"data_bpt": bits_per_token(nats, n), "param_bpt": pbpt_f, "grad_norm": norm, "stop": stop_f > 0,
-            "param_bpt_a": pa, "param_bpt_b": pb, "param_bpt_update": pu}
+            "preempt": preempt_f > 0, "param_bpt_a": pa, "param_bpt_b": pb, "param_bpt_update": pu}
 
 
 def _refuse_repeated_skips(s: State, step: int) -> None:
@@ -145,7 +148,7 @@ def train_step(s: State, step: int) -> dict:
     if step + 1 < cfg.train.max_steps:
         send_ahead(s)
     g = _read(copy)
-    s.stopping = g["stop"]
+    s.stopping, s.preempting = g["stop"], g["preempt"]
     s.opt.step(data_bpt=g["data_bpt"], param_bpt=g["param_bpt"], grad_norm=g["grad_norm"])
     _refuse_repeated_skips(s, step)
     s.ctrl.update(step + 1, data_bpt=g["data_bpt"], param_bpt=g["param_bpt"], lr_factor=lr / cfg.optim.lr)

@@ -29,6 +29,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.add_argument(flag, type=int, default=default)
     p.add_argument("--mem-chunk", type=int, default=256, help="loss chunk (tokens) of the memory parts")
     p.add_argument("--block", type=int, default=2048)
+    p.add_argument("--sft-examples", type=int, default=3000, help="examples the sft parts draw (LIMA's lengths)")
     p.add_argument("--steps", type=int, default=20, help="timed steps (reference) / timed steps after warm-up")
     p.add_argument("--report-every", type=int, default=5)
     p.add_argument("--warmup-reports", type=int, default=2)
@@ -42,6 +43,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         args.block, args.batch, args.best_batch, args.mem_batch = 64, 2, 4, 2
         args.granite_batch, args.granite_block = 2, 64
         args.steps, args.report_every, args.warmup_reports = 4, 2, 1
+        args.sft_examples = min(args.sft_examples, 200)
         if not args.parts and not args.group:
             args.parts = "attn,ref_eager,ref_compile_default,ref_compile,ours,scu_none"
     if args.profile_steps < 1 and any(profiling(p) for p in args.parts.split(",")):

@@ -28,7 +28,9 @@ def bench_config(*, preset: str, batch: int, block: int, steps: int, report_ever
                  embedding_int8: bool = False, offload_embedding: bool = False,
                  recompute_elementwise: str = "auto", head_fp8: bool = False,
                  compile_mode: str = "default", offload_activations: bool = False, dequant_4bit: str = "auto",
-                 offload_activations_gib: float = 0.0):
+                 offload_activations_gib: float = 0.0, data_path: str = "", packing: bool = True):
+    """Our loop's config for a part; with ``data_path``, prompt/completion examples from that jsonl file (packed
+    with ``packing``, else one a row, padded) in place of the Shakespeare text blocks."""
     gpu = torch.cuda.is_available()
     return resolve(None, [
         f"model.name={preset}", f"model.precision={'bf16' if gpu else 'fp32'}", f"model.compile={str(compile).lower()}",
@@ -43,7 +45,9 @@ def bench_config(*, preset: str, batch: int, block: int, steps: int, report_ever
         f"model.loss_chunk_size={chunk}", f"quant.load_in_4bit={str(load_in_4bit).lower()}", "lora.r=16",
         f"quant.embedding_int8={str(embedding_int8).lower()}", f"quant.dequant_4bit={dequant_4bit}",
         f"quant.offload_embedding={str(offload_embedding).lower()}",
-        "lora.alpha=32", f"lora.target_modules={','.join(targets)}", "data.source=shakespeare",
+        "lora.alpha=32", f"lora.target_modules={','.join(targets)}",
+        *(["data.source=jsonl", f"data.path={data_path}", "data.format=prompt_completion",
+           f"data.packing={str(packing).lower()}"] if data_path else ["data.source=shakespeare"]),
         f"data.block_size={block}", f"data.batch_size={batch}", "data.grad_accum=1", "data.val_fraction=0.05",
         f"train.max_steps={steps}", f"train.report_every={report_every}", f"train.checkpoint_every={steps}",
         f"train.eval_every={steps}", f"train.eval_blocks={batch * workers}", f"controller.mode={mode}",
@@ -52,8 +56,8 @@ def bench_config(*, preset: str, batch: int, block: int, steps: int, report_ever
         f"train.profile_host={str(profile_host).lower()}"])
 
 
-def _median_rate(reports: list[dict], warmup_reports: int) -> float:
-    rates = [r["perf/tokens_per_s"] for r in reports if "perf/tokens_per_s" in r]
+def _median_rate(reports: list[dict], warmup_reports: int, key: str = "perf/tokens_per_s") -> float:
+    rates = [r[key] for r in reports if key in r]
     timed = rates[warmup_reports:] or rates[-1:]
     return statistics.median(timed)
 
@@ -83,6 +87,9 @@ def ours_bare(cfg, warmup_reports: int) -> dict:
            "peak_mem_gib": max(r.get("perf/max_mem_gib", 0.0) for r in hooks.reports), "batch": cfg.data.batch_size,
            "rates": _rates(hooks.reports), **_reserved(hooks.reports),
            **proof_from_reports(hooks.reports)}
+    if cfg.data.format == "prompt_completion":  # examples: their answers are the target tokens
+        out["target_tokens_per_s"] = _median_rate(hooks.reports, warmup_reports, "perf/target_tokens_per_s")
+        out["packing"] = cfg.data.packing
     free()
     return out
 

@@ -12,6 +12,7 @@ from raytrain_scu.core.model.families import mamba_kernels, mamba_kernels_run
 from raytrain_scu.studies.bench.attention import attention_bench
 from raytrain_scu.studies.bench.ours import ours_bare, ours_ray
 from raytrain_scu.studies.bench.reference import reference_loop
+from raytrain_scu.studies.bench.sft_peers import padded_loop, trl_loop
 from raytrain_scu.studies.bench.unsloth import unsloth_loop
 
 RAY_PART = re.compile(r"ray([1-9][0-9]*)")  # the Ray parts: rayN, N workers with one GPU each
@@ -29,6 +30,8 @@ class Ctx:
     steps: int
     compile: bool  # on a GPU unless --no-compile
     cfg: Callable = field(repr=False)
+    # () -> (jsonl path, [(ids, target)], tokenizer): the SFT parts' examples (.sft_data), made once a bench run
+    sft: Callable = field(default=None, repr=False)
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,7 @@ class Part:
     peer: bool = False  # a peer in its strongest configuration: the fastest of these is the best peer
     isolated: bool = False  # patches transformers: runs in a subprocess
     loop: bool = False  # our loop: profile_<part> profiles it
+    sft: bool = False  # on the SFT examples: judged against the SFT peers only, on target tokens/s
 
 
 def _ref(**kw) -> Callable[[Ctx], dict]:
@@ -88,6 +92,29 @@ def _granite(load_in_4bit: bool, eager: bool = False, recompute_elementwise: str
     return run
 
 
+def _sft_ours(packing: bool) -> Callable[[Ctx], dict]:
+    """Our loop on the SFT examples, packed or one example a row (padded, length-grouped) at --batch rows."""
+    return lambda c: ours_bare(c.cfg(data_path=str(c.sft()[0]), packing=packing), c.args.warmup_reports)
+
+
+def _sft_padded(c: Ctx) -> dict:
+    a = c.args
+    _, examples, tok = c.sft()
+    return padded_loop(preset=c.preset, examples=examples, batch=a.batch, block=c.block, steps=a.steps,
+                       warmup=a.warmup_reports * a.report_every, interval=a.report_every, compile_=c.compile,
+                       pad_id=tok.eos_token_id or 0)
+
+
+def _sft_trl(attention: str) -> Callable[[Ctx], dict]:
+    def run(c: Ctx) -> dict:
+        a = c.args
+        _, examples, tok = c.sft()
+        return trl_loop(preset=c.preset, examples=examples, tokenizer=tok, batch=a.batch, block=c.block,
+                        steps=a.steps, warmup=a.warmup_reports * a.report_every, interval=a.report_every,
+                        compile_=c.compile, attention=attention)
+    return run
+
+
 def _ray(c: Ctx, n: int) -> dict:
     return ours_ray(c.cfg(workers=n), c.args.warmup_reports)
 
@@ -115,6 +142,13 @@ PEERS_AT_EVERY_SHAPE = {
     # the FP8 base with the whole model compiled as one graph (no CUDA graphs): one compiled call a forward and one a
     # backward where the per-layer compile makes one per layer each, for where the host falls behind the FP8 GEMMs
     "ours_fp8_compile_model": Part(_ours(base_fp8=True, compile_scope="model"), loop=True),
+    # supervised fine-tuning on LIMA's lengths (.sft_data): ours packed and padded, HF + peft padded, TRL padding-free
+    # (isolated: TRL's trainer leaves accelerate's state behind in its process)
+    "sft_packed": Part(_sft_ours(packing=True), loop=True, sft=True),
+    "sft_padded": Part(_sft_ours(packing=False), loop=True, sft=True),
+    "sft_ref_padded": Part(_sft_padded, peer=True, sft=True),
+    "sft_ref_trl": Part(_sft_trl("flex_attention"), peer=True, isolated=True, sft=True),
+    "sft_ref_trl_sdpa": Part(_sft_trl("sdpa"), peer=True, isolated=True, sft=True),
 }
 PARTS: dict[str, Part] = {
     **PEERS_AT_EVERY_SHAPE,
@@ -159,7 +193,8 @@ GROUPS = {"1b": "attn,ref_eager,ref_compile_default,ref_compile,ours,ours_fp8,sc
           "8b": "ref_compile_8b,ours_8b,ours_fp8_8b,mem_bf16_8b,qlora_offload_acts_8b,ref_liger_8b",
           "unsloth": "ref_unsloth,ref_unsloth_8b,ref_unsloth_qlora_8b",
           "scale": "ray1,rayN",  # rayN: see expand_parts
-          "granite": "granite_h1b,granite_h1b_eager,granite_qlora"}
+          "granite": "granite_h1b,granite_h1b_eager,granite_qlora",
+          "sft": "sft_packed,sft_padded,sft_ref_padded,sft_ref_trl,sft_ref_trl_sdpa"}
 
 
 # profile_<part>: that part under train.profile_steps; idle_<part>: the same with train.profile_host=false (the device

@@ -72,7 +72,8 @@ def _model(preset: str, *, dev, dtype, attention: str, lora_r: int):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    attn = _register_causal() if attention == "causal" else "sdpa"
+    # "causal": the registered SDPA function; "default": transformers' SDPA; any other: that implementation's name
+    attn = {"causal": _register_causal, "default": lambda: "sdpa"}.get(attention, lambda: attention)()
     torch.manual_seed(0)  # every peer starts from the same random init
     with torch.device(dev):  # a preset that sets no vocabulary gets the Shakespeare BPE's
         model = AutoModelForCausalLM.from_config(preset_config(preset, PRESET_TOKENIZER_VOCAB), dtype=dtype,

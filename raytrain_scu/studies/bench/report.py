@@ -24,7 +24,7 @@ def best_peer(res: dict, shape: str, key: str = "tokens_per_s", batch=None) -> t
     """(part, value) of the best peer at ``shape``: the highest ``key`` (tokens/s), or the lowest peak memory when
     ``key`` is peak_mem_gib (only peers at device batch ``batch``). ("", nan) when no peer ran."""
     got = [(r[key], name) for name, r in res["parts"].items()
-           if name in PARTS and PARTS[name].peer and key in r and r.get("shape_name") == shape
+           if name in PARTS and PARTS[name].peer and not PARTS[name].sft and key in r and r.get("shape_name") == shape
            and (batch is None or r.get("batch") == batch)]
     if not got:
         return "", float("nan")
@@ -48,7 +48,9 @@ def _row(name: str, r: dict) -> str:
     if "mfu_fp8_peak" in r and r["mfu_fp8_peak"] == r["mfu_fp8_peak"]:
         mfu += f" ({100 * r['mfu_fp8_peak']:.1f}% of FP8 peak)"
     proof = f"{r['bpt_before']:.3f} -> {r['bpt_after']:.3f}, {r['lora_b_norm']:.3g}"
-    return (f"| {_variant(name, r)} | {r['batch']} | {r['tokens_per_s']:.0f} | {mfu} | {r['peak_mem_gib']:.2f} | "
+    speed = f"{r['tokens_per_s']:.0f}" + (f" (answers {r['target_tokens_per_s']:.0f})"
+                                           if "target_tokens_per_s" in r else "")
+    return (f"| {_variant(name, r)} | {r['batch']} | {speed} | {mfu} | {r['peak_mem_gib']:.2f} | "
             f"{proof} |")
 
 
@@ -100,7 +102,8 @@ def _vs_peer(res: dict, label: str, ours: str, shape: str, bound: float, mfu_bou
     target = f">= {bound:g}x best peer" + (f", MFU >= {100 * mfu_bound:g}%" if mfu_bound else "")
     if "tokens_per_s" not in r or not peer or not v:
         # the peers that ran at this shape: a peer that failed at another shape does not explain this row
-        peers = [n for n, p in res["parts"].items() if n in PARTS and PARTS[n].peer and p.get("shape_name") == shape]
+        peers = [n for n, p in res["parts"].items()
+                 if n in PARTS and PARTS[n].peer and not PARTS[n].sft and p.get("shape_name") == shape]
         return label, "-", target, _missing(res, [ours, *peers])
     x = r["tokens_per_s"] / v
     met = x >= bound and (not mfu_bound or r["mfu"] >= mfu_bound)
@@ -192,13 +195,31 @@ def _granite(res: dict) -> list[tuple]:
     return rows
 
 
+def _sft(res: dict, shape: str, bound: float = 1.5) -> tuple:
+    """Ours packed over the fastest SFT peer at ``shape`` on target (answer) tokens a second, on the same examples."""
+    sfx = SHAPE_SUFFIX[shape]
+    label, target = f"{shape} SFT (LIMA lengths): sft_packed / best SFT peer, answer tokens/s", f">= {bound:g}x"
+    key = "target_tokens_per_s"
+    peers = [(r[key], n) for n, r in res["parts"].items()
+             if n in PARTS and PARTS[n].peer and PARTS[n].sft and key in r and r.get("shape_name") == shape]
+    ours = res["parts"].get("sft_packed" + sfx, {})
+    if key not in ours or not peers:
+        names = [n for n in res["parts"] if n in PARTS and PARTS[n].sft and res["parts"][n].get("shape_name") == shape]
+        return label, "-", target, _missing(res, names)
+    v, peer = max(peers)
+    x = ours[key] / v
+    return label, f"{x:.3f} (sft_packed{sfx} {ours[key]:.0f} / {peer} {v:.0f})", target, \
+        "met" if x >= bound else "not met"
+
+
 def target_rows(res: dict) -> list[tuple[str, str, str, str]]:
     """Every target as (target, measured, bound, met / not met / not run)."""
     rows = [_vs_peer(res, "1B bf16: ours / best peer", "ours", "1b", 1.15),
             _vs_peer(res, "8B bf16: ours / best peer", "ours_8b", "8b", 1.08, mfu_bound=0.54),
             _vs_peer(res, "1B FP8 base: ours_fp8 / best peer", "ours_fp8", "1b", 1.45),
             _vs_peer(res, "8B FP8 base: ours_fp8_8b / best peer", "ours_fp8_8b", "8b", 1.35),
-            _memory_vs_peer(res, "1b"), _memory_vs_peer(res, "8b"), _qlora_8b(res), *_granite(res)]
+            _memory_vs_peer(res, "1b"), _memory_vs_peer(res, "8b"), _qlora_8b(res), *_granite(res),
+            _sft(res, "1b"), _sft(res, "8b")]
     rows += [_memory_opt_in(res, part, setting) for part, setting in MEMORY_OPT_IN if part in res["parts"]]
     ray = sorted((p for p in res["parts"] if RAY_PART.fullmatch(p)), key=lambda p: int(p[3:]))
     for n in [p for p in ray if p != "ray1"]:

@@ -21,6 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from raytrain_scu.core.data.cache import prepare_data
@@ -31,6 +32,7 @@ from raytrain_scu.hardware.gpus import mfu, peak_flops, peak_fp8_flops
 from raytrain_scu.studies.bench.measure import device_name, versions
 from raytrain_scu.studies.bench.ours import bench_config
 from raytrain_scu.studies.bench.parts import Ctx, lookup, profiles_host, profiling, shape_of
+from raytrain_scu.studies.bench.sft_data import draw, stats, token_examples, write_examples
 
 # --shape (and the parts that name their own shape) -> (preset on a GPU, its shrunken twin for --smoke)
 SHAPES = {"1b": ("llama-3.2-1b-shape", "tiny"), "8b": ("llama-3.1-8b-shape", "tiny-llama-3.1-8b"),
@@ -42,7 +44,7 @@ def preset_of(shape: str, smoke: bool) -> str:
     return SHAPES[shape][1 if smoke else 0]
 
 
-def _ctx(args, part: str, *, storage: str, compile_: bool, blocks) -> Ctx:
+def _ctx(args, part: str, *, storage: str, compile_: bool, blocks, sft=None) -> Ctx:
     shape = shape_of(part, args.shape)
     pre = preset_of(shape, args.smoke)
     block = args.granite_block if shape == "granite" else args.block
@@ -55,7 +57,25 @@ def _ctx(args, part: str, *, storage: str, compile_: bool, blocks) -> Ctx:
                   profile_steps=args.profile_steps if profiled else 0, profile_host=profiles_host(part)) | kw
         return bench_config(**kw)
 
-    return Ctx(args=args, preset=pre, block=block, blocks=blocks, steps=steps, compile=compile_, cfg=cfg)
+    return Ctx(args=args, preset=pre, block=block, blocks=blocks, steps=steps, compile=compile_, cfg=cfg, sft=sft)
+
+
+def sft_examples(args, tok, blocks, storage: str, res: dict):
+    """() -> (jsonl path, [(ids, target)], tokenizer): ``--sft-examples`` examples of LIMA's lengths
+    (:mod:`.sft_data`), written and tokenised at the first call; their account goes into ``res["sft_data"]``."""
+    made = {}
+
+    def get():
+        if not made:
+            lengths = draw(args.sft_examples, seed=0, scale=args.block / 2048 if args.smoke else 1.0)
+            path = write_examples(Path(storage) / "sft_examples.jsonl", tok, np.asarray(blocks).reshape(-1), lengths)
+            examples = token_examples(path, tok, args.block)
+            made["v"] = (path, examples, tok)
+            res["sft_data"] = {"lengths": "LIMA's (prompt, answer) token lengths, drawn with replacement (seed 0): "
+                                          "raytrain_scu/studies/bench/data/lima_lengths.json",
+                               "text": "the Shakespeare token stream", **stats(examples)}
+        return made["v"]
+    return get
 
 
 # a line that names why a process died: C++'s uncaught exception (torch's CUDA errors arrive as one) or Python's
@@ -83,7 +103,7 @@ def _isolated(args, part: str) -> dict:
         out = Path(tmp) / "part.json"
         flags = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
                  if k in ("shape", "granite_batch", "granite_block", "batch", "best_batch", "mem_batch", "mem_chunk",
-                          "block", "steps", "report_every", "warmup_reports", "profile_steps")]
+                          "block", "steps", "report_every", "warmup_reports", "profile_steps", "sft_examples")]
         flags += ["--smoke"] * args.smoke + ["--no-compile"] * args.no_compile
         proc = subprocess.run([sys.executable, "-m", "raytrain_scu.bench", "--in-process", "--parts", part,
                                "--out", str(out), *flags], capture_output=True, text=True)
@@ -125,9 +145,10 @@ def run_parts(args) -> dict:
            "parts": {}}
     compile_ = not args.no_compile and torch.cuda.is_available()
     out_dir = Path(args.out).parent if args.out else Path(".")
+    sft = sft_examples(args, tok, data.train, storage, res)
     for part in args.part_list:
         t0 = time.time()
-        ctx = _ctx(args, part, storage=storage, compile_=compile_, blocks=data.train)
+        ctx = _ctx(args, part, storage=storage, compile_=compile_, blocks=data.train, sft=sft)
         try:
             r = _measure(args, part, ctx, res, out_dir, storage)
         except Exception as e:  # noqa: BLE001 - one failed part must not hide the others' numbers
