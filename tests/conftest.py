@@ -277,3 +277,30 @@ def autograd_nodes(loss, fn_name: str) -> int:
         count += fn_name in type(node).__name__
         todo += [n for n, _ in node.next_functions]
     return count
+
+
+# ---------------------------------------------------------------- secrets: where a value must never be
+
+def leaking_files(root: Path, secrets: dict) -> dict[str, list[str]]:
+    """Every regular file under ``root`` that holds a secret's value: {secret's name: [paths]} (empty: none)."""
+    files = [p for p in root.rglob("*") if p.is_file() and not p.is_symlink()]
+    leaks = {name: [] for name in secrets}
+    for p in files:
+        data = p.read_bytes()
+        for name, secret in secrets.items():
+            if secret.encode() in data:
+                leaks[name].append(str(p))
+    return {name: paths for name, paths in leaks.items() if paths}
+
+
+def mlflow_values(client, run) -> tuple[str, list[str]]:
+    """A run's params, tags and every artifact's bytes as one text to search, and the artifacts' paths."""
+    import json
+    import tempfile
+
+    texts = [json.dumps({**run.data.params, **run.data.tags})]
+    with tempfile.TemporaryDirectory() as d:
+        client.download_artifacts(run.info.run_id, "", d)
+        files = [p for p in Path(d).rglob("*") if p.is_file()]
+        texts += [p.read_bytes().decode("utf-8", "replace") for p in files]
+        return "\n".join(texts), sorted(str(p.relative_to(d)) for p in files)

@@ -178,9 +178,50 @@ def test_yaml_round_trip_and_cli(tmp_path):
     assert r.returncode == 2 and "controller.kq" in r.stderr
 
 
-def test_secrets_are_redacted_in_dumps():
-    cfg = load_config(TINY, ["tracking.uri=https://user:s3cret@mlflow.example.com"])
-    assert "s3cret" not in to_yaml(cfg, redact=True) and "s3cret" not in str(flatten(cfg))
+@pytest.mark.parametrize("override, env", [
+    ("tracking.uri=https://alice:pwSECRET1@mlflow.example.com", "MLFLOW_TRACKING_PASSWORD"),
+    ("tracking.uri=postgresql://alice:pgSECRET2@db.example.com/mlflow", "PGPASSWORD"),
+    ("run.storage_path=s3://AKIDEXAMPLE:awsSECRET3@runs/x?endpoint_override=http://127.0.0.1:9000", "AWS_SECRET_ACCESS_KEY"),
+    ("run.storage_path=s3://runs/x?endpoint_override=http://minio:epSECRET4@127.0.0.1:9000", "AWS_SECRET_ACCESS_KEY"),
+    ("run.storage_path=s3://runs/x?endpoint_override=http://127.0.0.1:9000&secret_key=qSECRET5", "AWS_SECRET_ACCESS_KEY"),
+    ("model.name=hf_SECRET6abcdefghijklmnopqrstuvwxyz0123", "HF_TOKEN"),
+    ("tracking.password=keySECRET7", "MLFLOW_TRACKING_PASSWORD"),  # no such key: one named like a secret
+    ("run.aws_secret_access_key=keySECRET8", "AWS_SECRET_ACCESS_KEY"),
+])
+def test_a_credential_in_the_config_is_refused_naming_the_environment_variable(override, env):
+    key = override.split("=", 1)[0]
+    secret = next(w for w in override.replace("@", " ").replace("&", " ").replace("=", " ").replace(":", " ").split()
+                  if "SECRET" in w)
+    with pytest.raises(ConfigError) as e:
+        load_config(TINY, [override])
+    message = str(e.value)
+    assert message.startswith(f"{key}: ") and env in message and "in the environment" in message, message
+    assert secret not in message  # the refusal does not repeat the credential
+
+
+def test_a_secret_key_in_the_config_file_is_refused_and_lookalikes_are_not(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("tracking:\n  password: hunter2\n")
+    with pytest.raises(ConfigError, match="^tracking.password: there is no config key for a secret.*"
+                                          "MLFLOW_TRACKING_PASSWORD") as e:
+        load_config(p)
+    assert "hunter2" not in str(e.value)
+    # no credential: a user without a password, an endpoint without credentials, keys that only contain "token"
+    cfg = load_config(TINY, ["tracking.uri=https://alice@mlflow.example.com", "model.tokenizer=gpt2",
+                             "run.storage_path=s3://runs/x?endpoint_override=http://127.0.0.1:9000&region=eu-west-1",
+                             "tracking.enabled=false"])
+    assert flatten(cfg)["model.tokenizer"] == "gpt2"  # redaction masks secrets, not every key with "token" in it
+    # a dump written with its credentials masked loads again
+    assert load_config(TINY, ["tracking.uri=https://alice:***@mlflow.example.com"]).tracking.uri.endswith("example.com")
+
+
+def test_secrets_are_redacted_in_dumps_behind_the_refusal():
+    # the second line of defence: a value set in code after the checks is still masked in dumps and params
+    cfg = load_config(TINY)
+    cfg.tracking.uri = "https://user:s3cret@mlflow.example.com"
+    cfg.run.storage_path = "s3://runs/x?endpoint_override=http://u:epsecret@127.0.0.1:9&secret_key=qsecret"
+    dumps = to_yaml(cfg, redact=True) + str(flatten(cfg))
+    assert not [w for w in ("s3cret", "epsecret", "qsecret") if w in dumps], dumps
 
 
 def test_search_space_numbers_written_without_a_dot(tmp_path):

@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, TINY, free_port, mlflow_runs, tiny_cfg
+from conftest import ROOT, TINY, free_port, leaking_files, mlflow_runs, mlflow_values, tiny_cfg
 from safetensors.torch import load_file
 
 from raytrain_scu.core import checkpoint as ckpt
@@ -206,7 +207,8 @@ def s3_server(tmp_path_factory):
     port = free_port()
     proc = subprocess.Popen([str(moto), "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
-    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+    # moto accepts any key; a distinctive secret, so a test can grep for it (never in a log, an object or MLflow)
+    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "awsS3SECRETkey314", "AWS_DEFAULT_REGION": "us-east-1"}
     try:
         wait_for(lambda: _listening(port), 60, "moto's S3 server")
         endpoint = f"http://127.0.0.1:{port}"
@@ -246,7 +248,10 @@ def test_a_run_on_s3_storage_checkpoints_resumes_after_sigkill_exports_and_evalu
                                                                                            capsys):
     """run.storage_path=s3://runs/...?endpoint_override=...: Ray Train's checkpoints go to the server, a worker killed
     after step 6 resumes from checkpoint 4 read back from it, the exported adapter is written there, the best
-    checkpoint reaches MLflow, and `evaluate --adapter s3://...` scores the adapter from there."""
+    checkpoint reaches MLflow, and `evaluate --adapter s3://...` scores the adapter from there. The S3 secret (in the
+    environment) is in no object of the bucket, no file of the MLflow store, the console or the run's Ray session."""
+    import tempfile
+
     import pyarrow.fs as pafs
 
     from raytrain_scu.core.storage import download_dir
@@ -254,8 +259,10 @@ def test_a_run_on_s3_storage_checkpoints_resumes_after_sigkill_exports_and_evalu
     endpoint, env = s3_server
     query = f"?endpoint_override={endpoint}"
     hold = tmp_path / "hold"
+    ray_tmp = Path(tempfile.mkdtemp(prefix="rts3", dir="/tmp"))  # the run's Ray session, its log files; short path
     full_env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    full_env.update(env, RAY_AUTH_MODE="disabled", RAYTRAIN_SCU_HOLD_AT_STEP="6", RAYTRAIN_SCU_HOLD_DIR=str(hold))
+    full_env.update(env, RAY_AUTH_MODE="disabled", RAYTRAIN_SCU_HOLD_AT_STEP="6", RAYTRAIN_SCU_HOLD_DIR=str(hold),
+                    RAY_TMPDIR=str(ray_tmp))
     cmd = [sys.executable, "-m", "raytrain_scu.train", TINY, f"run.storage_path=s3://runs/tiny{query}",
            "run.name=s3run", "scaling.num_workers=1", "train.max_steps=8", "train.checkpoint_every=4",
            "train.report_every=2",
@@ -306,6 +313,18 @@ def test_a_run_on_s3_storage_checkpoints_resumes_after_sigkill_exports_and_evalu
     stdout = capsys.readouterr().out
     assert code == 0 and "s3://runs/tiny/s3run/output/adapter" in stdout and "held-out BPT" in stdout, stdout
     assert json.loads((tmp_path / "eval.json").read_text())["models"]["A"]["bpt"] > 0
+    # the secret: grepped in every object in the bucket, the MLflow store, the console, the Ray session's files
+    secret = {"AWS_SECRET_ACCESS_KEY": env["AWS_SECRET_ACCESS_KEY"]}
+    with _environ(env):
+        fs, root = pafs.FileSystem.from_uri(f"s3://runs{query}")
+        objects = [i.path for i in fs.get_file_info(pafs.FileSelector(root, recursive=True))
+                   if i.type == pafs.FileType.File]
+        assert len(objects) > 20 and not [o for o in objects if secret["AWS_SECRET_ACCESS_KEY"].encode()
+                                          in fs.open_input_stream(o).read()]
+    assert secret["AWS_SECRET_ACCESS_KEY"] not in out + err + stdout + mlflow_values(client, run)[0]
+    worker_logs = [p for p in ray_tmp.rglob("worker-*") if p.suffix in (".out", ".err")]
+    assert worker_logs and leaking_files(ray_tmp, secret) == {} and leaking_files(tmp_path, secret) == {}
+    shutil.rmtree(ray_tmp, ignore_errors=True)
     figures(test="s3", kill_step=6, resumed_at=[4], steps_lost=2, run_s=round(run_s, 1))
 
 

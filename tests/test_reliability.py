@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, TINY, free_port, mlflow_runs, tiny_cfg
+from conftest import ROOT, TINY, free_port, leaking_files, mlflow_runs, mlflow_values, tiny_cfg
 from safetensors.torch import load_file
 
 from raytrain_scu.core import checkpoint as ckpt
@@ -848,14 +848,18 @@ def launch_cli(*overrides, env: dict, out: Path) -> subprocess.Popen:
 @pytest.fixture(scope="module")
 def secret_run(tmp_path_factory):
     """Two launches of one run name started at the same moment, each a real CLI in its own session with secrets in
-    the environment of the driver, raylet and workers. The one that takes the run's lock trains it (its own Ray;
-    MLflow on sqlite; one worker; checkpoints at 2, 4, 6, 8 with run.num_to_keep=2); the other must exit 2 before
-    Ray. Returns (storage, the winner, the loser), each a dict of rc, pid, out, err and seconds."""
+    the environment of the driver, raylet and workers. The one that takes the run's lock trains it (its own Ray, whose
+    session and log files are under a private RAY_TMPDIR; MLflow on sqlite; one worker; checkpoints at 2, 4, 6, 8
+    with run.num_to_keep=2); the other must exit 2 before Ray. Yields (storage, the winner, the loser), each a dict of
+    rc, pid, out, err and seconds; the winner's ``ray_tmp`` is that RAY_TMPDIR."""
+    import tempfile
+
     storage, logs = tmp_path_factory.mktemp("secret"), tmp_path_factory.mktemp("secret-logs")
+    ray_tmp = tempfile.mkdtemp(prefix="rts", dir="/tmp")  # short: Ray's socket paths live under it
     args = [f"run.storage_path={storage}", "run.name=sec", "scaling.num_workers=1", "train.max_steps=8",
             "train.checkpoint_every=2", "train.report_every=2", "run.num_to_keep=2"]
     t0 = time.time()
-    procs = [launch_cli(*args, env=SECRETS, out=logs / f"launch{i}") for i in range(2)]
+    procs = [launch_cli(*args, env={**SECRETS, "RAY_TMPDIR": ray_tmp}, out=logs / f"launch{i}") for i in range(2)]
     runs = [{"pid": p.pid} for p in procs]
     while any(p.poll() is None for p in procs) and time.time() - t0 < 900:
         for r, p in zip(runs, procs):
@@ -868,8 +872,12 @@ def secret_run(tmp_path_factory):
         r.update(rc=p.wait(), out=(logs / f"launch{i}.out").read_text(), err=(logs / f"launch{i}.err").read_text())
         r.setdefault("seconds", time.time() - t0)
     winner, loser = sorted(runs, key=lambda r: r["rc"] != 0)
-    assert winner["rc"] == 0, winner["err"][-3000:]
-    return storage, winner, loser
+    winner["ray_tmp"] = Path(ray_tmp)
+    try:
+        assert winner["rc"] == 0, winner["err"][-3000:]
+        yield storage, winner, loser
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
 @pytest.mark.slow
@@ -931,24 +939,53 @@ def test_a_held_run_lock_is_refused_and_a_stale_one_taken_over(tmp_path, capsys,
 
 @pytest.mark.slow
 def test_secrets_from_the_environment_are_never_logged_or_dumped(secret_run):
+    """Grep for each secret's value: the run directory (checkpoints, output, the run's copy of its logs), the MLflow
+    store (sqlite database, params, tags, artifacts), both consoles, and the Ray session of the run (the workers',
+    the controller's, the raylet's and the GCS's log files)."""
     storage, winner, loser = secret_run
     files = [p for p in storage.rglob("*") if p.is_file()]
     assert any(p.name == "mlflow.db" for p in files) and any(p.name == "config.yaml" for p in files)
     mrun, client = mlflow_run(storage, "sec")
     assert len(mrun.data.params) > 50  # the params were logged, just not the secrets
+    artifacts, artifact_paths = mlflow_values(client, mrun)
+    worker_logs = list(winner["ray_tmp"].rglob("worker-*.out")) + list(winner["ray_tmp"].rglob("worker-*.err"))
+    assert any("step 8" in p.read_text(errors="replace") or "checkpoint_00000008" in p.read_text(errors="replace")
+               for p in worker_logs), [str(p) for p in worker_logs]  # the train worker's own log is among them
+    assert "best_checkpoint/manifest.json" in artifact_paths and "config.yaml" in artifact_paths, artifact_paths
+    assert leaking_files(storage, SECRETS) == {}  # MLflow db and artifacts, checkpoints, output, logs/
+    assert leaking_files(winner["ray_tmp"], SECRETS) == {}  # Ray's session: every log file of the run's Ray
     for name, secret in SECRETS.items():
         assert all(secret not in r["out"] + r["err"] for r in (winner, loser)), name
-        leaks = [str(p) for p in files if secret.encode() in p.read_bytes()]  # MLflow db, artifacts, checkpoints
-        assert not leaks, (name, leaks)
-        assert not any(secret in str(v) for v in {**mrun.data.params, **mrun.data.tags}.values()), name
+        assert secret not in artifacts, name
+
+
+def test_a_credential_in_the_config_is_refused_before_ray_naming_the_environment_variable(tmp_path, capsys):
+    """An S3 endpoint_override carrying credentials, and an MLflow URI with a password: the train CLI exits 2 at the
+    config, before Ray starts or anything is written, and the message names the environment variables to use; the
+    secret is in neither the console nor the storage."""
+    from raytrain_scu.cli.train import main
+
+    cases = {"run.storage_path": ("s3://runs/tiny?endpoint_override=http://minio:epSECRET42@127.0.0.1:9000",
+                                  "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY"),
+             "tracking.uri": ("https://alice:mlSECRET43@mlflow.example.invalid/",
+                              "MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD")}
+    for key, (value, env) in cases.items():
+        overrides = [f"run.storage_path={tmp_path}", f"{key}={value}", "run.name=cred"]
+        assert main([TINY, *overrides]) == 2
+        out, err = capsys.readouterr()
+        assert err.startswith(f"error: {key}: ") and env in err and "in the environment" in err, err
+        assert "SECRET4" not in out + err and "Ray" not in out, out + err
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_tracking_uri_credentials_are_redacted_in_params_dumps_and_run_file(tmp_path):
+    # behind the refusal (the test above), the redaction: a URI with credentials set in code, after the checks
     from raytrain_scu.config.io import to_yaml
     from raytrain_scu.tracking.store import remember_run_id
     from raytrain_scu.tracking.tracker import derived_params
 
-    cfg = tiny_cfg(tmp_path, "uri", "tracking.uri=https://alice:pw_SECRET@mlflow.example.invalid/")
+    cfg = tiny_cfg(tmp_path, "uri")
+    cfg.tracking.uri = "https://alice:pw_SECRET@mlflow.example.invalid/"
     params = derived_params(cfg, tokens_per_epoch=1, world=1, device=torch.device("cpu"))
     assert params["tracking.uri"] == "https://alice:***@mlflow.example.invalid/"
     remember_run_id(cfg, "0123")
@@ -963,7 +1000,8 @@ def test_tracking_uri_credentials_are_redacted_in_warnings(tmp_path):
 
     from raytrain_scu.tracking.tracker import MlflowTracker
 
-    cfg = tiny_cfg(tmp_path, "uri", "tracking.uri=https://alice:pw_SECRET@mlflow.example.invalid/")
+    cfg = tiny_cfg(tmp_path, "uri")
+    cfg.tracking.uri = "https://alice:pw_SECRET@mlflow.example.invalid/"  # past the config's refusal: set in code
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         tracker = MlflowTracker(cfg)  # the server cannot be reached: every call warns

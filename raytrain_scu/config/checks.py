@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from raytrain_scu.config.io import coerce, type_name
+from raytrain_scu.config.io import coerce, flatten, type_name
 from raytrain_scu.config.schema import (
     ALL_LINEAR,
     FUSED_LORA_TARGETS,
@@ -15,6 +15,7 @@ from raytrain_scu.config.schema import (
     ControllerConfig,
     leaf_type,
 )
+from raytrain_scu.config.secrets import refuse_credentials
 from raytrain_scu.errors import ConfigError
 
 
@@ -69,6 +70,8 @@ CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # torch.compile modes th
 
 def validate(cfg: Config) -> None:
     """Cross-field checks. Pure: no I/O, no imports of heavy libraries."""
+    # first: the other checks' messages repeat values, and a credential must be refused before any is repeated
+    refuse_credentials(flatten(cfg, redact=False))
     check_controller(cfg.controller)
     _check_model_and_data(cfg)
     _check_fast_paths(cfg)

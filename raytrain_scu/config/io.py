@@ -14,6 +14,7 @@ from typing import Any, Optional, Union
 import yaml
 
 from raytrain_scu.config.schema import Config, leaf_type
+from raytrain_scu.config.secrets import redact_uri, refuse_secret_key, secret_name
 from raytrain_scu.errors import ConfigError
 
 
@@ -23,7 +24,11 @@ def parse_override(item: str) -> tuple[str, Any]:
         raise ConfigError(f"override '{item}': expected key=value")
     key, raw = item.split("=", 1)
     key = key.strip()
-    tp = leaf_type(key)
+    try:
+        tp = leaf_type(key)
+    except ConfigError:
+        refuse_secret_key(key)  # an unknown key named like a secret: say where the secret goes instead
+        raise
     if dataclasses.is_dataclass(tp):
         raise ConfigError(f"override '{key}': is a section, set one of its keys instead")
     return key, _parse_raw(key, raw, tp)
@@ -189,23 +194,12 @@ def numeric_space(space: dict) -> dict:
     return out
 
 
-SECRET_WORDS = ("token", "password", "secret", "api_key", "credential")
-
-
-def redact_uri(uri: str) -> str:
-    """``scheme://user:password@host`` -> ``scheme://user:***@host`` (and query-string secrets)."""
-    import re
-
-    uri = re.sub(r"(://[^/:@]+):[^/@]+@", r"\1:***@", uri)
-    return re.sub(r"(?i)((?:token|password|secret|key)=)[^&]+", r"\1***", uri)
-
-
 def _redact(tree: dict) -> dict:
     out = {}
     for k, v in tree.items():
         if isinstance(v, dict):
             out[k] = _redact(v) if k != "space" else v
-        elif isinstance(v, str) and any(w in k.lower() for w in SECRET_WORDS):
+        elif isinstance(v, str) and secret_name(k):
             out[k] = "***" if v else v
         elif isinstance(v, str) and "://" in v:
             out[k] = redact_uri(v)

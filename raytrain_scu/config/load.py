@@ -11,6 +11,7 @@ from typing import Any, Optional
 from raytrain_scu.config.checks import validate
 from raytrain_scu.config.io import coerce, default_run_name, load_raw, numeric_space
 from raytrain_scu.config.schema import Config, check_not_removed
+from raytrain_scu.config.secrets import refuse_secret_key
 from raytrain_scu.errors import ConfigError
 
 
@@ -22,6 +23,7 @@ def _build(cls, data: Any, prefix: str):
     for k in data:
         if k not in names:
             where = f"{prefix}.{k}" if prefix else str(k)
+            refuse_secret_key(where)
             check_not_removed(where)
             raise ConfigError(f"unknown config key '{where}' (known keys here: {', '.join(sorted(names))})")
     kwargs = {}
