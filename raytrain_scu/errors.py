@@ -102,5 +102,10 @@ class Interrupted(Exception):
         self.step, self.checkpointed = step, checkpointed
 
 
+class Preempted(Interrupted):
+    """A SIGTERM to the driver (a preemption: a spot reclaim, a pod's deletion) stopped the run at ``step`` (the last
+    report), with a checkpoint of that step or without one (train.preempt_grace_s ran out first)."""
+
+
 # what the CLIs catch as bad input (exit 2)
 USER_ERRORS = (UserError,)

@@ -71,6 +71,11 @@ def max_abs_diff(a: dict, b: dict) -> float:
     return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
 
 
+def controller_state(d: Path) -> dict:
+    """The control law's state (λ, its integral, its filters) in checkpoint ``d``."""
+    return json.loads((d / "controller.json").read_text())
+
+
 def checkpoint_dirs(run_dir) -> list[Path]:
     return sorted(p for p in Path(run_dir).glob("checkpoint_*") if p.is_dir())
 
@@ -325,6 +330,7 @@ def figures(**kw) -> None:
 # the last step's adapter is the run's output (run.primary_adapter=last), so the faulty run's end is compared
 FAULT_RUN = ["train.max_steps=30", "train.checkpoint_every=10", "train.report_every=5", "run.max_failures=2",
              "run.primary_adapter=last"]
+PREEMPT_SEED = 54  # the seed of the steps the preemption tests signal at: kept, so that a failure is reproducible
 
 
 @pytest.fixture(scope="module")
@@ -456,6 +462,98 @@ def test_a_killed_worker_then_a_hung_one_and_the_run_recovers_exactly(clean_run,
     figures(test="sigkill+sigstop", kill_step=kill["step"], stop_step=20, resumed_at=resumed_at,
             steps_lost=steps_lost, adapter_max_abs_diff=diff, killed_after_s=round(stop["killed_after_s"], 1),
             clean_s=round(clean_s, 1), faulty_run_s=round(faulty_s, 1))
+
+
+def sigterm_rank1_at_the_pause(hold: Path, out: dict) -> None:
+    """Once both workers paused (RAYTRAIN_SCU_PAUSE_AT_STEP): SIGTERM rank 1's process, then let both go on. The
+    worker's main thread runs its handler at its next task (the controller polls every scaling.poll_interval_s), so
+    ``go`` waits 1 s: the notice is in before the next step's all-reduce reads it."""
+    import psutil
+
+    try:
+        pids = wait_for(lambda: held_pids(hold, 2, "paused"), 300, "both workers to pause")
+        out.update(pid=pids[1], cmdline=" ".join(psutil.Process(pids[1]).cmdline()))
+        os.kill(pids[1], signal.SIGTERM)
+        time.sleep(1.0)
+        (hold / "go").touch()
+    except Exception as e:  # noqa: BLE001 - reported by the test body
+        out["error"] = repr(e)
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_driver_then_to_a_worker_checkpoints_the_step_in_flight_and_ends_as_the_clean_run(
+        clean_run, ray_address, tmp_path, monkeypatch, capsys):
+    """Two preemptions of one 2-worker run of FAULT_RUN, each at a step drawn with a kept seed (PREEMPT_SEED), neither
+    a report nor a checkpoint step:
+    - the driver (a CLI joined to the session's Ray) gets SIGTERM while both workers are paused after step k1: it
+      writes STOP, the workers finish step k1 + 1 and rank 0 checkpoints it, and the driver exits 143 within
+      train.preempt_grace_s, saying so and how to resume;
+    - the same run, re-run (here in this process), resumes at k1 + 1; rank 1's process gets SIGTERM while both are
+      paused after step k2, which Ray Train takes for its preemption notice: both ranks finish step k2 + 1, rank 0
+      checkpoints it, and Ray Train restarts the group from it (its preemption path, not a failure).
+    Each time the step in flight was checkpointed, so nothing before it is redone; the run ends with the clean run's
+    final adapter and controller state (λ), bit for bit."""
+    import random
+
+    import psutil
+
+    from raytrain_scu.driver.run import run
+
+    clean, _ = clean_run
+    rng = random.Random(PREEMPT_SEED)
+    k1 = rng.choice([k for k in range(11, 20) if k % 5])
+    k2 = rng.choice([k for k in range(k1 + 3, 29) if k % 5])
+    hold1, hold2 = tmp_path / "hold1", tmp_path / "hold2"
+    args = [f"run.storage_path={tmp_path}", "run.name=pre", "tracking.enabled=false", *FAULT_RUN]
+    t0 = time.time()
+    driver = launch_cli(*args, env={"RAY_ADDRESS": ray_address, "RAYTRAIN_SCU_PAUSE_AT_STEP": str(k1),
+                                    "RAYTRAIN_SCU_HOLD_DIR": str(hold1)}, out=tmp_path / "driver")
+    try:
+        wait_for(lambda: held_pids(hold1, 2, "paused") or driver.poll() is not None, 300, "the workers to pause")
+        assert driver.poll() is None, (tmp_path / "driver.err").read_text()[-3000:]
+        os.kill(driver.pid, signal.SIGTERM)
+        t_term = time.time()
+        wait_for(lambda: (tmp_path / "pre" / "STOP").exists(), 30, "the driver to write STOP")
+        (hold1 / "go").touch()
+        rc = driver.wait(timeout=120)
+        exit_s = time.time() - t_term
+    finally:
+        if driver.poll() is None:
+            os.killpg(driver.pid, signal.SIGKILL)
+    first_s = time.time() - t0
+    out, err = (tmp_path / "driver.out").read_text(), (tmp_path / "driver.err").read_text()
+    assert rc == 143, out[-2000:] + err[-3000:]
+    assert exit_s < 25, exit_s  # train.preempt_grace_s
+    line = [x for x in out.splitlines() if "preempted at step" in x]
+    assert len(line) == 1 and f"preempted at step {k1 + 1}; checkpoint written; re-run the same command to resume: " \
+        f"python -m raytrain_scu.train {TINY}" in line[0], out[-2000:]
+    assert checkpoint_dirs(tmp_path / "pre")[-1].name == f"checkpoint_{k1 + 1:08d}"
+    assert not (tmp_path / "pre" / "STOP").exists()
+
+    monkeypatch.setenv("RAYTRAIN_SCU_PAUSE_AT_STEP", str(k2))
+    monkeypatch.setenv("RAYTRAIN_SCU_HOLD_DIR", str(hold2))
+    term = {}
+    threading.Thread(target=sigterm_rank1_at_the_pause, args=(hold2, term), daemon=True).start()
+    t1 = time.time()
+    summary = run(tiny_cfg(tmp_path, "pre", "tracking.enabled=false", *FAULT_RUN), quiet=True)
+    second_s = time.time() - t1
+    console = capsys.readouterr().out
+    assert "error" not in term and "RayTrainWorker" in term["cmdline"], term
+    assert not psutil.pid_exists(term["pid"]) or psutil.Process(term["pid"]).status() == psutil.STATUS_ZOMBIE
+    assert f"resuming from checkpoint_{k1 + 1:08d}" in console and "started again (attempt 2)" in console, console
+    assert summary["steps"] == 30
+    last = checkpoint_dirs(tmp_path / "pre")[-1]
+    assert last.name == "checkpoint_00000030"
+    resumed_at = ckpt.read_meta(last)["resumed_at"]
+    assert resumed_at == [k1 + 1, k2 + 1]  # the steps in flight at each SIGTERM: none before them redone
+    # the restart was Ray Train's preemption path (its own retry budget), not a worker failure: its controller says so
+    said = "".join(f.read_text(errors="replace") for f in (tmp_path / "pre" / "logs").glob("*.err"))
+    assert "ray.train.PreemptionError: Training was interrupted by node preemption (preempted_ranks=[1]" in said
+    assert max_abs_diff(adapter(clean["adapter"]), adapter(summary["adapter"])) == 0.0
+    ends = [checkpoint_dirs(s["run_dir"])[-1] for s in (clean, summary)]
+    assert controller_state(ends[0]) == controller_state(ends[1])
+    figures(test="preempt", k1=k1, k2=k2, resumed_at=resumed_at, driver_exit_after_sigterm_s=round(exit_s, 1),
+            first_run_s=round(first_s, 1), second_run_s=round(second_s, 1))
 
 
 class FakeHeartbeats:
@@ -725,6 +823,48 @@ def test_nonfinite_steps_are_skipped_and_counted(tmp_path, monkeypatch, law):
     if law == "spec":
         assert rows[6]["ctrl/lambda"] != rows[7]["ctrl/lambda"]
     assert ckpt.read_meta(c[8])["skipped_steps"] == 2
+
+
+PREEMPT_LOCAL = ["tracking.enabled=false", "train.max_steps=12", "train.checkpoint_every=6", "train.report_every=3",
+                 "scaling.num_workers=1", "run.primary_adapter=last"]
+
+
+def test_a_preemption_notice_checkpoints_the_step_in_flight_and_the_resumed_run_ends_bit_identical(tmp_path):
+    """The loop in this process: a notice during a step after checkpoint 6 that is neither a checkpoint nor a report
+    step (drawn with a kept seed) ends the loop with that step's checkpoint; a new loop resumes there, not at 6, and
+    ends with the adapter, AdamW state, controller state and λ trajectory of an uninterrupted run, bit for bit."""
+    import random
+
+    from raytrain_scu.worker.hooks import LocalHooks
+    from raytrain_scu.worker.loop import run_loop
+
+    class Told(LocalHooks):
+        """Told that their node is going during step ``at``: the loop asks once a step, at its all-reduce."""
+
+        asked = 0
+
+        def preempt_notice(self) -> bool:
+            self.asked += 1
+            return self.asked >= at
+
+    at = random.Random(PREEMPT_SEED).choice([k for k in range(7, 12) if k % 3])
+    told = Told(device=torch.device("cpu"), run_dir=tmp_path / "pre")
+    run_loop(tiny_cfg(tmp_path, "pre", *PREEMPT_LOCAL), hooks=told)
+    assert told.reports[-1]["step"] == at and told.beats[-1] is None
+    assert [int(d.name[-8:]) for d in checkpoint_dirs(tmp_path / "pre")] == [6, at]
+    resumed = local_run(tmp_path, "pre", *PREEMPT_LOCAL)
+    clean = local_run(tmp_path, "clean", *PREEMPT_LOCAL)
+    ends = [checkpoint_dirs(tmp_path / n)[-1] for n in ("pre", "clean")]
+    assert [d.name for d in ends] == ["checkpoint_00000012"] * 2 and ckpt.read_meta(ends[0])["resumed_at"] == [at]
+    assert resumed.reports[0]["step"] > at  # nothing before the notice's step was redone
+    assert max_abs_diff(adapter(ends[0]), adapter(ends[1])) == 0.0
+    assert controller_state(ends[0]) == controller_state(ends[1])
+    opt = [torch.load(d / "state.pt", weights_only=False)["optimizer"]["state"] for d in ends]
+    for i in opt[1]:
+        assert all(torch.equal(opt[0][i][k], opt[1][i][k]) for k in ("exp_avg", "exp_avg_sq", "step")), i
+    lams = [[r["ctrl/lambda"] for r in torch.load(d / "state.pt", weights_only=False)["history"]] for d in ends]
+    assert lams[0] == lams[1]
+    figures(test="preempt_local", at=at, resumed_at=at, steps_lost=0)
 
 
 NAN_ON_RANK1 = {3, 5, 6, 7}  # rank 1's loss only: one skipped step, later three in a row

@@ -1,7 +1,8 @@
 """``python -m raytrain_scu.train [--verbose] CONFIG.yaml key=value...``: resolve the config, then run it on Ray Train.
 
 Exit 0 when the run finished, 2 for bad input (found before any worker starts where possible), 130 after Ctrl-C
-(the run stops after the current step with a checkpoint), 1 when the run failed (its root cause in one line).
+and 143 after SIGTERM (a preemption; the run stops after the current step with a checkpoint), 1 when the run failed
+(its root cause in one line).
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import threading
 
 from raytrain_scu.config.io import help_text
 from raytrain_scu.config.resolve import resolve
-from raytrain_scu.errors import USER_ERRORS, DeviceOutOfMemory, DiskFullError, Interrupted
+from raytrain_scu.errors import USER_ERRORS, DeviceOutOfMemory, DiskFullError, Interrupted, Preempted
 
 USAGE = "usage: python -m raytrain_scu.train [--verbose] CONFIG.yaml [key=value ...]"
 
@@ -40,6 +41,11 @@ def main(argv: list[str] | None = None) -> int:
     except USER_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except Preempted as e:  # SIGTERM: the MLflow run is KILLED, exit 143 (128 + SIGTERM, as a shell reports it)
+        done = "checkpoint written" if e.checkpointed else "no checkpoint of it (train.preempt_grace_s ran out)"
+        print(f"[raytrain_scu] preempted at step {e.step}; {done}; re-run the same command to resume: {resume_cmd}",
+              flush=True)
+        return 143
     except (Interrupted, KeyboardInterrupt) as e:  # Ctrl-C: the MLflow run is KILLED, exit 130
         step = getattr(e, "step", None)
         done = ", checkpoint written" if getattr(e, "checkpointed", False) else ", no checkpoint of it"
@@ -63,12 +69,13 @@ def entry() -> None:
     """The program (``python -m raytrain_scu.train``, ``raytrain-scu-train``): :func:`main`'s exit code. After a
     second Ctrl-C, fit()'s thread may still be inside Ray's client, and the interpreter's teardown of Ray's threads
     can kill a driver joined to a running Ray with SIGSEGV instead of exiting 130, also once that thread has just
-    ended: after an interrupted run (130) or with that thread alive, the process ends at once, its output flushed
-    (the MLflow run is already KILLED; the processes of a local Ray it started die with it, as Ray sets them up)."""
+    ended: after an interrupted or preempted run (130, 143) or with that thread alive, the process ends at once, its
+    output flushed (the MLflow run is already KILLED; the processes of a local Ray it started die with it, as Ray
+    sets them up)."""
     code = main()
     launch = sys.modules.get("raytrain_scu.ray.launch")  # imported only once a run started
-    if launch is not None and (code == 130 or any(t.name == launch.FIT_THREAD and t.is_alive()
-                                                  for t in threading.enumerate())):
+    if launch is not None and (code in (130, 143) or any(t.name == launch.FIT_THREAD and t.is_alive()
+                                                         for t in threading.enumerate())):
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

@@ -188,6 +188,8 @@ def _check_run(cfg: Config) -> None:
     _check_profile(cfg)
     _check(t.hang_timeout_s is None or t.hang_timeout_s >= 0, "train.hang_timeout_s",
            f"must be >= 0 seconds (0 = off; unset = per device), got {t.hang_timeout_s}")
+    _check(t.preempt_grace_s > 0 and math.isfinite(t.preempt_grace_s), "train.preempt_grace_s",
+           f"must be > 0 seconds, got {t.preempt_grace_s}")
     _check(t.max_consecutive_skips >= 1, "train.max_consecutive_skips",
            f"must be >= 1, got {t.max_consecutive_skips}")
     _check(t.checkpoint_every % t.report_every == 0, "train.checkpoint_every",

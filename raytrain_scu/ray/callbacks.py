@@ -6,16 +6,25 @@ transformers, peft) there would add seconds to every run's start.
   JSON-lines file the driver reads (``launch.fit`` shows them).
 - :class:`NotePlacementGroup`: a sweep trial's (controller, placement group), handed to the sweep's driver, which
   removes the group once the controller is gone (``tune.sweep.PlacementGroupReaper``).
+- :class:`PreemptOnSigterm`: in each training worker, a SIGTERM to its process becomes Ray Train's own preemption
+  notice.
 """
 from __future__ import annotations
 
 import json
+import logging
+import signal
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 import ray
-from ray.train import UserCallback
-from ray.train.v2._internal.execution.callback import WorkerGroupCallback
+from ray.train import PreemptionInfo, UserCallback
+from ray.train.v2._internal.execution.callback import WorkerCallback, WorkerGroupCallback
+from ray.train.v2._internal.execution.context import get_train_context
+
+logger = logging.getLogger(__name__)
 
 
 def _append(path: Path, record: dict) -> None:
@@ -78,3 +87,39 @@ class NotePlacementGroup(WorkerGroupCallback):
     def after_worker_group_start(self, worker_group):
         pg = worker_group.get_worker_group_state().placement_group_handle.placement_group
         self.queue.put((ray.get_runtime_context().current_actor, pg))
+
+
+class PreemptOnSigterm(WorkerCallback):
+    """In each training worker: a SIGTERM to the worker's process while its loop runs becomes Ray Train's own
+    preemption notice for this worker, the one its preemption watcher hands every worker when Ray drains a node
+    (``mark_preempt``), with a deadline ``grace_s`` (train.preempt_grace_s) ahead. The loop then checkpoints the step
+    in flight on every rank and Ray Train restarts the group from that checkpoint
+    (``ray.hooks.RayHooks.await_restart``), counted against ``FailureConfig.max_preemption_failures``, not
+    ``run.max_failures``. Otherwise (a notice is in already, or no loop runs: the group's teardown) Ray's own handler
+    ends the process at once, as without this."""
+
+    def __init__(self, grace_s: float):
+        self.grace_s = grace_s
+
+    def after_init_train_context(self):
+        # a task of the worker actor, so its main thread: the only one that may set a signal handler
+        if threading.current_thread() is not threading.main_thread():
+            logger.warning("SIGTERM is not turned into a preemption notice: the worker's callback ran off its main "
+                           "thread")
+            return
+        previous = signal.getsignal(signal.SIGTERM)
+        context = get_train_context()
+        rank, node = context.get_world_rank(), ray.get_runtime_context().get_node_id()
+        loop = context.execution_context.training_thread_runner
+
+        def on_sigterm(signum, frame):
+            if context.preemption_context.preemption_info is not None or not loop.is_running():
+                signal.signal(signal.SIGTERM, previous)
+                signal.raise_signal(signal.SIGTERM)
+                return
+            context.preemption_context.preemption_info = PreemptionInfo(
+                deadline_ms=int((time.time() + self.grace_s) * 1000), preempted_node_to_ranks={node: [rank]})
+            logger.warning(f"rank {rank} got SIGTERM: checkpointing the step in flight within "
+                           f"train.preempt_grace_s={self.grace_s:g} s, then Ray Train restarts the worker group")
+
+        signal.signal(signal.SIGTERM, on_sigterm)

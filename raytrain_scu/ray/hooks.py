@@ -5,6 +5,7 @@ calls the loop makes into Ray Train (device, checkpoint to resume from, placemen
 from __future__ import annotations
 
 import shutil
+import time
 from functools import partial
 from pathlib import Path
 from typing import Optional
@@ -12,7 +13,8 @@ from typing import Optional
 import pyarrow.fs as pafs
 import ray.train
 import ray.train.torch
-from ray.train import Checkpoint
+from ray.train import Checkpoint, PreemptionInfo
+from ray.train.v2._internal.execution.context import get_train_context
 
 from raytrain_scu.config.load import build_config
 from raytrain_scu.config.paths import RunPaths
@@ -111,6 +113,30 @@ class RayHooks:
         """A completed step (None: done stepping), sent without waiting, at most once per ``beat_every_s``."""
         if self.beat is not None:
             self.beat(step)
+
+    @staticmethod
+    def preempt_notice() -> bool:
+        """Whether Ray Train told this worker that a node of its group is going: the preemption watcher's notice of
+        a drained node (Ray's ``mark_preempt``) or this process's own SIGTERM (``ray.callbacks.PreemptOnSigterm``).
+        Read from this worker's own train context, not with ``ray.train.get_preemption_info()``: that one is a barrier
+        through Ray's synchronization actor at every step and returns rank 0's view alone, where the step's
+        all-reduce carries every rank's at no extra cost."""
+        return get_train_context().preemption_context.preemption_info is not None
+
+    @staticmethod
+    def await_restart(wait_s: float = 120.0) -> None:
+        """After the preemption's checkpoint, on every rank: once Ray has registered it, the preemption's deadline
+        becomes now, so Ray Train's controller (waiting out the preemption) restarts the group from that checkpoint
+        at its next poll, not at the node's deadline; then wait to be stopped. Returning is no option: a group whose
+        ranks all return has finished, for Ray, preempted or not."""
+        ray.train.get_all_reported_checkpoints(consistency_mode=ray.train.CheckpointConsistencyMode.COMMITTED)
+        context = get_train_context().preemption_context
+        told = context.preemption_info
+        context.preemption_info = PreemptionInfo(deadline_ms=int(time.time() * 1000),
+                                                 preempted_node_to_ranks=told.preempted_node_to_ranks if told else {})
+        time.sleep(wait_s)
+        raise RuntimeError(f"Ray Train did not restart the worker group within {wait_s:.0f} s of the preemption's "
+                           f"checkpoint")
 
     def report(self, metrics: dict, checkpoint_dir, checkpoint_dir_name):
         if self.beat is not None:

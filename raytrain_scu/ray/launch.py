@@ -32,8 +32,8 @@ from raytrain_scu.config.paths import RunPaths
 from raytrain_scu.config.schema import Config, hang_timeout_s
 from raytrain_scu.console import NOTICES
 from raytrain_scu.core.checkpoint import BEST_METRIC
-from raytrain_scu.errors import Interrupted, NotEnoughResources
-from raytrain_scu.ray.callbacks import Sink
+from raytrain_scu.errors import Interrupted, NotEnoughResources, Preempted
+from raytrain_scu.ray.callbacks import PreemptOnSigterm, Sink
 from raytrain_scu.ray.watchdog import HangWatchdog
 
 
@@ -188,16 +188,18 @@ FIT_THREAD = "raytrain_scu-fit"  # the thread fit() runs trainer.fit() in
 
 def fit(trainer: TorchTrainer, cfg: Config, sink: Sink, progress, watchdog: Optional[HangWatchdog] = None):
     """``trainer.fit()`` with each report shown by ``progress`` (``console.Progress``) on the driver, the workers'
-    notices it carries (``console.notice``) and the hang ``watchdog``'s (the caller runs it) above it, and Ctrl-C.
+    notices it carries (``console.notice``) and the hang ``watchdog``'s (the caller runs it) above it, Ctrl-C and
+    SIGTERM.
 
     fit() runs in a thread, so Ray Train installs no SIGINT handler of its own. The first SIGINT writes the stop
     flag (local storage): every rank stops after its next step, rank 0 checkpoints it, and this raises
     :class:`Interrupted` once fit() returns. A second SIGINT (or the first with remote storage, which has no flag)
-    raises it at once."""
+    raises it at once. SIGTERM (a preemption) is forwarded the same way and raises :class:`Preempted` once fit()
+    returns, or once ``train.preempt_grace_s`` has passed without it."""
     flag = RunPaths.of(cfg).stop_flag
     if flag is not None:
         flag.unlink(missing_ok=True)  # a leftover from a run killed hard would stop this one at its first step
-    box, last, sigints = {}, {"step": None, "checkpoint": False}, []
+    box, last, sigints, sigterms = {}, {"step": None, "checkpoint": False}, [], []
 
     def target():
         try:
@@ -215,6 +217,19 @@ def fit(trainer: TorchTrainer, cfg: Config, sink: Sink, progress, watchdog: Opti
         print("[raytrain_scu] Ctrl-C: stopping after this step and writing its checkpoint (Ctrl-C again aborts "
               "without one)", flush=True)
 
+    def on_sigterm(signum, frame):
+        sigterms.append(time.monotonic())
+        if len(sigterms) > 1 or flag is None:
+            raise Preempted(last["step"], checkpointed=False)
+        flag.parent.mkdir(parents=True, exist_ok=True)
+        flag.write_text("stop\n")
+        progress.close()
+        print(f"[raytrain_scu] SIGTERM: stopping after this step and writing its checkpoint, then exiting 143 (within "
+              f"train.preempt_grace_s={cfg.train.preempt_grace_s:g} s)", flush=True)
+
+    def grace_over() -> bool:
+        return bool(sigterms) and time.monotonic() - sigterms[0] > cfg.train.preempt_grace_s
+
     def show():
         while watchdog is not None and watchdog.notices:
             progress.note(watchdog.notices.pop(0))
@@ -224,21 +239,26 @@ def fit(trainer: TorchTrainer, cfg: Config, sink: Sink, progress, watchdog: Opti
     # only the main thread may handle signals: run() called from another thread (a test, a notebook's worker) shows
     # progress but leaves Ctrl-C to whoever owns the main thread
     main = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGINT, on_sigint) if main else None
+    previous = {sig: signal.signal(sig, handler) for sig, handler in
+                ((signal.SIGINT, on_sigint), (signal.SIGTERM, on_sigterm))} if main else {}
     try:
         thread.start()
         while thread.is_alive():
             thread.join(timeout=0.2)
             show()
+            if grace_over():  # the workers did not checkpoint in time: whoever sent SIGTERM kills us soon
+                raise Preempted(last["step"], checkpointed=False)
         show()
     finally:
-        if main:
-            signal.signal(signal.SIGINT, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         progress.close()
         if flag is not None:
             flag.unlink(missing_ok=True)
     if "error" in box:
         raise box["error"]
+    if sigterms and last["step"] != cfg.train.max_steps:
+        raise Preempted(last["step"], checkpointed=last["checkpoint"])
     if sigints and last["step"] != cfg.train.max_steps:
         raise Interrupted(last["step"], checkpointed=last["checkpoint"])
     return box["result"]
@@ -283,7 +303,8 @@ def build_trainer(cfg: Config, *, use_gpu: bool, run_id: Optional[str], callback
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.run.num_to_keep,
                                                checkpoint_score_attribute=BEST_METRIC,
                                                checkpoint_score_order="min"),
-            callbacks=list(callbacks),
+            # a worker's SIGTERM: Ray Train's preemption notice, so the step in flight is checkpointed
+            callbacks=[*callbacks, PreemptOnSigterm(cfg.train.preempt_grace_s)],
             # RAYTRAIN_SCU_* variables (fault injection, cache location) reach every worker, on any node
             worker_runtime_env={"env_vars": scu_env() if env is None else env}),
     )

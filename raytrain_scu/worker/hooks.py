@@ -7,6 +7,10 @@
   the checkpoint directory, the others None;
 - ``heartbeat(step)``: after every completed step (``None`` once the loop is done): what the driver's hang watchdog
   reads (Ray's hooks send at most one per short interval: ``ray.watchdog.Heartbeat``);
+- ``preempt_notice()``: whether this rank has been told that its node is going (a preemption); read at every step,
+  each rank's answer joins the step's all-reduce, so all ranks checkpoint the same step;
+- ``await_restart()``: after that checkpoint, on every rank: hand the node back and wait for the runner to restart
+  the group from the checkpoint (or return, where a new loop is what resumes);
 - ``faults``: fault injection (``worker.faults.Faults``).
 
 ``ray.hooks.RayHooks`` makes them Ray Train's calls; :class:`LocalHooks` runs the same loop in one bare process.
@@ -61,3 +65,10 @@ class LocalHooks:
 
     def heartbeat(self, step: Optional[int]) -> None:
         self.beats.append(step)
+
+    def preempt_notice(self) -> bool:
+        """One bare process has no runner to say its node is going: a SIGTERM ends it as Python's default does."""
+        return False
+
+    def await_restart(self) -> None:
+        """The loop returns: a new loop with this ``run_dir`` resumes from the checkpoint it just wrote."""

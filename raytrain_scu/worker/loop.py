@@ -61,8 +61,9 @@ def setup(cfg: Config, hooks, run_id: Optional[str] = None, phase: Optional[Phas
 
 
 def train(s: State) -> None:
-    """All ranks: the loop, from the resumed step to train.max_steps (or a stop). After each step: the heartbeat the
-    driver's hang watchdog reads, and a fault test's pause point."""
+    """All ranks: the loop, from the resumed step to train.max_steps (or a stop, or a preemption: each ends with the
+    checkpoint of its step). After each step: the heartbeat the driver's hang watchdog reads, and a fault test's pause
+    point."""
     t = s.cfg.train
     with profiled(steps=t.profile_steps, left=t.max_steps - s.rec.start_step, cuda=s.device.type == "cuda",
                   host=t.profile_host, out_dir=RunPaths.of(s.cfg).profile) as tick:  # off unless asked
@@ -89,4 +90,8 @@ def run_loop(cfg: Config, *, hooks, run_id: Optional[str] = None) -> None:
         hooks.faults.ballast = None  # an injected fill of the card goes with the error
         raise out_of_memory(cfg, phase, hooks.get_device(), e) from e
     hooks.heartbeat(None)  # done stepping: what follows (the tracker's artifacts) may take long and is no hang
+    if s.preempting and not s.stopping:  # this step's checkpoint is in: the run goes on from it after a restart
+        s.tracker.flush()
+        hooks.await_restart()
+        return
     s.tracker.finish(history=s.rec.history, model=s.opt.model, status="KILLED" if s.stopping else "FINISHED")

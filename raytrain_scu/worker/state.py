@@ -232,4 +232,5 @@ class State:
     metering: Metering
     stop_path: Optional[Path] = None  # rank 0 stops the run (all ranks, after a checkpoint) when this file exists
     stopping: bool = False
+    preempting: bool = False  # a rank's node is going: all ranks checkpoint this step and wait for a restart
     phase: Phase = field(default_factory=Phase)  # what an out-of-memory error names
