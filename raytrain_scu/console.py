@@ -18,6 +18,7 @@ from typing import Optional, TextIO
 NOTICES = "notices"  # the reported metrics' key: the notices since the previous report, one a line, oldest first
 ETA = "time/eta_s"  # the reported metrics' key: rank 0's estimate of the seconds left (worker.periodic.eta_s)
 VAL_STEP = "val/step"  # the reported metrics' key: the step whose end val/data_bpt was measured at
+RESUMED_AT = "resumed_at"  # the reported metrics' key: the steps the run restarted from, "4,6" (absent: none)
 
 _pending: list[str] = []
 _PACKAGE = str(Path(__file__).resolve().parent)

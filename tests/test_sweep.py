@@ -312,12 +312,17 @@ def test_table_sorted_by_metric_and_best_yaml_loads(tmp_path):
     space = sweep_space.resolve_space(cfg)
     cfg.tune.space = space
     fake = [SimpleNamespace(path=f"/x/t{b}", config={"data.batch_size": b}, error=None,
-                            metrics={"step": steps, metric: speed, "tokens_seen": steps * 512})
-            for b, steps, speed in ((2, 6, 900.0), (4, 2, 500.0), (8, 6, 1200.0))]
-    fake.append(SimpleNamespace(path="/x/t16", config={"data.batch_size": 1}, error=RuntimeError("x"), metrics={}))
+                            metrics={"step": steps, metric: speed, "tokens_seen": steps * 512, **resumed})
+            for b, steps, speed, resumed in ((2, 6, 900.0, {"resumed_at": "2,4"}), (4, 2, 500.0, {}),
+                                             (8, 6, 1200.0, {}))]
+    cause = RuntimeError("the trial's driver failed")
+    cause.__cause__ = ValueError("first line\nthe cause's last line")
+    fake.append(SimpleNamespace(path="/x/t16", config={"data.batch_size": 1}, error=cause, metrics={}))
     rows = sweep_results.trial_rows(fake, cfg, space)
     assert [r["trial"] for r in rows] == ["t8", "t2", "t4", "t16"]
     assert [r["status"] for r in rows] == ["FINISHED", "FINISHED", "KILLED", "FAILED"]
+    assert [r["resumed_at"] for r in rows] == [[], [2, 4], [], []]  # t2 restarted twice, from steps 2 and 4
+    assert [r["error"] for r in rows] == [None, None, None, "ValueError: the cause's last line"]
     assert [r["grad_accum"] for r in rows] == [1, 4, 2, 8]
     assert [r["tokens_seen"] for r in rows] == [3072, 3072, 1024, None]
     table = sweep_results.format_table(rows, list(space), metric)
@@ -325,7 +330,11 @@ def test_table_sorted_by_metric_and_best_yaml_loads(tmp_path):
     assert {line.split()[4] for line in sweep_results.format_table(close, list(space), metric).splitlines()[1:]} \
         == {"10.98755", "10.98757"}
     assert table.splitlines()[0].split() == ["trial", "data.batch_size", "data.grad_accum", "global_batch_tokens",
-                                             metric, "scored_at", "steps", "tokens_seen", "status"]
+                                             metric, "scored_at", "steps", "tokens_seen", "status", "resumed_at"]
+    assert table.splitlines()[2].split()[-2:] == ["FINISHED", "2,4"] and table.splitlines()[1].split()[-1] == "-"
+    csv_rows = list(csv.DictReader(io.StringIO(sweep_results.trials_csv(rows, list(space), metric))))
+    assert [(r["resumed_at"], r["error"]) for r in csv_rows] == [("", ""), ("2,4", ""), ("", ""),
+                                                                 ("", "ValueError: the cause's last line")]
     best = sweep_results.best_row(rows)
     path = tmp_path / "best.yaml"
     path.write_text(to_yaml(sweep_results.best_config(cfg, best)))
@@ -347,7 +356,7 @@ def test_global_batch_table_has_one_global_batch_column_and_the_accumulation(tmp
     rows = sweep_results.trial_rows(fake, cfg, space)
     head, *body = sweep_results.trials_csv(rows, list(space), "val/data_bpt").splitlines()
     assert head.split(",") == ["trial", "global_batch_tokens", "data.grad_accum", "val/data_bpt", "scored_at", "steps",
-                               "tokens_seen", "status", "run_name"]
+                               "tokens_seen", "status", "resumed_at", "run_name", "error"]
     assert [line.split(",")[:3] for line in body] == [["g1024", "1024", "4"], ["g256", "256", "1"]]
     assert load_config_text(tmp_path, to_yaml(sweep_results.best_config(cfg, rows[0]))).data.grad_accum == 4
     # the trial's MLflow child run: the accumulation and the global batch as params (a real sqlite store)
@@ -391,7 +400,9 @@ def test_close_parent_run_ends_only_the_children_left_running(tmp_path):
                                               params, trial)
         if worker_end:
             client.set_terminated(run_ids[trial], status=worker_end)
-        rows.append({"trial": trial, "status": status, "metric": 7.0 + i})
+        rows.append({"trial": trial, "status": status, "metric": 7.0 + i,
+                     "resumed_at": [4] if trial == "done" else [],
+                     "error": "NonFiniteError: 1 optimizer steps in a row" if status == "FAILED" else None})
     sweep_results.close_parent_run(cfg, parent_run_id, rows, rows[0], "best: yes\n", [])
 
     runs = {t: client.get_run(r) for t, r in run_ids.items()}
@@ -399,6 +410,11 @@ def test_close_parent_run_ends_only_the_children_left_running(tmp_path):
                                                            "asha": "KILLED", "crashed": "FAILED"}
     assert {t: r.data.tags["raytrain_scu.trial_status"] for t, r in runs.items()} == \
         {t: status for t, (status, _) in ends.items()}
+    # which trial restarted and from which step; a failed one's cause
+    assert {t: r.data.tags.get("raytrain_scu.trial_resumed_at") for t, r in runs.items()} == \
+        {"done": "4", "saturated": None, "asha": None, "crashed": None}
+    assert {t: r.data.tags.get("raytrain_scu.failure") for t, r in runs.items()} == \
+        {"done": None, "saturated": None, "asha": None, "crashed": "NonFiniteError: 1 optimizer steps in a row"}
     parent = client.get_run(parent_run_id)
     assert parent.info.status == "FINISHED" and parent.data.tags["raytrain_scu.best_run_id"] == run_ids["done"]
     # the space is logged once, as the base config's tune.space
@@ -517,21 +533,61 @@ def test_the_reaper_removes_a_dead_controllers_placement_group_and_outlives_what
         queue.shutdown()
 
 
+def kill_the_held_trial_once_checkpointed(hold: Path, trials: Path, step: int, box: dict) -> None:
+    """In a thread beside the sweep: once a trial's rank 0 holds after its step (RAYTRAIN_SCU_HOLD_AT_STEP: the first
+    trial to get there, the only one) and Ray Train has registered that trial's checkpoint of ``step`` (its checkpoint
+    manager's snapshot names it), SIGKILL the worker; ``box`` gets its trial id and pid, or an error."""
+    import os
+    import signal
+
+    t0 = time.time()
+    while time.time() - t0 < 600:
+        held = hold / "rank0.pid"
+        snapshots = [f for f in trials.glob("*/checkpoint_manager_snapshot.json")
+                     if f"checkpoint_{step:08d}" in f.read_text(errors="replace")]
+        if held.exists() and snapshots:
+            pid = int(held.read_text().split()[0])
+            box.update(trial=snapshots[0].parent.name.rsplit("-", 1)[-1], pid=pid, killed_after_s=time.time() - t0)
+            os.kill(pid, signal.SIGKILL)
+            return
+        time.sleep(0.2)
+    box["error"] = f"no trial held with its checkpoint {step} registered in 600 s"
+
+
 @pytest.mark.slow
-def test_two_trial_sweep_asha_stops_the_bad_one_children_linked_best_yaml_trains(ray_local, tmp_path, capfd):
-    """Two trials (the table's order among more rows: test_table_sorted_by_metric_and_best_yaml_loads); best.yaml
-    passes preflight and trains in the loop, in this process (what a run of it computes does not depend on Ray)."""
+def test_sweep_asha_stops_one_trial_a_killed_one_resumes_a_diverging_one_fails_best_yaml_trains(
+        ray_local, tmp_path, capfd, monkeypatch):
+    """Three trials in grid order, one at a time (the table's order among more rows:
+    test_table_sorted_by_metric_and_best_yaml_loads). The first (lr 0.01) has its worker SIGKILLed after step 6: Ray
+    Train restarts it from its own checkpoint 4 (run.max_failures=1) and it finishes; the second (lr 1e-7) is
+    stopped by ASHA; the third (lr 1e30) diverges at step 2 on every attempt and fails for good with its cause. The
+    table, trials.csv, the console and MLflow say which trial restarted, from which step, and why the other failed;
+    the best is chosen from the rest, and best.yaml passes preflight and trains in the loop, in this process (what a
+    run of it computes does not depend on Ray)."""
+    import threading
+
     from raytrain_scu.driver.preflight import preflight
 
-    # one trial at a time in grid order, the bad lr last: ASHA judges it against the good one at the first rung (step
-    # 2), where it stops a trial below the best half (reduction factor 2) of those recorded there
-    cfg = base(tmp_path, "train.max_steps=8", "train.checkpoint_every=8", "tune.search=grid",
-               "tune.space={optim.lr: {grid: [0.01, 1e-7]}}", "tune.scheduler=asha", "tune.grace_period=1",
-               "tune.max_concurrent_trials=1")
+    hold = tmp_path / "hold"
+    monkeypatch.setenv("RAYTRAIN_SCU_HOLD_AT_STEP", "6")  # the first trial to finish step 6 waits there to be killed
+    monkeypatch.setenv("RAYTRAIN_SCU_HOLD_DIR", str(hold))
+    # one trial at a time in grid order, the bad lr second: ASHA judges it against the good one at the first rung
+    # (step 2), where it stops a trial below the best half (reduction factor 2) of those recorded there. The diverging
+    # lr is last: it fails at step 2, before its first report, so ASHA never judges it
+    cfg = base(tmp_path, "train.max_steps=8", "train.checkpoint_every=4", "tune.search=grid",
+               "tune.space={optim.lr: {grid: [0.01, 1e-7, 1e30]}}", "tune.scheduler=asha", "tune.grace_period=1",
+               "tune.max_concurrent_trials=1", "run.max_failures=1", "train.max_consecutive_skips=1")
+    box = {}
+    killer = threading.Thread(target=kill_the_held_trial_once_checkpointed,
+                              args=(hold, tmp_path / "sw" / "trials", 4, box), daemon=True)
+    killer.start()
     summary = driver_sweep.sweep(cfg)
+    killer.join(timeout=1)
+    assert "pid" in box, box
     rows = summary["rows"]
     by_lr = {r["params"]["optim.lr"]: r for r in rows}
-    assert len(rows) == 2 and not summary["errors"]
+    good, bad, diverged = by_lr[0.01], by_lr[1e-7], by_lr[1e30]
+    assert len(rows) == 3 and summary["errors"] == [diverged["trial"]]
     console = capfd.readouterr()
     print(console.out)  # for the record (-s)
     # the sweep's own console: a line per trial event, with the trial's values; no Tune tables, no trial output
@@ -540,19 +596,29 @@ def test_two_trial_sweep_asha_stops_the_bad_one_children_linked_best_yaml_trains
     for r in rows:
         lr = f"optim.lr={r['params']['optim.lr']:.4g}"
         assert f"[raytrain_scu] trial {r['trial']} started: {lr}" in lines, console.out
+    for r in (good, bad):
         assert any(x.startswith(f"[raytrain_scu] trial {r['trial']} step 2/8  val/data_bpt ") for x in lines)
-    bad, good = by_lr[1e-7], by_lr[0.01]
     assert any(x.startswith(f"[raytrain_scu] trial {bad['trial']} stopped by ASHA at step {bad['scored_step']}: "
                             f"val/data_bpt ") and x.endswith("optim.lr=1e-07") for x in lines), console.out
     assert any(x.startswith(f"[raytrain_scu] trial {good['trial']} finished at step 8: val/data_bpt ") for x in lines)
-    assert lines[-1].startswith(f"[raytrain_scu] best trial {rows[0]['trial']}: val/data_bpt=")  # one budget: no note
+    # the killed trial: its own checkpoint 4, said on the console, in the table, trials.csv and MLflow
+    assert box["trial"] == good["trial"] and good["resumed_at"] == [4], (box, good)
+    assert f"[raytrain_scu] trial {good['trial']} resumed from its checkpoint at step 4 (restart 1); optim.lr=0.01" \
+        in lines, console.out
+    assert (good["status"], good["steps"]) == ("FINISHED", 8)
+    # the diverging trial: failed for good, with its cause, on the console and in its row
+    cause = "NonFiniteError: 1 optimizer steps in a row had a non-finite loss or gradient (last at step 2)"
+    assert diverged["status"] == "FAILED" and diverged["error"].startswith(cause), diverged
+    assert any(x.startswith(f"[raytrain_scu] trial {diverged['trial']} failed: {cause}") for x in lines), console.out
+    assert f"[raytrain_scu] 1 trial(s) failed ({diverged['trial']}: {cause}" in console.out
+    assert lines[-1].startswith(f"[raytrain_scu] best trial {good['trial']}: val/data_bpt=")  # one budget: no note
     assert any(x.split()[:2] == ["trial", "optim.lr"] for x in lines)  # the table
+    table = next(i for i, x in enumerate(lines) if x.split()[:2] == ["trial", "optim.lr"])
+    assert lines[table].split()[-2:] == ["status", "resumed_at"] and lines[table + 1].split()[-2:] == ["FINISHED", "4"]
     assert (Path(summary["sweep_dir"]) / "logs" / "driver.log").is_file()  # Tune's own log lines went there
-    assert [r["params"]["optim.lr"] for r in rows] == [0.01, 1e-7]  # best first, ASHA's stopped one last
-    assert rows[0]["status"] == "FINISHED" and rows[0]["steps"] == 8
-    assert rows[0]["params"]["optim.lr"] == 0.01
-    bad = by_lr[1e-7]
-    assert bad["status"] == "KILLED" and bad["scored_step"] < 8 and bad["metric"] > rows[0]["metric"]  # ASHA stopped it
+    assert [r["params"]["optim.lr"] for r in rows] == [0.01, 1e-7, 1e30]  # best first, then ASHA's, then the failed
+    assert bad["status"] == "KILLED" and bad["scored_step"] < 8 and bad["metric"] > good["metric"]  # ASHA stopped it
+    assert summary["best"]["trial"] == good["trial"]  # chosen from the trials that did not fail
     assert {r["global_batch_tokens"] for r in rows} == {512}
     # the stopped trial's Train workers gave their CPU back (its controller died with the trial): every placement
     # group this job made is removed. Ray frees an exited actor's resources asynchronously, which on a loaded 2-core
@@ -568,30 +634,40 @@ def test_two_trial_sweep_asha_stops_the_bad_one_children_linked_best_yaml_trains
     client = client_for(tracking_uri(cfg))
     runs = client.search_runs([client.get_experiment_by_name(cfg.tracking.experiment).experiment_id])
     parent, children = sweep_runs(cfg, summary)
-    assert len(runs) == 3 and len(children) == 2                     # one parent, two linked children
+    assert len(runs) == 4 and len(children) == 3                     # one parent, three linked children
     assert PARENT_TAG not in parent.data.tags and parent.info.status == "FINISHED"
     status = {}
     for child in children:
-        p, m = child.data.params, child.data.metrics
-        assert p["derived.global_batch_tokens"] == "512" and "val/data_bpt" in m and "optim.lr" in p
+        p = child.data.params
+        assert p["derived.global_batch_tokens"] == "512" and "optim.lr" in p
         status[float(p["optim.lr"])] = child.info.status
-    assert status[1e-7] == "KILLED" and status[rows[0]["params"]["optim.lr"]] == "FINISHED"
-    # the table, trials.csv and MLflow agree on each trial's status and steps
+    assert status == {1e-7: "KILLED", 0.01: "FINISHED", 1e30: "FAILED"}
+    # the table, trials.csv and MLflow agree on each trial's status, steps, restarts and failure
     csv_rows = {r["trial"]: r for r in csv.DictReader(io.StringIO(Path(summary["sweep_dir"], "trials.csv").read_text()))}
     for child in children:
         row = next(r for r in rows if r["run_name"] == child.data.tags["mlflow.runName"])
-        last = max(m.step for m in client.get_metric_history(child.info.run_id, "ctrl/lambda"))
+        tags = child.data.tags
         assert child.info.status == row["status"] == csv_rows[row["trial"]]["status"]
-        assert last == row["steps"] == int(child.data.tags["raytrain_scu.trial_steps"]) \
+        assert tags.get("raytrain_scu.trial_resumed_at") == ("4" if row is good else None)
+        assert csv_rows[row["trial"]]["resumed_at"] == ("4" if row is good else "")
+        assert tags.get("raytrain_scu.failure") == row["error"] and csv_rows[row["trial"]]["error"] == (row["error"] or "")
+        if row is diverged:
+            continue
+        history = client.get_metric_history(child.info.run_id, "ctrl/lambda")
+        assert "val/data_bpt" in child.data.metrics
+        assert max(m.step for m in history) == row["steps"] == int(tags["raytrain_scu.trial_steps"]) \
             == int(csv_rows[row["trial"]]["steps"])
+    good_run = next(c for c in children if c.data.tags["mlflow.runName"] == good["run_name"])
+    steps = [m.step for m in client.get_metric_history(good_run.info.run_id, "ctrl/lambda")]
+    assert sorted(set(steps)) == list(range(0, 9))  # steps 5 and 6, redone after the restart, logged too
     artifacts = {a.path for a in client.list_artifacts(parent.info.run_id)}
     assert {"best.yaml", "trials.csv", "plots"} <= artifacts
     assert [a.path for a in client.list_artifacts(parent.info.run_id, "plots")] == \
         ["plots/val_data_bpt_vs_optim.lr.png"]
-    assert parent.data.tags["raytrain_scu.best_trial"] == rows[0]["trial"]
+    assert parent.data.tags["raytrain_scu.best_trial"] == good["trial"]
 
     best = load_config(summary["best_yaml"])
-    assert best.optim.lr == rows[0]["params"]["optim.lr"] and best.tune.space == {}
+    assert best.optim.lr == 0.01 and best.tune.space == {}
     best = load_config(summary["best_yaml"], ["tracking.enabled=false"])  # no MLflow record is asserted of it
     preflight(best)
     last = in_process(best)

@@ -10,7 +10,8 @@ from typing import Optional, TextIO
 from ray import cloudpickle, tune
 
 from raytrain_scu.config.schema import Config
-from raytrain_scu.console import VAL_STEP, fmt_eta
+from raytrain_scu.console import RESUMED_AT, VAL_STEP, fmt_eta
+from raytrain_scu.ray.tune.results import error_line, resumed_steps
 from raytrain_scu.ray.tune.space import arm_text, plain_value
 
 
@@ -48,20 +49,6 @@ def trial_error(trial) -> Optional[BaseException]:
         return None
 
 
-def error_line(error: Optional[BaseException]) -> str:
-    """A trial's failure in one line: the innermost cause's type and the last line of its message."""
-    if error is None:
-        return "unknown error"
-    while True:  # Ray's task wrapping (.cause), Python's chaining, Ray Train's per-worker failures
-        failures = getattr(error, "worker_failures", None) or {}
-        inner = getattr(error, "cause", None) or error.__cause__ or (failures[min(failures)] if failures else None)
-        if not isinstance(inner, BaseException) or inner is error:
-            break
-        error = inner
-    lines = [line for line in str(error).strip().splitlines() if line.strip()]
-    return f"{type(error).__name__}: {lines[-1].strip() if lines else ''}".strip()
-
-
 class TrialEvents(tune.Callback):
     """Tune callback in the sweep's driver: a ``[raytrain_scu] trial ...`` line when a trial starts, at each report,
     and when it ends (finished, stopped early by the scheduler, failed)."""
@@ -79,6 +66,11 @@ class TrialEvents(tune.Callback):
     def on_trial_result(self, iteration, trials, trial, result, **info):
         if "step" not in result:
             return
+        before = resumed_steps((self.last.get(trial.trial_id) or {}).get(RESUMED_AT))
+        resumed = resumed_steps(result.get(RESUMED_AT))
+        if len(resumed) > len(before):  # its Train run restarted (a worker lost, a re-run of the sweep)
+            self._say(f"trial {trial.trial_id} resumed from its checkpoint at step {resumed[-1]} (restart "
+                      f"{len(resumed)}); {params_text(trial.config, self.space)}")
         self.last[trial.trial_id] = result
         tokens = result.get("tokens_seen")
         self._say(f"trial {trial.trial_id} step {int(result['step'])}/{self.cfg.train.max_steps}  "

@@ -16,6 +16,7 @@ from typing import Optional
 from raytrain_scu.config.io import flatten, redact_uri, to_yaml
 from raytrain_scu.config.paths import run_dir
 from raytrain_scu.config.schema import Config, global_batch_tokens
+from raytrain_scu.console import RESUMED_AT
 from raytrain_scu.ray.tune.space import (
     ARM,
     GLOBAL_BATCH,
@@ -26,6 +27,7 @@ from raytrain_scu.ray.tune.space import (
     trial_config,
 )
 from raytrain_scu.tracking.store import (
+    FAILURE_TAG,
     SWEEP_TAG,
     TRIAL_TAG,
     child_runs,
@@ -33,12 +35,36 @@ from raytrain_scu.tracking.store import (
     end_run,
     log_params_once,
     open_run,
+    param_text,
     tracking_uri,
 )
 
+RESUMED_TAG = "raytrain_scu.trial_resumed_at"  # a child run's tag: the steps its trial restarted from, "4,6"
+
+
+def error_line(error: Optional[BaseException]) -> str:
+    """A trial's failure in one line: the innermost cause's type and the last line of its message."""
+    if error is None:
+        return "unknown error"
+    while True:  # Ray's task wrapping (.cause), Python's chaining, Ray Train's per-worker failures
+        failures = getattr(error, "worker_failures", None) or {}
+        inner = getattr(error, "cause", None) or error.__cause__ or (failures[min(failures)] if failures else None)
+        if not isinstance(inner, BaseException) or inner is error:
+            break
+        error = inner
+    lines = [line for line in str(error).strip().splitlines() if line.strip()]
+    return redact_uri(f"{type(error).__name__}: {lines[-1].strip() if lines else ''}".strip())
+
+
+def resumed_steps(text) -> list[int]:
+    """The reported ``resumed_at`` ("4,6": the steps a trial's Train run restarted from) as a list; [] for none."""
+    return [int(step) for step in str(text).split(",") if step.strip()] if text not in (None, "") else []
+
 
 def trial_rows(results, base: Config, space: dict) -> list[dict]:
-    """One row per trial, best first: id, swept values, grad_accum, global batch, metric, steps, status.
+    """One row per trial, best first: id, swept values, grad_accum, global batch, metric, steps, status, the steps
+    it restarted from (``resumed_at``: a worker lost and Ray Train's restart within run.max_failures, or a re-run of
+    the sweep) and a failed trial's cause (``error``).
 
     The metric is the trial's last value reported to Tune, at step ``scored_step``, not its best (the adapter of a run
     under run.primary_adapter=best is its best checkpoint's: docs/sweep.md); ``steps`` is how far it trained
@@ -65,6 +91,8 @@ def trial_rows(results, base: Config, space: dict) -> list[dict]:
                      "global_batch_tokens": global_batch_tokens(cfg),
                      "metric": float(m.get(base.tune.metric, math.nan)), "scored_step": step, "steps": step,
                      "tokens_seen": m.get("tokens_seen"), "status": status, "run_name": cfg.run.name,
+                     "resumed_at": resumed_steps(m.get(RESUMED_AT)),
+                     "error": error_line(r.error) if r.error is not None else None,
                      "time_s": m.get("time_total_s")})  # the trial's wall time, start-up included (Tune's)
     sign = 1.0 if base.tune.mode == "min" else -1.0
     rows.sort(key=lambda row: (not math.isfinite(row["metric"]),
@@ -111,10 +139,11 @@ def _columns(rows: list[dict], keys: list[str], metric: str) -> tuple[list[str],
     derives_accum = "data.batch_size" in keys or GLOBAL_BATCH in keys
     extra = ["data.grad_accum"] if derives_accum and "data.grad_accum" not in keys else []
     batch = [] if GLOBAL_BATCH in keys else ["global_batch_tokens"]  # a swept global batch is a key column already
-    head = ["trial", *keys, *extra, *batch, metric, "scored_at", "steps", "tokens_seen", "status"]
+    head = ["trial", *keys, *extra, *batch, metric, "scored_at", "steps", "tokens_seen", "status", "resumed_at"]
     body = [[r["trial"], *(r["params"].get(k) for k in keys), *([r["grad_accum"]] if extra else []),
              *([r["global_batch_tokens"]] if batch else []), r["metric"], r.get("scored_step", r["steps"]),
-             r["steps"], r.get("tokens_seen"), r["status"]] for r in rows]
+             r["steps"], r.get("tokens_seen"), r["status"],
+             ",".join(str(step) for step in r.get("resumed_at") or []) or None] for r in rows]
     return head, body
 
 
@@ -129,13 +158,14 @@ def format_table(rows: list[dict], keys: list[str], metric: str) -> str:
 
 
 def trials_csv(rows: list[dict], keys: list[str], metric: str) -> str:
-    """The trials table as CSV, plus each trial's run name (its Train run and MLflow child run)."""
+    """The trials table as CSV, plus each trial's run name (its Train run and MLflow child run) and a failed trial's
+    cause."""
     head, body = _columns(rows, keys, metric)
     buf = io.StringIO()
     w = csv.writer(buf)
-    w.writerow([*head, "run_name"])
+    w.writerow([*head, "run_name", "error"])
     for line, r in zip(body, rows):
-        w.writerow([*line, r["run_name"]])
+        w.writerow([*line, r["run_name"], r.get("error") or ""])
     return buf.getvalue()
 
 
@@ -214,13 +244,15 @@ def write_results(cfg: Config, space: dict, results, parent_run_id: Optional[str
             print(f"[raytrain_scu] warning: MLflow parent run not completed: {type(e).__name__}: "
                   f"{redact_uri(str(e))[:200]}",
                   file=sys.stderr)
-    errors = [r["trial"] for r in rows if r["status"] == "FAILED"]
+    failed = [r for r in rows if r["status"] == "FAILED"]
+    errors = [r["trial"] for r in failed]
+    if failed:  # each with its cause; the best is chosen among the others
+        print(f"[raytrain_scu] {len(errors)} trial(s) failed ("
+              + "; ".join(f"{r['trial']}: {r['error']}" for r in failed)
+              + "): re-run the same command to resume them", flush=True)
     if best is not None:
         print(f"[raytrain_scu] best trial {best['trial']}: {t.metric}={best['metric']:.6g}; config {best_path}",
               flush=True)
-    if errors:
-        print(f"[raytrain_scu] {len(errors)} trial(s) failed ({', '.join(errors)}): re-run the same command to "
-              f"resume them", flush=True)
     budgets = token_budget_note(rows, best)
     if budgets:
         print(f"[raytrain_scu] {budgets}", flush=True)
@@ -256,7 +288,8 @@ def close_parent_run(cfg: Config, parent_run_id: str, rows: list[dict], best: Op
     A child still RUNNING was cut off before its trial could end it: it gets the row's status (KILLED if Tune stopped
     the trial, FAILED if it failed). A trial whose training ended by itself (train.max_steps, train.stop_on_saturation)
     was ended FINISHED by ``sweep.run_trial``, and that stays. Tags repeat the row: status, steps trained and the step
-    it was scored at.
+    it was scored at, the steps it restarted from (``raytrain_scu.trial_resumed_at``) and a failed trial's cause
+    (``raytrain_scu.failure``).
     """
     client = client_for(tracking_uri(cfg))
     children = {r.data.tags.get(TRIAL_TAG): r for r in child_runs(cfg, parent_run_id)}
@@ -268,6 +301,10 @@ def close_parent_run(cfg: Config, parent_run_id: str, rows: list[dict], best: Op
         for tag, key in (("raytrain_scu.trial_steps", "steps"), ("raytrain_scu.trial_scored_step", "scored_step")):
             if row.get(key) is not None:
                 client.set_tag(child.info.run_id, tag, str(row[key]))
+        if row.get("resumed_at"):
+            client.set_tag(child.info.run_id, RESUMED_TAG, ",".join(str(step) for step in row["resumed_at"]))
+        if row.get("error"):
+            client.set_tag(child.info.run_id, FAILURE_TAG, param_text(row["error"]))
         if child.info.status == "RUNNING" and row["status"] in ("KILLED", "FAILED"):
             end_run(cfg, child.info.run_id, row["status"])
     if best is not None:
