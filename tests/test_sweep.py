@@ -686,11 +686,15 @@ def test_interrupted_sweep_resumes_when_rerun(ray_local, tmp_path, monkeypatch, 
     trial = first["rows"][0]["trial"]
     assert re.search(rf"^\[raytrain_scu\] trial {trial} failed at step 4: \S*: .*fault injected after step 5.*; "
                      r"optim\.lr=0\.003$", out, re.M), out  # the cause in one line, after the last report (step 4)
-    assert "Traceback" not in out and f"1 trial(s) failed ({trial}): re-run the same command" in out
+    assert "Traceback" not in out and re.search(rf"1 trial\(s\) failed \({trial}: \S*: .*fault injected after step 5"
+                                                rf".*\): re-run the same command", out), out
     second = driver_sweep.sweep(base(tmp_path, "train.max_steps=8", "train.checkpoint_every=4", "run.max_failures=0",
                                   "tune.space={optim.lr: {grid: [0.003]}}", "tune.search=grid"))
     row = second["rows"][0]
     assert (row["trial"], row["status"], row["steps"]) == (first["rows"][0]["trial"], "FINISHED", 8)
+    assert row["resumed_at"] == [4] and row["error"] is None  # the re-run resumed it from its checkpoint 4
+    assert f"[raytrain_scu] trial {trial} resumed from its checkpoint at step 4 (restart 1); optim.lr=0.003" \
+        in capfd.readouterr().out
     assert second["parent_run_id"] == first["parent_run_id"]
     _, children = sweep_runs(cfg, second)
     assert len(children) == 1
