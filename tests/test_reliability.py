@@ -1116,6 +1116,12 @@ def test_a_credential_in_the_config_is_refused_before_ray_naming_the_environment
         assert err.startswith(f"error: {key}: ") and env in err and "in the environment" in err, err
         assert "SECRET4" not in out + err and "Ray" not in out, out + err
     assert list(tmp_path.iterdir()) == []
+    from raytrain_scu.cli.evaluate import main as evaluate  # a storage URI given as a flag: the same rule
+
+    assert evaluate(["--config", TINY, "--adapter", f"s3://runs/tiny/cred/output/adapter?endpoint_override="
+                                                    f"http://minio:epSECRET44@127.0.0.1:9000"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --adapter: ") and "AWS_SECRET_ACCESS_KEY" in err and "SECRET44" not in err, err
 
 
 def test_tracking_uri_credentials_are_redacted_in_params_dumps_and_run_file(tmp_path):

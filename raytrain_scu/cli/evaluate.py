@@ -12,6 +12,7 @@ from pathlib import Path
 from raytrain_scu.config.paths import split_query
 from raytrain_scu.config.resolve import resolve
 from raytrain_scu.config.schema import Config
+from raytrain_scu.config.secrets import refuse_credential
 from raytrain_scu.driver.evaluate import DEFAULT_BOOTSTRAP, DEFAULT_CI, DEFAULT_MAX_TOKENS, evaluate
 from raytrain_scu.errors import USER_ERRORS, DataError, EvalError, ModelError
 
@@ -108,6 +109,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
     """--config (optional) + the explicit flags + --set overrides, built and validated by config.py."""
     if not args.config and not args.model:
         raise EvalError("give --model (and a data source) or --config")
+    for flag in ("adapter", "compare_adapter"):  # storage URIs, held to the config's rule on credentials
+        refuse_credential(f"--{flag.replace('_', '-')}", getattr(args, flag))
     overrides = [f"{key}={getattr(args, flag)}" for flag, key in FLAG_KEYS.items() if getattr(args, flag) is not None]
     return resolve(args.config, overrides + list(args.set))
 

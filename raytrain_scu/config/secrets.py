@@ -88,15 +88,19 @@ def refuse_secret_key(key: str) -> None:
                           f"environment of the driver and the Ray nodes instead")
 
 
+def refuse_credential(key: str, value: str) -> None:
+    """Refuse ``value`` of ``key`` (a config key, or a CLI flag that names storage) when it carries a credential,
+    naming the key, the value with the credential masked, what it carries and the environment variable to use."""
+    what = credential_in(value)
+    if what:
+        raise ConfigError(f"{key}: {redact_uri(value)!r} holds {what}; credentials are never taken from the "
+                          f"config or the command line (they would be written to every dump, param and log): take "
+                          f"them out of the value and set {env_for(key, value)} in the environment of the driver "
+                          f"and the Ray nodes instead")
+
+
 def refuse_credentials(flat: dict) -> None:
-    """Refuse the first config value (``{dotted key: value}``) that carries a credential, naming the key, the value
-    with the credential masked, what it carries and the environment variable to use instead."""
+    """:func:`refuse_credential` for every string value of a flat config (``{dotted key: value}``)."""
     for key, value in flat.items():
-        if not isinstance(value, str):
-            continue
-        what = credential_in(value)
-        if what:
-            raise ConfigError(f"{key}: {redact_uri(value)!r} holds {what}; credentials are never read from the "
-                              f"config (they would be written to every dump, param and log): take them out of the "
-                              f"value and set {env_for(key, value)} in the environment of the driver and the Ray "
-                              f"nodes instead")
+        if isinstance(value, str):
+            refuse_credential(key, value)
