@@ -12,10 +12,8 @@ import contextlib
 import logging
 import os
 import shutil
-import signal
 import sys
 import threading
-import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Iterator, Optional
@@ -32,8 +30,9 @@ from raytrain_scu.config.paths import RunPaths
 from raytrain_scu.config.schema import Config, hang_timeout_s
 from raytrain_scu.console import NOTICES
 from raytrain_scu.core.checkpoint import BEST_METRIC
-from raytrain_scu.errors import Interrupted, NotEnoughResources, Preempted
+from raytrain_scu.errors import NotEnoughResources
 from raytrain_scu.ray.callbacks import PreemptOnSigterm, Sink
+from raytrain_scu.ray.stops import Stops
 from raytrain_scu.ray.watchdog import HangWatchdog
 
 
@@ -185,21 +184,12 @@ def show_records(records: list[dict], cfg: Config, progress, last: dict) -> None
 
 FIT_THREAD = "raytrain_scu-fit"  # the thread fit() runs trainer.fit() in
 
-
 def fit(trainer: TorchTrainer, cfg: Config, sink: Sink, progress, watchdog: Optional[HangWatchdog] = None):
     """``trainer.fit()`` with each report shown by ``progress`` (``console.Progress``) on the driver, the workers'
-    notices it carries (``console.notice``) and the hang ``watchdog``'s (the caller runs it) above it, Ctrl-C and
-    SIGTERM.
-
-    fit() runs in a thread, so Ray Train installs no SIGINT handler of its own. The first SIGINT writes the stop
-    flag (local storage): every rank stops after its next step, rank 0 checkpoints it, and this raises
-    :class:`Interrupted` once fit() returns. A second SIGINT (or the first with remote storage, which has no flag)
-    raises it at once. SIGTERM (a preemption) is forwarded the same way and raises :class:`Preempted` once fit()
-    returns, or once ``train.preempt_grace_s`` has passed without it."""
-    flag = RunPaths.of(cfg).stop_flag
-    if flag is not None:
-        flag.unlink(missing_ok=True)  # a leftover from a run killed hard would stop this one at its first step
-    box, last, sigints, sigterms = {}, {"step": None, "checkpoint": False}, [], []
+    notices it carries (``console.notice``) and the hang ``watchdog``'s (the caller runs it) above it; Ctrl-C and
+    SIGTERM stop the run after the step in flight, with its checkpoint (:class:`Stops`). fit() runs in a thread, so
+    Ray Train installs no signal handler of its own."""
+    box, last = {}, {"step": None, "checkpoint": False}
 
     def target():
         try:
@@ -207,60 +197,25 @@ def fit(trainer: TorchTrainer, cfg: Config, sink: Sink, progress, watchdog: Opti
         except BaseException as e:  # noqa: BLE001 - re-raised in the driver's main thread
             box["error"] = e
 
-    def on_sigint(signum, frame):
-        sigints.append(time.time())
-        if len(sigints) > 1 or flag is None:
-            raise Interrupted(last["step"], checkpointed=False)
-        flag.parent.mkdir(parents=True, exist_ok=True)
-        flag.write_text("stop\n")
-        progress.close()
-        print("[raytrain_scu] Ctrl-C: stopping after this step and writing its checkpoint (Ctrl-C again aborts "
-              "without one)", flush=True)
-
-    def on_sigterm(signum, frame):
-        sigterms.append(time.monotonic())
-        if len(sigterms) > 1 or flag is None:
-            raise Preempted(last["step"], checkpointed=False)
-        flag.parent.mkdir(parents=True, exist_ok=True)
-        flag.write_text("stop\n")
-        progress.close()
-        print(f"[raytrain_scu] SIGTERM: stopping after this step and writing its checkpoint, then exiting 143 (within "
-              f"train.preempt_grace_s={cfg.train.preempt_grace_s:g} s)", flush=True)
-
-    def grace_over() -> bool:
-        return bool(sigterms) and time.monotonic() - sigterms[0] > cfg.train.preempt_grace_s
-
     def show():
         while watchdog is not None and watchdog.notices:
             progress.note(watchdog.notices.pop(0))
         show_records(sink.read(), cfg, progress, last)
 
     thread = threading.Thread(target=target, name=FIT_THREAD, daemon=True)
-    # only the main thread may handle signals: run() called from another thread (a test, a notebook's worker) shows
-    # progress but leaves Ctrl-C to whoever owns the main thread
-    main = threading.current_thread() is threading.main_thread()
-    previous = {sig: signal.signal(sig, handler) for sig, handler in
-                ((signal.SIGINT, on_sigint), (signal.SIGTERM, on_sigterm))} if main else {}
-    try:
-        thread.start()
-        while thread.is_alive():
-            thread.join(timeout=0.2)
+    with Stops(cfg, progress, last) as stops:
+        try:
+            thread.start()
+            while thread.is_alive():
+                thread.join(timeout=0.2)
+                show()
+                stops.check()
             show()
-            if grace_over():  # the workers did not checkpoint in time: whoever sent SIGTERM kills us soon
-                raise Preempted(last["step"], checkpointed=False)
-        show()
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        progress.close()
-        if flag is not None:
-            flag.unlink(missing_ok=True)
+        finally:
+            progress.close()
     if "error" in box:
         raise box["error"]
-    if sigterms and last["step"] != cfg.train.max_steps:
-        raise Preempted(last["step"], checkpointed=last["checkpoint"])
-    if sigints and last["step"] != cfg.train.max_steps:
-        raise Interrupted(last["step"], checkpointed=last["checkpoint"])
+    stops.raise_after(cfg.train.max_steps)
     return box["result"]
 
 
