@@ -184,6 +184,7 @@ def test_yaml_round_trip_and_cli(tmp_path):
     ("run.storage_path=s3://AKIDEXAMPLE:awsSECRET3@runs/x?endpoint_override=http://127.0.0.1:9000", "AWS_SECRET_ACCESS_KEY"),
     ("run.storage_path=s3://runs/x?endpoint_override=http://minio:epSECRET4@127.0.0.1:9000", "AWS_SECRET_ACCESS_KEY"),
     ("run.storage_path=s3://runs/x?endpoint_override=http://127.0.0.1:9000&secret_key=qSECRET5", "AWS_SECRET_ACCESS_KEY"),
+    ("run.storage_path=s3://runs/x?endpoint_override=http://127.0.0.1:9000&passwd=pwSECRET9", "AWS_SECRET_ACCESS_KEY"),
     ("model.name=hf_SECRET6abcdefghijklmnopqrstuvwxyz0123", "HF_TOKEN"),
     ("tracking.password=keySECRET7", "MLFLOW_TRACKING_PASSWORD"),  # no such key: one named like a secret
     ("run.aws_secret_access_key=keySECRET8", "AWS_SECRET_ACCESS_KEY"),

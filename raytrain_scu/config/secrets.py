@@ -38,7 +38,10 @@ def redact_uri(uri: str) -> str:
     text, a CLI argument)."""
     uri = re.sub(r"(://[^/:@\s]+):[^/@\s]+@", r"\1:***@", uri)
     uri = HF_TOKEN_PATTERN.sub("hf_***", uri)
-    return re.sub(r"(?i)((?:token|password|secret|key)=)[^&\s]+", r"\1***", uri)
+    uri = re.sub(r"(?i)((?:token|password|secret|key)=)[^&\s]+", r"\1***", uri)
+    # every query parameter the refusal counts as a secret (passwd=, credential=, ...), so its message shows none
+    return _QUERY_PARAM.sub(lambda m: m.group(0)[:1] + f"{m.group(1)}=***" if m.group(2) and secret_name(m.group(1))
+                            else m.group(0), uri)
 
 
 def secret_name(name: str) -> bool:
