@@ -74,6 +74,7 @@ def test_overrides_are_typed_by_field():
     ("tune.search=bayes", "tune.search"),
     ("train.eval_blocks=-1", "train.eval_blocks"),
     ("train.profile_steps=-1", "train.profile_steps"),
+    ("train.preempt_grace_s=0", "train.preempt_grace_s"),
 ])
 def test_bad_values_name_the_key(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):

@@ -464,17 +464,18 @@ def test_a_killed_worker_then_a_hung_one_and_the_run_recovers_exactly(clean_run,
             clean_s=round(clean_s, 1), faulty_run_s=round(faulty_s, 1))
 
 
-def sigterm_rank1_at_the_pause(hold: Path, out: dict) -> None:
-    """Once both workers paused (RAYTRAIN_SCU_PAUSE_AT_STEP): SIGTERM rank 1's process, then let both go on. The
-    worker's main thread runs its handler at its next task (the controller polls every scaling.poll_interval_s), so
-    ``go`` waits 1 s: the notice is in before the next step's all-reduce reads it."""
+def sigterm_rank1_at_the_pause(hold: Path, ray_logs: Path, out: dict) -> None:
+    """Once both workers paused (RAYTRAIN_SCU_PAUSE_AT_STEP): SIGTERM rank 1's process and, once its log says it
+    took the signal for a preemption notice (the worker's main thread runs the handler at its next task: the
+    controller's poll), let both go on, so the next step's all-reduce reads the notice."""
     import psutil
 
     try:
         pids = wait_for(lambda: held_pids(hold, 2, "paused"), 300, "both workers to pause")
         out.update(pid=pids[1], cmdline=" ".join(psutil.Process(pids[1]).cmdline()))
         os.kill(pids[1], signal.SIGTERM)
-        time.sleep(1.0)
+        wait_for(lambda: any("rank 1 got SIGTERM" in f.read_text(errors="replace")
+                             for f in ray_logs.glob(f"worker-*-{pids[1]}.err")), 60, "rank 1 to take the notice")
         (hold / "go").touch()
     except Exception as e:  # noqa: BLE001 - reported by the test body
         out["error"] = repr(e)
@@ -498,6 +499,7 @@ def test_sigterm_to_the_driver_then_to_a_worker_checkpoints_the_step_in_flight_a
     import psutil
 
     from raytrain_scu.driver.run import run
+    from raytrain_scu.ray.launch import logs_dir
 
     clean, _ = clean_run
     rng = random.Random(PREEMPT_SEED)
@@ -533,7 +535,7 @@ def test_sigterm_to_the_driver_then_to_a_worker_checkpoints_the_step_in_flight_a
     monkeypatch.setenv("RAYTRAIN_SCU_PAUSE_AT_STEP", str(k2))
     monkeypatch.setenv("RAYTRAIN_SCU_HOLD_DIR", str(hold2))
     term = {}
-    threading.Thread(target=sigterm_rank1_at_the_pause, args=(hold2, term), daemon=True).start()
+    threading.Thread(target=sigterm_rank1_at_the_pause, args=(hold2, logs_dir(), term), daemon=True).start()
     t1 = time.time()
     summary = run(tiny_cfg(tmp_path, "pre", "tracking.enabled=false", *FAULT_RUN), quiet=True)
     second_s = time.time() - t1
@@ -554,6 +556,42 @@ def test_sigterm_to_the_driver_then_to_a_worker_checkpoints_the_step_in_flight_a
     assert controller_state(ends[0]) == controller_state(ends[1])
     figures(test="preempt", k1=k1, k2=k2, resumed_at=resumed_at, driver_exit_after_sigterm_s=round(exit_s, 1),
             first_run_s=round(first_s, 1), second_run_s=round(second_s, 1))
+
+
+def test_the_drivers_sigterm_writes_stop_and_past_the_grace_or_again_it_exits_without_waiting(tmp_path, capsys):
+    """The driver's SIGTERM (ray.stops.Stops, no Ray): the first writes the STOP flag the workers read and says so;
+    once fit() returns short of max_steps it is a Preempted with the last report's checkpoint; past
+    train.preempt_grace_s, or at a second SIGTERM, it is a Preempted without one at once. Remote storage has no flag:
+    the first one is."""
+    from raytrain_scu.console import Progress
+    from raytrain_scu.errors import Preempted
+    from raytrain_scu.ray.stops import Stops
+
+    last = {"step": 15, "checkpoint": True}
+    cfg = tiny_cfg(tmp_path, "stops", "train.preempt_grace_s=0.2")
+    flag = tmp_path / "stops" / "STOP"
+    with Stops(cfg, Progress(), last) as stops:
+        stops.handle(signal.SIGTERM, None)
+        assert flag.read_text() == "stop\n"
+        assert "SIGTERM: stopping after this step and writing its checkpoint, then exiting 143 (within " \
+            "train.preempt_grace_s=0.2 s)" in capsys.readouterr().out
+        stops.check()  # within the grace: the workers are checkpointing
+        with pytest.raises(Preempted) as after:
+            stops.raise_after(cfg.train.max_steps)
+        assert (after.value.step, after.value.checkpointed) == (15, True)
+        time.sleep(0.3)
+        with pytest.raises(Preempted) as late:
+            stops.check()
+        assert late.value.checkpointed is False
+        with pytest.raises(Preempted) as again:
+            stops.handle(signal.SIGTERM, None)
+        assert again.value.checkpointed is False
+    assert not flag.exists()  # a leftover would stop the next run at its first step
+    last["step"] = cfg.train.max_steps
+    stops.raise_after(cfg.train.max_steps)  # the run finished before it stopped: nothing to raise
+    remote = tiny_cfg("s3://bucket/runs?endpoint_override=http://127.0.0.1:1", "stops", "tracking.enabled=false")
+    with Stops(remote, Progress(), last) as stops, pytest.raises(Preempted):
+        stops.handle(signal.SIGTERM, None)
 
 
 class FakeHeartbeats:
