@@ -3,7 +3,9 @@ skipped and bounded, secrets kept out of logs and dumps, old checkpoints removed
 
 Unit tests need no Ray. The integration tests (marked slow, run by `make test`) train the tiny model on CPU workers;
 the fault tests hold the workers at a known step (RAYTRAIN_SCU_HOLD_AT_STEP) and kill them from outside.
-Run as a script, ``python tests/test_reliability.py two-node STORAGE`` is the two-node scenario (own Ray cluster).
+Run as a script, ``python tests/test_reliability.py two-node STORAGE`` is the two-node scenario (own Ray cluster), and
+``drain STORAGE STEP`` a worker node drained for preemption (own Ray cluster; its test runs with
+RAYTRAIN_SCU_DRAIN_TEST=1).
 """
 import contextlib
 import json
@@ -1352,9 +1354,109 @@ def test_two_node_cluster_survives_losing_a_node(tmp_path):
         "cluster_start_s", "restarted_s", "recovered_s", "total_s")})
 
 
+def drain_scenario(storage: str, at: int) -> dict:
+    """The spot-cluster path for real: two Ray nodes on this machine, one training worker on each (STRICT_SPREAD),
+    Ray Train's preemption watcher on (polling every 0.5 s), FAULT_RUN with run.max_failures=0, so that only Ray's
+    preemption budget can restart it. Both workers pause after step ``at``; a replacement node is added and the worker
+    node is drained as a spot reclaim is (``GcsClient.drain_node``, reason PREEMPTION, 60 s deadline: what
+    ``ray start`` does on SIGTERM and autoscaler v2 on a reclaim); once both workers logged Ray's notice they go on.
+    Prints and returns what happened."""
+    import ray
+    from ray.cluster_utils import Cluster
+    from ray.core.generated import autoscaler_pb2
+
+    from raytrain_scu.driver.run import run
+
+    hold = Path(storage) / "hold"
+    os.environ.update(RAYTRAIN_SCU_PAUSE_AT_STEP=str(at), RAYTRAIN_SCU_HOLD_DIR=str(hold),
+                      RAY_TRAIN_ENABLE_PREEMPTION_WATCHER="1", RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S="0.5")
+    t0 = time.time()
+    health = {"health_check_period_ms": 1000, "health_check_failure_threshold": 3}
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "dashboard_port": free_port(),
+                                                            "_system_config": health})
+    worker_node = cluster.add_node(num_cpus=2)
+    ray.init(address=cluster.address, log_to_driver=False)
+    logs = Path(ray._private.worker._global_node.get_logs_dir_path())  # every node's, on this machine
+    out = {"worker_node": worker_node.node_id, "cluster_start_s": round(time.time() - t0, 1)}
+
+    def train():
+        try:
+            cfg = tiny_cfg(storage, "drain", "tracking.enabled=false", *FAULT_RUN,
+                           "scaling.placement_strategy=STRICT_SPREAD", "run.max_failures=0")
+            out["summary"] = run(cfg, quiet=True)
+        except Exception as e:  # noqa: BLE001 - reported in the output
+            out["error"] = repr(e)
+
+    def told() -> int:
+        return sum("received preemption signal" in f.read_text(errors="replace") for f in logs.glob("worker-*.err"))
+
+    trainer = threading.Thread(target=train, daemon=True)
+    trainer.start()
+    try:
+        wait_for(lambda: held_pids(hold, 2, "paused"), 300, f"both workers to pause after step {at}")
+        out["replacement"] = cluster.add_node(num_cpus=2).node_id
+        t_drain = time.time()
+        reason = autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION")
+        out["drain_accepted"], _ = ray._raylet.GcsClient(address=cluster.address).drain_node(
+            worker_node.node_id, reason, "spot reclaim", int((t_drain + 60) * 1000))
+        wait_for(lambda: told() >= 2, 60, "Ray's preemption notice on both workers")
+        out["notice_s"] = round(time.time() - t_drain, 1)
+        (hold / "go").touch()
+        trainer.join(timeout=300)
+        out["recovered_s"] = round(time.time() - t_drain, 1)
+    except Exception as e:  # noqa: BLE001
+        out["error"] = repr(e)
+    if trainer.is_alive():
+        out.setdefault("error", "training did not finish")
+    run_dir = Path(storage) / "drain"
+    said = "".join(f.read_text(errors="replace") for f in (run_dir / "logs").glob("*.err"))
+    out.update(summary=out.get("summary"), checkpoints=[d.name for d in checkpoint_dirs(run_dir)],
+               resumed_at=ckpt.read_meta(checkpoint_dirs(run_dir)[-1]).get("resumed_at"),
+               preemption_restart="Source: preemption" in said and "ray.train.PreemptionError" in said,
+               total_s=round(time.time() - t0, 1))
+    print("DRAIN " + json.dumps(out, default=str), flush=True)
+    os._exit(1 if "error" in out else 0)  # a stuck trainer thread must not keep the process alive
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("RAYTRAIN_SCU_DRAIN_TEST") != "1",
+                    reason="a two-node Ray cluster of its own (~45 s): RAYTRAIN_SCU_DRAIN_TEST=1 runs it")
+def test_a_drained_node_checkpoints_the_step_in_flight_and_ray_restarts_the_group(clean_run, tmp_path):
+    """Ray's own preemption path (docs/reliability.md, Preemption): a worker node drained for preemption at a step
+    drawn with the kept seed; both ranks checkpoint the step in flight, Ray Train restarts the group on the other
+    nodes as a preemption (run.max_failures=0: no failure retry could have), the run resumes at that step and ends
+    with the clean run's adapter and controller state, bit for bit."""
+    import random
+    import tempfile
+
+    clean, _ = clean_run
+    at = random.Random(PREEMPT_SEED).choice([k for k in range(11, 20) if k % 5])
+    ray_tmp = tempfile.mkdtemp(prefix="rtd", dir="/tmp")  # short: Ray's socket paths live under it
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_TMPDIR": ray_tmp}
+    env.pop("RAY_ADDRESS", None)
+    try:
+        r = subprocess.run([sys.executable, __file__, "drain", str(tmp_path), str(at)], capture_output=True,
+                           text=True, cwd=ROOT, env=env, timeout=600)
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    lines = [line for line in r.stdout.splitlines() if line.startswith("DRAIN ")]
+    assert lines, r.stdout[-3000:] + r.stderr[-5000:]
+    out = json.loads(lines[-1][len("DRAIN "):])
+    assert "error" not in out and r.returncode == 0 and out["drain_accepted"], json.dumps(out) + r.stderr[-3000:]
+    assert out["summary"]["steps"] == 30 and out["preemption_restart"], out
+    assert out["checkpoints"][-1] == "checkpoint_00000030" and out["resumed_at"] == [at + 1], out
+    assert max_abs_diff(adapter(clean["adapter"]), adapter(out["summary"]["adapter"])) == 0.0
+    ends = [checkpoint_dirs(s["run_dir"])[-1] for s in (clean, out["summary"])]
+    assert controller_state(ends[0]) == controller_state(ends[1])
+    figures(test="drain", at=at, resumed_at=out["resumed_at"], **{k: out[k] for k in (
+        "cluster_start_s", "notice_s", "recovered_s", "total_s")})
+
+
 if __name__ == "__main__":
     if sys.argv[1:2] == ["two-node"]:
         two_node_scenario(sys.argv[2])
+    if sys.argv[1:2] == ["drain"]:
+        drain_scenario(sys.argv[2], int(sys.argv[3]))
 
 
 def test_resume_considers_every_checkpoint_on_disk_newest_first(tmp_path):
