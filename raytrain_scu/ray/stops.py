@@ -45,6 +45,7 @@ class Stops:
             self.flag.unlink(missing_ok=True)
 
     def handle(self, signum, frame) -> None:
+        """The signal handler: the first of a kind writes the stop flag and says so; the same one again raises."""
         self.got.setdefault(signum, []).append(time.monotonic())
         if len(self.got[signum]) > 1 or self.flag is None:
             raise (Preempted if signum == signal.SIGTERM else Interrupted)(self.last["step"], checkpointed=False)
@@ -54,6 +55,7 @@ class Stops:
         print("[raytrain_scu] " + STOP_SAYS[signum].format(grace=self.grace_s), flush=True)
 
     def check(self) -> None:
+        """While fit() runs: past train.preempt_grace_s since SIGTERM, the run is given up for preempted."""
         told = self.got.get(signal.SIGTERM)
         if told and time.monotonic() - told[0] > self.grace_s:
             raise Preempted(self.last["step"], checkpointed=False)
