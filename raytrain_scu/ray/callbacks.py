@@ -95,11 +95,11 @@ class PreemptOnSigterm(WorkerCallback):
     (``mark_preempt``), with a deadline ``grace_s`` (train.preempt_grace_s) ahead. The loop then checkpoints the step
     in flight on every rank and Ray Train restarts the group from that checkpoint
     (``ray.hooks.RayHooks.await_restart``), counted against ``FailureConfig.max_preemption_failures``, not
-    ``run.max_failures``. Otherwise (a notice is in already, or no loop runs: the group's teardown) Ray's own handler
-    ends the process at once, as without this."""
+    ``run.max_failures``. Otherwise (a notice is in already, no loop runs, or Ray Train is shutting the worker down:
+    the group's teardown) Ray's own handler ends the process at once, as without this."""
 
     def __init__(self, grace_s: float):
-        self.grace_s = grace_s
+        self.grace_s, self.shutting_down = grace_s, False
 
     def after_init_train_context(self):
         # a task of the worker actor, so its main thread: the only one that may set a signal handler
@@ -113,7 +113,7 @@ class PreemptOnSigterm(WorkerCallback):
         loop = context.execution_context.training_thread_runner
 
         def on_sigterm(signum, frame):
-            if context.preemption_context.preemption_info is not None or not loop.is_running():
+            if self.shutting_down or context.preemption_context.preemption_info is not None or not loop.is_running():
                 signal.signal(signal.SIGTERM, previous)
                 signal.raise_signal(signal.SIGTERM)
                 return
@@ -123,3 +123,7 @@ class PreemptOnSigterm(WorkerCallback):
                            f"train.preempt_grace_s={self.grace_s:g} s, then Ray Train restarts the worker group")
 
         signal.signal(signal.SIGTERM, on_sigterm)
+
+    def before_worker_shutdown(self):
+        # Ray Train stops this worker (the run's end, a restart): a SIGTERM from here on is its teardown's
+        self.shutting_down = True
