@@ -61,15 +61,16 @@ def _chunk_ce_fused(z, y, bias, scale: float, softcap: float, need_grad: bool, f
     return nats, quantize_rows(grad) if fp8_grad else grad.to(z.dtype)
 
 
-# built on first use: compiling costs seconds, once per chunk shape (the last chunk of a batch may differ)
-_chunk_ce_compiled = None
+# built on first use (compiling costs seconds): {False: every full chunk, one static graph; True: a batch's last,
+# shorter chunk, one graph for any length, since padded micro-batches (data.packing=false) end in a new length nearly
+# every step and static graphs would recompile until torch's recompile limit}
+_chunk_ce_compiled: dict = {}
 
 
-def _compiled_chunk_ce():
-    global _chunk_ce_compiled
-    if _chunk_ce_compiled is None:
-        _chunk_ce_compiled = torch.compile(_chunk_ce_fused, dynamic=False)
-    return _chunk_ce_compiled
+def _compiled_chunk_ce(dynamic: bool = False):
+    if dynamic not in _chunk_ce_compiled:
+        _chunk_ce_compiled[dynamic] = torch.compile(_chunk_ce_fused, dynamic=dynamic)
+    return _chunk_ce_compiled[dynamic]
 
 
 def _slice_stats(z, bias, yi, scale: float, softcap: float):
@@ -180,8 +181,8 @@ class _ChunkedLinearCE(torch.autograd.Function):
         for s in range(0, n, chunk_size):
             hc, yc = h[s:s + chunk_size], y[s:s + chunk_size]
             if compiled:
-                nats, dz = _compiled_chunk_ce()(_head(hc, weight, fp8_head), yc, bias, scale, softcap,
-                                                grad_h is not None, fp8_head is not None)
+                nats, dz = _compiled_chunk_ce(hc.shape[0] != chunk_size)(
+                    _head(hc, weight, fp8_head), yc, bias, scale, softcap, grad_h is not None, fp8_head is not None)
                 total += nats
                 if dz is not None:
                     grad_h[s:s + chunk_size] = _head_grad(dz, weight, fp8_head).to(h.dtype)

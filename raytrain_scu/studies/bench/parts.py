@@ -111,7 +111,7 @@ def _sft_trl(attention: str) -> Callable[[Ctx], dict]:
         _, examples, tok = c.sft()
         return trl_loop(preset=c.preset, examples=examples, tokenizer=tok, batch=a.batch, block=c.block,
                         steps=a.steps, warmup=a.warmup_reports * a.report_every, interval=a.report_every,
-                        compile_=c.compile, attention=attention)
+                        attention=attention)
     return run
 
 
@@ -194,7 +194,8 @@ GROUPS = {"1b": "attn,ref_eager,ref_compile_default,ref_compile,ours,ours_fp8,sc
           "unsloth": "ref_unsloth,ref_unsloth_8b,ref_unsloth_qlora_8b",
           "scale": "ray1,rayN",  # rayN: see expand_parts
           "granite": "granite_h1b,granite_h1b_eager,granite_qlora",
-          "sft": "sft_packed,sft_padded,sft_ref_padded,sft_ref_trl,sft_ref_trl_sdpa"}
+          # the ours/peer pair first: a call cut short keeps the comparison
+          "sft": "sft_packed,sft_ref_trl,sft_ref_padded,sft_ref_trl_sdpa,sft_padded"}
 
 
 # profile_<part>: that part under train.profile_steps; idle_<part>: the same with train.profile_host=false (the device

@@ -12,7 +12,7 @@ other peers (:mod:`.reference`):
   ``block`` tokens, flattened into one sequence with its position ids), the loss on completions only, the examples
   given tokenised (``input_ids`` and ``completion_mask``). Without flash-attn on the machine, transformers finds the
   examples from the position ids and masks attention between them (``attention`` names the implementation:
-  ``flex_attention`` or ``sdpa``).
+  ``flex_attention`` or ``sdpa``); TRL's loss is its own fused LM head (Triton kernels, CUDA only); uncompiled.
 
 Every part reports the tokens it processed a second (prompts and answers, never padding) and its target (answer)
 tokens a second, medians over intervals of ``interval`` steps after ``warmup`` steps, synchronised at their ends."""
@@ -126,7 +126,10 @@ def padded_loop(*, preset: str, examples, batch: int, block: int, steps: int, wa
 
 
 def trl_loop(*, preset: str, examples, tokenizer, batch: int, block: int, steps: int, warmup: int, interval: int,
-             compile_: bool, attention: str) -> dict:
+             attention: str) -> dict:
+    """TRL's trainer as its users run it, uncompiled: with ``torch_compile=True`` Inductor fails to compile TRL's own
+    Triton kernel of the fused LM head (``_forward_kernel``; torch 2.11, trl 1.15 on an H200:
+    docs/bench/h200_2026-12-02_sft_trl_compiled_1b.json)."""
     if not torch.cuda.is_available():
         raise PartSkipped("CUDA only: TRL's SFTTrainer computes its loss with Triton kernels, and FlexAttention has no "
                           "backward on the CPU")
@@ -164,7 +167,7 @@ def trl_loop(*, preset: str, examples, tokenizer, batch: int, block: int, steps:
                         optim="adamw_torch_fused" if dev.type == "cuda" else "adamw_torch", bf16=dev.type == "cuda",
                         gradient_checkpointing=False, packing=True, packing_strategy="bfd", padding_free=True,
                         max_length=block, completion_only_loss=True, logging_strategy="no", save_strategy="no",
-                        eval_strategy="no", report_to="none", torch_compile=compile_, seed=0, disable_tqdm=True,
+                        eval_strategy="no", report_to="none", torch_compile=False, seed=0, disable_tqdm=True,
                         dataloader_pin_memory=dev.type == "cuda", use_cpu=dev.type != "cuda")
         trainer = Counted(model=model, args=cfg, train_dataset=data, processing_class=tokenizer, callbacks=[Clock()])
         reset_mem()
@@ -174,8 +177,8 @@ def trl_loop(*, preset: str, examples, tokenizer, batch: int, block: int, steps:
     proof = proof_of_training(bpt_before, _bpt(model, fixed[0], fixed[1], dev, dtype), lora_b_norm(model).item())
     import trl
 
-    out = _result(tok, tgt, counts, proof, batch=f"{batch} x {block}", attention=attention,
-                  compile_scope="model (Trainer torch_compile)" if compile_ else "none", trl=trl.__version__)
+    out = _result(tok, tgt, counts, proof, batch=f"{batch} x {block}", attention=attention, compile_scope="none",
+                  trl=trl.__version__)
     del trainer, model
     free()
     return out
