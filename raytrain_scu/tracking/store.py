@@ -27,6 +27,7 @@ from typing import Optional
 from raytrain_scu.config.io import redact_uri
 from raytrain_scu.config.paths import RunPaths, storage_dir
 from raytrain_scu.config.schema import Config
+from raytrain_scu.core.crashpoints import crash_point
 
 RUN_KEY_TAG = "raytrain_scu.run_key"
 PARENT_TAG = "mlflow.parentRunId"
@@ -127,6 +128,7 @@ def open_run(cfg: Config, parent_run_id: Optional[str] = None) -> str:
     :func:`end_run` (the driver, the sweep; rank 0's tracker only when nobody else could open it); the workers only
     log into it. Raises on an unreachable store."""
     run_id = _find_or_create_run(cfg, parent_run_id)
+    crash_point("mlflow.run_created")
     client_for(tracking_uri(cfg)).set_terminated(run_id, status="RUNNING")
     return run_id
 
@@ -164,6 +166,7 @@ def log_params_once(client, run_id: str, params: dict) -> None:
     existing = client.get_run(run_id).data.params
     new = [Param(k, param_text(v)) for k, v in params.items() if k not in existing]
     for i in range(0, len(new), 100):
+        crash_point("mlflow.params")
         client.log_batch(run_id, params=new[i:i + 100])
 
 

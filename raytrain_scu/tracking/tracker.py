@@ -12,6 +12,7 @@ from typing import Optional
 from raytrain_scu.config.io import flatten, redact_uri, to_yaml
 from raytrain_scu.config.paths import RunPaths
 from raytrain_scu.config.schema import Config, global_batch_tokens
+from raytrain_scu.core.crashpoints import crash_point
 from raytrain_scu.plots import plot_history
 from raytrain_scu.tracking.spool import SEND_BATCH, MetricSpool
 from raytrain_scu.tracking.store import client_for, log_params_once, open_run, tracking_uri
@@ -89,6 +90,7 @@ class MlflowTracker(NullTracker):
         if self.client is not None and self.run_id is not None:
             return True
         try:
+            crash_point("mlflow.connect")
             self.client = client_for(self.uri)
             if self.run_id is None:
                 self.run_id, self.owns_run = open_run(self.cfg, self.parent_run_id), True
@@ -169,7 +171,9 @@ class MlflowTracker(NullTracker):
         self._log_params()
         try:
             for offset, batch in self.spool.batches():
+                crash_point("mlflow.log_batch")
                 self.client.log_batch(self.run_id, metrics=batch)
+                crash_point("mlflow.logged")  # the store has the batch, the spool does not know yet
                 self.spool.mark_sent(offset, len(batch))
             while self.pending:  # newer than the spool's, held in memory: they go straight to the store
                 batch = self.pending[:SEND_BATCH]
@@ -193,6 +197,7 @@ class MlflowTracker(NullTracker):
             try:
                 self._log_artifacts(history, model)
                 if self.owns_run:
+                    crash_point("mlflow.terminate")
                     self.client.set_terminated(self.run_id, status=status)
             except Exception as e:  # noqa: BLE001
                 self._warn("log artifacts", e)
@@ -213,10 +218,12 @@ class MlflowTracker(NullTracker):
             t = Path(tmp)
             (t / "config.yaml").write_text(to_yaml(self.cfg, redact=True))
             (t / "scu_history.json").write_text(json.dumps(history))
+            crash_point("mlflow.artifact")
             self.client.log_artifact(self.run_id, str(t / "config.yaml"))
             self.client.log_artifact(self.run_id, str(t / "scu_history.json"))
             plots = t / "plots"
             plot_history(history, plots, target_s=self.cfg.controller.target_s, title=self.cfg.run.name)
+            crash_point("mlflow.artifact")
             self.client.log_artifacts(self.run_id, str(plots), artifact_path="plots")
             # the last step's adapter: "adapter" under primary_adapter=last (output/adapter is the last step's then);
             # else "adapter_last", and the driver logs output/adapter as "adapter" (the best checkpoint's, or with
@@ -224,6 +231,7 @@ class MlflowTracker(NullTracker):
             if model is not None:
                 name = "adapter" if self.cfg.run.primary_adapter == "last" else "adapter_last"
                 model.save_pretrained(str(t / name), safe_serialization=True)
+                crash_point("mlflow.artifact")
                 self.client.log_artifacts(self.run_id, str(t / name), artifact_path=name)
 
 
