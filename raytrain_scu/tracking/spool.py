@@ -2,10 +2,14 @@
 rank 0, loses none and records none twice.
 
 ``<run dir>/mlflow_buffer.jsonl`` holds the points, one JSON line each, with their step and the time they were
-logged; ``mlflow_buffer.json`` beside it holds the byte offset up to which the store has them (``sent``), the highest
-step ever appended (``through``) and how many were dropped. Points are appended at each report and sent from
-``sent`` on; the offset moves after each batch the store accepted. Two properties make it exactly once:
+logged; ``mlflow_buffer.json`` beside it holds the byte offset up to which the store has them (``sent``), the length
+of the appends made whole (``end``), the highest step they hold (``through``) and how many were dropped. Points are
+appended at each report and sent from ``sent`` on; the offset moves after each batch the store accepted. Three
+properties make it exactly once:
 
+- an append counts once the state that says so is saved: opening the spool cuts the file back to ``end``, so an
+  append the process died in (some lines of a report, or all of them without the state) goes whole, and its steps,
+  above ``through``, are logged again when they are redone;
 - a batch sent but not yet marked (a crash in between) is sent again after a restart, with the same keys, steps,
   values and timestamps, which MLflow's SQL store keeps once (a metric's key, step, timestamp and value are its
   primary key);
@@ -22,6 +26,8 @@ import os
 from pathlib import Path
 from typing import Iterator
 
+from raytrain_scu.core.crashpoints import crash_point
+
 SEND_BATCH = 1000  # metric points per MLflow log_batch call: its limit
 
 class MetricSpool:
@@ -31,46 +37,60 @@ class MetricSpool:
         self.path, self.state_path, self.max_points = path, path.with_suffix(".json"), max_points
         state = self._load_state()
         self.sent, self.through, self.dropped = state["sent"], state["through"], state["dropped"]
-        self._trim_torn_tail()
+        self.end = self._cut_back(state["end"])
         self.waiting = sum(1 for _ in self._lines()) if self.path.exists() else 0
 
-    def _trim_torn_tail(self) -> None:
-        """Cut a last line written half (the process died, or the disk filled, mid-append) off the file, so the next
-        append starts a line of its own."""
+    def _cut_back(self, end) -> int:
+        """Cut the file back to ``end``, the appends made whole, and return its length: what follows is an append the
+        process died in. With ``end`` None, every whole line stays and a line written half goes."""
         if not self.path.exists():
-            return
+            return 0
         data = self.path.read_bytes()
-        if data and not data.endswith(b"\n"):
-            os.truncate(self.path, data.rfind(b"\n") + 1)
+        whole = data.rfind(b"\n") + 1
+        keep = whole if end is None else min(end, whole)
+        if keep < len(data):
+            os.truncate(self.path, keep)
+        return keep
 
     def _load_state(self) -> dict:
+        """The saved state; with none saved, no append counts yet (``end`` 0). A state that cannot be read, or one
+        without ``end``, has ``end`` None: every whole line stays (a point sent again is kept once by the store)."""
         default = {"sent": 0, "through": -1, "dropped": 0}
+        if not self.state_path.exists():
+            return {**default, "end": 0}
         try:
-            return {**default, **json.loads(self.state_path.read_text())}
+            return {**default, "end": None, **json.loads(self.state_path.read_text())}
         except (OSError, ValueError):
-            return default
+            return {**default, "end": None}
 
     def _save_state(self) -> None:
         tmp = self.state_path.with_name(self.state_path.name + ".tmp")
-        tmp.write_text(json.dumps({"sent": self.sent, "through": self.through, "dropped": self.dropped}))
+        tmp.write_text(json.dumps({"sent": self.sent, "through": self.through, "dropped": self.dropped,
+                                   "end": self.end}))
+        crash_point("spool.state")
         os.replace(tmp, self.state_path)
 
     def append(self, points: list) -> None:
-        """Put ``points`` on disk (synced), then drop the oldest waiting ones past ``max_points``."""
+        """Put ``points`` on disk (synced), drop the oldest waiting ones past ``max_points``, then save the state that
+        makes the append count."""
         if not points:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        size = self.path.stat().st_size if self.path.exists() else 0
+        size = self.end
+        crash_point("spool.append")
         try:
-            with open(self.path, "a") as f:
-                for m in points:
-                    f.write(json.dumps({"k": m.key, "v": m.value, "t": m.timestamp, "s": m.step}) + "\n")
-                f.flush()
+            with open(self.path, "ab") as f:
+                for m in points:  # a line at a time: what a crash inside the append leaves is whole lines
+                    f.write(json.dumps({"k": m.key, "v": m.value, "t": m.timestamp, "s": m.step}).encode() + b"\n")
+                    f.flush()
+                    crash_point("spool.line")
                 os.fsync(f.fileno())
+                end = f.tell()
         except OSError:
             with contextlib.suppress(OSError):  # whole lines only: a part written before the error goes
                 os.truncate(self.path, size)
             raise
+        self.end = end
         self.waiting += len(points)
         self.through = max(self.through, max(m.step for m in points))
         if self.waiting > self.max_points:
@@ -114,8 +134,9 @@ class MetricSpool:
         (the state first: a crash between the two only resends what the store keeps once)."""
         self.sent, self.waiting = offset, self.waiting - n
         if self.waiting == 0:
-            self.sent = 0
+            self.sent = self.end = 0
             self._save_state()
+            crash_point("spool.reset")
             self.path.write_bytes(b"")
             return
         self._save_state()
