@@ -33,6 +33,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
+from raytrain_scu.core.crashpoints import crash_point
 from raytrain_scu.core.dist import all_gather_object, broadcast_object, rank
 from raytrain_scu.errors import CheckpointError, DiskFullError
 
@@ -123,20 +124,27 @@ def _sync_tree(root: Path, fsync: Callable[[int], None]) -> None:
                 fsync(fd)
             finally:
                 os.close(fd)
+            crash_point("checkpoint.fsync")
 
 
 def _write_files(tmp: Path, *, model, optimizer, scaler, controller_state: dict, meta: dict, config_yaml: str,
                  history: list, rng_states: Optional[list]) -> None:
     tmp.mkdir(parents=True)
     model.save_pretrained(str(tmp / "adapter"), safe_serialization=True)
+    crash_point("checkpoint.adapter")
     torch.save({"optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(), "history": history,
                 "rng": rng_states if rng_states is not None else [rng_state()]}, tmp / "state.pt")
+    crash_point("checkpoint.state")
     (tmp / "controller.json").write_text(json.dumps(controller_state, indent=1))
+    crash_point("checkpoint.controller")
     (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+    crash_point("checkpoint.meta")
     (tmp / "config.yaml").write_text(config_yaml)
+    crash_point("checkpoint.config")
     files = sorted(p for p in tmp.rglob("*") if p.is_file())
     manifest = {str(p.relative_to(tmp)): {"sha256": _sha256(p), "size": p.stat().st_size} for p in files}
     (tmp / MANIFEST).write_text(json.dumps({"step": meta["step"], "files": manifest}, indent=1))
+    crash_point("checkpoint.manifest")
 
 
 def write_checkpoint(out_dir: str | Path, *, model, optimizer, scaler, controller_state: dict, step: int,
@@ -150,6 +158,7 @@ def write_checkpoint(out_dir: str | Path, *, model, optimizer, scaler, controlle
     removes ``out_dir.partial``; a full disk raises :class:`DiskFullError`."""
     out = Path(out_dir)
     tmp = out.with_name(out.name + ".partial")
+    crash_point("checkpoint.begin")
     shutil.rmtree(tmp, ignore_errors=True)
     meta = {"step": step, "position": position, "structure": structure, "tokens_per_epoch": tokens_per_epoch,
             **(extra or {})}
@@ -164,6 +173,7 @@ def write_checkpoint(out_dir: str | Path, *, model, optimizer, scaler, controlle
         raise
     shutil.rmtree(out, ignore_errors=True)
     os.rename(tmp, out)
+    crash_point("checkpoint.renamed")
     return out
 
 
@@ -190,6 +200,19 @@ def verify(ckpt_dir: str | Path) -> Optional[str]:
         if _sha256(p) != sha256:
             return f"{rel} checksum mismatch (corrupt)"
     return None
+
+
+def incomplete_copy(ckpt_dir: str | Path) -> bool:
+    """Whether a checkpoint that does not verify is a copy cut short: no manifest yet, one copied half, or a file it
+    lists missing or shorter than it says. A crash while a checkpoint is copied into the run directory (Ray copies file
+    by file) leaves one; a corrupt checkpoint (a wrong checksum or size) was whole once."""
+    d = Path(ckpt_dir)
+    try:
+        files = json.loads((d / MANIFEST).read_text())["files"]
+        return any(not (d / rel).is_file() or (d / rel).stat().st_size < int(want["size"])
+                   for rel, want in files.items())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return True
 
 
 def read_meta(ckpt_dir: str | Path) -> dict:
@@ -262,21 +285,24 @@ def check_tokens_per_epoch(meta: dict, *, measured: int, override: int) -> Optio
     return None
 
 
-def _newest_good(dirs, where: str) -> tuple[Optional[tuple[str, Path]], list[str]]:
+def _newest_good(dirs, where: str, *, cut_short_is_none: bool = False
+                 ) -> tuple[Optional[tuple[str, Path]], list[str]]:
     """The first ``(label, local dir)`` of ``dirs`` (newest first) that verifies, and the problems of those before it.
 
-    (None, []) when ``dirs`` is empty; CheckpointError when none verifies. ``dirs`` may be lazy: a remote checkpoint
-    is materialised only when the newer ones were bad."""
-    problems = []
+    (None, []) when ``dirs`` is empty; CheckpointError when none verifies, but (None, problems) with
+    ``cut_short_is_none`` when every one is a copy cut short (:func:`incomplete_copy`). ``dirs`` may be lazy: a
+    remote checkpoint is materialised only when the newer ones were bad."""
+    problems, cut_short = [], cut_short_is_none
     for label, local in dirs:
         why = verify(local)
         if why is None:
             return (label, local), problems
         problems.append(f"{label}: {why}")
-    if problems:
+        cut_short = cut_short and incomplete_copy(local)
+    if problems and not cut_short:
         raise CheckpointError(f"no usable checkpoint{where}: " + "; ".join(problems)
                               + ". Delete the run directory or use a new run.name to start fresh.")
-    return None, []
+    return None, problems
 
 
 def open_good_checkpoint(candidates: list[tuple[str, Callable[[], Path]]]) -> tuple[Path, list[str]]:
@@ -330,13 +356,15 @@ def open_good_checkpoint(candidates: list[tuple[str, Callable[[], Path]]]) -> tu
 def newest_good_local(run_dir: str | Path) -> tuple[Optional[Path], list[str]]:
     """The newest ``checkpoint_*`` under a local run directory that verifies, and the problems of newer ones.
 
-    (None, []) when there is no checkpoint at all; CheckpointError when there are some but none is good."""
+    (None, []) when there is no checkpoint at all; (None, problems) when every one is a copy cut short (a crash
+    while the first was copied: the run starts afresh, as Ray, which never registered it, would); CheckpointError
+    when there are some but none is good."""
     # Training writes a checkpoint under <dir>.partial in its own temp dir (loop.py: new_local_dir) and Ray copies
     # the finished one here, so a .partial here is only a direct write_checkpoint into the run directory that died
     # half-way: never a candidate.
     dirs = ((d.name, d) for d in sorted(Path(run_dir).glob("checkpoint_*"), reverse=True)
             if d.is_dir() and not d.name.endswith(".partial"))
-    good, problems = _newest_good(dirs, f" in {run_dir}")
+    good, problems = _newest_good(dirs, f" in {run_dir}", cut_short_is_none=True)
     return (good[1] if good else None), problems
 
 

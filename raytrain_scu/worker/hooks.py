@@ -17,7 +17,6 @@
 """
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 from typing import Optional
@@ -25,13 +24,20 @@ from typing import Optional
 import torch
 
 from raytrain_scu.core import checkpoint as ckpt
+from raytrain_scu.core.crashpoints import crash_point
 from raytrain_scu.worker.faults import Faults
+
+
+def _copy_file(src, dst) -> None:
+    shutil.copy2(src, dst)
+    crash_point("hooks.copy")
 
 
 class LocalHooks:
     """One process, no Ray: the same loop, for benchmarks (Ray overhead), debugging and fast tests. Reports are kept.
-    With ``run_dir``, each checkpoint is copied there as ``checkpoint_<step>`` (as Ray Train would) and a new loop
-    resumes from the newest good one; without, there is no checkpoint to resume from."""
+    With ``run_dir``, each checkpoint is copied there as ``checkpoint_<step>``, file by file into its final name as
+    Ray Train copies it (so a copy cut short is an incomplete checkpoint that resuming skips), and a new loop resumes
+    from the newest good one; without, there is no checkpoint to resume from."""
 
     def __init__(self, device=None, run_dir: Optional[str | Path] = None):
         self.device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -44,8 +50,8 @@ class LocalHooks:
         return self.device
 
     def open_checkpoint(self, stack):
-        if self.run_dir is None:
-            return None
+        if self.run_dir is None or ckpt.newest_good_local(self.run_dir)[0] is None:
+            return None  # none, or only copies cut short: a fresh start, as under Ray, which registered none of them
         found = sorted((d for d in self.run_dir.glob("checkpoint_*") if d.is_dir() and not d.name.endswith(".partial")),
                        reverse=True)
         return ckpt.open_good_checkpoint([(d.name, lambda d=d: d) for d in found]) if found else None
@@ -56,12 +62,8 @@ class LocalHooks:
     def report(self, metrics: dict, checkpoint_dir, checkpoint_dir_name):
         self.reports.append(dict(metrics))
         if checkpoint_dir is not None and self.run_dir is not None:
-            dest = self.run_dir / checkpoint_dir_name
-            tmp = dest.with_name(dest.name + ".partial")
-            shutil.rmtree(tmp, ignore_errors=True)
-            shutil.copytree(checkpoint_dir, tmp)
-            shutil.rmtree(dest, ignore_errors=True)
-            os.rename(tmp, dest)
+            shutil.copytree(checkpoint_dir, self.run_dir / checkpoint_dir_name, copy_function=_copy_file,
+                            dirs_exist_ok=True)
 
     def heartbeat(self, step: Optional[int]) -> None:
         self.beats.append(step)
