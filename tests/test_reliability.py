@@ -749,11 +749,13 @@ def test_the_device_flag_skips_exactly_where_the_host_outcome_says_skipped(bad):
     host then reads: each of DataBPT (a NaN loss, or no tokens), ParamBPT and the gradient norm alone."""
     from types import SimpleNamespace
 
+    from raytrain_scu.worker.hooks import LocalHooks
     from raytrain_scu.worker.state import step_outcome
     from raytrain_scu.worker.step import _read, global_sums
 
     params = [torch.randn(3, 4), torch.zeros(4, 3)]
-    s = SimpleNamespace(stop_path=None, opt=SimpleNamespace(params=params, centers=[params[0].clone(), None]),
+    s = SimpleNamespace(stop_path=None, hooks=LocalHooks(),
+                        opt=SimpleNamespace(params=params, centers=[params[0].clone(), None]),
                         cfg=SimpleNamespace(controller=SimpleNamespace(prior_sigma=0.01)),
                         ctrl=SimpleNamespace(tokens_per_epoch=1000))
     value = {"nats": 5.0, "tokens": 10.0, "pbpt": 0.1, "grad_norm": 1.0}
