@@ -24,6 +24,7 @@ are the file's own: cluster/node.sh, which a100.yaml and h100.yaml run too. Only
 import ast
 import getpass
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -298,13 +299,17 @@ def test_local_cluster_file_runs_a_job_over_ssh():
         assert checkpoints and any(checkpoints[-1].iterdir()), sorted(p.name for p in run_dir.iterdir())
         assert (run_dir / "output" / "adapter" / "adapter_model.safetensors").is_file()
         assert (run_dir / "output" / "summary.json").is_file()
-        from mlflow.tracking import MlflowClient
-
-        mlflow = MlflowClient(tracking_uri=f"sqlite:///{storage / 'mlflow.db'}")
-        experiments = [e.experiment_id for e in mlflow.search_experiments()]
-        [record] = mlflow.search_runs(experiments, filter_string="tags.`mlflow.runName` = 'cluster'")
-        assert record.info.status == "FINISHED", record.info
-        assert record.data.metrics and record.data.params
+        # read with the head's own MLflow, as `mlflow ui` on the head would: the node's venv resolves the package's
+        # requirements when the cluster comes up, and may hold a newer MLflow (database schema) than this process
+        query = ("import json, sys; from mlflow.tracking import MlflowClient; c = MlflowClient(sys.argv[1]); "
+                 "e = [x.experiment_id for x in c.search_experiments()]; "
+                 "r = c.search_runs(e, filter_string=\"tags.`mlflow.runName` = 'cluster'\"); "
+                 "print(json.dumps([[x.info.status, len(x.data.metrics), len(x.data.params)] for x in r]))")
+        got = subprocess.run([head_python, "-c", query, f"sqlite:///{storage / 'mlflow.db'}"], capture_output=True,
+                             text=True, timeout=300)
+        assert got.returncode == 0, got.stderr[-2000:]
+        [[status, n_metrics, n_params]] = json.loads(got.stdout.strip().splitlines()[-1])
+        assert status == "FINISHED" and n_metrics and n_params, got.stdout
 
         # ---- `make cluster-down`: the head's Ray goes, nothing outside the test's namespace was stopped
         assert any(" raylet:" in p for p in processes_in(ns)), processes_in(ns)  # the head ran in there

@@ -208,9 +208,10 @@ def test_compiled_fused_model_agrees_with_eager(scope):
     want = CausalLMLoss(eager)(x, y)[0]
     want.backward()
     loss_model = compile_for_training(CausalLMLoss(compiled), scope=scope)
-    loss_mod._chunk_ce_compiled = None
+    loss_mod._chunk_ce_compiled.clear()
     got = loss_model(x, y)[0]
-    assert loss_mod._chunk_ce_compiled is not None  # the loss' float32 part ran compiled too
+    # the loss' float32 part ran compiled too: a batch shorter than one chunk is a short last chunk, one dynamic graph
+    assert list(loss_mod._chunk_ce_compiled) == [True]
     got.backward()
     assert float(got) == pytest.approx(float(want), rel=1e-4)
     ref, out = adapter_grads(eager), adapter_grads(compiled)

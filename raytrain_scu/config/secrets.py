@@ -14,9 +14,10 @@ from typing import Optional
 
 from raytrain_scu.errors import ConfigError
 
-# a key's or a query parameter's name is secret when one of its words (split at _ . -) is one of these, or two
-# neighbouring words are one of the pairs
-SECRET_WORDS = frozenset({"token", "password", "passwd", "pwd", "secret", "credential", "credentials", "apikey"})
+# a key's or a query parameter's name is secret when one of its words (split at _ . -) is one of these ("key": an API
+# key given as ?key=), or two neighbouring words are one of the pairs; the one rule for refusing and for masking
+SECRET_WORDS = frozenset({"token", "password", "passwd", "pwd", "secret", "credential", "credentials", "apikey",
+                          "key"})
 SECRET_PAIRS = frozenset({"api_key", "access_key", "secret_key", "private_key", "session_token"})
 
 _USERINFO_PASSWORD = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://[^/@\s?#:]*:[^/@\s?#]+@")
@@ -38,8 +39,7 @@ def redact_uri(uri: str) -> str:
     text, a CLI argument)."""
     uri = re.sub(r"(://[^/:@\s]+):[^/@\s]+@", r"\1:***@", uri)
     uri = HF_TOKEN_PATTERN.sub("hf_***", uri)
-    uri = re.sub(r"(?i)((?:token|password|secret|key)=)[^&\s]+", r"\1***", uri)
-    # every query parameter the refusal counts as a secret (passwd=, credential=, ...), so its message shows none
+    # every query parameter the refusal counts as a secret (secret_name), so its message shows none
     return _QUERY_PARAM.sub(lambda m: m.group(0)[:1] + f"{m.group(1)}=***" if m.group(2) and secret_name(m.group(1))
                             else m.group(0), uri)
 

@@ -105,13 +105,13 @@ def _sft_padded(c: Ctx) -> dict:
                        pad_id=tok.eos_token_id or 0)
 
 
-def _sft_trl(attention: str) -> Callable[[Ctx], dict]:
+def _sft_trl(attention: str, compile_: bool = False) -> Callable[[Ctx], dict]:
     def run(c: Ctx) -> dict:
         a = c.args
         _, examples, tok = c.sft()
         return trl_loop(preset=c.preset, examples=examples, tokenizer=tok, batch=a.batch, block=c.block,
                         steps=a.steps, warmup=a.warmup_reports * a.report_every, interval=a.report_every,
-                        attention=attention)
+                        attention=attention, compile_=compile_)
     return run
 
 
@@ -149,6 +149,8 @@ PEERS_AT_EVERY_SHAPE = {
     "sft_ref_padded": Part(_sft_padded, peer=True, sft=True),
     "sft_ref_trl": Part(_sft_trl("flex_attention"), peer=True, isolated=True, sft=True),
     "sft_ref_trl_sdpa": Part(_sft_trl("sdpa"), peer=True, isolated=True, sft=True),
+    # the Trainer's torch_compile=True: Inductor fails on TRL's own LM-head kernel there (docs/benchmarks.md)
+    "sft_ref_trl_compiled": Part(_sft_trl("flex_attention", compile_=True), peer=True, isolated=True, sft=True),
 }
 PARTS: dict[str, Part] = {
     **PEERS_AT_EVERY_SHAPE,

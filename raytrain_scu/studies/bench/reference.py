@@ -68,7 +68,9 @@ def kernel_profile(step, top: int = 12) -> dict:
             "attention": "; ".join(attention) or "-"}
 
 
-def _model(preset: str, *, dev, dtype, attention: str, lora_r: int):
+def peer_model(preset: str, *, dev, dtype, attention: str, lora_r: int):
+    """A peer's model: the preset at random init (seed 0, as every peer), ``attention`` (see below), peft LoRA on the 7
+    projections."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -111,7 +113,7 @@ def reference_loop(*, preset: str, batch: int, block: int, steps: int, warmup: i
 def _timed(*, preset, batch, block, steps, warmup, interval, blocks, compile_scope, attention, lora_r) -> dict:
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    model = _model(preset, dev=dev, dtype=dtype, attention=attention, lora_r=lora_r)
+    model = peer_model(preset, dev=dev, dtype=dtype, attention=attention, lora_r=lora_r)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=dev.type == "cuda")
     step_fn = _compiled(model, compile_scope if dev.type == "cuda" else "none")
     batches = pinned_batches(blocks, batch, block, warmup + steps)

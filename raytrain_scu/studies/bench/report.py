@@ -20,12 +20,17 @@ def ratio(res: dict, a: str, b: str, key: str = "tokens_per_s") -> float:
     return pa[key] / pb[key] if key in pa and key in pb and pb[key] else float("nan")
 
 
+def peers(res: dict, shape: str, sft: bool = False) -> list[str]:
+    """The peer parts of ``res`` at ``shape``: the text bench's, or with ``sft`` the SFT group's."""
+    return [n for n, r in res["parts"].items()
+            if n in PARTS and PARTS[n].peer and PARTS[n].sft == sft and r.get("shape_name") == shape]
+
+
 def best_peer(res: dict, shape: str, key: str = "tokens_per_s", batch=None) -> tuple[str, float]:
     """(part, value) of the best peer at ``shape``: the highest ``key`` (tokens/s), or the lowest peak memory when
     ``key`` is peak_mem_gib (only peers at device batch ``batch``). ("", nan) when no peer ran."""
-    got = [(r[key], name) for name, r in res["parts"].items()
-           if name in PARTS and PARTS[name].peer and not PARTS[name].sft and key in r and r.get("shape_name") == shape
-           and (batch is None or r.get("batch") == batch)]
+    got = [(res["parts"][n][key], n) for n in peers(res, shape)
+           if key in res["parts"][n] and (batch is None or res["parts"][n].get("batch") == batch)]
     if not got:
         return "", float("nan")
     value, name = (min if key == "peak_mem_gib" else max)(got)
@@ -102,9 +107,7 @@ def _vs_peer(res: dict, label: str, ours: str, shape: str, bound: float, mfu_bou
     target = f">= {bound:g}x best peer" + (f", MFU >= {100 * mfu_bound:g}%" if mfu_bound else "")
     if "tokens_per_s" not in r or not peer or not v:
         # the peers that ran at this shape: a peer that failed at another shape does not explain this row
-        peers = [n for n, p in res["parts"].items()
-                 if n in PARTS and PARTS[n].peer and not PARTS[n].sft and p.get("shape_name") == shape]
-        return label, "-", target, _missing(res, [ours, *peers])
+        return label, "-", target, _missing(res, [ours, *peers(res, shape)])
     x = r["tokens_per_s"] / v
     met = x >= bound and (not mfu_bound or r["mfu"] >= mfu_bound)
     mfu = f", MFU {100 * r['mfu']:.1f}%" if mfu_bound else ""
@@ -200,13 +203,11 @@ def _sft(res: dict, shape: str, bound: float = 1.5) -> tuple:
     sfx = SHAPE_SUFFIX[shape]
     label, target = f"{shape} SFT (LIMA lengths): sft_packed / best SFT peer, answer tokens/s", f">= {bound:g}x"
     key = "target_tokens_per_s"
-    peers = [(r[key], n) for n, r in res["parts"].items()
-             if n in PARTS and PARTS[n].peer and PARTS[n].sft and key in r and r.get("shape_name") == shape]
+    got = [(res["parts"][n][key], n) for n in peers(res, shape, sft=True) if key in res["parts"][n]]
     ours = res["parts"].get("sft_packed" + sfx, {})
-    if key not in ours or not peers:
-        names = [n for n in res["parts"] if n in PARTS and PARTS[n].sft and res["parts"][n].get("shape_name") == shape]
-        return label, "-", target, _missing(res, names)
-    v, peer = max(peers)
+    if key not in ours or not got:
+        return label, "-", target, _missing(res, ["sft_packed" + sfx, *peers(res, shape, sft=True)])
+    v, peer = max(got)
     x = ours[key] / v
     return label, f"{x:.3f} (sft_packed{sfx} {ours[key]:.0f} / {peer} {v:.0f})", target, \
         "met" if x >= bound else "not met"

@@ -47,14 +47,18 @@ def write_examples(path: Path, tokenizer, stream: np.ndarray, lengths: list[tupl
     them. Re-encoding decoded text gives back about as many tokens (BPE merges at the cuts may differ by one or two)."""
     pos, lines = 0, []
 
-    def text(n: int) -> str:  # the next n tokens as text, and one more at a time while that is only whitespace
+    def text(n: int) -> str:  # the next n tokens as text, and up to 64 more, one at a time, while it is only blank
         nonlocal pos
+        if n + 64 > len(stream):
+            raise ValueError(f"a token stream of {len(stream)} tokens is too short for an example of {n}")
         if pos + n + 64 > len(stream):
             pos = 0
-        out = tokenizer.decode(stream[pos:pos + n].tolist())
-        while not out.strip():
+        out, most = tokenizer.decode(stream[pos:pos + n].tolist()), n + 64
+        while not out.strip() and n < most:
             n += 1
             out = tokenizer.decode(stream[pos:pos + n].tolist())
+        if not out.strip():
+            raise ValueError(f"tokens {pos}..{pos + n} of the stream decode to blank text")
         pos += n
         return out
 

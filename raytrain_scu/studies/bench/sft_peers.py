@@ -27,18 +27,20 @@ import time
 import numpy as np
 import torch
 
+from raytrain_scu.core.data.batches import PAD_MULTIPLE
 from raytrain_scu.core.regularizer import lora_b_norm
 from raytrain_scu.studies.bench.measure import free, peak_mem, peak_reserved, proof_of_training, reset_mem, sync
-from raytrain_scu.studies.bench.reference import _model
+from raytrain_scu.studies.bench.reference import peer_model
 from raytrain_scu.studies.bench.unsloth import PartSkipped
 
 IGNORE = -100
 
 
-def padded_batches(examples, *, capacity: int, count: int, seed: int, pad_id: int, multiple: int = 64,
+def padded_batches(examples, *, capacity: int, count: int, seed: int, pad_id: int, multiple: int = PAD_MULTIPLE,
                    group: int = 512) -> list[tuple[torch.Tensor, torch.Tensor, int, int]]:
     """``count`` micro-batches (inputs, labels, tokens, targets) of ``examples`` ((ids, target) pairs), length-grouped
-    and cut to ``capacity`` token positions each; the stream starts over when it runs out."""
+    (chunks of ``group`` examples sorted longest first) and cut to ``capacity`` token positions each (an example wider
+    than the capacity alone in its micro-batch); the stream starts over when it runs out."""
     rng = np.random.default_rng(seed)
     out: list = []
     while len(out) < count:
@@ -92,7 +94,7 @@ def padded_loop(*, preset: str, examples, batch: int, block: int, steps: int, wa
                 compile_: bool, pad_id: int) -> dict:
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    model = _model(preset, dev=dev, dtype=dtype, attention="causal", lora_r=16)
+    model = peer_model(preset, dev=dev, dtype=dtype, attention="causal", lora_r=16)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=dev.type == "cuda")
     step_fn = torch.compile(model) if compile_ else model
     batches = padded_batches(examples, capacity=batch * block, count=warmup + steps, seed=0, pad_id=pad_id)
@@ -126,10 +128,10 @@ def padded_loop(*, preset: str, examples, batch: int, block: int, steps: int, wa
 
 
 def trl_loop(*, preset: str, examples, tokenizer, batch: int, block: int, steps: int, warmup: int, interval: int,
-             attention: str) -> dict:
-    """TRL's trainer as its users run it, uncompiled: with ``torch_compile=True`` Inductor fails to compile TRL's own
-    Triton kernel of the fused LM head (``_forward_kernel``; torch 2.11, trl 1.15 on an H200:
-    docs/bench/h200_2026-12-02_sft_trl_compiled_1b.json)."""
+             attention: str, compile_: bool = False) -> dict:
+    """TRL's trainer as its users run it, uncompiled; ``compile_``: the Trainer's ``torch_compile=True``, under which
+    Inductor fails to compile TRL's own Triton kernel of the fused LM head (``_forward_kernel``; torch 2.11, trl 1.15
+    on an H200: docs/bench/h200_2026-12-02_sft_trl_compiled_1b.json), kept as the part ``sft_ref_trl_compiled``."""
     if not torch.cuda.is_available():
         raise PartSkipped("CUDA only: TRL's SFTTrainer computes its loss with Triton kernels, and FlexAttention has no "
                           "backward on the CPU")
@@ -139,9 +141,8 @@ def trl_loop(*, preset: str, examples, tokenizer, batch: int, block: int, steps:
     from transformers import TrainerCallback
     from trl import SFTConfig, SFTTrainer
 
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    model = _model(preset, dev=dev, dtype=dtype, attention=attention, lora_r=16)
+    dev, dtype = torch.device("cuda"), torch.bfloat16
+    model = peer_model(preset, dev=dev, dtype=dtype, attention=attention, lora_r=16)
     data = Dataset.from_dict({"input_ids": [ids for ids, _ in examples],
                               "completion_mask": [[int(t) for t in target] for _, target in examples]})
     counts, ends = [], []
@@ -164,11 +165,11 @@ def trl_loop(*, preset: str, examples, tokenizer, batch: int, block: int, steps:
     with tempfile.TemporaryDirectory() as tmp:
         cfg = SFTConfig(output_dir=tmp, max_steps=warmup + steps, per_device_train_batch_size=batch,
                         learning_rate=1e-4, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
-                        optim="adamw_torch_fused" if dev.type == "cuda" else "adamw_torch", bf16=dev.type == "cuda",
+                        optim="adamw_torch_fused", bf16=True,
                         gradient_checkpointing=False, packing=True, packing_strategy="bfd", padding_free=True,
                         max_length=block, completion_only_loss=True, logging_strategy="no", save_strategy="no",
-                        eval_strategy="no", report_to="none", torch_compile=False, seed=0, disable_tqdm=True,
-                        dataloader_pin_memory=dev.type == "cuda", use_cpu=dev.type != "cuda")
+                        eval_strategy="no", report_to="none", torch_compile=compile_, seed=0, disable_tqdm=True,
+                        dataloader_pin_memory=True)
         trainer = Counted(model=model, args=cfg, train_dataset=data, processing_class=tokenizer, callbacks=[Clock()])
         reset_mem()
         trainer.train()
@@ -177,8 +178,8 @@ def trl_loop(*, preset: str, examples, tokenizer, batch: int, block: int, steps:
     proof = proof_of_training(bpt_before, _bpt(model, fixed[0], fixed[1], dev, dtype), lora_b_norm(model).item())
     import trl
 
-    out = _result(tok, tgt, counts, proof, batch=f"{batch} x {block}", attention=attention, compile_scope="none",
-                  trl=trl.__version__)
+    out = _result(tok, tgt, counts, proof, batch=f"{batch} x {block}", attention=attention,
+                  compile_scope="model (Trainer torch_compile)" if compile_ else "none", trl=trl.__version__)
     del trainer, model
     free()
     return out
