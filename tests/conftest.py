@@ -31,6 +31,12 @@ def pytest_configure(config):
     import torch
 
     torch.set_num_threads(1)
+    if not torch.cuda.is_available():
+        # without a GPU, the package's torch.compile calls compile with dynamo, AOTAutograd and the min-cut partitioner
+        # but not inductor's C++ code generation (core.loss.compile_options): the graphs, graph breaks, recompiles and
+        # partitions the tests check are what inductor is given either way, and its C++ compiler processes cost the
+        # suite minutes; on a GPU (the gpu-marked tests) inductor compiles. Inherited by Ray's workers and the CLIs.
+        os.environ.setdefault("RAYTRAIN_SCU_COMPILE_BACKEND", "aot_eager_decomp_partition")
     # xdist's loadfile hands out the files with the most tests first by default, which puts the few-test files of
     # minutes (a local cluster) last, one process running them alone while the other idles: here it
     # takes them in the order pytest_collection_modifyitems gives (an explicit --loadscope-reorder keeps xdist's)

@@ -5,6 +5,7 @@ compiling it for training. No ray, mlflow or torch.distributed.
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Optional
 
 import torch
@@ -61,6 +62,15 @@ def _chunk_ce_fused(z, y, bias, scale: float, softcap: float, need_grad: bool, f
     return nats, quantize_rows(grad) if fp8_grad else grad.to(z.dtype)
 
 
+def compile_options(mode: str = "default") -> dict:
+    """torch.compile's backend: inductor with ``mode``, or the backend RAYTRAIN_SCU_COMPILE_BACKEND names. The CPU test
+    suite names aot_eager_decomp_partition: dynamo's graphs, AOTAutograd and the min-cut partitioner as inductor gets
+    them, without inductor's C++ code generation (hundreds of compiler processes a suite, minutes of its time), which
+    is not the code a GPU run executes; the GPU tests and the bench compile with inductor."""
+    backend = os.environ.get("RAYTRAIN_SCU_COMPILE_BACKEND", "inductor")
+    return {"mode": mode} if backend == "inductor" else {"backend": backend}
+
+
 # built on first use (compiling costs seconds): {False: every full chunk, one static graph; True: a batch's last,
 # shorter chunk, one graph for any length, since padded micro-batches (data.packing=false) end in a new length nearly
 # every step and static graphs would recompile until torch's recompile limit}
@@ -69,7 +79,7 @@ _chunk_ce_compiled: dict = {}
 
 def _compiled_chunk_ce(dynamic: bool = False):
     if dynamic not in _chunk_ce_compiled:
-        _chunk_ce_compiled[dynamic] = torch.compile(_chunk_ce_fused, dynamic=dynamic)
+        _chunk_ce_compiled[dynamic] = torch.compile(_chunk_ce_fused, dynamic=dynamic, **compile_options())
     return _chunk_ce_compiled[dynamic]
 
 
@@ -110,7 +120,7 @@ def _slice_fn(fn, compiled: bool):
     if not compiled:
         return fn
     if fn not in _slice_compiled:
-        _slice_compiled[fn] = torch.compile(fn, dynamic=False)
+        _slice_compiled[fn] = torch.compile(fn, dynamic=False, **compile_options())
     return _slice_compiled[fn]
 
 
@@ -340,9 +350,9 @@ def compile_for_training(loss_model: CausalLMLoss, *, scope: str = "layers", mod
         if scope == "layers":
             _note_once(f"{type(loss_model.decoder()).__name__} has no decoder `layers` list; compiling the whole "
                        f"model (model.compile_scope=model)")
-        return torch.compile(loss_model, mode=mode)
+        return torch.compile(loss_model, **compile_options(mode))
     for layer in layers:
-        layer.compile(mode=mode)
+        layer.compile(**compile_options(mode))
     return loss_model
 
 
