@@ -95,16 +95,19 @@ class AblationError(RuntimeError):
 
 
 class Interrupted(Exception):
-    """Ctrl-C stopped the run at ``step`` (the last report), with a checkpoint of that step or without one."""
+    """Ctrl-C stopped the run at ``step`` (the last report; None: before the first), with a checkpoint of that step
+    or without one. ``why``: what stopped it without waiting for the step in flight's checkpoint ("" when it
+    waited)."""
 
-    def __init__(self, step: Optional[int], checkpointed: bool):
-        super().__init__(f"interrupted at step {step}")
-        self.step, self.checkpointed = step, checkpointed
+    def __init__(self, step: Optional[int], checkpointed: bool, why: str = ""):
+        super().__init__(f"interrupted at step {step}" + (f" ({why})" if why else ""))
+        self.step, self.checkpointed, self.why = step, checkpointed, why
 
 
 class Preempted(Interrupted):
     """A SIGTERM to the driver (a preemption: a spot reclaim, a pod's deletion) stopped the run at ``step`` (the last
-    report), with a checkpoint of that step or without one (train.preempt_grace_s ran out first)."""
+    report; None: before the first), with a checkpoint of that step or without one; ``why`` as for
+    :class:`Interrupted` (train.preempt_grace_s ran out, a second SIGTERM, remote storage)."""
 
 
 # what the CLIs catch as bad input (exit 2)

@@ -20,6 +20,10 @@ def test_best_checkpoint_is_the_lowest_val_bpt_in_any_order():
         assert best_checkpoint(order)[0] == "s20"
     tie = [("s10", {"step": 10, "val/data_bpt": 3.0}), ("s30", {"step": 30, "val/data_bpt": 3.0})]
     assert best_checkpoint(tie)[0] == "s30"  # a tie goes to the later step
+    # a preemption's checkpoint carries the last evaluation's val (its val/step another step's): no score of its own
+    preempted = [("s10", {"step": 10, "val/data_bpt": 3.0, "val/step": 10}),
+                 ("s14", {"step": 14, "val/data_bpt": 3.0, "val/step": 10})]
+    assert best_checkpoint(preempted)[0] == "s10"
     assert best_checkpoint(ray_order[:2]) is None and best_checkpoint([]) is None and best_checkpoint(None) is None
 
 

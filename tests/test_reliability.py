@@ -561,10 +561,12 @@ def test_sigterm_to_the_driver_then_to_a_worker_checkpoints_the_step_in_flight_a
 
 
 def test_the_drivers_sigterm_writes_stop_and_past_the_grace_or_again_it_exits_without_waiting(tmp_path, capsys):
-    """The driver's SIGTERM (ray.stops.Stops, no Ray): the first writes the STOP flag the workers read and says so;
-    once fit() returns short of max_steps it is a Preempted with the last report's checkpoint; past
-    train.preempt_grace_s, or at a second SIGTERM, it is a Preempted without one at once. Remote storage has no flag:
-    the first one is."""
+    """The driver's SIGTERM (ray.stops.Stops, no Ray): the first writes the STOP flag the workers read, and the poll
+    loop (not the handler) says so; once fit() returns short of max_steps it is a Preempted with the last report's
+    checkpoint; past train.preempt_grace_s, or at a second SIGTERM, it is a Preempted at once, which still says
+    whether the last report had a checkpoint and why it did not wait. Remote storage has no flag: the first one is.
+    The console line names each case, and says no step before the first report."""
+    from raytrain_scu.cli.train import preempted_line
     from raytrain_scu.console import Progress
     from raytrain_scu.errors import Preempted
     from raytrain_scu.ray.stops import Stops
@@ -572,28 +574,41 @@ def test_the_drivers_sigterm_writes_stop_and_past_the_grace_or_again_it_exits_wi
     last = {"step": 15, "checkpoint": True}
     cfg = tiny_cfg(tmp_path, "stops", "train.preempt_grace_s=0.2")
     flag = tmp_path / "stops" / "STOP"
+    said = "SIGTERM: stopping after this step and writing its checkpoint, then exiting 143 (within " \
+           "train.preempt_grace_s=0.2 s)"
     with Stops(cfg, Progress(), last) as stops:
         stops.handle(signal.SIGTERM, None)
         assert flag.read_text() == "stop\n"
-        assert "SIGTERM: stopping after this step and writing its checkpoint, then exiting 143 (within " \
-            "train.preempt_grace_s=0.2 s)" in capsys.readouterr().out
-        stops.check()  # within the grace: the workers are checkpointing
+        assert said not in capsys.readouterr().out  # nothing printed inside the signal handler
+        stops.check()  # within the grace: the workers are checkpointing; the poll loop says what the signal did
+        assert capsys.readouterr().out.count(said) == 1
         with pytest.raises(Preempted) as after:
             stops.raise_after(cfg.train.max_steps)
-        assert (after.value.step, after.value.checkpointed) == (15, True)
+        assert (after.value.step, after.value.checkpointed, after.value.why) == (15, True, "")
+        assert preempted_line(after.value, "CMD") == \
+            "[raytrain_scu] preempted at step 15; checkpoint written; re-run the same command to resume: CMD"
         time.sleep(0.3)
         with pytest.raises(Preempted) as late:
             stops.check()
-        assert late.value.checkpointed is False
+        assert (late.value.step, late.value.checkpointed) == (15, True)  # step 15's report carried its checkpoint
+        assert preempted_line(late.value, "CMD") == (
+            "[raytrain_scu] preempted at step 15; checkpoint written (train.preempt_grace_s=0.2 s ran out before the "
+            "step in flight was checkpointed); re-run the same command to resume: CMD")
+        last.update(step=16, checkpoint=False)
         with pytest.raises(Preempted) as again:
             stops.handle(signal.SIGTERM, None)
-        assert again.value.checkpointed is False
+        assert (again.value.step, again.value.checkpointed, again.value.why) == (16, False, "a second SIGTERM")
+        assert "preempted at step 16; no checkpoint of it (a second SIGTERM); re-run" in preempted_line(again.value, "")
     assert not flag.exists()  # a leftover would stop the next run at its first step
     last["step"] = cfg.train.max_steps
     stops.raise_after(cfg.train.max_steps)  # the run finished before it stopped: nothing to raise
     remote = tiny_cfg("s3://bucket/runs?endpoint_override=http://127.0.0.1:1", "stops", "tracking.enabled=false")
-    with Stops(remote, Progress(), last) as stops, pytest.raises(Preempted):
+    last.update(step=None, checkpoint=False)
+    with Stops(remote, Progress(), last) as stops, pytest.raises(Preempted) as at_once:
         stops.handle(signal.SIGTERM, None)
+    assert preempted_line(at_once.value, "CMD") == (
+        "[raytrain_scu] preempted before the first report (remote storage has no stop flag: the run cannot stop "
+        "after a step); re-run the same command to resume: CMD")
 
 
 class FakeHeartbeats:
@@ -873,29 +888,42 @@ PREEMPT_LOCAL = ["tracking.enabled=false", "train.max_steps=12", "train.checkpoi
 
 def test_a_preemption_notice_checkpoints_the_step_in_flight_and_the_resumed_run_ends_bit_identical(tmp_path):
     """The loop in this process: a notice during a step after checkpoint 6 that is neither a checkpoint nor a report
-    step (drawn with a kept seed) ends the loop with that step's checkpoint; a new loop resumes there, not at 6, and
-    ends with the adapter, AdamW state, controller state and λ trajectory of an uninterrupted run, bit for bit."""
+    step (drawn with a kept seed) ends the loop with that step's checkpoint, without an evaluation of its own (its
+    report carries the last one's), and waits for a restart; a new loop resumes there, not at 6. A notice during
+    that loop's last step ends the run as usual (its final evaluation, no restart to wait for). The run ends with the
+    adapter, AdamW state, controller state and λ trajectory of an uninterrupted run, bit for bit."""
     import random
 
+    from raytrain_scu.console import VAL_STEP
     from raytrain_scu.worker.hooks import LocalHooks
     from raytrain_scu.worker.loop import run_loop
 
     class Told(LocalHooks):
-        """Told that their node is going during step ``at``: the loop asks once a step, at its all-reduce."""
+        """Told that their node is going during their ``at``-th step: the loop asks once a step, at its all-reduce;
+        counts the restarts the loop waits for."""
 
-        asked = 0
+        def __init__(self, at: int, run_dir):
+            super().__init__(device=torch.device("cpu"), run_dir=run_dir)
+            self.at, self.asked, self.restarts = at, 0, 0
 
         def preempt_notice(self) -> bool:
             self.asked += 1
-            return self.asked >= at
+            return self.asked >= self.at
+
+        def await_restart(self) -> None:
+            self.restarts += 1
 
     at = random.Random(PREEMPT_SEED).choice([k for k in range(7, 12) if k % 3])
-    told = Told(device=torch.device("cpu"), run_dir=tmp_path / "pre")
+    told = Told(at, tmp_path / "pre")
     run_loop(tiny_cfg(tmp_path, "pre", *PREEMPT_LOCAL), hooks=told)
-    assert told.reports[-1]["step"] == at and told.beats[-1] is None
+    assert told.reports[-1]["step"] == at and told.beats[-1] is None and told.restarts == 1
+    # no evaluation of its own: the last one's (step 6's checkpoint, or a scheduled one every 10)
+    assert told.reports[-1][VAL_STEP] == max(k for k in (6, 10) if k <= at)
     assert [int(d.name[-8:]) for d in checkpoint_dirs(tmp_path / "pre")] == [6, at]
-    resumed = local_run(tmp_path, "pre", *PREEMPT_LOCAL)
-    clean = local_run(tmp_path, "clean", *PREEMPT_LOCAL)
+    resumed = Told(12 - at, tmp_path / "pre")  # told during step 12, the last
+    run_loop(tiny_cfg(tmp_path, "pre", *PREEMPT_LOCAL), hooks=resumed)
+    assert resumed.restarts == 0 and resumed.reports[-1]["step"] == 12 and resumed.reports[-1][VAL_STEP] == 12
+    local_run(tmp_path, "clean", *PREEMPT_LOCAL)  # the uninterrupted run
     ends = [checkpoint_dirs(tmp_path / n)[-1] for n in ("pre", "clean")]
     assert [d.name for d in ends] == ["checkpoint_00000012"] * 2 and ckpt.read_meta(ends[0])["resumed_at"] == [at]
     assert resumed.reports[0]["step"] > at  # nothing before the notice's step was redone
@@ -907,6 +935,27 @@ def test_a_preemption_notice_checkpoints_the_step_in_flight_and_the_resumed_run_
     lams = [[r["ctrl/lambda"] for r in torch.load(d / "state.pt", weights_only=False)["history"]] for d in ends]
     assert lams[0] == lams[1]
     figures(test="preempt_local", at=at, resumed_at=at, steps_lost=0)
+
+
+def test_before_a_preemptions_restart_rank0_stops_its_system_metrics_and_leaves_the_run_open(tmp_path):
+    """What the loop does before it waits for a preemption's restart (tracker.pause): rank 0's metrics reach the
+    store and MLflow's system-metrics monitor stops (the restarted loop starts its own: under LocalHooks in this same
+    process), while the run stays RUNNING for the restarted group to log into."""
+    from raytrain_scu.tracking.tracker import MlflowTracker
+
+    def monitors() -> set:
+        return {t for t in threading.enumerate() if t.name == "SystemMetricsMonitor" and t.is_alive()}
+
+    before = monitors()
+    tracker = MlflowTracker(tiny_cfg(tmp_path, "pause", "tracking.system_metrics=true"))
+    tracker.start({"seed": 0})
+    mine = monitors() - before
+    assert tracker.sysmon is not None and mine
+    tracker.log_step({"step": 1, "ctrl/lambda": 2.0})
+    tracker.pause()
+    assert tracker.sysmon is None and not monitors() & mine
+    assert [m.step for m in tracker.client.get_metric_history(tracker.run_id, "ctrl/lambda")] == [1]
+    assert tracker.client.get_run(tracker.run_id).info.status == "RUNNING"
 
 
 NAN_ON_RANK1 = {3, 5, 6, 7}  # rank 1's loss only: one skipped step, later three in a row

@@ -42,9 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except Preempted as e:  # SIGTERM: the MLflow run is KILLED, exit 143 (128 + SIGTERM, as a shell reports it)
-        done = "checkpoint written" if e.checkpointed else "no checkpoint of it (train.preempt_grace_s ran out)"
-        print(f"[raytrain_scu] preempted at step {e.step}; {done}; re-run the same command to resume: {resume_cmd}",
-              flush=True)
+        print(preempted_line(e, resume_cmd), flush=True)
         return 143
     except (Interrupted, KeyboardInterrupt) as e:  # Ctrl-C: the MLflow run is KILLED, exit 130
         step = getattr(e, "step", None)
@@ -63,6 +61,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {cause}", file=sys.stderr)
         return 1
     return 0
+
+
+def preempted_line(e: Preempted, resume_cmd: str) -> str:
+    """What the console says after a SIGTERM: the last report's step (if any came), whether it has a checkpoint,
+    why the run did not wait for the step in flight's (if it did not), and the command that resumes."""
+    if e.step is None:
+        said = "preempted before the first report"
+    else:
+        said = f"preempted at step {e.step}; " + ("checkpoint written" if e.checkpointed else "no checkpoint of it")
+    return (f"[raytrain_scu] {said}" + (f" ({e.why})" if e.why else "")
+            + f"; re-run the same command to resume: {resume_cmd}")
 
 
 def entry() -> None:

@@ -157,11 +157,12 @@ class TrainConfig:
     # The clock of each worker group starts at its first completed step: loading, resuming, the first compile never
     # count
     hang_timeout_s: Optional[float] = None
-    # seconds from a SIGTERM (to the driver, to a worker's process, or Ray's drain of a worker's node: a spot reclaim)
-    # within which the run checkpoints the step in flight: every rank finishes that step, rank 0 writes its
-    # checkpoint, then the driver exits 143 (its own SIGTERM) or Ray Train restarts the worker group from it (a
-    # worker's). A re-run resumes there: at most the step in flight is redone. Past it the driver exits 143 without
-    # waiting longer. Kubernetes gives 30 s by default, a spot node's notice 30-120 s
+    # seconds from a SIGTERM (to the driver, or to a worker's process) within which the run checkpoints the step in
+    # flight: every rank finishes that step, rank 0 writes its checkpoint, then the driver exits 143 (its own SIGTERM)
+    # or Ray Train restarts the worker group from it (a worker's). A re-run resumes there: at most the step in flight
+    # is redone. Past it the driver exits 143 without waiting longer, and a worker waiting for Ray Train's restart
+    # stops waiting. Ray's drain of a worker's node (a spot reclaim) runs to the drain's own deadline, not this one.
+    # Kubernetes gives 30 s by default, a spot node's notice 30-120 s
     preempt_grace_s: float = 25.0
 
 

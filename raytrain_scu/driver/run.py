@@ -23,7 +23,7 @@ import yaml
 from raytrain_scu.config.io import flatten, flatten_tree, redact_uri, to_yaml
 from raytrain_scu.config.paths import RunPaths
 from raytrain_scu.config.schema import Config
-from raytrain_scu.console import Progress, format_summary
+from raytrain_scu.console import VAL_STEP, Progress, format_summary
 from raytrain_scu.core import storage
 from raytrain_scu.core.checkpoint import BEST_METRIC, disk_full, is_disk_full, newest_good_local, read_meta
 from raytrain_scu.driver import outputs
@@ -54,9 +54,11 @@ def output_dir(cfg: Config) -> Path:
 def best_checkpoint(best_checkpoints) -> Optional[tuple]:
     """The ``(checkpoint, metrics)`` of ``Result.best_checkpoints`` with the lowest finite ``val/data_bpt`` (the
     latest step on a tie); None when none has one. Ray keeps that list sorted by score, worst first, so its first
-    entry is the worst of the kept top-k: never pick by position."""
+    entry is the worst of the kept top-k: never pick by position. A checkpoint whose val/data_bpt was measured at
+    another step (a preemption's, which carries the last evaluation's) has no score of its own and is passed over."""
     scored = [(m[BEST_METRIC], -int(m.get("step", 0)), i) for i, (_, m) in enumerate(best_checkpoints or [])
-              if isinstance(m.get(BEST_METRIC), (int, float)) and math.isfinite(m[BEST_METRIC])]
+              if isinstance(m.get(BEST_METRIC), (int, float)) and math.isfinite(m[BEST_METRIC])
+              and m.get(VAL_STEP, m.get("step")) == m.get("step")]
     return best_checkpoints[min(scored)[2]] if scored else None
 
 

@@ -1,6 +1,6 @@
 """Ray Train callbacks: what runs inside a Train controller. The controller unpickles them before it starts the
-workers, so this module imports only Ray and the standard library: importing the package's worker stack (torch,
-transformers, peft) there would add seconds to every run's start.
+workers, so this module imports only Ray, the standard library and ``ray.preemption`` (Ray alone): importing the
+package's worker stack (torch, transformers, peft) there would add seconds to every run's start.
 
 - :class:`Sink` and :class:`WorkersStarted`: each report's rank-0 metrics and each start of the worker group, in a
   JSON-lines file the driver reads (``launch.fit`` shows them).
@@ -20,9 +20,10 @@ import time
 from pathlib import Path
 
 import ray
-from ray.train import PreemptionInfo, UserCallback
+from ray.train import UserCallback
 from ray.train.v2._internal.execution.callback import WorkerCallback, WorkerGroupCallback
-from ray.train.v2._internal.execution.context import get_train_context
+
+from raytrain_scu.ray.preemption import give_notice, loop_runner, notice, world_rank
 
 logger = logging.getLogger(__name__)
 
@@ -107,21 +108,27 @@ class PreemptOnSigterm(WorkerCallback):
             logger.warning("SIGTERM is not turned into a preemption notice: the worker's callback ran off its main "
                            "thread")
             return
+        # Ray's handler, or the default where none was set from Python (getsignal gives None)
         previous = signal.getsignal(signal.SIGTERM)
-        context = get_train_context()
-        rank, node = context.get_world_rank(), ray.get_runtime_context().get_node_id()
-        loop = context.execution_context.training_thread_runner
+        previous = signal.SIG_DFL if previous is None else previous
+        rank, node = world_rank(), ray.get_runtime_context().get_node_id()
+        loop, told = loop_runner(), threading.Event()
 
         def on_sigterm(signum, frame):
-            if self.shutting_down or context.preemption_context.preemption_info is not None or not loop.is_running():
+            # no logging in here: a signal landing while this thread writes a log line would re-enter its stream
+            if self.shutting_down or notice() is not None or not loop.is_running():
                 signal.signal(signal.SIGTERM, previous)
                 signal.raise_signal(signal.SIGTERM)
                 return
-            context.preemption_context.preemption_info = PreemptionInfo(
-                deadline_ms=int((time.time() + self.grace_s) * 1000), preempted_node_to_ranks={node: [rank]})
+            give_notice(time.time() + self.grace_s, {node: [rank]})
+            told.set()
+
+        def say_told():  # the handler's line, from a thread of its own
+            told.wait()
             logger.warning(f"rank {rank} got SIGTERM: checkpointing the step in flight within "
                            f"train.preempt_grace_s={self.grace_s:g} s, then Ray Train restarts the worker group")
 
+        threading.Thread(target=say_told, name="raytrain_scu-sigterm-note", daemon=True).start()
         signal.signal(signal.SIGTERM, on_sigterm)
 
     def before_worker_shutdown(self):

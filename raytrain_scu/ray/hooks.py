@@ -13,13 +13,13 @@ from typing import Optional
 import pyarrow.fs as pafs
 import ray.train
 import ray.train.torch
-from ray.train import Checkpoint, PreemptionInfo
-from ray.train.v2._internal.execution.context import get_train_context
+from ray.train import Checkpoint
 
 from raytrain_scu.config.load import build_config
 from raytrain_scu.config.paths import RunPaths
 from raytrain_scu.console import NOTICES, relaying_warnings, take_notices
 from raytrain_scu.core.checkpoint import disk_full, is_disk_full, open_good_checkpoint, verify
+from raytrain_scu.ray.preemption import give_notice, notice
 from raytrain_scu.ray.watchdog import Heartbeat
 from raytrain_scu.worker.faults import Faults
 from raytrain_scu.worker.loop import run_loop
@@ -34,7 +34,8 @@ def train_func(config: dict) -> None:
     cfg = build_config(config)
     with relaying_warnings():  # the package's warnings reach the driver's console with the reports
         try:
-            hooks = RayHooks(heartbeats, run_dir=RunPaths.of(cfg).run, beat_every_s=every_s)
+            hooks = RayHooks(heartbeats, run_dir=RunPaths.of(cfg).run, beat_every_s=every_s,
+                             restart_wait_s=cfg.train.preempt_grace_s)
             run_loop(cfg, hooks=hooks, run_id=run_id)
         except Exception as e:
             # what no report carried (a resume, a fallback) travels with the failure: its context (failure_notices)
@@ -82,11 +83,12 @@ class RayHooks:
     """The handful of calls the loop makes into Ray Train; ``worker.hooks.LocalHooks`` stands in for them without Ray.
     ``heartbeats``: the hang watchdog's actor (``ray.watchdog.Heartbeats``) or None, sent a beat at most once per
     ``beat_every_s`` (``ray.watchdog.Heartbeat``); ``run_dir``: where Ray copies checkpoints (named in a full disk's
-    error)."""
+    error); ``restart_wait_s``: how long :meth:`await_restart` waits for Ray Train to restart the group
+    (train.preempt_grace_s)."""
 
-    def __init__(self, heartbeats=None, run_dir: str = "", beat_every_s: float = 0.0):
+    def __init__(self, heartbeats=None, run_dir: str = "", beat_every_s: float = 0.0, *, restart_wait_s: float):
         self.faults = Faults.from_env()
-        self.run_dir = run_dir
+        self.run_dir, self.restart_wait_s = run_dir, restart_wait_s
         ctx = ray.train.get_context()
         rank, node_id = ctx.get_world_rank(), ray.get_runtime_context().get_node_id()
         self.beat = Heartbeat(heartbeats, rank, node_id, beat_every_s) if heartbeats is not None else None
@@ -118,25 +120,23 @@ class RayHooks:
     def preempt_notice() -> bool:
         """Whether Ray Train told this worker that a node of its group is going: the preemption watcher's notice of
         a drained node (Ray's ``mark_preempt``) or this process's own SIGTERM (``ray.callbacks.PreemptOnSigterm``).
-        Read from this worker's own train context, not with ``ray.train.get_preemption_info()``: that one is a barrier
-        through Ray's synchronization actor at every step and returns rank 0's view alone, where the step's
-        all-reduce carries every rank's at no extra cost."""
-        return get_train_context().preemption_context.preemption_info is not None
+        Read from this worker's own train context (``ray.preemption``), not with ``ray.train.get_preemption_info()``:
+        that one is a barrier through Ray's synchronization actor at every step and returns rank 0's view alone, where
+        the step's all-reduce carries every rank's at no extra cost."""
+        return notice() is not None
 
-    @staticmethod
-    def await_restart(wait_s: float = 120.0) -> None:
+    def await_restart(self) -> None:
         """After the preemption's checkpoint, on every rank: once Ray has registered it, the preemption's deadline
         becomes now, so Ray Train's controller (waiting out the preemption) restarts the group from that checkpoint
-        at its next poll, not at the node's deadline; then wait to be stopped. Returning is no option: a group whose
-        ranks all return has finished, for Ray, preempted or not."""
+        at its next poll (scaling.poll_interval_s), not at the node's deadline; then wait to be stopped. Returning is
+        no option: a group whose ranks all return has finished, for Ray, preempted or not. Not stopped within
+        ``restart_wait_s`` (train.preempt_grace_s, the window the preemption gave), it raises rather than wait on: the
+        worker ends with that error, and Ray Train, which holds the notice, restarts the group from the checkpoint."""
         ray.train.get_all_reported_checkpoints(consistency_mode=ray.train.CheckpointConsistencyMode.COMMITTED)
-        context = get_train_context().preemption_context
-        told = context.preemption_info
-        context.preemption_info = PreemptionInfo(deadline_ms=int(time.time() * 1000),
-                                                 preempted_node_to_ranks=told.preempted_node_to_ranks if told else {})
-        time.sleep(wait_s)
-        raise RuntimeError(f"Ray Train did not restart the worker group within {wait_s:.0f} s of the preemption's "
-                           f"checkpoint")
+        give_notice(time.time())
+        time.sleep(self.restart_wait_s)
+        raise RuntimeError(f"Ray Train did not restart the worker group within train.preempt_grace_s="
+                           f"{self.restart_wait_s:g} s of the preemption's checkpoint")
 
     def report(self, metrics: dict, checkpoint_dir, checkpoint_dir_name):
         if self.beat is not None:

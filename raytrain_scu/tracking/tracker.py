@@ -59,6 +59,9 @@ class NullTracker:
     def flush(self) -> None:
         pass
 
+    def pause(self) -> None:
+        pass
+
     def finish(self, history: list, model=None, status: str = "FINISHED") -> None:
         pass
 
@@ -182,14 +185,24 @@ class MlflowTracker(NullTracker):
         except Exception as e:  # noqa: BLE001
             self._warn("log metrics", e)
 
-    def finish(self, history: list, model=None, status: str = "FINISHED") -> None:
-        """The last metrics and the artifacts; ``status`` ends the run only if this tracker opened it."""
-        self.flush()
+    def _stop_system_metrics(self) -> None:
         if self.sysmon is not None:
             try:
                 self.sysmon.finish()
             except Exception as e:  # noqa: BLE001
                 self._warn("system metrics", e)
+            self.sysmon = None
+
+    def pause(self) -> None:
+        """The loop stops for a preemption's restart, the run not over: the metrics so far to the store and the
+        system-metrics monitor stopped (the restarted loop starts its own), the run left open."""
+        self.flush()
+        self._stop_system_metrics()
+
+    def finish(self, history: list, model=None, status: str = "FINISHED") -> None:
+        """The last metrics and the artifacts; ``status`` ends the run only if this tracker opened it."""
+        self.flush()
+        self._stop_system_metrics()
         unrecorded = []
         if self.client is None or self.run_id is None:
             unrecorded.append("everything (no connection to the tracking server)")

@@ -17,7 +17,7 @@ from raytrain_scu.tracking.tracker import derived_params
 from raytrain_scu.worker.build import build, resume
 from raytrain_scu.worker.meter import Meter
 from raytrain_scu.worker.oom import Phase, out_of_memory
-from raytrain_scu.worker.periodic import after_step, evaluate_now
+from raytrain_scu.worker.periodic import after_step, evaluate_now, finished
 from raytrain_scu.worker.profiling import profiled
 from raytrain_scu.worker.state import State
 from raytrain_scu.worker.step import train_step
@@ -60,11 +60,13 @@ def setup(cfg: Config, hooks, run_id: Optional[str] = None, phase: Optional[Phas
     return s
 
 
-def train(s: State) -> None:
+def train(s: State) -> bool:
     """All ranks: the loop, from the resumed step to train.max_steps (or a stop, or a preemption: each ends with the
     checkpoint of its step). After each step: the heartbeat the driver's hang watchdog reads, and a fault test's pause
-    point."""
+    point. Returns whether the run is over (train.max_steps, or λ saturated under train.stop_on_saturation), whatever
+    else stopped it at the same step."""
     t = s.cfg.train
+    step = s.rec.start_step - 1
     with profiled(steps=t.profile_steps, left=t.max_steps - s.rec.start_step, cuda=s.device.type == "cuda",
                   host=t.profile_host, out_dir=RunPaths.of(s.cfg).profile) as tick:  # off unless asked
         for step in range(s.rec.start_step, t.max_steps):
@@ -75,6 +77,7 @@ def train(s: State) -> None:
             s.hooks.faults.after_report(step + 1)
             if done:
                 break
+    return step + 1 >= t.max_steps or finished(s, step)
 
 
 def run_loop(cfg: Config, *, hooks, run_id: Optional[str] = None) -> None:
@@ -85,13 +88,14 @@ def run_loop(cfg: Config, *, hooks, run_id: Optional[str] = None) -> None:
         s = setup(cfg, hooks, run_id, phase)  # no backward here: the training graphs compile in the first steps
         m = cfg.model
         with compile_settings(m.compile and recompute_elementwise(m.recompute_elementwise, s.opt.model)):
-            train(s)
+            over = train(s)
     except torch.cuda.OutOfMemoryError as e:
         hooks.faults.ballast = None  # an injected fill of the card goes with the error
         raise out_of_memory(cfg, phase, hooks.get_device(), e) from e
     hooks.heartbeat(None)  # done stepping: what follows (the tracker's artifacts) may take long and is no hang
-    if s.preempting and not s.stopping:  # this step's checkpoint is in: the run goes on from it after a restart
-        s.tracker.flush()
+    if s.preempting and not s.stopping and not over:  # this step's checkpoint is in: the run goes on from it
+        s.tracker.pause()  # rank 0: the metrics sent, the system-metrics monitor stopped; the run stays open
         hooks.await_restart()
         return
-    s.tracker.finish(history=s.rec.history, model=s.opt.model, status="KILLED" if s.stopping else "FINISHED")
+    s.tracker.finish(history=s.rec.history, model=s.opt.model,
+                     status="KILLED" if s.stopping and not over else "FINISHED")

@@ -135,14 +135,22 @@ def report(s: State, step: int, row: dict, is_ckpt: bool) -> None:
         s.phase.checkpoint_step = step + 1
 
 
+def finished(s: State, step: int) -> bool:
+    """Whether the run ends with step ``step + 1``: train.max_steps reached, or λ saturated under
+    train.stop_on_saturation."""
+    t = s.cfg.train
+    return step + 1 == t.max_steps or (t.stop_on_saturation and s.ctrl.law.saturated)
+
+
 def after_step(s: State, step: int, row: dict) -> bool:
     """Once in a while: eval (all ranks), report (all ranks), checkpoint (rank 0 writes). True when the run is done,
-    or stops here (Ctrl-C, a preemption) with the checkpoint of this step."""
+    or stops here (Ctrl-C, a preemption) with the checkpoint of this step. A preemption's checkpoint, short of the
+    run's end, comes without an evaluation of its own (the grace window is for the checkpoint): its report carries the
+    last evaluation's val/data_bpt and its val/step."""
     t = s.cfg.train
-    done = (step + 1 == t.max_steps or (t.stop_on_saturation and s.ctrl.law.saturated) or s.stopping
-            or s.preempting)
+    done = finished(s, step) or s.stopping or s.preempting
     is_ckpt = (step + 1) % t.checkpoint_every == 0 or done
-    if (step + 1) % t.eval_every == 0 or is_ckpt:
+    if (step + 1) % t.eval_every == 0 or (is_ckpt and (not s.preempting or finished(s, step))):
         t0 = time.perf_counter()
         with s.metering.meter.excluded():  # throughput counts training time only
             s.rec.evaluated(evaluate_now(s, step + 1), step + 1)
