@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from raytrain_scu.core.crashpoints import crash_point
+from raytrain_scu.core.registered import registered_checkpoints
 from raytrain_scu.core.dist import all_gather_object, broadcast_object, rank
 from raytrain_scu.errors import CheckpointError, DiskFullError
 
@@ -203,9 +204,11 @@ def verify(ckpt_dir: str | Path) -> Optional[str]:
 
 
 def incomplete_copy(ckpt_dir: str | Path) -> bool:
-    """Whether a checkpoint that does not verify is a copy cut short: no manifest yet, one copied half, or a file it
-    lists missing or shorter than it says. A crash while a checkpoint is copied into the run directory (Ray copies file
-    by file) leaves one; a corrupt checkpoint (a wrong checksum or size) was whole once."""
+    """Whether a checkpoint that does not verify looks like a copy cut short: no manifest yet, one copied half, or a
+    file it lists missing or shorter than it says. A crash while a checkpoint is copied into the run directory (Ray
+    copies file by file) leaves one; a corrupt checkpoint (a wrong checksum or size) was whole once. Damage can look
+    the same (a file deleted, a partial rsync), so only a checkpoint the run never registered
+    (``core.registered``) counts as cut short."""
     d = Path(ckpt_dir)
     try:
         files = json.loads((d / MANIFEST).read_text())["files"]
@@ -285,20 +288,21 @@ def check_tokens_per_epoch(meta: dict, *, measured: int, override: int) -> Optio
     return None
 
 
-def _newest_good(dirs, where: str, *, cut_short_is_none: bool = False
+def _newest_good(dirs, where: str, *, registered: Optional[set[str]] = None
                  ) -> tuple[Optional[tuple[str, Path]], list[str]]:
     """The first ``(label, local dir)`` of ``dirs`` (newest first) that verifies, and the problems of those before it.
 
-    (None, []) when ``dirs`` is empty; CheckpointError when none verifies, but (None, problems) with
-    ``cut_short_is_none`` when every one is a copy cut short (:func:`incomplete_copy`). ``dirs`` may be lazy: a
-    remote checkpoint is materialised only when the newer ones were bad."""
-    problems, cut_short = [], cut_short_is_none
+    (None, []) when ``dirs`` is empty; CheckpointError when none verifies, but (None, problems) when every one is a
+    copy cut short (:func:`incomplete_copy`) whose label is not in ``registered``, the names the run registered
+    (None: none counts as cut short). ``dirs`` may be lazy: a remote checkpoint is materialised only when the newer
+    ones were bad."""
+    problems, cut_short = [], registered is not None
     for label, local in dirs:
         why = verify(local)
         if why is None:
             return (label, local), problems
         problems.append(f"{label}: {why}")
-        cut_short = cut_short and incomplete_copy(local)
+        cut_short = cut_short and label not in registered and incomplete_copy(local)
     if problems and not cut_short:
         raise CheckpointError(f"no usable checkpoint{where}: " + "; ".join(problems)
                               + ". Delete the run directory or use a new run.name to start fresh.")
@@ -356,15 +360,16 @@ def open_good_checkpoint(candidates: list[tuple[str, Callable[[], Path]]]) -> tu
 def newest_good_local(run_dir: str | Path) -> tuple[Optional[Path], list[str]]:
     """The newest ``checkpoint_*`` under a local run directory that verifies, and the problems of newer ones.
 
-    (None, []) when there is no checkpoint at all; (None, problems) when every one is a copy cut short (a crash
-    while the first was copied: the run starts afresh, as Ray, which never registered it, would); CheckpointError
-    when there are some but none is good."""
+    (None, []) when there is no checkpoint at all; (None, problems) when every one is a copy cut short that the run
+    never registered (``core.registered``: a crash while the first was copied; the run starts afresh, as
+    Ray, which hands the workers no checkpoint then, does); CheckpointError when there are some but none is good,
+    among them a registered one (damaged after its copy: Ray would hand the workers that one)."""
     # Training writes a checkpoint under <dir>.partial in its own temp dir (loop.py: new_local_dir) and Ray copies
     # the finished one here, so a .partial here is only a direct write_checkpoint into the run directory that died
     # half-way: never a candidate.
     dirs = ((d.name, d) for d in sorted(Path(run_dir).glob("checkpoint_*"), reverse=True)
             if d.is_dir() and not d.name.endswith(".partial"))
-    good, problems = _newest_good(dirs, f" in {run_dir}", cut_short_is_none=True)
+    good, problems = _newest_good(dirs, f" in {run_dir}", registered=registered_checkpoints(run_dir))
     return (good[1] if good else None), problems
 
 

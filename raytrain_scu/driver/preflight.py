@@ -178,7 +178,8 @@ def resume_point(cfg: Config) -> tuple[Optional[Path], Optional[dict]]:
             check_structure(resume_meta, structure_of(cfg))
     if problems:
         print(f"[raytrain_scu] warning: bad checkpoint(s) in {run_path}: {'; '.join(problems)}; "
-              + (f"resuming from {good.name}" if good is not None else "each a copy cut short: starting afresh"),
+              + (f"resuming from {good.name}" if good is not None
+                 else "each a copy cut short that the run never registered: starting afresh"),
               file=sys.stderr, flush=True)
     return good, resume_meta
 

@@ -38,6 +38,9 @@ class MetricSpool:
         state = self._load_state()
         self.sent, self.through, self.dropped = state["sent"], state["through"], state["dropped"]
         self.end = self._cut_back(state["end"])
+        # a file shorter than the offset sent (gone, or cut back where the state had no end): what it holds was sent,
+        # and what is appended from here on is sent from its start
+        self.sent = min(self.sent, self.end)
         self.waiting = sum(1 for _ in self._lines()) if self.path.exists() else 0
 
     def _cut_back(self, end) -> int:
@@ -130,8 +133,9 @@ class MetricSpool:
             yield offset, batch
 
     def mark_sent(self, offset: int, n: int) -> None:
-        """The store has the points up to ``offset`` (``n`` of them). With none left waiting the file starts over
-        (the state first: a crash between the two only resends what the store keeps once)."""
+        """The store has the points up to ``offset`` (``n`` of them). With none left waiting the file starts over,
+        the state first: after a crash between the two, opening the spool cuts the file back to the state's ``end``,
+        0, so nothing is sent twice."""
         self.sent, self.waiting = offset, self.waiting - n
         if self.waiting == 0:
             self.sent = self.end = 0

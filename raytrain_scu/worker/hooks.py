@@ -25,6 +25,7 @@ import torch
 
 from raytrain_scu.core import checkpoint as ckpt
 from raytrain_scu.core.crashpoints import crash_point
+from raytrain_scu.core.registered import record_committed
 from raytrain_scu.worker.faults import Faults
 
 
@@ -36,8 +37,9 @@ def _copy_file(src, dst) -> None:
 class LocalHooks:
     """One process, no Ray: the same loop, for benchmarks (Ray overhead), debugging and fast tests. Reports are kept.
     With ``run_dir``, each checkpoint is copied there as ``checkpoint_<step>``, file by file into its final name as
-    Ray Train copies it (so a copy cut short is an incomplete checkpoint that resuming skips), and a new loop resumes
-    from the newest good one; without, there is no checkpoint to resume from."""
+    Ray Train copies it (so a copy cut short is an incomplete checkpoint that resuming skips), then recorded as
+    committed (``core.registered``, where Ray Train registers it), and a new loop resumes from the
+    newest good one; without, there is no checkpoint to resume from."""
 
     def __init__(self, device=None, run_dir: Optional[str | Path] = None):
         self.device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -51,7 +53,7 @@ class LocalHooks:
 
     def open_checkpoint(self, stack):
         if self.run_dir is None or ckpt.newest_good_local(self.run_dir)[0] is None:
-            return None  # none, or only copies cut short: a fresh start, as under Ray, which registered none of them
+            return None  # none, or only unregistered copies cut short: a fresh start, as under Ray
         found = sorted((d for d in self.run_dir.glob("checkpoint_*") if d.is_dir() and not d.name.endswith(".partial")),
                        reverse=True)
         return ckpt.open_good_checkpoint([(d.name, lambda d=d: d) for d in found]) if found else None
@@ -64,6 +66,7 @@ class LocalHooks:
         if checkpoint_dir is not None and self.run_dir is not None:
             shutil.copytree(checkpoint_dir, self.run_dir / checkpoint_dir_name, copy_function=_copy_file,
                             dirs_exist_ok=True)
+            record_committed(self.run_dir, checkpoint_dir_name)  # as Ray Train registers one once copied
 
     def heartbeat(self, step: Optional[int]) -> None:
         self.beats.append(step)

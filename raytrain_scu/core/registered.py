@@ -1,0 +1,46 @@
+"""Which checkpoints a run's runner registered: the record in its run directory that tells a copy cut short (never
+registered: the runner hands the workers no such checkpoint) from a registered checkpoint damaged afterwards (the
+runner hands it over, and resuming from it fails). Ray Train writes its checkpoint manager's snapshot once a reported
+checkpoint is copied and registered; ``worker.hooks.LocalHooks`` keeps its own record the same way."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Optional
+
+# the record of the checkpoints a run's runner registered, in its run directory: Ray Train's snapshot of its
+# checkpoint manager (written once a reported checkpoint's copy is complete and registered), and LocalHooks' own
+RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"
+LOCAL_RECORD = "committed_checkpoints.json"
+
+
+def _names(record: Path) -> Optional[set[str]]:
+    """The checkpoint names one record lists (none when it is not there); None when it cannot be read."""
+    if not record.is_file():
+        return set()
+    try:
+        data = json.loads(record.read_text())
+        results = [*data.get("checkpoint_results", []), *data.get("pending_training_results", []),
+                   data.get("latest_checkpoint_result") or {}]
+        return {r["checkpoint_dir_name"] for r in results if r} | set(data.get("checkpoints", []))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def registered_checkpoints(run_dir: str | Path) -> Optional[set[str]]:
+    """The names of the checkpoints the runner of ``run_dir`` registered: those Ray Train's snapshot lists (kept,
+    latest, pending) and those in LocalHooks' record; an empty set with neither record. None when a record is there
+    but cannot be read: then no checkpoint may be taken for a copy cut short."""
+    ray_names, local_names = _names(Path(run_dir) / RAY_SNAPSHOT), _names(Path(run_dir) / LOCAL_RECORD)
+    return None if ray_names is None or local_names is None else ray_names | local_names
+
+
+def record_committed(run_dir: str | Path, name: str) -> None:
+    """LocalHooks: checkpoint ``name`` is whole in ``run_dir`` (its copy done), as Ray Train registers one; the record
+    is replaced in one rename, so it lists a checkpoint or does not."""
+    path = Path(run_dir) / LOCAL_RECORD
+    names = sorted((_names(path) or set()) | {name})
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps({"checkpoints": names}))
+    os.replace(tmp, path)
