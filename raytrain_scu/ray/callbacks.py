@@ -23,7 +23,7 @@ import ray
 from ray.train import UserCallback
 from ray.train.v2._internal.execution.callback import WorkerCallback, WorkerGroupCallback
 
-from raytrain_scu.ray.preemption import give_notice, loop_runner, notice, world_rank
+from raytrain_scu.ray.preemption import Notice
 
 logger = logging.getLogger(__name__)
 
@@ -111,16 +111,16 @@ class PreemptOnSigterm(WorkerCallback):
         # Ray's handler, or the default where none was set from Python (getsignal gives None)
         previous = signal.getsignal(signal.SIGTERM)
         previous = signal.SIG_DFL if previous is None else previous
-        rank, node = world_rank(), ray.get_runtime_context().get_node_id()
-        loop, told = loop_runner(), threading.Event()
+        notice, node, told = Notice(), ray.get_runtime_context().get_node_id(), threading.Event()
+        rank = notice.rank
 
         def on_sigterm(signum, frame):
             # no logging in here: a signal landing while this thread writes a log line would re-enter its stream
-            if self.shutting_down or notice() is not None or not loop.is_running():
+            if self.shutting_down or notice.held() is not None or not notice.loop.is_running():
                 signal.signal(signal.SIGTERM, previous)
                 signal.raise_signal(signal.SIGTERM)
                 return
-            give_notice(time.time() + self.grace_s, {node: [rank]})
+            notice.give(time.time() + self.grace_s, {node: [rank]})
             told.set()
 
         def say_told():  # the handler's line, from a thread of its own

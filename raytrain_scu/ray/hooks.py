@@ -19,7 +19,7 @@ from raytrain_scu.config.load import build_config
 from raytrain_scu.config.paths import RunPaths
 from raytrain_scu.console import NOTICES, relaying_warnings, take_notices
 from raytrain_scu.core.checkpoint import disk_full, is_disk_full, open_good_checkpoint, verify
-from raytrain_scu.ray.preemption import give_notice, notice
+from raytrain_scu.ray.preemption import Notice
 from raytrain_scu.ray.watchdog import Heartbeat
 from raytrain_scu.worker.faults import Faults
 from raytrain_scu.worker.loop import run_loop
@@ -88,7 +88,7 @@ class RayHooks:
 
     def __init__(self, heartbeats=None, run_dir: str = "", beat_every_s: float = 0.0, *, restart_wait_s: float):
         self.faults = Faults.from_env()
-        self.run_dir, self.restart_wait_s = run_dir, restart_wait_s
+        self.run_dir, self.restart_wait_s, self.notice = run_dir, restart_wait_s, Notice()
         ctx = ray.train.get_context()
         rank, node_id = ctx.get_world_rank(), ray.get_runtime_context().get_node_id()
         self.beat = Heartbeat(heartbeats, rank, node_id, beat_every_s) if heartbeats is not None else None
@@ -116,14 +116,13 @@ class RayHooks:
         if self.beat is not None:
             self.beat(step)
 
-    @staticmethod
-    def preempt_notice() -> bool:
+    def preempt_notice(self) -> bool:
         """Whether Ray Train told this worker that a node of its group is going: the preemption watcher's notice of
         a drained node (Ray's ``mark_preempt``) or this process's own SIGTERM (``ray.callbacks.PreemptOnSigterm``).
         Read from this worker's own train context (``ray.preemption``), not with ``ray.train.get_preemption_info()``:
         that one is a barrier through Ray's synchronization actor at every step and returns rank 0's view alone, where
         the step's all-reduce carries every rank's at no extra cost."""
-        return notice() is not None
+        return self.notice.held() is not None
 
     def await_restart(self) -> None:
         """After the preemption's checkpoint, on every rank: once Ray has registered it, the preemption's deadline
@@ -133,7 +132,7 @@ class RayHooks:
         ``restart_wait_s`` (train.preempt_grace_s, the window the preemption gave), it raises rather than wait on: the
         worker ends with that error, and Ray Train, which holds the notice, restarts the group from the checkpoint."""
         ray.train.get_all_reported_checkpoints(consistency_mode=ray.train.CheckpointConsistencyMode.COMMITTED)
-        give_notice(time.time())
+        self.notice.give(time.time())
         time.sleep(self.restart_wait_s)
         raise RuntimeError(f"Ray Train did not restart the worker group within train.preempt_grace_s="
                            f"{self.restart_wait_s:g} s of the preemption's checkpoint")
