@@ -184,6 +184,7 @@ def show_records(records: list[dict], cfg: Config, progress, last: dict) -> None
 
 FIT_THREAD = "raytrain_scu-fit"  # the thread fit() runs trainer.fit() in
 
+
 def fit(trainer: TorchTrainer, cfg: Config, sink: Sink, progress, watchdog: Optional[HangWatchdog] = None):
     """``trainer.fit()`` with each report shown by ``progress`` (``console.Progress``) on the driver, the workers'
     notices it carries (``console.notice``) and the hang ``watchdog``'s (the caller runs it) above it; Ctrl-C and
