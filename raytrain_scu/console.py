@@ -20,6 +20,16 @@ ETA = "time/eta_s"  # the reported metrics' key: rank 0's estimate of the second
 VAL_STEP = "val/step"  # the reported metrics' key: the step whose end val/data_bpt was measured at
 RESUMED_AT = "resumed_at"  # the reported metrics' key: the steps the run restarted from, "4,6" (absent: none)
 
+
+def resumed_text(steps) -> str:
+    """The steps a run restarted from as ``RESUMED_AT`` carries them: "4,6"; "" for none."""
+    return ",".join(str(step) for step in steps or [])
+
+
+def resumed_steps(text) -> list[int]:
+    """``RESUMED_AT``'s text ("4,6") as a list; [] for none."""
+    return [int(step) for step in str(text).split(",") if step.strip()] if text not in (None, "") else []
+
 _pending: list[str] = []
 _PACKAGE = str(Path(__file__).resolve().parent)
 

@@ -9,7 +9,7 @@ import time
 import torch
 
 from raytrain_scu.config.io import to_yaml
-from raytrain_scu.console import ETA, NOTICES, RESUMED_AT, VAL_STEP, take_notices
+from raytrain_scu.console import ETA, NOTICES, RESUMED_AT, VAL_STEP, resumed_text, take_notices
 from raytrain_scu.core import checkpoint as ckpt
 from raytrain_scu.core.data.batches import val_batches
 from raytrain_scu.core.dist import all_gather_object, all_reduce_sum, rank, world_size
@@ -119,7 +119,7 @@ def report(s: State, step: int, row: dict, is_ckpt: bool) -> None:
     if s.rec.val_step is not None:  # None: resumed from a checkpoint that predates it
         metrics[VAL_STEP] = s.rec.val_step
     if s.rec.resumed_at:  # one text, as the notices: a sweep's table and MLflow say which trial restarted, from where
-        metrics[RESUMED_AT] = ",".join(str(step) for step in s.rec.resumed_at)
+        metrics[RESUMED_AT] = resumed_text(s.rec.resumed_at)
     notices = take_notices()  # rank 0's reach the driver's console (ray.launch.fit)
     if notices:  # one text, not a list: Tune's TensorBoard logger warns about a list it cannot plot (sweeps)
         metrics[NOTICES] = "\n".join(notices)

@@ -10,8 +10,8 @@ from typing import Optional, TextIO
 from ray import cloudpickle, tune
 
 from raytrain_scu.config.schema import Config
-from raytrain_scu.console import RESUMED_AT, VAL_STEP, fmt_eta
-from raytrain_scu.ray.tune.results import error_line, resumed_steps
+from raytrain_scu.console import RESUMED_AT, VAL_STEP, fmt_eta, resumed_steps
+from raytrain_scu.ray.tune.results import error_line
 from raytrain_scu.ray.tune.space import arm_text, plain_value
 
 

@@ -16,7 +16,7 @@ from typing import Optional
 from raytrain_scu.config.io import flatten, redact_uri, to_yaml
 from raytrain_scu.config.paths import run_dir
 from raytrain_scu.config.schema import Config, global_batch_tokens
-from raytrain_scu.console import RESUMED_AT
+from raytrain_scu.console import RESUMED_AT, resumed_steps, resumed_text
 from raytrain_scu.ray.tune.space import (
     ARM,
     GLOBAL_BATCH,
@@ -54,11 +54,6 @@ def error_line(error: Optional[BaseException]) -> str:
         error = inner
     lines = [line for line in str(error).strip().splitlines() if line.strip()]
     return redact_uri(f"{type(error).__name__}: {lines[-1].strip() if lines else ''}".strip())
-
-
-def resumed_steps(text) -> list[int]:
-    """The reported ``resumed_at`` ("4,6": the steps a trial's Train run restarted from) as a list; [] for none."""
-    return [int(step) for step in str(text).split(",") if step.strip()] if text not in (None, "") else []
 
 
 def trial_rows(results, base: Config, space: dict) -> list[dict]:
@@ -143,7 +138,7 @@ def _columns(rows: list[dict], keys: list[str], metric: str) -> tuple[list[str],
     body = [[r["trial"], *(r["params"].get(k) for k in keys), *([r["grad_accum"]] if extra else []),
              *([r["global_batch_tokens"]] if batch else []), r["metric"], r.get("scored_step", r["steps"]),
              r["steps"], r.get("tokens_seen"), r["status"],
-             ",".join(str(step) for step in r.get("resumed_at") or []) or None] for r in rows]
+             resumed_text(r.get("resumed_at")) or None] for r in rows]
     return head, body
 
 
@@ -302,7 +297,7 @@ def close_parent_run(cfg: Config, parent_run_id: str, rows: list[dict], best: Op
             if row.get(key) is not None:
                 client.set_tag(child.info.run_id, tag, str(row[key]))
         if row.get("resumed_at"):
-            client.set_tag(child.info.run_id, RESUMED_TAG, ",".join(str(step) for step in row["resumed_at"]))
+            client.set_tag(child.info.run_id, RESUMED_TAG, resumed_text(row["resumed_at"]))
         if row.get("error"):
             client.set_tag(child.info.run_id, FAILURE_TAG, param_text(row["error"]))
         if child.info.status == "RUNNING" and row["status"] in ("KILLED", "FAILED"):
