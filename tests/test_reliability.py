@@ -1209,8 +1209,8 @@ def test_a_credential_in_the_config_is_refused_before_ray_naming_the_environment
     assert list(tmp_path.iterdir()) == []
     from raytrain_scu.cli.evaluate import main as evaluate  # a storage URI given as a flag: the same rule
 
-    assert evaluate(["--config", TINY, "--adapter", f"s3://runs/tiny/cred/output/adapter?endpoint_override="
-                                                    f"http://minio:epSECRET44@127.0.0.1:9000"]) == 2
+    assert evaluate(["--config", TINY, "--adapter", "s3://runs/tiny/cred/output/adapter?endpoint_override="
+                                                    "http://minio:epSECRET44@127.0.0.1:9000"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: --adapter: ") and "AWS_SECRET_ACCESS_KEY" in err and "SECRET44" not in err, err
 
@@ -1308,13 +1308,30 @@ def test_resuming_with_changed_data_is_refused_before_ray(secret_run, no_ray, ca
 
 # ---------------------------------------------------------------- a node lost from a two-node cluster
 
+def two_node_cluster():
+    """(cluster, worker node): a head (1 CPU) and a worker node (2 CPUs) on this machine, this process's Ray joined to
+    them. The state API needs the head's dashboard; 8265 may be another Ray's on this box. The GCS checks each node's
+    health every second and takes 3 failed checks in a row for a lost node (Ray's defaults: every 3 s, 5 in a row;
+    each check's timeout stays Ray's 10 s, so a live node that is slow to answer is not taken for a lost one). A dead
+    node's checks fail at once. Measured on an idle 2-core machine: the new worker group started 5.4 s after the
+    node's loss, against 9.0 s with the defaults (38 s against 43 s in all)."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    health = {"health_check_period_ms": 1000, "health_check_failure_threshold": 3}
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "dashboard_port": free_port(),
+                                                            "_system_config": health})
+    worker_node = cluster.add_node(num_cpus=2)
+    ray.init(address=cluster.address, log_to_driver=False)
+    return cluster, worker_node
+
+
 def two_node_scenario(storage: str) -> dict:
     """Two Ray nodes on this machine, one training worker on each (STRICT_SPREAD); the worker node is removed after
     step 15 (checkpoint at 10) and a replacement node added. Prints and returns what happened.
 
     Training runs in a thread; the main thread changes the cluster (Ray starts node processes from the main thread)."""
     import ray
-    from ray.cluster_utils import Cluster
     from ray.util.state import list_actors
 
     from raytrain_scu.driver.run import run
@@ -1322,16 +1339,7 @@ def two_node_scenario(storage: str) -> dict:
     hold = Path(storage) / "hold"
     os.environ.update(RAYTRAIN_SCU_HOLD_AT_STEP="15", RAYTRAIN_SCU_HOLD_DIR=str(hold))
     t0 = time.time()
-    # the state API needs the head's dashboard; 8265 may be another Ray's on this box. The GCS checks each node's
-    # health every second and takes 3 failed checks in a row for a lost node (Ray's defaults: every 3 s, 5 in a row;
-    # each check's timeout stays Ray's 10 s, so a live node that is slow to answer is not taken for a lost one). A
-    # dead node's checks fail at once. Measured on an idle 2-core machine: the new worker group started 5.4 s after
-    # the node's loss, against 9.0 s with the defaults (38 s against 43 s in all)
-    health = {"health_check_period_ms": 1000, "health_check_failure_threshold": 3}
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "dashboard_port": free_port(),
-                                                            "_system_config": health})
-    worker_node = cluster.add_node(num_cpus=2)
-    ray.init(address=cluster.address, log_to_driver=False)
+    cluster, worker_node = two_node_cluster()
     out = {"head": cluster.head_node.node_id, "worker_node": worker_node.node_id,
            "cluster_start_s": round(time.time() - t0, 1)}
 
@@ -1413,7 +1421,6 @@ def drain_scenario(storage: str, at: int) -> dict:
     ``ray start`` does on SIGTERM and autoscaler v2 on a reclaim); once both workers logged Ray's notice they go on.
     Prints and returns what happened."""
     import ray
-    from ray.cluster_utils import Cluster
     from ray.core.generated import autoscaler_pb2
 
     from raytrain_scu.driver.run import run
@@ -1422,11 +1429,7 @@ def drain_scenario(storage: str, at: int) -> dict:
     os.environ.update(RAYTRAIN_SCU_PAUSE_AT_STEP=str(at), RAYTRAIN_SCU_HOLD_DIR=str(hold),
                       RAY_TRAIN_ENABLE_PREEMPTION_WATCHER="1", RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S="0.5")
     t0 = time.time()
-    health = {"health_check_period_ms": 1000, "health_check_failure_threshold": 3}
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "dashboard_port": free_port(),
-                                                            "_system_config": health})
-    worker_node = cluster.add_node(num_cpus=2)
-    ray.init(address=cluster.address, log_to_driver=False)
+    cluster, worker_node = two_node_cluster()
     logs = Path(ray._private.worker._global_node.get_logs_dir_path())  # every node's, on this machine
     out = {"worker_node": worker_node.node_id, "cluster_start_s": round(time.time() - t0, 1)}
 

@@ -77,7 +77,7 @@ def train(s: State) -> bool:
             s.hooks.faults.after_report(step + 1)
             if done:
                 break
-    return step + 1 >= t.max_steps or finished(s, step)
+    return finished(s, step)
 
 
 def run_loop(cfg: Config, *, hooks, run_id: Optional[str] = None) -> None:

@@ -136,10 +136,10 @@ def report(s: State, step: int, row: dict, is_ckpt: bool) -> None:
 
 
 def finished(s: State, step: int) -> bool:
-    """Whether the run ends with step ``step + 1``: train.max_steps reached, or λ saturated under
-    train.stop_on_saturation."""
+    """Whether the run is over with step ``step + 1``: train.max_steps reached (or passed, by a run resumed under a
+    lower one), or λ saturated under train.stop_on_saturation."""
     t = s.cfg.train
-    return step + 1 == t.max_steps or (t.stop_on_saturation and s.ctrl.law.saturated)
+    return step + 1 >= t.max_steps or (t.stop_on_saturation and s.ctrl.law.saturated)
 
 
 def after_step(s: State, step: int, row: dict) -> bool:
