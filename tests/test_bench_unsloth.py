@@ -34,6 +34,9 @@ def test_without_cuda_each_part_is_skipped_with_the_reason_and_nothing_runs(tmp_
     for four_bit in (False, True):
         with pytest.raises(U.PartSkipped, match="no CUDA GPU here"):
             U.unsloth_loop(**KW, load_in_4bit=four_bit, root=str(tmp_path))
+    with pytest.raises(U.PartSkipped, match="no CUDA GPU here"):
+        U.unsloth_sft_loop(preset=KW["preset"], examples=[([1, 2, 3], [False, True, True])], batch=2, block=8,
+                           steps=1, warmup=0, interval=1, root=str(tmp_path))
     assert "unsloth" not in sys.modules and not any(tmp_path.iterdir())
     assert isinstance(U.PartSkipped("x"), RuntimeError)  # a bench without a skip branch still shows it, as an error
 

@@ -13,7 +13,7 @@ from raytrain_scu.studies.bench.attention import attention_bench
 from raytrain_scu.studies.bench.ours import ours_bare, ours_ray
 from raytrain_scu.studies.bench.reference import reference_loop
 from raytrain_scu.studies.bench.sft_peers import padded_loop, trl_loop
-from raytrain_scu.studies.bench.unsloth import unsloth_loop
+from raytrain_scu.studies.bench.unsloth import unsloth_loop, unsloth_sft_loop
 
 RAY_PART = re.compile(r"ray([1-9][0-9]*)")  # the Ray parts: rayN, N workers with one GPU each
 
@@ -115,6 +115,16 @@ def _sft_trl(attention: str, compile_: bool = False) -> Callable[[Ctx], dict]:
     return run
 
 
+def _sft_unsloth(gradient_checkpointing) -> Callable[[Ctx], dict]:
+    def run(c: Ctx) -> dict:
+        a = c.args
+        _, examples, _ = c.sft()
+        return unsloth_sft_loop(preset=c.preset, examples=examples, batch=a.batch, block=c.block, steps=a.steps,
+                                warmup=a.warmup_reports * a.report_every, interval=a.report_every,
+                                gradient_checkpointing=gradient_checkpointing)
+    return run
+
+
 def _ray(c: Ctx, n: int) -> dict:
     return ours_ray(c.cfg(workers=n), c.args.warmup_reports)
 
@@ -149,6 +159,10 @@ PEERS_AT_EVERY_SHAPE = {
     "sft_ref_padded": Part(_sft_padded, peer=True, sft=True),
     "sft_ref_trl": Part(_sft_trl("flex_attention"), peer=True, isolated=True, sft=True),
     "sft_ref_trl_sdpa": Part(_sft_trl("sdpa"), peer=True, isolated=True, sft=True),
+    # Unsloth's model under the SFTTrainer it patches, with the TRL part's settings (its own subprocess); without
+    # gradient checkpointing as the other SFT parts, and with Unsloth's recommended "unsloth" checkpointing
+    "sft_ref_unsloth": Part(_sft_unsloth(False), peer=True, sft=True),
+    "sft_ref_unsloth_gc": Part(_sft_unsloth("unsloth"), peer=True, sft=True),
     # the Trainer's torch_compile=True: Inductor fails on TRL's own LM-head kernel there (docs/benchmarks.md)
     "sft_ref_trl_compiled": Part(_sft_trl("flex_attention", compile_=True), peer=True, isolated=True, sft=True),
 }
@@ -197,7 +211,7 @@ GROUPS = {"1b": "attn,ref_eager,ref_compile_default,ref_compile,ours,ours_fp8,sc
           "scale": "ray1,rayN",  # rayN: see expand_parts
           "granite": "granite_h1b,granite_h1b_eager,granite_qlora",
           # the ours/peer pair first: a call cut short keeps the comparison
-          "sft": "sft_packed,sft_ref_trl,sft_ref_padded,sft_ref_trl_sdpa,sft_padded"}
+          "sft": "sft_packed,sft_ref_trl,sft_ref_padded,sft_ref_unsloth,sft_ref_trl_sdpa,sft_padded,sft_ref_unsloth_gc"}
 
 
 # profile_<part>: that part under train.profile_steps; idle_<part>: the same with train.profile_host=false (the device

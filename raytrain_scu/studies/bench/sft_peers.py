@@ -137,12 +137,31 @@ def trl_loop(*, preset: str, examples, tokenizer, batch: int, block: int, steps:
                           "backward on the CPU")
     if importlib.util.find_spec("trl") is None:
         raise PartSkipped("trl is not installed (pip install trl==1.15.0)")
+    dev, dtype = torch.device("cuda"), torch.bfloat16
+    model = peer_model(preset, dev=dev, dtype=dtype, attention=attention, lora_r=16)
+    out = sft_trainer_run(model, examples=examples, tokenizer=tokenizer, batch=batch, block=block, steps=steps,
+                          warmup=warmup, interval=interval, compile_=compile_)
+    import trl
+
+    out.update(attention=attention, compile_scope="model (Trainer torch_compile)" if compile_ else "none",
+               trl=trl.__version__)
+    del model
+    free()
+    return out
+
+
+def sft_trainer_run(model, *, examples, tokenizer, batch: int, block: int, steps: int, warmup: int, interval: int,
+                    compile_: bool = False) -> dict:
+    """``model`` (a peft LoRA model on the GPU) trained by ``trl.SFTTrainer`` on ``examples``: padding-free with
+    best-fit-decreasing packing into rows of ``block`` tokens, ``batch`` rows a micro-batch, the loss on completions
+    only, fused AdamW lr 1e-4, bf16, timed by a callback at the ends of the intervals; the part's result (without
+    what names the model's setup). Whatever ``trl.SFTTrainer`` is when called: TRL's own, or the class Unsloth puts
+    in its place when it is imported first (:mod:`.unsloth_child`)."""
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import SFTConfig, SFTTrainer
 
     dev, dtype = torch.device("cuda"), torch.bfloat16
-    model = peer_model(preset, dev=dev, dtype=dtype, attention=attention, lora_r=16)
     data = Dataset.from_dict({"input_ids": [ids for ids, _ in examples],
                               "completion_mask": [[int(t) for t in target] for _, target in examples]})
     counts, ends = [], []
@@ -176,10 +195,7 @@ def trl_loop(*, preset: str, examples, tokenizer, batch: int, block: int, steps:
     counts = [(int(n), int(t)) for n, t in counts]
     tok, tgt = interval_rates(ends, counts)
     proof = proof_of_training(bpt_before, _bpt(model, fixed[0], fixed[1], dev, dtype), lora_b_norm(model).item())
-    import trl
-
-    out = _result(tok, tgt, counts, proof, batch=f"{batch} x {block}", attention=attention,
-                  compile_scope="model (Trainer torch_compile)" if compile_ else "none", trl=trl.__version__)
-    del trainer, model
+    out = _result(tok, tgt, counts, proof, batch=f"{batch} x {block}", trainer=type(trainer).__mro__[1].__name__)
+    del trainer
     free()
     return out

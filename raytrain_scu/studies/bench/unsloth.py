@@ -1,5 +1,6 @@
 """Unsloth as a measured peer in the bench: the parts ``ref_unsloth``, ``ref_unsloth_8b``, ``ref_unsloth_qlora`` and
-``ref_unsloth_qlora_8b`` (the bench side; :mod:`.unsloth_child` is the process that runs one).
+``ref_unsloth_qlora_8b``, and the SFT group's ``sft_ref_unsloth`` (:func:`unsloth_sft_loop`) (the bench side;
+:mod:`.unsloth_child` is the process that runs one).
 
 Each part is the reference loop (``reference_loop`` in the bench) with Unsloth's model in place of plain HF + peft:
 
@@ -84,17 +85,43 @@ def unsloth_loop(*, preset: str, batch: int, block: int, steps: int, warmup: int
     backend, loss path, fused LoRA layers, ...). Raises :class:`PartSkipped` (no GPU, packages missing) before
     anything runs, the bench's ``DidNotTrain`` when the proof fails, RuntimeError with the child's last lines when
     it fails otherwise."""
+    import numpy as np
+
+    def write(work: Path) -> dict:
+        np.save(work / "blocks.npy", np.ascontiguousarray(blocks))
+        return dict(preset=preset, batch=batch, block=block, steps=steps, warmup=warmup, interval=interval,
+                    lora_r=lora_r, load_in_4bit=load_in_4bit, gradient_checkpointing=gradient_checkpointing,
+                    profile=profile, blocks=str(work / "blocks.npy"), root=str(root or model_root()))
+    return _in_child(write, load_in_4bit=load_in_4bit, timeout_s=timeout_s)
+
+
+def unsloth_sft_loop(*, preset: str, examples, batch: int, block: int, steps: int, warmup: int, interval: int,
+                     gradient_checkpointing=False, lora_r: int = 16, root: str = "", timeout_s: float = 1800.0) -> dict:
+    """Unsloth's supervised fine-tuning as its users run it (the SFT group's ``sft_ref_unsloth``): its model and LoRA
+    (as :func:`unsloth_loop` loads them; ``gradient_checkpointing`` off as in the other SFT parts, or Unsloth's
+    ``"unsloth"``) trained by the
+    ``trl.SFTTrainer`` that Unsloth patches, padding-free with TRL's packing, the loss on the answers only: the
+    setup of the TRL part (``sft_peers.sft_trainer_run``), in a subprocess. ``examples``: (token ids, target per
+    token) pairs. Returns the SFT parts' fields plus ``versions`` and ``unsloth`` (what ran); raises as
+    :func:`unsloth_loop` does."""
+    def write(work: Path) -> dict:
+        (work / "examples.json").write_text(json.dumps([[list(map(int, ids)), [bool(t) for t in target]]
+                                                        for ids, target in examples]))
+        return dict(mode="sft", preset=preset, batch=batch, block=block, steps=steps, warmup=warmup,
+                    interval=interval, lora_r=lora_r, load_in_4bit=False, gradient_checkpointing=gradient_checkpointing,
+                    examples=str(work / "examples.json"), root=str(root or model_root()))
+    return _in_child(write, load_in_4bit=False, timeout_s=timeout_s)
+
+
+def _in_child(write, *, load_in_4bit: bool, timeout_s: float) -> dict:
+    """One part in a fresh subprocess: ``write(work)`` puts its inputs in a temporary folder and returns the spec;
+    the child writes ``result.json`` there."""
     reason = skip_reason(load_in_4bit)
     if reason:
         raise PartSkipped(reason)
-    import numpy as np
-
     work = Path(tempfile.mkdtemp(prefix="rtscu_unsloth_"))
     try:
-        np.save(work / "blocks.npy", np.ascontiguousarray(blocks))
-        spec = dict(preset=preset, batch=batch, block=block, steps=steps, warmup=warmup, interval=interval,
-                    lora_r=lora_r, load_in_4bit=load_in_4bit, gradient_checkpointing=gradient_checkpointing, profile=profile,
-                    blocks=str(work / "blocks.npy"), root=str(root or model_root()), out=str(work / "result.json"))
+        spec = write(work) | {"out": str(work / "result.json")}
         (work / "spec.json").write_text(json.dumps(spec))
         _run_child([sys.executable, "-m", child_module(), "--child", str(work / "spec.json")], child_env(),
                    timeout_s)

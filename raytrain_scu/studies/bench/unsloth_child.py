@@ -103,19 +103,27 @@ def summarize(times: list[float], *, batch: int, block: int, peak_mem_gib: float
 
 # ---------------------------------------------------------------- the part
 
-def run_part(spec: dict) -> dict:
-    """One part, in this (fresh) process: Unsloth imported first, the model saved and loaded, the timed loop. On a
-    GPU (the bench's case) in bf16; without one in float32 with no autocast (the CPU test's stand-in ``unsloth``
-    runs this path)."""
+def _import_unsloth() -> dict:
+    """``import unsloth`` first, before transformers, peft and trl: Unsloth patches them as it is imported. Returns
+    what the part records of it."""
     for k, v in OFFLINE_ENV.items():
         os.environ.setdefault(k, v)
     before = [m for m in ("transformers", "peft", "trl") if m in sys.modules]  # [] unless a package __init__ grew
     t0 = time.time()
-    import unsloth  # noqa: F401 - first, before transformers / peft / trl: Unsloth patches them as it is imported
+    import unsloth  # noqa: F401 - for its patches
 
     # unsloth_zoo sets the allocator's expandable segments on import when nothing is set: part of Unsloth's setup
-    info = {"import_s": round(time.time() - t0, 1), "imported_before_unsloth": before,
+    return {"import_s": round(time.time() - t0, 1), "imported_before_unsloth": before,
             "alloc_conf": os.environ.get("PYTORCH_ALLOC_CONF") or "-"}
+
+
+def run_part(spec: dict) -> dict:
+    """One part, in this (fresh) process: Unsloth imported first, the model saved and loaded, the timed loop. On a
+    GPU (the bench's case) in bf16; without one in float32 with no autocast (the CPU test's stand-in ``unsloth``
+    runs this path)."""
+    if spec.get("mode") == "sft":
+        return run_sft_part(spec)
+    info = _import_unsloth()
     model, opt, ctx = _load(spec, info)
     from raytrain_scu.core.regularizer import lora_b_norm  # peft and transformers: after unsloth
     from raytrain_scu.studies.bench import measure as bench
@@ -136,29 +144,34 @@ def run_part(spec: dict) -> dict:
                      info=info)
 
 
+def run_sft_part(spec: dict) -> dict:
+    """The SFT part, in this (fresh) process: Unsloth imported first, its model and LoRA loaded as for the other
+    parts, then ``sft_peers.sft_trainer_run``: the TRL part's trainer and settings, with the ``trl.SFTTrainer`` that
+    Unsloth has patched. CUDA only (TRL's and Unsloth's kernels)."""
+    info = _import_unsloth()
+    model, tok, gpu, _, _ = _unsloth_model(spec, info)  # the trainer makes its own optimiser
+    from raytrain_scu.studies.bench.sft_peers import sft_trainer_run  # peft and transformers: after unsloth
+
+    examples = [(ids, target) for ids, target in json.loads(Path(spec["examples"]).read_text())]
+    with _recording_attention() as backends:
+        out = sft_trainer_run(model, examples=examples, tokenizer=tok, batch=spec["batch"], block=spec["block"],
+                              steps=spec["steps"], warmup=spec["warmup"], interval=spec["interval"])
+    info.update(versions=package_versions(), imported=_imported(), attention=_attention_info(backends),
+                **_what_ran(model, spec, gpu))
+    return {**out, "versions": info.pop("versions"), "gradient_checkpointing": info.pop("gradient_checkpointing"),
+            "compiled": "Unsloth's own (its kernels and compiled pieces; no torch.compile of the model)",
+            "attention": ", ".join(info["attention"]["backends_called"]), "unsloth": info}
+
+
 def _load(spec: dict, info: dict):
-    """The saved model through Unsloth's loader and its LoRA; the optimiser; the batches. Records the times."""
+    """Unsloth's model and LoRA (:func:`_unsloth_model`), the optimiser, the batches."""
     import numpy as np
     import torch
-    from unsloth import FastLanguageModel
 
     from raytrain_scu.studies.bench import measure as bench
 
-    gpu = torch.cuda.is_available()
-    dev, dtype = torch.device("cuda" if gpu else "cpu"), torch.bfloat16 if gpu else torch.float32
-    batch, block, r = spec["batch"], spec["block"], spec["lora_r"]
-    t0 = time.time()
-    mdir = save_random_model(spec["preset"], Path(spec["root"]) / spec["preset"], device=dev.type, dtype=dtype)
-    _free_memory()
-    info.update(build_s=round(time.time() - t0, 1), model_dir=str(mdir))
-    t0 = time.time()
-    model, _tok = FastLanguageModel.from_pretrained(model_name=str(mdir), max_seq_length=block, dtype=dtype,
-                                                    load_in_4bit=spec["load_in_4bit"])
-    model = FastLanguageModel.get_peft_model(model, r=r, lora_alpha=2 * r, target_modules=PROJ, lora_dropout=0,
-                                             bias="none", random_state=3407,
-                                             use_gradient_checkpointing=spec["gradient_checkpointing"])
-    FastLanguageModel.for_training(model)
-    info["load_s"] = round(time.time() - t0, 1)
+    model, _tok, gpu, dev, dtype = _unsloth_model(spec, info)
+    batch, block = spec["batch"], spec["block"]
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, fused=gpu)
     blocks = np.load(spec["blocks"], mmap_mode="r")
 
@@ -166,6 +179,31 @@ def _load(spec: dict, info: dict):
         return bench.batch_rows(blocks, i, batch, block).to(dev)
 
     return model, opt, dict(gpu=gpu, dev=dev, dtype=dtype, batch_at=batch_at, blocks=blocks)
+
+
+def _unsloth_model(spec: dict, info: dict):
+    """The saved random-init model through Unsloth's loader and its LoRA: (model, tokenizer, gpu, device, dtype).
+    Records the
+    times and the model's directory in ``info``."""
+    import torch
+    from unsloth import FastLanguageModel
+
+    gpu = torch.cuda.is_available()
+    dev, dtype = torch.device("cuda" if gpu else "cpu"), torch.bfloat16 if gpu else torch.float32
+    block, r = spec["block"], spec["lora_r"]
+    t0 = time.time()
+    mdir = save_random_model(spec["preset"], Path(spec["root"]) / spec["preset"], device=dev.type, dtype=dtype)
+    _free_memory()
+    info.update(build_s=round(time.time() - t0, 1), model_dir=str(mdir))
+    t0 = time.time()
+    model, tok = FastLanguageModel.from_pretrained(model_name=str(mdir), max_seq_length=block, dtype=dtype,
+                                                    load_in_4bit=spec["load_in_4bit"])
+    model = FastLanguageModel.get_peft_model(model, r=r, lora_alpha=2 * r, target_modules=PROJ, lora_dropout=0,
+                                             bias="none", random_state=3407,
+                                             use_gradient_checkpointing=spec["gradient_checkpointing"])
+    FastLanguageModel.for_training(model)
+    info["load_s"] = round(time.time() - t0, 1)
+    return model, tok, gpu, dev, dtype
 
 
 def _fixed_batch_loss(model, ctx):
@@ -221,7 +259,8 @@ class _recording_attention:
             orig, seen = mod.run_attention, self.seen
 
             def run_attention(*args, **kwargs):
-                seen.add(str(getattr(kwargs.get("config"), "backend", "?")))
+                packed = getattr(kwargs.get("context"), "seq_info", None) is not None
+                seen.add(str(getattr(kwargs.get("config"), "backend", "?")) + " (packed examples)" * packed)
                 return orig(*args, **kwargs)
 
             mod.run_attention, self.mod, self.orig = run_attention, mod, orig
