@@ -164,6 +164,10 @@ def _check_model_and_data(cfg: Config) -> None:
     _check(0.0 < d.val_fraction < 1.0, "data.val_fraction", f"must be in (0, 1), got {d.val_fraction}")
     _check(d.max_documents >= 0, "data.max_documents", f"must be >= 0, got {d.max_documents}")
     _check(d.loader_workers >= 0, "data.loader_workers", f"must be >= 0, got {d.loader_workers}")
+    _one_of("data.streaming", d.streaming, ("auto", "on", "off"))
+    _check(d.shard_bytes >= 4096, "data.shard_bytes", f"must be >= 4096, got {d.shard_bytes}")
+    _check(d.streaming != "on" or d.max_documents == 0, "data.max_documents",
+           f"must be 0 with data.streaming=on (a streamed source is read whole), got {d.max_documents}")
 
     o = cfg.optim
     _check(o.lr > 0 and math.isfinite(o.lr), "optim.lr", f"must be > 0, got {o.lr}")

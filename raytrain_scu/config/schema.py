@@ -119,7 +119,16 @@ class DataConfig:
     grad_accum: int = 1  # micro-steps per optimizer step
     val_fraction: float = 0.1  # share of documents held out for validation (split by document, seeded)
     cache_dir: str = ""  # token cache ("" = ~/.cache/raytrain_scu/tokens)
-    loader_workers: int = 0  # background processes that read batches (0 = in the training process)
+    # a text or jsonl source of text read in shards, each tokenised on first need into its own cache file
+    # (core/data/stream.py), instead of tokenised whole before the first step: on | off | auto (on when its files hold
+    # more than STREAM_ABOVE_BYTES and data.max_documents is 0). Streamed: one shard, picked by the seed, is the
+    # validation split (data.val_fraction plays no part), each shard's blocks are shuffled within it, and
+    # tokens_per_epoch (N) is estimated: the train shards' bytes x the validation shard's tokens per byte
+    streaming: str = "auto"
+    shard_bytes: int = 4 * 2**20  # a streamed source's shard: this many bytes, cut at a blank line (text) or line end
+    # background threads that tokenise a streamed source's next shards ahead of the training stream (the tokenizer
+    # runs outside Python's lock); 0 = a shard is tokenised in the training step that first needs it
+    loader_workers: int = 0
 
 
 @dataclass
@@ -297,6 +306,10 @@ HANG_TIMEOUT_S = {"cpu": 300.0, "gpu": 1800.0}
 # where derived data (converted models, tokenizers, token blocks) and a remote run's machine-local state live;
 # RAYTRAIN_SCU_CACHE overrides it
 CACHE_DIR = "~/.cache/raytrain_scu"
+# data.streaming=auto streams a text source larger than this: tokenised whole at the ~1-2.5 MB/s a BPE tokenizer
+# manages on one CPU it would keep the first step minutes away, and its documents (Python strings) and token ids
+# (Python ints) would take several times its size in memory
+STREAM_ABOVE_BYTES = 256 * 2**20
 
 TUNE_KINDS = ("choice", "grid", "uniform", "loguniform", "randint")
 # tune.space keys that are not config keys (sweep_space.apply_params maps them): global_batch_tokens, tokens per
@@ -346,7 +359,8 @@ def data_options(cfg: Config) -> dict:
     return {"source": d.source, "path": d.path, "text_field": d.text_field, "max_documents": d.max_documents,
             "block_size": d.block_size, "val_fraction": d.val_fraction, "seed": cfg.seed, "cache_dir": d.cache_dir,
             "fmt": d.format, "chat_template": d.chat_template, "train_on": d.train_on, "too_long": d.too_long,
-            "packing": d.packing}
+            "packing": d.packing, "streaming": d.streaming, "shard_bytes": d.shard_bytes,
+            "loader_workers": d.loader_workers}
 
 
 def hang_timeout_s(cfg: Config, *, use_gpu: bool) -> float:

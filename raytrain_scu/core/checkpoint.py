@@ -268,11 +268,12 @@ def load_training_state(ckpt_dir: str | Path, *, model, optimizer, scaler, rank:
     return meta
 
 
-def check_tokens_per_epoch(meta: dict, *, measured: int, override: int) -> Optional[str]:
+def check_tokens_per_epoch(meta: dict, *, measured: int, override: int, estimated: bool = False) -> Optional[str]:
     """Refuse to resume when the data's tokens per epoch (N of ParamBPT, so S) is not the checkpoint's.
 
-    ``measured``: the training split's count now; ``override``: controller.tokens_per_epoch (0 = none). A set override
-    wins: returns a warning when it differs from the checkpoint's value, else None."""
+    ``measured``: the training split's count now, or (``estimated``: a streamed source) its estimate, which the same
+    files, tokenizer, block size, seed and data.shard_bytes give again exactly; ``override``: controller.tokens_per_epoch
+    (0 = none). A set override wins: returns a warning when it differs from the checkpoint's value, else None."""
     saved = meta["tokens_per_epoch"]
     if override:
         if override == saved:
@@ -282,7 +283,7 @@ def check_tokens_per_epoch(meta: dict, *, measured: int, override: int) -> Optio
     if measured != saved:
         raise CheckpointError(
             f"cannot resume: the checkpoint was written with tokens_per_epoch={saved} but the data now gives "
-            f"tokens_per_epoch={measured} (did data.* change?); ParamBPT and S scale with it, so they would change "
+            f"{'an estimated ' if estimated else ''}tokens_per_epoch={measured} (did data.* change?); ParamBPT and S scale with it, so they would change "
             f"silently. Restore the data settings, set controller.tokens_per_epoch={saved} to keep the checkpoint's "
             f"scale on the new data, or use a new run.name to start fresh.")
     return None

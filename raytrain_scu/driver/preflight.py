@@ -19,7 +19,9 @@ from raytrain_scu.config.schema import Config, data_options, sequences_per_step
 from raytrain_scu.core.checkpoint import check_structure, check_tokens_per_epoch, newest_good_local, read_meta
 from raytrain_scu.core.data import sft
 from raytrain_scu.core.data.cache import prepare_data
-from raytrain_scu.core.data.sources import check_source, resolve_format, resolve_source
+from raytrain_scu.core.data.scan import scan_source
+from raytrain_scu.core.data.sources import check_source, resolve_format, resolve_source, source_files
+from raytrain_scu.core.data.stream import use_streaming
 from raytrain_scu.core.embed_quant import (
     EMBEDDING_TARGETS,
     TIED_OFFLOAD,
@@ -187,7 +189,8 @@ def resume_point(cfg: Config) -> tuple[Optional[Path], Optional[dict]]:
 def preflight(cfg: Config, *, storage_checked: bool = False) -> dict:
     """Every check that needs I/O, before Ray starts, the storage path's first (:func:`check_storage`; skipped when
     the caller ran it already: ``storage_checked``). Returns derived facts: where the model comes from, use_gpu,
-    tokens_per_epoch, the split sizes, visible GPUs, the checkpoint a re-run resumes from and the vocabulary size."""
+    tokens_per_epoch (and whether it is a streamed source's estimate), the split sizes, visible GPUs, the checkpoint a re-run resumes from
+    and the vocabulary size."""
     d = cfg.data
     if not storage_checked:
         check_storage(cfg)
@@ -196,7 +199,12 @@ def preflight(cfg: Config, *, storage_checked: bool = False) -> dict:
     good, resume_meta = resume_point(cfg)
     with _as_preflight(DataError):
         check_source(d.source, d.path, d.text_field, d.format)
-        examples = resolve_format(resolve_source(d.source, d.path), d.path, d.format, d.text_field) != "text"
+        source = resolve_source(d.source, d.path)
+        fmt = resolve_format(source, d.path, d.format, d.text_field)
+        examples = fmt != "text"
+        if use_streaming(source=source, fmt=fmt, streaming=d.streaming, max_documents=d.max_documents,
+                         files=source_files(source, d.path)):
+            scan_source(source, d.path, d.text_field)  # all of it, in bounded memory: no worker reads it whole first
     if examples and d.packing:  # before the tokenization: the model alone decides it
         with _as_preflight(ModelError):
             check_packing(hf_config, cfg.model.name, gpu=use_gpu)
@@ -205,7 +213,7 @@ def preflight(cfg: Config, *, storage_checked: bool = False) -> dict:
     if resume_meta is not None:  # the data must give the checkpoint's tokens_per_epoch (the loop checks it too)
         with _as_preflight(CheckpointError):
             check_tokens_per_epoch(resume_meta, measured=data.tokens_per_epoch,
-                                   override=cfg.controller.tokens_per_epoch)
+                                   override=cfg.controller.tokens_per_epoch, estimated=data.streamed)
     unit = "rows" if examples else "blocks"
     global_batch = sequences_per_step(cfg)
     if len(data.train) < global_batch:
@@ -213,5 +221,6 @@ def preflight(cfg: Config, *, storage_checked: bool = False) -> dict:
                              f"one global batch ({global_batch} = data.batch_size x data.grad_accum x "
                              f"scaling.num_workers): lower those, or lower data.val_fraction or add data")
     return {"model": where, "use_gpu": use_gpu, "tokens_per_epoch": data.tokens_per_epoch,
+            "tokens_per_epoch_estimated": data.streamed,
             "train_blocks": len(data.train), "val_blocks": len(data.val), "gpus": gpus, "resume_from": good,
             "vocab_size": len(tok), "unit": unit, "examples": sft.summary(data.meta) if examples else ""}

@@ -45,6 +45,10 @@ from raytrain_scu.tracking.store import (
     ui_command,
 )
 
+# the console's word on a streamed source's N (core.data.stream): what it is, and what sets it instead
+ESTIMATED_N = (" (estimated: the train shards' bytes x the validation shard's tokens per byte, the source being read "
+               "in shards; controller.tokens_per_epoch sets it)")
+
 
 def output_dir(cfg: Config) -> Path:
     """Where the adapter, config.yaml and summary.json go: ``run.output_dir``, else ``<run dir>/output``."""
@@ -173,7 +177,8 @@ def _launch(cfg: Config, facts: dict, run_id: Optional[str], *, verbose: bool):
     launch.check_capacity(cfg, use_gpu=facts["use_gpu"])
     print(f"[raytrain_scu] run {cfg.run.name}: {facts['model']}, {cfg.scaling.num_workers} worker(s) "
           f"({'GPU' if facts['use_gpu'] else 'CPU'}), {facts['train_blocks']} train / {facts['val_blocks']} val "
-          f"{facts['unit']}, tokens_per_epoch={facts['tokens_per_epoch']}", flush=True)
+          f"{facts['unit']}, tokens_per_epoch={facts['tokens_per_epoch']}"
+          + (ESTIMATED_N if facts["tokens_per_epoch_estimated"] else ""), flush=True)
     if facts["examples"]:
         print(f"[raytrain_scu] data: {facts['examples']}", flush=True)
     ray_logs = launch.logs_dir()

@@ -27,8 +27,10 @@ def _version_of(dist: str) -> str:
         return "-"
 
 
-def derived_params(cfg: Config, *, tokens_per_epoch: int, world: int, device) -> dict:
-    """Flattened resolved config plus the values derived at run time."""
+def derived_params(cfg: Config, *, tokens_per_epoch: int, world: int, device,
+                   tokens_per_epoch_from: str = "measured") -> dict:
+    """Flattened resolved config plus the values derived at run time; ``tokens_per_epoch_from``: config, measured or
+    estimated (a streamed source: core.data.cache.tokens_per_epoch_from)."""
     import peft
     import torch
     import transformers
@@ -37,7 +39,8 @@ def derived_params(cfg: Config, *, tokens_per_epoch: int, world: int, device) ->
     if device.type == "cuda":
         gpu_name, gpu_count = torch.cuda.get_device_name(device), world
     out = flatten(cfg, redact=True)
-    out.update({"derived.tokens_per_epoch": tokens_per_epoch, "derived.world_size": world,
+    out.update({"derived.tokens_per_epoch": tokens_per_epoch, "derived.tokens_per_epoch_from": tokens_per_epoch_from,
+                "derived.world_size": world,
                 "derived.global_batch_tokens": global_batch_tokens(cfg, world),
                 "derived.gpu_name": gpu_name, "derived.gpu_count": gpu_count,
                 "version.torch": torch.__version__, "version.transformers": transformers.__version__,

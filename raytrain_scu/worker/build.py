@@ -143,7 +143,8 @@ def resume(s: State) -> None:
         local, problems = opened
         saved = ckpt.read_meta(local)
         ckpt.check_structure(saved, s.structure)
-        note = ckpt.check_tokens_per_epoch(saved, measured=s.pos.data.tokens_per_epoch, override=c.tokens_per_epoch)
+        note = ckpt.check_tokens_per_epoch(saved, measured=s.pos.data.tokens_per_epoch, override=c.tokens_per_epoch,
+                                           estimated=s.pos.data.streamed)
         meta = ckpt.load_training_state(local, model=s.opt.model, optimizer=s.opt.optimizer, scaler=s.opt.scaler,
                                         rank=rank(), world_size=world_size())
     check_centers(s, meta.get("centers_sq"))

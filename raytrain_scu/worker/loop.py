@@ -10,6 +10,7 @@ import torch
 
 from raytrain_scu.config.paths import RunPaths
 from raytrain_scu.config.schema import Config
+from raytrain_scu.core.data.cache import tokens_per_epoch_from
 from raytrain_scu.core.dist import notice0, print0, world_size
 from raytrain_scu.core.loss import compile_settings, recompute_elementwise
 from raytrain_scu.hardware.gpus import peak_flops
@@ -42,8 +43,9 @@ def setup(cfg: Config, hooks, run_id: Optional[str] = None, phase: Optional[Phas
     """All ranks: build, resume, start tracking, and (on a fresh start) the untrained adapter's held-out BPT."""
     s = build(cfg, hooks, run_id, phase)
     resume(s)
+    n_from = tokens_per_epoch_from(cfg.controller.tokens_per_epoch, s.pos.data)
     s.tracker.start(params=derived_params(cfg, tokens_per_epoch=s.ctrl.tokens_per_epoch, world=world_size(),
-                                                   device=s.device), resumed_at=s.rec.start_step)
+                                          device=s.device, tokens_per_epoch_from=n_from), resumed_at=s.rec.start_step)
     eval_t0 = time.perf_counter()
     if s.rec.start_step == 0:  # the baseline every later eval is compared with
         s.rec.val_bpt, s.rec.val_step = evaluate_now(s, 0), 0

@@ -1,7 +1,8 @@
 """Deterministic, resumable sharded batches of the token blocks or example rows.
 
 The training stream is the concatenation of permutations perm(seed, epoch) of the train blocks (rows); a global
-sample counter ``position`` indexes it. A step takes ``batch_size * grad_accum * world_size`` consecutive positions,
+sample counter ``position`` indexes it (a source read in shards has a stream of its own over the same positions:
+:mod:`.stream`). A step takes ``batch_size * grad_accum * world_size`` consecutive positions,
 so resuming from ``position`` with a different world size continues the same stream. Validation scores one fixed set
 of blocks, sharded over the ranks.
 
@@ -22,6 +23,7 @@ import torch
 
 from raytrain_scu.core.data.cache import Rows, TokenData
 from raytrain_scu.core.data.packing import IGNORE_INDEX  # cross_entropy's default: what counts for nothing
+from raytrain_scu.core.data.stream import ShardStream
 
 PAD_MULTIPLE = 64  # a padded batch's width rounds up to this: few distinct shapes for torch.compile
 GROUP_BATCHES = 64  # micro-batches per length-sorted chunk of a padded stream
@@ -109,6 +111,8 @@ def train_batch(data: TokenData, *, position: int, micro_step: int, rank: int, w
     global batch after each optimizer step and save it in checkpoints.
     """
     start = position + (micro_step * world_size + rank) * batch_size
+    if isinstance(data.train, ShardStream):  # a source read in shards: its own stream of the same positions
+        return (*_to_xy(data.train.rows(start, batch_size), pin_memory), None)
     idx = stream_indices(start, batch_size, **_stream(data, batch_size, seed))
     return rows_batch(data.train, idx, pin_memory=pin_memory)
 
@@ -133,7 +137,11 @@ def _stream(data: TokenData, batch_size: int, seed: int) -> dict:
 def calibration_batches(data: TokenData, *, blocks: int, batch_size: int, seed: int) -> list[torch.Tensor]:
     """The token ids (int64, CPU) of the first ``blocks`` train blocks in stream order (all of them where there are
     fewer), in batches of at most ``batch_size``: the same on every rank."""
-    idx = stream_indices(0, min(blocks, len(data.train)), **_stream(data, batch_size, seed))
+    count = min(blocks, len(data.train))
+    if isinstance(data.train, ShardStream):
+        rows = data.train.rows(0, count)
+        return [_to_xy(rows[i:i + batch_size], False)[0] for i in range(0, count, batch_size)]
+    idx = stream_indices(0, count, **_stream(data, batch_size, seed))
     return [rows_batch(data.train, idx[i:i + batch_size])[0] for i in range(0, len(idx), batch_size)]
 
 

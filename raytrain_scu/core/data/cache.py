@@ -16,10 +16,12 @@ from pathlib import Path
 import filelock
 import numpy as np
 
+from raytrain_scu.config.schema import DataConfig
 from raytrain_scu.core.data import sft
 from raytrain_scu.core.data.blocks import build_blocks
 from raytrain_scu.core.data.packing import IGNORE_INDEX
 from raytrain_scu.core.data.sources import SOURCES, describe, resolve_format, resolve_source, source_files
+from raytrain_scu.core.data.stream import ShardStream, open_stream, use_streaming
 from raytrain_scu.errors import DataError
 
 
@@ -46,11 +48,12 @@ class Rows:
 @dataclass
 class TokenData:
     """Both splits: packed token blocks (memory-mapped uint32, (n_blocks, block_size + 1)) for text, or
-    :class:`Rows` for examples (``data.format`` chat / prompt_completion).
+    :class:`Rows` for examples (``data.format`` chat / prompt_completion); for a streamed source (:mod:`.stream`),
+    the train split is a :class:`~raytrain_scu.core.data.stream.ShardStream`, whose length is one epoch's blocks.
 
     Each worker builds its own with prepare_data (a cache hit): pickling a memmap ships a full copy.
     """
-    train: "np.ndarray | Rows"
+    train: "np.ndarray | Rows | ShardStream"
     val: "np.ndarray | Rows"
     block_size: int
     cache_path: str
@@ -62,6 +65,18 @@ class TokenData:
         if isinstance(self.train, Rows):
             return int(self.meta["n_train_targets"])
         return len(self.train) * self.block_size
+
+    @property
+    def streamed(self) -> bool:
+        """Whether the train split is read in shards, and tokens_per_epoch an estimate (:mod:`.stream`)."""
+        return isinstance(self.train, ShardStream)
+
+
+def tokens_per_epoch_from(override: int, data: TokenData) -> str:
+    """Where a run's tokens_per_epoch (N) comes from: ``config`` (controller.tokens_per_epoch), ``estimated`` (a
+    streamed source: the train shards' bytes x the validation shard's tokens per byte) or ``measured`` (the train
+    split)."""
+    return "config" if override else "estimated" if data.streamed else "measured"
 
 
 def tokenizer_identity(tokenizer) -> dict:
@@ -124,12 +139,28 @@ def _write(root: Path, final: Path, arrays: dict, meta: dict) -> None:
         # another node on a shared filesystem won the race: its copy is identical
 
 
+def _streamed(tokenizer, *, source, path, files, text_field, root, block_size, seed, shard_bytes,
+              loader_workers) -> TokenData:
+    """A text source read in shards (:mod:`.stream`): a cache directory of shard files, each written whole as the
+    stream reaches it. The seed picks the validation shard (data.val_fraction plays no part)."""
+    settings = {"text_field": text_field, "format": "text", "seed": seed, "shard_bytes": shard_bytes}
+    key = cache_key(source=source, path=path, files=files, settings=settings,
+                    tokenizer_id=tokenizer_identity(tokenizer), block_size=block_size)
+    train, val, meta = open_stream(tokenizer, files=files, kind=source, text_field=text_field, dir_path=root / key,
+                                   block_size=block_size, seed=seed, shard_bytes=shard_bytes,
+                                   loader_workers=loader_workers)
+    meta.update({"source": source, "path": SOURCES[source].where(path), "format": "text", "key": key})
+    return TokenData(train=train, val=val, block_size=block_size, cache_path=str(root / key), meta=meta)
+
+
 def prepare_data(tokenizer, *, source: str, path: str, text_field: str = "text", max_documents: int = 0,
                  block_size: int, val_fraction: float = 0.1, seed: int = 0, cache_dir: str = "",
                  fmt: str = "auto", chat_template: str = "", train_on: str = "answers", too_long: str = "truncate",
-                 packing: bool = True) -> TokenData:
+                 packing: bool = True, streaming: str = "off", shard_bytes: int = DataConfig.shard_bytes,
+                 loader_workers: int = 0) -> TokenData:
     """Token blocks (text) or rows of examples (chat, prompt_completion: :mod:`.sft`) of a source, from the on-disk
-    cache or built once (under a file lock) and cached.
+    cache or built once (under a file lock) and cached; a large text source (``streaming``: :mod:`.stream`) in shards
+    tokenised as the stream reaches them, by ``loader_workers`` threads ahead of it.
 
     `seed` picks the validation documents. `cache_dir` "" = ~/.cache/raytrain_scu/tokens. Every worker may call
     this: on one node the lock makes one process tokenize while the others wait; across nodes sharing a
@@ -147,9 +178,12 @@ def prepare_data(tokenizer, *, source: str, path: str, text_field: str = "text",
         template = sft.template_for(tokenizer, fmt, chat_template)
         settings.update({"template_sha256": hashlib.sha256(template.encode()).hexdigest(), "train_on": train_on,
                          "too_long": too_long, "packing": packing})
+    root = Path(cache_dir or "~/.cache/raytrain_scu/tokens").expanduser()
+    if use_streaming(source=source, fmt=fmt, streaming=streaming, max_documents=max_documents, files=files):
+        return _streamed(tokenizer, source=source, path=path, files=files, text_field=text_field, root=root,
+                         block_size=block_size, seed=seed, shard_bytes=shard_bytes, loader_workers=loader_workers)
     key = cache_key(source=source, path=path, files=files, settings=settings,
                     tokenizer_id=tokenizer_identity(tokenizer), block_size=block_size)
-    root = Path(cache_dir or "~/.cache/raytrain_scu/tokens").expanduser()
     final = root / key
     if (final / "meta.json").exists():
         return _open_cache(final)

@@ -44,9 +44,9 @@ def detect_format(record: dict, text_field: str) -> str:
     return "text"
 
 
-def jsonl_records(file: Path, lines: Iterable[str]) -> Iterator[tuple[str, dict]]:
-    """(``file:line``, object) for each non-blank line of a jsonl file."""
-    for lineno, line in enumerate(lines, start=1):
+def jsonl_records(file: Path, lines: Iterable[str], first_line: int = 1) -> Iterator[tuple[str, dict]]:
+    """(``file:line``, object) for each non-blank line of a jsonl file; ``lines`` start at line ``first_line``."""
+    for lineno, line in enumerate(lines, start=first_line):
         if not line.strip():
             continue
         where = f"{file}:{lineno}"

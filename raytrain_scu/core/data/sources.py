@@ -15,7 +15,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 from raytrain_scu.core.data.examples import FORMATS, detect_format, jsonl_records, to_example
 from raytrain_scu.errors import DataError
@@ -67,8 +67,8 @@ def _read_jsonl(file: Path, text_field: str) -> Iterator[str]:
     return _read_jsonl_lines(file, _decode(file.read_bytes(), file).split("\n"), text_field)
 
 
-def _read_jsonl_lines(file: Path, lines: list[str], text_field: str) -> Iterator[str]:
-    for where, obj in jsonl_records(file, lines):
+def _read_jsonl_lines(file: Path, lines: Iterable[str], text_field: str, first_line: int = 1) -> Iterator[str]:
+    for where, obj in jsonl_records(file, lines, first_line):
         if text_field not in obj:
             raise DataError(f"{where}: no field {text_field!r} (data.text_field) in this line")
         if not isinstance(obj[text_field], str):

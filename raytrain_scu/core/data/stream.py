@@ -1,0 +1,258 @@
+"""A large text source read in shards, each tokenised on first need into its own cache file, in bounded memory.
+
+    shards = plan_shards(files, kind="text", shard_bytes=4 << 20)    # byte ranges, no tokenising
+    stream, val, meta = open_stream(tokenizer, files=..., kind=..., dir_path=..., ...)
+    rows = stream.rows(position, count)                            # (count, block_size + 1) uint32
+
+A shard is a byte range of one file cut at a blank line (text: its documents are the blank-line-separated sections) or
+at a line end (jsonl: a document a line). One shard, picked by the seed, is the validation split; the others train.
+
+The training stream: epoch e visits the train shards in a seeded order perm(seed, e), and shard s gives ``quota[s]``
+blocks in that visit, its blocks in a seeded order perm(seed, e, s), from the start again where it has fewer (a few
+blocks twice) and cut short where it has more (a few wait for another epoch's order). A shard's quota is its bytes x
+the validation shard's blocks per byte, so the epoch's length, and the shard and block a global position falls on,
+are known before any train shard is tokenised: a resume at any position and world size continues the same stream, as
+:mod:`.batches`' position contract asks, and tokens_per_epoch (N) is that length in tokens: an estimate of the
+source's, from one shard.
+
+``loader_workers`` threads tokenise the next shards of the visit order ahead of the stream (the tokenizer runs
+outside Python's lock); every process on a node shares each shard's file (a file lock: one tokenises, the others wait
+and read it), as they share the whole-source cache.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import re
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import filelock
+import numpy as np
+
+from raytrain_scu.config.schema import STREAM_ABOVE_BYTES
+from raytrain_scu.core.data.blocks import pack_blocks, tokenize_documents
+from raytrain_scu.core.data.sources import _decode, _read_jsonl_lines
+from raytrain_scu.errors import DataError
+
+STREAMED_SOURCES = ("text", "jsonl")  # sources of files whose documents a byte range can be cut between
+CUT_SCAN_BYTES = 2**20  # past a text shard's nominal end, a blank line is looked for this far, then a line end will do
+OPEN_SHARDS = 8  # shards kept open (memory-mapped) at once: the one in use, the next, one per epoch boundary
+
+
+def use_streaming(*, source: str, fmt: str, streaming: str, max_documents: int, files: list[Path]) -> bool:
+    """Whether a (resolved) source is read in shards: ``data.streaming`` on, or auto and its files hold more than
+    STREAM_ABOVE_BYTES (and data.max_documents keeps them all). ``on`` for a source that cannot be is a DataError."""
+    if streaming == "off":
+        return False
+    fits = source in STREAMED_SOURCES and fmt == "text"
+    if streaming == "on" and not fits:
+        raise DataError(f"data.streaming=on reads text or jsonl files of text documents; data.source={source} "
+                        f"holding {fmt} data is read whole: set data.streaming=off (or auto)")
+    if streaming == "on":
+        return True
+    return fits and max_documents == 0 and sum(f.stat().st_size for f in files) > STREAM_ABOVE_BYTES
+
+
+def _cut(f, nominal: int, size: int, kind: str) -> int:
+    """The end of a shard whose nominal end is ``nominal``: after the next blank line (text; a line end where none
+    comes within CUT_SCAN_BYTES) or the next line end (jsonl), or the file's end."""
+    f.seek(nominal)
+    f.readline()  # to the end of the line the nominal end falls in
+    while kind == "text" and f.tell() < size and f.tell() - nominal < CUT_SCAN_BYTES:
+        if not f.readline().strip():
+            break
+    return min(f.tell(), size)
+
+
+def plan_shards(files: list[Path], *, kind: str, shard_bytes: int) -> list[tuple[int, int, int]]:
+    """(file index, start byte, end byte) of every shard, in file order: about ``shard_bytes`` each, cut where
+    :func:`_cut` says; a file's last piece shorter than half a shard joins the shard before it. Reads a few lines
+    a shard, never a whole file."""
+    shards = []
+    for i, path in enumerate(files):
+        size, start = path.stat().st_size, 0
+        with open(path, "rb") as f:
+            while start < size:
+                end = size if start + shard_bytes >= size else _cut(f, start + shard_bytes, size, kind)
+                if size - end < shard_bytes // 2:
+                    end = size
+                shards.append((i, start, end))
+                start = end
+    return shards
+
+
+def shard_documents(path: Path, start: int, end: int, *, kind: str, text_field: str) -> list[str]:
+    """The non-blank documents of one shard: its blank-line-separated sections (text) or each line's ``text_field``
+    (jsonl; its line numbers in an error count from the shard's first line)."""
+    with open(path, "rb") as f:
+        f.seek(start)
+        raw = f.read(end - start)
+    if kind == "text":
+        docs = re.split(r"\n\s*\n", _decode(raw, path))
+    else:
+        try:
+            docs = list(_read_jsonl_lines(path, (_decode(line, path) for line in raw.split(b"\n")), text_field))
+        except DataError as e:
+            raise DataError(f"{e} (lines counted from byte offset {start})") from None
+    return [d for d in docs if d.strip()]
+
+
+@dataclass
+class Shards:
+    """The shards of one source for one tokenizer and block size, each tokenised into ``dir_path`` on first need."""
+
+    files: list[Path]
+    kind: str  # text | jsonl
+    text_field: str
+    ranges: list[tuple[int, int, int]]  # plan_shards
+    dir_path: Path
+    block_size: int
+    tokenizer: object
+    local: threading.local = field(default_factory=threading.local, repr=False)
+
+    def path(self, i: int) -> Path:
+        return self.dir_path / f"shard_{i:06d}.bin"
+
+    def nbytes(self, i: int) -> int:
+        return self.ranges[i][2] - self.ranges[i][1]
+
+    def _tokenizer(self):
+        """The tokenizer, a copy of its own in each loader thread: a fast tokenizer is not meant to be shared."""
+        if threading.current_thread() is threading.main_thread():
+            return self.tokenizer
+        if not hasattr(self.local, "tokenizer"):
+            self.local.tokenizer = copy.deepcopy(self.tokenizer)
+        return self.local.tokenizer
+
+    def build(self, i: int) -> Path:
+        """Shard ``i``'s blocks in their cache file, tokenised now unless it exists (one process at a time, under a
+        file lock; the file appears whole, by a rename)."""
+        final = self.path(i)
+        if final.exists():
+            return final
+        with filelock.FileLock(f"{final}.lock"):
+            if final.exists():  # another process built it while this one waited
+                return final
+            f, start, end = self.ranges[i]
+            docs = shard_documents(self.files[f], start, end, kind=self.kind, text_field=self.text_field)
+            tokens = tokenize_documents(self._tokenizer(), docs) if docs else np.zeros(0, np.uint32)
+            blocks = pack_blocks(tokens, self.block_size)
+            if len(blocks) == 0:
+                raise DataError(f"{self.files[f]} bytes {start}..{end} (shard {i}) hold {len(tokens)} tokens, too few "
+                                f"for one block of data.block_size + 1 = {self.block_size + 1}: raise "
+                                f"data.shard_bytes or lower data.block_size")
+            tmp = final.with_name(f".{final.name}.{os.getpid()}.{threading.get_ident()}")
+            blocks.tofile(tmp)
+            os.replace(tmp, final)
+        return final
+
+    def open(self, i: int) -> np.ndarray:
+        """Shard ``i``'s blocks, (n_blocks, block_size + 1) uint32, memory-mapped (built first where needed)."""
+        path = self.build(i)
+        width = self.block_size + 1
+        return np.memmap(path, dtype=np.uint32, mode="r", shape=(path.stat().st_size // (4 * width), width))
+
+
+class ShardStream:
+    """The training stream over the train shards (see the module's docstring). ``len()`` is the blocks of one epoch;
+    :meth:`rows` the blocks at global stream positions."""
+
+    def __init__(self, shards: Shards, *, train: np.ndarray, quota: np.ndarray, seed: int, loader_workers: int):
+        self.shards, self.train, self.quota, self.seed = shards, train, quota, seed
+        self.loader_workers = loader_workers
+        self.epoch_blocks = int(quota[train].sum())
+        self._orders: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._open: dict[int, np.ndarray] = {}
+        self._perms: dict[tuple[int, int], np.ndarray] = {}
+        self._pending: dict[int, Future] = {}
+        self._pool: ThreadPoolExecutor | None = None
+
+    def __len__(self) -> int:
+        return self.epoch_blocks
+
+    def _order(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """The train shards in epoch ``epoch``'s visit order, and the stream offset (within the epoch) each ends at."""
+        if epoch not in self._orders:
+            _keep_few(self._orders, 4)  # a step touches one or two epochs
+            order = self.train[np.random.default_rng([self.seed, epoch]).permutation(len(self.train))]
+            self._orders[epoch] = order, np.cumsum(self.quota[order])
+        return self._orders[epoch]
+
+    def _blocks(self, epoch: int, shard: int) -> tuple[np.ndarray, np.ndarray]:
+        """Shard ``shard``'s blocks (memory-mapped) and their order in epoch ``epoch``'s visit."""
+        if shard not in self._open:
+            pending = self._pending.pop(shard, None)
+            if pending is not None:
+                pending.result()  # a loader thread's DataError is raised here
+            _keep_few(self._open, OPEN_SHARDS)
+            self._open[shard] = self.shards.open(shard)
+        blocks = self._open[shard]
+        if (epoch, shard) not in self._perms:
+            _keep_few(self._perms, OPEN_SHARDS)
+            self._perms[epoch, shard] = np.random.default_rng([self.seed, epoch, shard]).permutation(len(blocks))
+        return blocks, self._perms[epoch, shard]
+
+    def locate(self, position: int) -> tuple[int, int, int, int]:
+        """(epoch, visit, shard, offset within the shard's visit) of a global stream position."""
+        epoch, r = divmod(position, self.epoch_blocks)
+        order, ends = self._order(epoch)
+        visit = int(np.searchsorted(ends, r, side="right"))
+        return epoch, visit, int(order[visit]), int(r - (ends[visit] - self.quota[order[visit]]))
+
+    def rows(self, position: int, count: int) -> np.ndarray:
+        """The blocks at stream positions position .. position + count - 1, (count, block_size + 1) uint32; then the
+        next shards of the visit order are handed to the loader threads."""
+        out = np.empty((count, self.shards.block_size + 1), dtype=np.uint32)
+        for j in range(count):
+            epoch, _, shard, offset = self.locate(position + j)
+            blocks, perm = self._blocks(epoch, shard)
+            out[j] = blocks[perm[offset % len(blocks)]]
+        self.prefetch(position + count)
+        return out
+
+    def prefetch(self, position: int) -> None:
+        """The shards of the 2 x loader_workers visits after the one ``position`` falls in, to the loader threads
+        (none where loader_workers is 0: each shard is then tokenised when first read)."""
+        if self.loader_workers == 0:
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.loader_workers, thread_name_prefix="raytrain_scu-shards")
+        epoch, visit, _, _ = self.locate(position)
+        for _ in range(2 * self.loader_workers + 1):
+            shard = int(self._order(epoch)[0][visit])
+            if shard not in self._open and shard not in self._pending and not self.shards.path(shard).exists():
+                self._pending[shard] = self._pool.submit(self.shards.build, shard)
+            epoch, visit = (epoch, visit + 1) if visit + 1 < len(self.train) else (epoch + 1, 0)
+
+
+def _keep_few(cache: dict, n: int) -> None:
+    """Room for one more entry in ``cache``: its oldest go while it holds ``n`` or more."""
+    while len(cache) >= n:
+        cache.pop(next(iter(cache)))
+
+
+def open_stream(tokenizer, *, files: list[Path], kind: str, text_field: str, dir_path: Path, block_size: int,
+                seed: int, shard_bytes: int, loader_workers: int) -> tuple[ShardStream, np.ndarray, dict]:
+    """(the training stream, the validation blocks, meta) of a source read in shards. Tokenises the validation
+    shard alone (it sets every train shard's quota); the train shards wait for the stream to read them."""
+    ranges = plan_shards(files, kind=kind, shard_bytes=shard_bytes)
+    if len(ranges) < 2:
+        raise DataError(f"{files[0] if len(files) == 1 else files[0].parent}: {len(ranges)} shard(s) of "
+                        f"data.shard_bytes={shard_bytes}; a streamed source needs 2 or more (one validates): lower "
+                        f"data.shard_bytes, or set data.streaming=off")
+    dir_path.mkdir(parents=True, exist_ok=True)
+    shards = Shards(files=files, kind=kind, text_field=text_field, ranges=ranges, dir_path=dir_path,
+                    block_size=block_size, tokenizer=tokenizer)
+    val_shard = int(np.random.default_rng(seed).integers(len(ranges)))
+    val = shards.open(val_shard)
+    blocks_per_byte = len(val) / shards.nbytes(val_shard)
+    quota = np.array([max(1, round(blocks_per_byte * shards.nbytes(i))) for i in range(len(ranges))], np.int64)
+    train = np.array([i for i in range(len(ranges)) if i != val_shard], dtype=np.int64)
+    stream = ShardStream(shards, train=train, quota=quota, seed=seed, loader_workers=loader_workers)
+    meta = {"streamed": True, "n_shards": len(ranges), "shard_bytes": shard_bytes, "val_shard": val_shard,
+            "n_train_bytes": int(sum(shards.nbytes(i) for i in train)), "n_train_blocks": len(stream),
+            "n_val_blocks": len(val), "tokens_per_byte": round(blocks_per_byte * (block_size + 1), 6)}
+    return stream, val, meta

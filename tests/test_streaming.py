@@ -1,0 +1,181 @@
+"""A text source read in shards (core/data/stream.py): each shard tokenised on first need into its own cache file, the
+training stream a seeded walk over the shards that resumes at any global position and world size, the validation
+shard apart from it, and a full line scan of a jsonl source before any worker starts.
+
+The fast tests use a ~400 KB source cut into ~50 KB shards. The two slow ones use a 1 GB source written into the
+test's temporary directory: a 2-worker Ray run reaches its first step within FIRST_STEP_BOUND_S with the driver's
+memory within DRIVER_RSS_BOUND_MIB, and a malformed line near the end of a 1 GB jsonl is refused, naming the line,
+before Ray starts, within the same bound (numbers in docs/reliability.md).
+"""
+import json
+import re
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import TINY, mlflow_runs, tiny_cfg
+
+from raytrain_scu.core.data import stream as stream_mod
+from raytrain_scu.core.data.batches import calibration_batches, train_batch
+from raytrain_scu.core.data.blocks import pack_blocks, tokenize_documents
+from raytrain_scu.core.data.cache import prepare_data
+from raytrain_scu.core.data.scan import scan_jsonl, scan_text
+from raytrain_scu.core.data.sources import _shakespeare_files
+from raytrain_scu.core.data.stream import plan_shards, shard_documents, use_streaming
+from raytrain_scu.errors import DataError
+
+BLOCK = 32
+SHARD_BYTES = 50_000
+GB = 2**30
+FIRST_STEP_BOUND_S = 150.0  # from the call to the first step's metric, a 2-worker run on a 1 GB source
+DRIVER_RSS_BOUND_MIB = 600  # what the driver's resident memory may grow by over that run (the source is 1024 MiB)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from raytrain_scu.core.model.source import load_tokenizer
+
+    return load_tokenizer("tiny")
+
+
+@pytest.fixture(scope="module")
+def plays() -> str:
+    """Three of the bundled plays, ~400 KB: no paragraph repeats, so no two blocks of the source are equal."""
+    return "".join(f.read_text() for f in _shakespeare_files("")[:3])
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory, plays) -> Path:
+    p = tmp_path_factory.mktemp("streamed") / "plays.txt"
+    p.write_text(plays)
+    return p
+
+
+def streamed(tok, path, cache_dir, *, loader_workers=0, seed=0, shard_bytes=SHARD_BYTES, kind="text"):
+    return prepare_data(tok, source=kind, path=str(path), block_size=BLOCK, seed=seed, cache_dir=str(cache_dir),
+                        streaming="on", shard_bytes=shard_bytes, loader_workers=loader_workers)
+
+
+def batches(data, *, start: int, steps: int, world: int, batch: int, accum: int = 1) -> list[np.ndarray]:
+    """Every step's blocks (x), all ranks' micro-batches in position order, from stream position ``start``."""
+    out, position = [], start
+    for _ in range(steps):
+        rows = [train_batch(data, position=position, micro_step=m, rank=r, world_size=world, batch_size=batch,
+                            seed=0)[0].numpy() for m in range(accum) for r in range(world)]
+        out.append(np.concatenate(rows))
+        position += batch * accum * world
+    return out
+
+
+def test_shards_are_cut_at_blank_lines_and_line_ends_and_cover_each_file(source, tmp_path):
+    ranges = plan_shards([source], kind="text", shard_bytes=SHARD_BYTES)
+    raw = source.read_bytes()
+    assert ranges[0][1] == 0 and ranges[-1][2] == len(raw) and len(ranges) == len(raw) // SHARD_BYTES
+    for (_, _, end), (_, start, _) in zip(ranges, ranges[1:]):
+        assert end == start and raw[:end].endswith(b"\n") and not raw[:end].rsplit(b"\n", 2)[-2].strip()
+    jsonl = tmp_path / "d.jsonl"
+    jsonl.write_text("".join(json.dumps({"text": f"line {i} " * (i % 7)}) + "\n" for i in range(3000)))
+    cut = plan_shards([jsonl], kind="jsonl", shard_bytes=4096)
+    assert len(cut) > 10 and all(jsonl.read_bytes()[:end].endswith(b"\n") for _, _, end in cut)
+    docs = [d for _, s, e in cut for d in shard_documents(jsonl, s, e, kind="jsonl", text_field="text")]
+    assert docs == [f"line {i} " * (i % 7) for i in range(3000) if i % 7]  # every line once, blank text skipped
+
+
+def test_a_shard_holds_the_blocks_of_tokenising_its_text_directly(tok, source, tmp_path):
+    data = streamed(tok, source, tmp_path)
+    shards = data.train.shards
+    for i in (0, 3, len(shards.ranges) - 1):
+        _, start, end = shards.ranges[i]
+        text = source.read_bytes()[start:end].decode()
+        direct = pack_blocks(tokenize_documents(tok, [d for d in re.split(r"\n\s*\n", text) if d.strip()]), BLOCK)
+        np.testing.assert_array_equal(shards.open(i), direct)
+    # only the validation shard and the three opened above were tokenised: the others wait for the stream
+    assert len(list(Path(data.cache_path).glob("shard_*.bin"))) <= 4 < len(shards.ranges)
+
+
+def test_the_stream_is_deterministic_and_resumes_at_any_position_and_world_size(tok, source, tmp_path):
+    first = streamed(tok, source, tmp_path / "a")
+    epoch = len(first.train)
+    steps = epoch // 16 + 3  # across the first epoch's end
+    straight = batches(first, start=0, steps=steps, world=2, batch=4, accum=2)
+    # a fresh process's stream (its own cache, loader threads tokenising ahead): the same blocks, step for step
+    again = batches(streamed(tok, source, tmp_path / "b", loader_workers=2), start=0, steps=steps, world=2, batch=4,
+                    accum=2)
+    assert all(np.array_equal(a, b) for a, b in zip(straight, again))
+    # resumed at step k's position, on 1 worker of 16 a step and on 4 workers of 2 x 2: the same steps from there
+    k = steps - 5
+    resumed = streamed(tok, source, tmp_path / "c")
+    one = batches(resumed, start=16 * k, steps=5, world=1, batch=16)
+    four = batches(resumed, start=16 * k, steps=5, world=4, batch=2, accum=2)
+    assert all(np.array_equal(a, b) and np.array_equal(a, c) for a, b, c in zip(straight[k:], one, four))
+    other_seed = prepare_data(tok, source="text", path=str(source), block_size=BLOCK, seed=1, cache_dir=str(tmp_path),
+                              streaming="on", shard_bytes=SHARD_BYTES)
+    assert not np.array_equal(train_batch(other_seed, position=0, micro_step=0, rank=0, world_size=1, batch_size=16,
+                                          seed=1)[0].numpy(), straight[0])
+    cal = calibration_batches(first, blocks=20, batch_size=8, seed=0)
+    np.testing.assert_array_equal(np.concatenate([c.numpy() for c in cal]), np.concatenate(straight[:2])[:20])
+
+
+def test_an_epoch_gives_each_train_shard_its_quota_and_never_the_validation_shard(tok, source, tmp_path):
+    data = streamed(tok, source, tmp_path)
+    s = data.train
+    val_shard = data.meta["val_shard"]
+    seen = {}
+    for p in range(2 * len(s)):
+        epoch, _, shard, offset = s.locate(p)
+        seen.setdefault((epoch, shard), []).append(offset)
+    assert {shard for _, shard in seen} == set(s.train.tolist()) and val_shard not in s.train
+    assert all(offsets == list(range(s.quota[shard])) for (_, shard), offsets in seen.items())
+    # by content too: no block of the epoch is a validation block (no paragraph of the source repeats)
+    val_rows = {bytes(r) for r in np.asarray(data.val)}
+    epoch_rows = s.rows(0, len(s))
+    assert not any(bytes(r) in val_rows for r in epoch_rows)
+    _, vs, ve = s.shards.ranges[val_shard]
+    assert all(e <= vs or st >= ve for i, (_, st, e) in enumerate(s.shards.ranges) if i != val_shard)
+
+
+def test_tokens_per_epoch_is_an_estimate_close_to_the_train_shards_count_and_the_same_on_every_call(tok, source,
+                                                                                                   tmp_path):
+    data = streamed(tok, source, tmp_path)
+    s = data.train
+    exact = sum(len(s.shards.open(int(i))) for i in s.train) * BLOCK
+    assert data.tokens_per_epoch == len(s) * BLOCK and abs(data.tokens_per_epoch / exact - 1) < 0.05
+    assert streamed(tok, source, tmp_path / "again").tokens_per_epoch == data.tokens_per_epoch
+    assert data.streamed and data.meta["streamed"] and data.meta["tokens_per_byte"] > 0
+
+
+def test_auto_streams_a_source_above_the_stated_size_only(source, monkeypatch):
+    files = [source]
+    kw = {"source": "text", "fmt": "text", "max_documents": 0, "files": files}
+    assert not use_streaming(streaming="auto", **kw)
+    monkeypatch.setattr(stream_mod, "STREAM_ABOVE_BYTES", source.stat().st_size - 1)
+    assert use_streaming(streaming="auto", **kw) and not use_streaming(streaming="off", **kw)
+    assert not use_streaming(streaming="auto", **{**kw, "max_documents": 5})  # a subset is read whole
+    assert not use_streaming(streaming="auto", **{**kw, "source": "shakespeare"})
+    with pytest.raises(DataError, match="data.streaming=on reads text or jsonl files of text documents"):
+        use_streaming(streaming="on", **{**kw, "fmt": "chat", "source": "jsonl"})
+
+
+def test_the_scans_name_the_file_and_line_or_byte_of_a_bad_input(tmp_path, monkeypatch):
+    from raytrain_scu.core.data import scan
+
+    monkeypatch.setattr(scan, "SCAN_CHUNK_BYTES", 256)  # many chunks: a line number counted across them
+    good = [json.dumps({"text": f"doc {i}", "n": i}) for i in range(200)]
+    for bad, lineno, what in ((b'{"text": oops}', 150, "not a JSON object"),
+                              (b'{"body": "x"}', 7, "no field 'text'"),
+                              (b'{"text": 5}', 199, "is int, not a string"),
+                              (b'[1, 2]', 60, "not an object")):
+        lines = [g.encode() for g in good]
+        lines[lineno - 1] = bad
+        f = tmp_path / "d.jsonl"
+        f.write_bytes(b"\n".join(lines) + b"\n")
+        with pytest.raises(DataError, match=re.escape(f"{f}:{lineno}: ") + ".*" + re.escape(what)):
+            scan_jsonl([f], "text")
+    f.write_bytes(b"\n".join(g.encode() for g in good[:50]) + b"\n\n  \n" + b"\n".join(g.encode() for g in good))
+    scan_jsonl([f], "text")  # blank lines are no documents, and no error
+    t = tmp_path / "t.txt"
+    t.write_bytes(b"fine text\n" * 100 + b"bad \xff here\n")
+    with pytest.raises(DataError, match=re.escape(f"{t} is not UTF-8 text: undecodable byte 0xff at byte offset 1004")):
+        scan_text([t])
