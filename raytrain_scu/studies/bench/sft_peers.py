@@ -171,18 +171,20 @@ def sft_trainer_run(model, *, examples, tokenizer, batch: int, block: int, steps
             counts.append((inputs["input_ids"].numel(), (inputs["labels"] != IGNORE).sum()))
             return super().training_step(model, inputs, num_items_in_batch)
 
-    class Clock(TrainerCallback):
+    class Clock(TrainerCallback):  # marks (micro-batches so far, time): counts[i] is micro-batch i + 1's
         def on_step_end(self, args, state, control, **kw):
             k = state.global_step - warmup
             if k >= 0 and (k % interval == 0 or state.global_step == warmup + steps):
                 sync()
-                ends.append((state.global_step, time.perf_counter()))
+                ends.append((len(counts), time.perf_counter()))
 
     fixed = padded_batches(examples[:4], capacity=4 * block, count=1, seed=0,
                            pad_id=tokenizer.eos_token_id or 0)[0]
     bpt_before = _bpt(model, fixed[0], fixed[1], dev, dtype)
     with tempfile.TemporaryDirectory() as tmp:
+        # one micro-batch a step, said explicitly: Unsloth's SFTConfig defaults to two
         cfg = SFTConfig(output_dir=tmp, max_steps=warmup + steps, per_device_train_batch_size=batch,
+                        gradient_accumulation_steps=1,
                         learning_rate=1e-4, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
                         optim="adamw_torch_fused", bf16=True,
                         gradient_checkpointing=False, packing=True, packing_strategy="bfd", padding_free=True,

@@ -160,6 +160,7 @@ def run_sft_part(spec: dict) -> dict:
                 **_what_ran(model, spec, gpu))
     return {**out, "versions": info.pop("versions"), "gradient_checkpointing": info.pop("gradient_checkpointing"),
             "compiled": "Unsloth's own (its kernels and compiled pieces; no torch.compile of the model)",
+            "compile_scope": "Unsloth's own (each decoder layer compiled as one region)",
             "attention": ", ".join(info["attention"]["backends_called"]), "unsloth": info}
 
 
