@@ -70,29 +70,54 @@ def batches(data, *, start: int, steps: int, world: int, batch: int, accum: int 
 
 
 def test_shards_are_cut_at_blank_lines_and_line_ends_and_cover_each_file(source, tmp_path):
-    ranges = plan_shards([source], kind="text", shard_bytes=SHARD_BYTES)
+    shards = plan_shards([source], kind="text", shard_bytes=SHARD_BYTES)
     raw = source.read_bytes()
+    assert all(len(pieces) == 1 for pieces in shards)  # one file: a range of it each
+    ranges = [pieces[0] for pieces in shards]
     assert ranges[0][1] == 0 and ranges[-1][2] == len(raw) and len(ranges) == len(raw) // SHARD_BYTES
     for (_, _, end), (_, start, _) in zip(ranges, ranges[1:]):
         assert end == start and raw[:end].endswith(b"\n") and not raw[:end].rsplit(b"\n", 2)[-2].strip()
     jsonl = tmp_path / "d.jsonl"
     jsonl.write_text("".join(json.dumps({"text": f"line {i} " * (i % 7)}) + "\n" for i in range(3000)))
     cut = plan_shards([jsonl], kind="jsonl", shard_bytes=4096)
-    assert len(cut) > 10 and all(jsonl.read_bytes()[:end].endswith(b"\n") for _, _, end in cut)
-    docs = [d for _, s, e in cut for d in shard_documents(jsonl, s, e, kind="jsonl", text_field="text")]
+    assert len(cut) > 10 and all(jsonl.read_bytes()[:end].endswith(b"\n") for (_, _, end), in cut)
+    docs = [d for pieces in cut for d in shard_documents([jsonl], pieces, kind="jsonl", text_field="text")]
     assert docs == [f"line {i} " * (i % 7) for i in range(3000) if i % 7]  # every line once, blank text skipped
+
+
+def test_small_files_share_a_shard_and_every_document_is_in_one_shard(tok, plays, tmp_path):
+    """A directory of 60 files of ~1-3 KB, shards of 16 KB: each shard holds several whole files and every shard
+    gives blocks (no shard per file, which would hold too few tokens for a block)."""
+    paras = [p for p in re.split(r"\n\s*\n", plays) if p.strip()]
+    for i in range(60):
+        (tmp_path / "docs" / f"{i:02d}.txt").parent.mkdir(exist_ok=True)
+        (tmp_path / "docs" / f"{i:02d}.txt").write_text("\n\n".join(paras[20 * i:20 * i + 10 + i % 10]) + "\n")
+    files = sorted((tmp_path / "docs").iterdir())
+    shards = plan_shards(files, kind="text", shard_bytes=16_384)
+    sizes = [sum(e - s for _, s, e in pieces) for pieces in shards]
+    assert 3 <= len(shards) < 20 and min(sizes[:-1]) >= 16_384 and max(len(p) for p in shards) > 3
+    pieces = [p for ps in shards for p in ps]
+    for f, path in enumerate(files):  # each file's pieces, in order, cover it once
+        spans = [(start, end) for i, start, end in pieces if i == f]
+        assert spans[0][0] == 0 and spans[-1][1] == path.stat().st_size
+        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+    docs = [d for ps in shards for d in shard_documents(files, ps, kind="text", text_field="text")]
+    assert docs == [d for f in files for d in re.split(r"\n\s*\n", f.read_text()) if d.strip()]
+    data = prepare_data(tok, source="text", path=str(tmp_path / "docs"), block_size=BLOCK, cache_dir=str(tmp_path),
+                        streaming="on", shard_bytes=16_384)
+    assert all(len(data.train.shards.open(i)) > 0 for i in range(len(shards)))
 
 
 def test_a_shard_holds_the_blocks_of_tokenising_its_text_directly(tok, source, tmp_path):
     data = streamed(tok, source, tmp_path)
     shards = data.train.shards
-    for i in (0, 3, len(shards.ranges) - 1):
-        _, start, end = shards.ranges[i]
+    for i in (0, 3, len(shards.pieces) - 1):
+        (_, start, end), = shards.pieces[i]
         text = source.read_bytes()[start:end].decode()
         direct = pack_blocks(tokenize_documents(tok, [d for d in re.split(r"\n\s*\n", text) if d.strip()]), BLOCK)
         np.testing.assert_array_equal(shards.open(i), direct)
     # only the validation shard and the three opened above were tokenised: the others wait for the stream
-    assert len(list(Path(data.cache_path).glob("shard_*.bin"))) <= 4 < len(shards.ranges)
+    assert len(list(Path(data.cache_path).glob("shard_*.bin"))) <= 4 < len(shards.pieces)
 
 
 def test_the_stream_is_deterministic_and_resumes_at_any_position_and_world_size(tok, source, tmp_path):
@@ -132,8 +157,8 @@ def test_an_epoch_gives_each_train_shard_its_quota_and_never_the_validation_shar
     val_rows = {bytes(r) for r in np.asarray(data.val)}
     epoch_rows = s.rows(0, len(s))
     assert not any(bytes(r) in val_rows for r in epoch_rows)
-    _, vs, ve = s.shards.ranges[val_shard]
-    assert all(e <= vs or st >= ve for i, (_, st, e) in enumerate(s.shards.ranges) if i != val_shard)
+    (_, vs, ve), = s.shards.pieces[val_shard]
+    assert all(e <= vs or st >= ve for i, ((_, st, e),) in enumerate(s.shards.pieces) if i != val_shard)
 
 
 def test_tokens_per_epoch_is_an_estimate_close_to_the_train_shards_count_and_the_same_on_every_call(tok, source,

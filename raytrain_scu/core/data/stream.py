@@ -1,11 +1,12 @@
 """A large text source read in shards, each tokenised on first need into its own cache file, in bounded memory.
 
-    shards = plan_shards(files, kind="text", shard_bytes=4 << 20)    # byte ranges, no tokenising
+    shards = plan_shards(files, kind="text", shard_bytes=4 << 20)    # pieces of files, no tokenising
     stream, val, meta = open_stream(tokenizer, files=..., kind=..., dir_path=..., ...)
     rows = stream.rows(position, count)                            # (count, block_size + 1) uint32
 
-A shard is a byte range of one file cut at a blank line (text: its documents are the blank-line-separated sections) or
-at a line end (jsonl: a document a line). One shard, picked by the seed, is the validation split; the others train.
+A shard is about ``shard_bytes`` of the files in order: byte ranges (pieces) cut at a blank line (text: a piece's
+documents are its blank-line-separated sections) or at a line end (jsonl: a document a line), a shard holding pieces
+of several small files where they are. One shard, picked by the seed, is the validation split; the others train.
 
 The training stream: epoch e visits the train shards in a seeded order perm(seed, e), and shard s gives ``quota[s]``
 blocks in that visit, its blocks in a seeded order perm(seed, e, s), from the start again where it has fewer (a few
@@ -38,7 +39,7 @@ from raytrain_scu.core.data.sources import _decode, _read_jsonl_lines
 from raytrain_scu.errors import DataError
 
 STREAMED_SOURCES = ("text", "jsonl")  # sources of files whose documents a byte range can be cut between
-CUT_SCAN_BYTES = 2**20  # past a text shard's nominal end, a blank line is looked for this far, then a line end will do
+CUT_SCAN_BYTES = 2**16  # past a text shard's nominal end, a blank line is looked for this far, then a line end will do
 OPEN_SHARDS = 8  # shards kept open (memory-mapped) at once: the one in use, the next, one per epoch boundary
 
 
@@ -67,34 +68,58 @@ def _cut(f, nominal: int, size: int, kind: str) -> int:
     return min(f.tell(), size)
 
 
-def plan_shards(files: list[Path], *, kind: str, shard_bytes: int) -> list[tuple[int, int, int]]:
-    """(file index, start byte, end byte) of every shard, in file order: about ``shard_bytes`` each, cut where
-    :func:`_cut` says; a file's last piece shorter than half a shard joins the shard before it. Reads a few lines
-    a shard, never a whole file."""
-    shards = []
+Piece = tuple[int, int, int]  # (file index, start byte, end byte)
+
+
+def plan_shards(files: list[Path], *, kind: str, shard_bytes: int) -> list[tuple[Piece, ...]]:
+    """Every shard's pieces, in file order: ``shard_bytes`` or a little more each (a file's piece ends where
+    :func:`_cut` says, the next piece starts a shard's rest), the last shard's rest, if under half a shard, joined to
+    the shard before it. Reads a few lines a shard, never a whole file."""
+    shards: list[list[Piece]] = []
+    current: list[Piece] = []
     for i, path in enumerate(files):
         size, start = path.stat().st_size, 0
         with open(path, "rb") as f:
             while start < size:
-                end = size if start + shard_bytes >= size else _cut(f, start + shard_bytes, size, kind)
-                if size - end < shard_bytes // 2:
-                    end = size
-                shards.append((i, start, end))
+                want = shard_bytes - sum(e - s for _, s, e in current)
+                end = size if start + want >= size else _cut(f, start + want, size, kind)
+                current.append((i, start, end))
                 start = end
-    return shards
+                if sum(e - s for _, s, e in current) >= shard_bytes:
+                    shards.append(current)
+                    current = []
+    if current and shards and sum(e - s for _, s, e in current) < shard_bytes // 2:
+        shards[-1] += current
+    elif current:
+        shards.append(current)
+    return [tuple(_joined(pieces)) for pieces in shards]
 
 
-def shard_documents(path: Path, start: int, end: int, *, kind: str, text_field: str) -> list[str]:
-    """The non-blank documents of one shard: its blank-line-separated sections (text) or each line's ``text_field``
-    (jsonl; its line numbers in an error count from the shard's first line)."""
-    with open(path, "rb") as f:
-        f.seek(start)
-        raw = f.read(end - start)
-    if kind == "text":
-        docs = re.split(r"\n\s*\n", _decode(raw, path))
-    else:
+def _joined(pieces: list[Piece]) -> list[Piece]:
+    """Pieces of one file that meet, as one."""
+    out = [pieces[0]]
+    for f, s, e in pieces[1:]:
+        if out[-1][0] == f and out[-1][2] == s:
+            out[-1] = (f, out[-1][1], e)
+        else:
+            out.append((f, s, e))
+    return out
+
+
+def shard_documents(files: list[Path], pieces: tuple[Piece, ...], *, kind: str, text_field: str) -> list[str]:
+    """The non-blank documents of one shard: its pieces' blank-line-separated sections (text) or each line's
+    ``text_field`` (jsonl; line numbers in an error count from the piece's first line)."""
+    docs = []
+    for i, start, end in pieces:
+        path = files[i]
+        with open(path, "rb") as f:
+            f.seek(start)
+            raw = f.read(end - start)
+        if kind == "text":
+            docs += re.split(r"\n\s*\n", _decode(raw, path))
+            continue
         try:
-            docs = list(_read_jsonl_lines(path, (_decode(line, path) for line in raw.split(b"\n")), text_field))
+            docs += _read_jsonl_lines(path, (_decode(line, path) for line in raw.split(b"\n")), text_field)
         except DataError as e:
             raise DataError(f"{e} (lines counted from byte offset {start})") from None
     return [d for d in docs if d.strip()]
@@ -107,7 +132,7 @@ class Shards:
     files: list[Path]
     kind: str  # text | jsonl
     text_field: str
-    ranges: list[tuple[int, int, int]]  # plan_shards
+    pieces: list[tuple[Piece, ...]]  # plan_shards
     dir_path: Path
     block_size: int
     tokenizer: object
@@ -117,7 +142,7 @@ class Shards:
         return self.dir_path / f"shard_{i:06d}.bin"
 
     def nbytes(self, i: int) -> int:
-        return self.ranges[i][2] - self.ranges[i][1]
+        return sum(end - start for _, start, end in self.pieces[i])
 
     def _tokenizer(self):
         """The tokenizer, a copy of its own in each loader thread: a fast tokenizer is not meant to be shared."""
@@ -136,14 +161,14 @@ class Shards:
         with filelock.FileLock(f"{final}.lock"):
             if final.exists():  # another process built it while this one waited
                 return final
-            f, start, end = self.ranges[i]
-            docs = shard_documents(self.files[f], start, end, kind=self.kind, text_field=self.text_field)
+            docs = shard_documents(self.files, self.pieces[i], kind=self.kind, text_field=self.text_field)
             tokens = tokenize_documents(self._tokenizer(), docs) if docs else np.zeros(0, np.uint32)
             blocks = pack_blocks(tokens, self.block_size)
             if len(blocks) == 0:
-                raise DataError(f"{self.files[f]} bytes {start}..{end} (shard {i}) hold {len(tokens)} tokens, too few "
-                                f"for one block of data.block_size + 1 = {self.block_size + 1}: raise "
-                                f"data.shard_bytes or lower data.block_size")
+                f, start, _ = self.pieces[i][0]
+                raise DataError(f"shard {i} ({self.nbytes(i)} bytes from {self.files[f]} byte {start}) holds "
+                                f"{len(tokens)} tokens, too few for one block of data.block_size + 1 = "
+                                f"{self.block_size + 1}: raise data.shard_bytes or lower data.block_size")
             tmp = final.with_name(f".{final.name}.{os.getpid()}.{threading.get_ident()}")
             blocks.tofile(tmp)
             os.replace(tmp, final)
@@ -238,21 +263,21 @@ def open_stream(tokenizer, *, files: list[Path], kind: str, text_field: str, dir
                 seed: int, shard_bytes: int, loader_workers: int) -> tuple[ShardStream, np.ndarray, dict]:
     """(the training stream, the validation blocks, meta) of a source read in shards. Tokenises the validation
     shard alone (it sets every train shard's quota); the train shards wait for the stream to read them."""
-    ranges = plan_shards(files, kind=kind, shard_bytes=shard_bytes)
-    if len(ranges) < 2:
-        raise DataError(f"{files[0] if len(files) == 1 else files[0].parent}: {len(ranges)} shard(s) of "
+    pieces = plan_shards(files, kind=kind, shard_bytes=shard_bytes)
+    if len(pieces) < 2:
+        raise DataError(f"{files[0] if len(files) == 1 else files[0].parent}: {len(pieces)} shard(s) of "
                         f"data.shard_bytes={shard_bytes}; a streamed source needs 2 or more (one validates): lower "
                         f"data.shard_bytes, or set data.streaming=off")
     dir_path.mkdir(parents=True, exist_ok=True)
-    shards = Shards(files=files, kind=kind, text_field=text_field, ranges=ranges, dir_path=dir_path,
+    shards = Shards(files=files, kind=kind, text_field=text_field, pieces=pieces, dir_path=dir_path,
                     block_size=block_size, tokenizer=tokenizer)
-    val_shard = int(np.random.default_rng(seed).integers(len(ranges)))
+    val_shard = int(np.random.default_rng(seed).integers(len(pieces)))
     val = shards.open(val_shard)
     blocks_per_byte = len(val) / shards.nbytes(val_shard)
-    quota = np.array([max(1, round(blocks_per_byte * shards.nbytes(i))) for i in range(len(ranges))], np.int64)
-    train = np.array([i for i in range(len(ranges)) if i != val_shard], dtype=np.int64)
+    quota = np.array([max(1, round(blocks_per_byte * shards.nbytes(i))) for i in range(len(pieces))], np.int64)
+    train = np.array([i for i in range(len(pieces)) if i != val_shard], dtype=np.int64)
     stream = ShardStream(shards, train=train, quota=quota, seed=seed, loader_workers=loader_workers)
-    meta = {"streamed": True, "n_shards": len(ranges), "shard_bytes": shard_bytes, "val_shard": val_shard,
+    meta = {"streamed": True, "n_shards": len(pieces), "shard_bytes": shard_bytes, "val_shard": val_shard,
             "n_train_bytes": int(sum(shards.nbytes(i) for i in train)), "n_train_blocks": len(stream),
             "n_val_blocks": len(val), "tokens_per_byte": round(blocks_per_byte * (block_size + 1), 6)}
     return stream, val, meta
