@@ -657,7 +657,7 @@ def test_the_watchdog_actor_is_killed_when_building_the_trainer_fails(ray_local,
     monkeypatch.setattr(launch, "build_trainer", failing_build)
     cfg = tiny_cfg(tmp_path, "leak", "train.hang_timeout_s=30", "tracking.enabled=false")
     facts = {"use_gpu": False, "model": "tiny", "train_blocks": 1, "val_blocks": 1, "tokens_per_epoch": 1,
-             "unit": "blocks", "examples": ""}
+             "tokens_per_epoch_estimated": False, "unit": "blocks", "examples": ""}
     with pytest.raises(RuntimeError, match="no trainer"):
         run_mod._launch(cfg, facts, None, verbose=False)
     deadline = time.monotonic() + 60  # ray.kill is asynchronous: a call may still land before the kill does

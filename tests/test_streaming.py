@@ -171,6 +171,17 @@ def test_tokens_per_epoch_is_an_estimate_close_to_the_train_shards_count_and_the
     assert data.streamed and data.meta["streamed"] and data.meta["tokens_per_byte"] > 0
 
 
+def test_a_resume_refuses_an_estimate_that_changed_and_says_it_is_one():
+    from raytrain_scu.core.checkpoint import check_tokens_per_epoch
+    from raytrain_scu.errors import CheckpointError
+
+    meta = {"tokens_per_epoch": 1000, "step": 4}
+    assert check_tokens_per_epoch(meta, measured=1000, override=0, estimated=True) is None
+    with pytest.raises(CheckpointError, match="the data now gives an estimated tokens_per_epoch=1024"):
+        check_tokens_per_epoch(meta, measured=1024, override=0, estimated=True)
+    assert check_tokens_per_epoch(meta, measured=1024, override=1000, estimated=True) is None
+
+
 def test_auto_streams_a_source_above_the_stated_size_only(source, monkeypatch):
     files = [source]
     kw = {"source": "text", "fmt": "text", "max_documents": 0, "files": files}
