@@ -239,8 +239,9 @@ class ShardStream:
         return out
 
     def prefetch(self, position: int) -> None:
-        """The shards of the 2 x loader_workers visits after the one ``position`` falls in, to the loader threads
-        (none where loader_workers is 0: each shard is then tokenised when first read)."""
+        """The shards of the visit ``position`` falls in and of the 2 x loader_workers visits after it, to the loader
+        threads where not on disk yet (none where loader_workers is 0: each shard is then tokenised when first
+        read)."""
         if self.loader_workers == 0:
             return
         if self._pool is None:
