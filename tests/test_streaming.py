@@ -217,6 +217,42 @@ def test_the_scans_name_the_file_and_line_or_byte_of_a_bad_input(tmp_path, monke
         scan_text([t])
 
 
+def test_the_loop_resumed_on_a_streamed_source_ends_as_the_uninterrupted_run(source, tmp_path):
+    """The real loop in this process (rank 0 of one, LocalHooks): 4 steps straight, then the same run resumed from
+    its checkpoint of step 2 in a fresh cache (the shards tokenised anew, by a loader thread): the same adapter and
+    the same training loss at steps 3 and 4, bit for bit, and the same estimated tokens_per_epoch."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file
+
+    from raytrain_scu.config.paths import RunPaths
+    from raytrain_scu.worker.hooks import LocalHooks
+    from raytrain_scu.worker.loop import run_loop
+
+    def loop(cache: str) -> LocalHooks:
+        cfg = tiny_cfg(tmp_path, "streamed", "scaling.num_workers=1", "tracking.enabled=false", "data.source=text",
+                       f"data.path={source}", "data.max_documents=0", "data.streaming=on", "data.shard_bytes=50000",
+                       "data.loader_workers=1", f"data.cache_dir={tmp_path / cache}", "train.max_steps=4",
+                       "train.checkpoint_every=2", "train.eval_every=2", "train.report_every=1",
+                       "train.eval_blocks=8")
+        hooks = LocalHooks(device=torch.device("cpu"), run_dir=RunPaths.of(cfg).local)
+        run_loop(cfg, hooks=hooks)
+        return hooks
+
+    straight = loop("a")
+    run_dir = tmp_path / "streamed"
+    kept = tmp_path / "straight_4"
+    shutil.move(run_dir / "checkpoint_00000004", kept)  # the run goes back to its checkpoint of step 2
+    resumed = loop("b")
+    adapter = "adapter/adapter_model.safetensors"
+    a, b = load_file(kept / adapter), load_file(run_dir / "checkpoint_00000004" / adapter)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    loss = {r["step"]: r["train/data_bpt"] for r in straight.reports}
+    assert [(r["step"], r["train/data_bpt"]) for r in resumed.reports] == [(s, loss[s]) for s in (3, 4)]
+    assert json.loads((kept / "meta.json").read_text())["tokens_per_epoch"] == json.loads(
+        (run_dir / "checkpoint_00000004" / "meta.json").read_text())["tokens_per_epoch"]
+
 # ---------------------------------------------------------------- 1 GB: a run's start, a malformed line
 
 @pytest.fixture(scope="module")
