@@ -341,7 +341,7 @@ def test_a_2_worker_run_on_a_1gb_text_source_starts_its_first_step_within_the_bo
     assert 2 <= len(built) <= 12 < n_shards  # the validation shard and those the stream reached or read ahead
     assert params["derived.tokens_per_epoch_from"] == "estimated" and params["data.streaming"] == "auto"
     estimate = int(params["derived.tokens_per_epoch"])
-    assert abs(estimate / (big["text"].stat().st_size * 0.368) - 1) < 0.05  # ~0.37 tokens a byte, less each shard's tail
+    assert abs(estimate / (big["text"].stat().st_size * 0.368) - 1) < 0.05  # ~0.37 tokens a byte, less shards' tails
     assert f"tokens_per_epoch={estimate} (estimated: the train shards' bytes x the validation shard's tokens" in out
 
 

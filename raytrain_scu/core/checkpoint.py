@@ -272,8 +272,9 @@ def check_tokens_per_epoch(meta: dict, *, measured: int, override: int, estimate
     """Refuse to resume when the data's tokens per epoch (N of ParamBPT, so S) is not the checkpoint's.
 
     ``measured``: the training split's count now, or (``estimated``: a streamed source) its estimate, which the same
-    files, tokenizer, block size, seed and data.shard_bytes give again exactly; ``override``: controller.tokens_per_epoch
-    (0 = none). A set override wins: returns a warning when it differs from the checkpoint's value, else None."""
+    files, tokenizer, block size, seed and data.shard_bytes give again exactly; ``override``:
+    controller.tokens_per_epoch (0 = none). A set override wins: returns a warning when it differs from the
+    checkpoint's value, else None."""
     saved = meta["tokens_per_epoch"]
     if override:
         if override == saved:
@@ -283,9 +284,10 @@ def check_tokens_per_epoch(meta: dict, *, measured: int, override: int, estimate
     if measured != saved:
         raise CheckpointError(
             f"cannot resume: the checkpoint was written with tokens_per_epoch={saved} but the data now gives "
-            f"{'an estimated ' if estimated else ''}tokens_per_epoch={measured} (did data.* change?); ParamBPT and S scale with it, so they would change "
-            f"silently. Restore the data settings, set controller.tokens_per_epoch={saved} to keep the checkpoint's "
-            f"scale on the new data, or use a new run.name to start fresh.")
+            f"{'an estimated ' if estimated else ''}tokens_per_epoch={measured} (did data.* change?); ParamBPT and S "
+            f"scale with it, so they would change silently. Restore the data settings, set "
+            f"controller.tokens_per_epoch={saved} to keep the checkpoint's scale on the new data, or use a new "
+            f"run.name to start fresh.")
     return None
 
 

@@ -189,8 +189,8 @@ def resume_point(cfg: Config) -> tuple[Optional[Path], Optional[dict]]:
 def preflight(cfg: Config, *, storage_checked: bool = False) -> dict:
     """Every check that needs I/O, before Ray starts, the storage path's first (:func:`check_storage`; skipped when
     the caller ran it already: ``storage_checked``). Returns derived facts: where the model comes from, use_gpu,
-    tokens_per_epoch (and whether it is a streamed source's estimate), the split sizes, visible GPUs, the checkpoint a re-run resumes from
-    and the vocabulary size."""
+    tokens_per_epoch (and whether it is a streamed source's estimate), the split sizes, visible GPUs, the checkpoint a
+    re-run resumes from and the vocabulary size."""
     d = cfg.data
     if not storage_checked:
         check_storage(cfg)
