@@ -69,8 +69,8 @@ def _pad(rows, width: int, pad_id: int):
 
 
 def interval_rates(ends: list[tuple[int, float]], counts: list[tuple[int, int]]) -> tuple[list[float], list[float]]:
-    """(tokens/s, target tokens/s) of each interval between consecutive (step, time) marks; ``counts[i]`` holds step
-    ``i + 1``'s (tokens, targets)."""
+    """(tokens/s, target tokens/s) of each interval between consecutive (micro-batches so far, time) marks;
+    ``counts[i]`` holds micro-batch ``i + 1``'s (tokens, targets)."""
     tok, tgt = [], []
     for (s0, t0), (s1, t1) in zip(ends, ends[1:]):
         tok.append(sum(c[0] for c in counts[s0:s1]) / (t1 - t0))
