@@ -1,6 +1,5 @@
 """GPU detection, presets (explicit values win), the memory estimator and fit, and the preflight check."""
 import json
-import os
 import subprocess
 import sys
 
@@ -430,42 +429,42 @@ def test_fit_to_gpu_leaves_a_fitting_config_and_refuses_to_change_an_explicit_ba
 
 # ---------------------------------------------------------------- check
 
-def run_check(*args, env_over=None):
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env.update(env_over or {})
-    return subprocess.run([sys.executable, "-m", "raytrain_scu.check", *args], capture_output=True, text=True,
-                          env=env, timeout=120)
+def run_check(monkeypatch, capsys, *args, ray_address=None):
+    """``python -m raytrain_scu.check *args``, its ``main`` in this process (the check starts no Ray and reads
+    RAY_ADDRESS when it runs, so a subprocess would only pay the imports again): (exit code, stdout). RAY_ADDRESS is
+    ``ray_address`` (unset when None), whatever this process has."""
+    from raytrain_scu.cli.check import main
+
+    if ray_address is None:
+        monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    else:
+        monkeypatch.setenv("RAY_ADDRESS", ray_address)
+    code = main(list(args))
+    return code, capsys.readouterr().out
 
 
-@pytest.fixture(scope="module")
-def check_report():
-    out = run_check("--json")
-    assert out.returncode == 0, out.stdout + out.stderr
-    return json.loads(out.stdout)
+def test_check_reports_no_gpu_and_passes(monkeypatch, capsys):
+    code, out = run_check(monkeypatch, capsys)
+    assert code == 0, out
+    assert check.NO_GPU_MESSAGE in out
+    assert "auto would pick 'cpu'" in out
 
 
-@pytest.mark.slow
-def test_check_reports_no_gpu_and_passes():
-    out = run_check()
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert check.NO_GPU_MESSAGE in out.stdout
-    assert "auto would pick 'cpu'" in out.stdout
-
-
-@pytest.mark.slow
-def test_check_require_gpu_fails_with_the_message():
-    out = run_check("--require-gpu", "--json")
-    assert out.returncode == 1, out.stdout + out.stderr
-    report = json.loads(out.stdout)
+def test_check_require_gpu_fails_with_the_message(monkeypatch, capsys):
+    code, out = run_check(monkeypatch, capsys, "--require-gpu", "--json")
+    assert code == 1, out
+    report = json.loads(out)
     assert report["ok"] is False
     gpu_row = next(r for r in report["checks"] if r["name"] == "gpu")
     assert gpu_row["status"] == "fail" and gpu_row["detail"] == check.NO_GPU_MESSAGE
 
 
-@pytest.mark.slow
-def test_check_json_lists_versions_and_skips_ray_without_address(check_report):
-    rows = {r["name"]: r for r in check_report["checks"]}
-    assert check_report["ok"] is True
+def test_check_json_lists_versions_and_skips_ray_without_address(monkeypatch, capsys):
+    code, out = run_check(monkeypatch, capsys, "--json")
+    assert code == 0, out
+    report = json.loads(out)
+    rows = {r["name"]: r for r in report["checks"]}
+    assert report["ok"] is True
     for name in ("python", "torch", "transformers", "peft", "ray", "mlflow", "disk", "preset"):
         assert rows[name]["status"] == "pass", rows[name]
     assert rows["gpu"]["status"] == "warn" and rows["gpu"]["detail"] == check.NO_GPU_MESSAGE
@@ -473,12 +472,12 @@ def test_check_json_lists_versions_and_skips_ray_without_address(check_report):
     assert rows["nccl"]["status"] == "skip"
 
 
-@pytest.mark.slow
-def test_check_fails_when_ray_address_is_unreachable(tmp_path):
-    out = run_check(f"run.storage_path={tmp_path / 'new' / 'runs'}", env_over={"RAY_ADDRESS": "http://127.0.0.1:9"})
-    assert out.returncode == 1
-    assert "unreachable" in out.stdout
-    assert f"at {tmp_path} " in out.stdout  # the disk check looked where the config's storage will be
+def test_check_fails_when_ray_address_is_unreachable(tmp_path, monkeypatch, capsys):
+    code, out = run_check(monkeypatch, capsys, f"run.storage_path={tmp_path / 'new' / 'runs'}",
+                          ray_address="http://127.0.0.1:9")
+    assert code == 1
+    assert "unreachable" in out
+    assert f"at {tmp_path} " in out  # the disk check looked where the config's storage will be
 
 
 def test_check_units():
