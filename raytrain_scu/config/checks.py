@@ -10,6 +10,7 @@ from raytrain_scu.config.schema import (
     FUSED_LORA_TARGETS,
     REMOVED_KEYS,
     SPACE_ONLY_KEYS,
+    STRATEGIES,
     TUNE_KINDS,
     Config,
     ControllerConfig,
@@ -181,7 +182,6 @@ def _check_model_and_data(cfg: Config) -> None:
 
 def _check_run(cfg: Config) -> None:
     """train, scaling, run, tracking, tune and hardware."""
-    m, q = cfg.model, cfg.quant
     t = cfg.train
     _check(t.max_steps >= 1, "train.max_steps", f"must be >= 1, got {t.max_steps}")
     _check(t.checkpoint_every >= 1, "train.checkpoint_every", f"must be >= 1, got {t.checkpoint_every}")
@@ -200,16 +200,7 @@ def _check_run(cfg: Config) -> None:
            f"must be a multiple of train.report_every ({t.report_every}): checkpoints travel with reports, "
            f"got {t.checkpoint_every}")
 
-    s = cfg.scaling
-    _check(s.num_workers >= 1, "scaling.num_workers", f"must be >= 1, got {s.num_workers}")
-    _check(s.cpus_per_worker > 0, "scaling.cpus_per_worker", f"must be > 0, got {s.cpus_per_worker}")
-    _check(s.gpus_per_worker > 0, "scaling.gpus_per_worker", f"must be > 0, got {s.gpus_per_worker}")
-    _one_of("scaling.placement_strategy", s.placement_strategy, ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"))
-    _check(0 < s.poll_interval_s <= 60, "scaling.poll_interval_s",
-           f"must be in (0, 60] seconds, got {s.poll_interval_s}")
-    if q.load_in_4bit:
-        _check(m.precision != "fp32" or s.use_gpu is not True, "quant.load_in_4bit",
-               "4-bit on GPU needs a bf16/fp16 compute precision (model.precision), not fp32")
+    _check_scaling(cfg)
 
     r = cfg.run
     _check(bool(r.name) and "/" not in r.name and r.name not in (".", ".."), "run.name",
@@ -238,6 +229,25 @@ def _check_run(cfg: Config) -> None:
 
     _one_of("hardware.preset", cfg.hardware.preset, ("none", "auto", "a100", "h100", "h200", "4090", "3090", "t4",
                                                      "cpu"))
+
+
+def _check_scaling(cfg: Config) -> None:
+    """scaling, and what 4-bit needs of it."""
+    m, q = cfg.model, cfg.quant
+    s = cfg.scaling
+    _check(s.num_workers >= 1, "scaling.num_workers", f"must be >= 1, got {s.num_workers}")
+    _check(s.cpus_per_worker > 0, "scaling.cpus_per_worker", f"must be > 0, got {s.cpus_per_worker}")
+    _check(s.gpus_per_worker > 0, "scaling.gpus_per_worker", f"must be > 0, got {s.gpus_per_worker}")
+    _one_of("scaling.placement_strategy", s.placement_strategy, ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"))
+    _one_of("scaling.strategy", s.strategy, STRATEGIES)
+    _check(not (s.strategy == "fsdp" and q.load_in_4bit), "scaling.strategy",
+           "fsdp does not shard a 4-bit base yet: scaling.strategy=fsdp with quant.load_in_4bit=true is refused; set "
+           "scaling.strategy=ddp or quant.load_in_4bit=false")
+    _check(0 < s.poll_interval_s <= 60, "scaling.poll_interval_s",
+           f"must be in (0, 60] seconds, got {s.poll_interval_s}")
+    if q.load_in_4bit:
+        _check(m.precision != "fp32" or s.use_gpu is not True, "quant.load_in_4bit",
+               "4-bit on GPU needs a bf16/fp16 compute precision (model.precision), not fp32")
 
 
 def _check_profile(cfg: Config) -> None:

@@ -85,11 +85,38 @@ def _family_preset(cfg: Config, hf_config: Any, explicit: set[str]) -> dict[str,
     return changes
 
 
+def choose_strategy(cfg: Config, shape: Optional[dict[str, int]], gpus: list[GpuInfo]) -> tuple[str, str]:
+    """What ``scaling.strategy=auto`` runs, and why: fsdp where one replica of the model does not fit the smallest
+    card even at ``data.batch_size=1`` (the memory estimator, with everything else as configured) and there are
+    workers to shard over, else ddp."""
+    if not gpus:
+        return "ddp", "no GPU (a CPU run): every worker holds the whole model"
+    if shape is None:
+        return "ddp", "the model's config could not be read here for the memory estimate"
+    mem = min(g.memory_gib for g in gpus)
+    kwargs = {**shape, **memory_kwargs(cfg), "shards": 1}
+    kwargs.pop("batch_size")
+    need = estimate_peak_memory_gib(batch_size=1, **kwargs)["total_gib"]
+    if fit_check(need, mem):
+        return "ddp", (f"one replica fits the {mem:.0f} GiB card (~{need:.1f} GiB at data.batch_size=1, the memory "
+                       f"estimate)")
+    if cfg.scaling.num_workers == 1:
+        return "ddp", (f"one replica needs ~{need:.1f} GiB at data.batch_size=1, more than the {mem:.0f} GiB card "
+                       f"holds, but one worker has nothing to shard over")
+    if cfg.quant.load_in_4bit:
+        return "ddp", (f"one replica needs ~{need:.1f} GiB at data.batch_size=1, more than the {mem:.0f} GiB card "
+                       f"holds, but fsdp does not shard a 4-bit base yet")
+    return "fsdp", (f"one replica needs ~{need:.1f} GiB at data.batch_size=1, more than {USABLE_FRACTION:.0%} of "
+                    f"the {mem:.0f} GiB card: the base is sharded over the {cfg.scaling.num_workers} workers")
+
+
 def resolve_config(path: Optional[str | Path], overrides: list[str] | tuple[str, ...] = (),
-                   gpus: Optional[list[GpuInfo]] = None) -> tuple[Config, dict[str, tuple[Any, Any]]]:
+                   gpus: Optional[list[GpuInfo]] = None, *, announce: bool = False
+                   ) -> tuple[Config, dict[str, tuple[Any, Any]]]:
     """Load a config like :func:`config.load_config`, refuse a key set or swept for a law that no run of it uses
     (:func:`config.law_keys.check_law_keys`), then apply ``hardware.preset`` under the keys the YAML file and overrides
-    did not set. Returns ``(cfg, {key: (old, new)})``."""
+    did not set, and decide ``scaling.strategy=auto`` (:func:`choose_strategy`; with ``announce`` its line on
+    stderr says which and why). Returns ``(cfg, {key: (old, new)})``, the preset's and the memory fit's changes."""
     tree = load_raw(path, overrides)
     explicit = explicit_keys(tree)
     cfg = build_config(tree, default_name=default_run_name(path))
@@ -103,6 +130,11 @@ def resolve_config(path: Optional[str | Path], overrides: list[str] | tuple[str,
         changes.update(_family_preset(cfg, hf_config, explicit))
         validate(cfg)
     shape = shape_of(hf_config)
+    if cfg.scaling.strategy == "auto":  # before the fit: under fsdp each card holds a share of the model
+        cfg.scaling.strategy, why = choose_strategy(cfg, shape, found)
+        if announce:
+            print(f"[raytrain_scu] scaling.strategy=auto: {cfg.scaling.strategy} ({why})", file=sys.stderr,
+                  flush=True)
     if shape is not None:  # before launch: lower a default/preset batch, or refuse an explicit one that can't fit
         changes.update(fit_to_gpu(cfg, shape, min(g.memory_gib for g in found), explicit))
         validate(cfg)
@@ -114,7 +146,7 @@ def resolve(path: Optional[str | Path], overrides: list[str] | tuple[str, ...] =
     """THE way a CLI turns a YAML file and ``key=value`` overrides into the final config: strict build and checks,
     the hardware preset, the memory fit, each once (:func:`resolve_config`). With ``announce`` every value a preset
     or the fit changed is printed (stderr), so a run never silently differs from its file."""
-    cfg, changes = resolve_config(path, overrides, gpus=gpus)
+    cfg, changes = resolve_config(path, overrides, gpus=gpus, announce=announce)
     if announce:
         for key, (old, new) in changes.items():
             print(f"[raytrain_scu] preset {cfg.hardware.preset}: {key} {old!r} -> {new!r}", file=sys.stderr,
@@ -169,7 +201,8 @@ def memory_kwargs(cfg: Config) -> dict[str, Any]:
             "embedding_int8": cfg.quant.embedding_int8, "offload_embedding": cfg.quant.offload_embedding,
             "base_fp8": cfg.model.base_fp8, "head_fp8": cfg.model.head_fp8,
             "offload_activations": cfg.model.offload_activations,
-            "offload_activations_gib": cfg.model.offload_activations_gib}
+            "offload_activations_gib": cfg.model.offload_activations_gib,
+            "shards": cfg.scaling.num_workers if cfg.scaling.strategy == "fsdp" else 1}
 
 
 

@@ -223,6 +223,9 @@ LAW_KEYS = {
 }
 
 
+STRATEGIES = ("ddp", "fsdp", "auto")  # scaling.strategy
+
+
 @dataclass
 class ScalingConfig:
     num_workers: int = 1  # Ray Train workers (one per GPU on a GPU cluster)
@@ -230,6 +233,11 @@ class ScalingConfig:
     cpus_per_worker: float = 1.0  # CPUs Ray reserves for each worker
     gpus_per_worker: float = 1.0  # GPUs Ray reserves for each worker
     placement_strategy: str = "PACK"  # PACK | SPREAD | STRICT_PACK | STRICT_SPREAD (Ray placement group)
+    # ddp: every worker holds the whole model, the adapters' gradients averaged | fsdp: FSDP2, the frozen base, the
+    # adapters and their optimizer state sharded over the workers, one unit per decoder layer | auto: fsdp where the
+    # memory estimator says one replica does not fit the card, else ddp (a CPU run: ddp); resolve() decides it before
+    # launch, and a config never resolved (a test's own loop) runs ddp
+    strategy: str = "auto"
     # how often Ray Train's controller polls the workers (RAY_TRAIN_HEALTH_CHECK_INTERVAL_S, Ray's default 2 s): a
     # worker holds one unconsumed report, so reports more often stall training to the next poll; checkpoints register
     poll_interval_s: float = 0.25

@@ -176,8 +176,8 @@ def _launch(cfg: Config, facts: dict, run_id: Optional[str], *, verbose: bool):
     # before any worker starts, rather than waited for forever
     launch.check_capacity(cfg, use_gpu=facts["use_gpu"])
     print(f"[raytrain_scu] run {cfg.run.name}: {facts['model']}, {cfg.scaling.num_workers} worker(s) "
-          f"({'GPU' if facts['use_gpu'] else 'CPU'}), {facts['train_blocks']} train / {facts['val_blocks']} val "
-          f"{facts['unit']}, tokens_per_epoch={facts['tokens_per_epoch']}"
+          f"({'GPU' if facts['use_gpu'] else 'CPU'}, {cfg.scaling.strategy}), {facts['train_blocks']} train / "
+          f"{facts['val_blocks']} val {facts['unit']}, tokens_per_epoch={facts['tokens_per_epoch']}"
           + (ESTIMATED_N if facts["tokens_per_epoch_estimated"] else ""), flush=True)
     if facts["examples"]:
         print(f"[raytrain_scu] data: {facts['examples']}", flush=True)

@@ -38,6 +38,15 @@ With ``a`` = bytes of the compute dtype (4 for fp32, else 2), ``tokens = batch_s
     overhead     = 1 GiB (+ 2 GiB with torch.compile, + one dequantised projection with 4-bit)
     total        = the sum
 
+Under FSDP over ``shards`` workers (scaling.strategy=fsdp) the weights and adapters are each worker's share,
+plus two decoder layers' projections whole (the layer running and the one gathered ahead)::
+
+    weights      = weights / shards + 2 * linear / L * a
+    adapters     = adapters / shards
+
+That term is arithmetic from FSDP2's design (one unit per decoder layer, one all-gather ahead), not yet measured
+on a GPU.
+
 The backward pass goes through the frozen base too, so activations are those of full fine-tuning;
 only the weight gradients and optimizer states shrink to the adapters'.
 
@@ -119,7 +128,7 @@ def estimate_peak_memory_gib(*, n_params: int, hidden: int, layers: int, heads: 
                              mamba_kernels: bool = True, recompute_elementwise: str = "never",
                              recompute_auto: bool = True, base_fp8: bool = False,
                              head_fp8: bool = False, offload_activations: bool = False,
-                             offload_activations_gib: float = 0.0) -> dict[str, float]:
+                             offload_activations_gib: float = 0.0, shards: int = 1) -> dict[str, float]:
     """Peak GPU memory (GiB) of one training step of LoRA/QLoRA on a Llama-style decoder, or a hybrid with
     ``mamba_layers`` Mamba-2 layers, by part: the formula is in the module docstring. ``recompute_elementwise`` is
     ``model.recompute_elementwise`` and ``recompute_auto`` what its ``auto`` picks for the model's family
@@ -162,13 +171,21 @@ def estimate_peak_memory_gib(*, n_params: int, hidden: int, layers: int, heads: 
     overhead = (CUDA_OVERHEAD_GIB + (COMPILE_EXTRA_GIB if compile else 0.0)) * GIB
     if load_in_4bit:
         overhead += max(i * o for _, d in kinds for i, o in d.values()) * a
-    parts = {"weights_gib": weights, "adapters_gib": adapters, "activations_gib": activations,
-             "logits_gib": logits, "overhead_gib": overhead}
+    parts = {**_per_worker(weights, adapters, shards=shards, layer_bytes=linear_params / layers * a),
+             "activations_gib": activations, "logits_gib": logits, "overhead_gib": overhead}
     out = {k: v / GIB for k, v in parts.items()}
     out["activation_per_layer_gib"] = per_layer / GIB
     out["total_gib"] = sum(parts.values()) / GIB
     out["lora_params"] = float(lora_params)
     return out
+
+
+def _per_worker(weights: float, adapters: float, *, shards: int, layer_bytes: float) -> dict[str, float]:
+    """The weights and adapters on one card: all of them (``shards`` 1), or under FSDP over ``shards`` workers each
+    worker's share of both plus two decoder layers' projections whole (the one running and the next, gathered
+    ahead)."""
+    gathered = 2 * layer_bytes if shards > 1 else 0.0
+    return {"weights_gib": weights / shards + gathered, "adapters_gib": adapters / shards}
 
 
 def _kept_layer_inputs(layers: int, layer_input: int, offload: bool, budget_gib: float) -> int:
