@@ -9,18 +9,24 @@ Layout of one checkpoint directory::
     config.yaml         the resolved config (secrets redacted)
     manifest.json       sha256 and size of every file above; written last
 
+Under FSDP (scaling.strategy=fsdp; :func:`write_checkpoint` with ``sharded``, called by every rank) the adapter's
+factors and AdamW's state are sharded: ``sharded/`` holds them in ``torch.distributed.checkpoint`` format, each rank's
+own shards (``__<rank>_0.distcp``) and rank 0's index (``.metadata``); each rank writes its files into a directory of
+its own, which Ray Train's upload puts together, and rank 0's manifest lists every rank's files, so a rank's missing
+or damaged shard fails the verification as any file does. ``adapter/`` is the whole adapter gathered on rank 0 (what
+is exported) and ``state.pt`` holds no optimizer. Loading reshards to any world size.
+
 A directory is written under ``<dir>.partial``, each file synced (a full disk under delayed allocation says so at the
 sync, not after the rename), and renamed when complete; a write that fails (a full disk: :class:`DiskFullError`,
 naming the path and the free space) removes its partial directory and leaves every earlier checkpoint as it was.
 Ray then copies it into the run directory file by file (not atomic there), so a checkpoint counts as complete only
-when every file matches ``manifest.json``. Loading verifies the manifest; a corrupt or truncated latest checkpoint
-falls back to the newest older good one with a warning; none good is a :class:`CheckpointError`. Rank 0 picks and
-every rank loads that same one.
+when every file matches ``manifest.json`` (``core.manifest``). Loading verifies the manifest; a corrupt or truncated
+latest checkpoint falls back to the newest older good one with a warning; none good is a :class:`CheckpointError`.
+Rank 0 picks and every rank loads that same one.
 """
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 import random
@@ -33,23 +39,17 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
+from raytrain_scu.core import fsdp
 from raytrain_scu.core.crashpoints import crash_point
 from raytrain_scu.core.registered import registered_checkpoints
 from raytrain_scu.core.dist import all_gather_object, broadcast_object, rank
+# the manifest's names stay reachable here, where the checkpoints are written and read
+from raytrain_scu.core.manifest import MANIFEST, REQUIRED, SHARDED, files_of, incomplete_copy, verify  # noqa: F401
 from raytrain_scu.errors import CheckpointError, DiskFullError
 
-MANIFEST = "manifest.json"
 # what "best" means for a checkpoint (Ray's top-k, the MLflow best_checkpoint artifact): lowest held-out DataBPT
 BEST_METRIC = "val/data_bpt"
-REQUIRED = ("adapter/adapter_model.safetensors", "state.pt", "controller.json", "meta.json")
 
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def rng_state() -> dict:
@@ -128,13 +128,30 @@ def _sync_tree(root: Path, fsync: Callable[[int], None]) -> None:
             crash_point("checkpoint.fsync")
 
 
+def _write_sharded(tmp: Path, *, model, optimizer) -> Optional[dict]:
+    """All ranks: ``adapter/`` gathered on rank 0 and every rank's shards under ``sharded/``; returns every rank's
+    shard files (sha256 and size) on rank 0, None on the others."""
+    gathered = fsdp.GatheredAdapter(model)  # all ranks take part; rank 0 holds the whole adapter
+    if rank() == 0:
+        gathered.save_pretrained(str(tmp / "adapter"), safe_serialization=True)
+        crash_point("checkpoint.adapter")
+    fsdp.save_sharded(tmp / SHARDED, model=model, optimizer=optimizer)
+    shards = all_gather_object(files_of(tmp / SHARDED))  # each rank's files are in its own directory
+    return {f"{SHARDED}/{rel}": want for files in shards for rel, want in files.items()} if rank() == 0 else None
+
+
 def _write_files(tmp: Path, *, model, optimizer, scaler, controller_state: dict, meta: dict, config_yaml: str,
-                 history: list, rng_states: Optional[list]) -> None:
+                 history: list, rng_states: Optional[list], sharded: bool = False) -> None:
     tmp.mkdir(parents=True)
-    model.save_pretrained(str(tmp / "adapter"), safe_serialization=True)
-    crash_point("checkpoint.adapter")
-    torch.save({"optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(), "history": history,
-                "rng": rng_states if rng_states is not None else [rng_state()]}, tmp / "state.pt")
+    shards = _write_sharded(tmp, model=model, optimizer=optimizer) if sharded else {}
+    if rank() != 0 and sharded:  # rank 0 writes the rest
+        return
+    if not sharded:
+        model.save_pretrained(str(tmp / "adapter"), safe_serialization=True)
+        crash_point("checkpoint.adapter")
+    torch.save({**({} if sharded else {"optimizer": optimizer.state_dict()}), "scaler": scaler.state_dict(),
+                "history": history, "rng": rng_states if rng_states is not None else [rng_state()]},
+               tmp / "state.pt")
     crash_point("checkpoint.state")
     (tmp / "controller.json").write_text(json.dumps(controller_state, indent=1))
     crash_point("checkpoint.controller")
@@ -142,8 +159,7 @@ def _write_files(tmp: Path, *, model, optimizer, scaler, controller_state: dict,
     crash_point("checkpoint.meta")
     (tmp / "config.yaml").write_text(config_yaml)
     crash_point("checkpoint.config")
-    files = sorted(p for p in tmp.rglob("*") if p.is_file())
-    manifest = {str(p.relative_to(tmp)): {"sha256": _sha256(p), "size": p.stat().st_size} for p in files}
+    manifest = {**files_of(tmp), **shards}
     (tmp / MANIFEST).write_text(json.dumps({"step": meta["step"], "files": manifest}, indent=1))
     crash_point("checkpoint.manifest")
 
@@ -151,12 +167,14 @@ def _write_files(tmp: Path, *, model, optimizer, scaler, controller_state: dict,
 def write_checkpoint(out_dir: str | Path, *, model, optimizer, scaler, controller_state: dict, step: int,
                      position: int, structure: dict, tokens_per_epoch: int, config_yaml: str,
                      history: list, extra: Optional[dict] = None, rng_states: Optional[list] = None,
-                     fsync: Callable[[int], None] = os.fsync) -> Path:
+                     fsync: Callable[[int], None] = os.fsync, sharded: bool = False) -> Path:
     """Write a complete checkpoint to ``out_dir`` atomically (``out_dir.partial``, synced, then renamed).
 
     ``rng_states``: every rank's :func:`rng_state`, in rank order (the writer gathers them); default: this process's
     alone (a one-process run). ``fsync``: syncs one file descriptor (fault injection replaces it). A write that fails
-    removes ``out_dir.partial``; a full disk raises :class:`DiskFullError`."""
+    removes ``out_dir.partial``; a full disk raises :class:`DiskFullError`. ``sharded``: an FSDP model, every rank
+    calls it with a directory of its own (the module docstring's layout); rank 0's holds all but the other ranks'
+    shards."""
     out = Path(out_dir)
     tmp = out.with_name(out.name + ".partial")
     crash_point("checkpoint.begin")
@@ -165,7 +183,7 @@ def write_checkpoint(out_dir: str | Path, *, model, optimizer, scaler, controlle
             **(extra or {})}
     try:
         _write_files(tmp, model=model, optimizer=optimizer, scaler=scaler, controller_state=controller_state,
-                     meta=meta, config_yaml=config_yaml, history=history, rng_states=rng_states)
+                     meta=meta, config_yaml=config_yaml, history=history, rng_states=rng_states, sharded=sharded)
         _sync_tree(tmp, fsync)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)  # a failed write gives its space back
@@ -176,46 +194,6 @@ def write_checkpoint(out_dir: str | Path, *, model, optimizer, scaler, controlle
     os.rename(tmp, out)
     crash_point("checkpoint.renamed")
     return out
-
-
-def verify(ckpt_dir: str | Path) -> Optional[str]:
-    """None if the checkpoint matches its manifest, else the reason it does not."""
-    d = Path(ckpt_dir)
-    mpath = d / MANIFEST
-    if not mpath.is_file():
-        return "no manifest.json (incomplete checkpoint)"
-    try:  # a malformed entry is a bad checkpoint too, not an exception out of verify()
-        manifest = json.loads(mpath.read_text())["files"]
-        missing = [rel for rel in REQUIRED if rel not in manifest]
-        expected = {rel: (int(want["size"]), str(want["sha256"])) for rel, want in manifest.items()}
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
-        return f"unreadable manifest: {type(e).__name__}: {e}"
-    if missing:
-        return f"manifest lists no {', '.join(missing)}"
-    for rel, (size, sha256) in expected.items():
-        p = d / rel
-        if not p.is_file():
-            return f"missing file {rel}"
-        if p.stat().st_size != size:
-            return f"{rel} has {p.stat().st_size} bytes, manifest says {size} (truncated?)"
-        if _sha256(p) != sha256:
-            return f"{rel} checksum mismatch (corrupt)"
-    return None
-
-
-def incomplete_copy(ckpt_dir: str | Path) -> bool:
-    """Whether a checkpoint that does not verify looks like a copy cut short: no manifest yet, one copied half, or a
-    file it lists missing or shorter than it says. A crash while a checkpoint is copied into the run directory (Ray
-    copies file by file) leaves one; a corrupt checkpoint (a wrong checksum or size) was whole once. Damage can look
-    the same (a file deleted, a partial rsync), so only a checkpoint the run never registered
-    (``core.registered``) counts as cut short."""
-    d = Path(ckpt_dir)
-    try:
-        files = json.loads((d / MANIFEST).read_text())["files"]
-        return any(not (d / rel).is_file() or (d / rel).stat().st_size < int(want["size"])
-                   for rel, want in files.items())
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return True
 
 
 def read_meta(ckpt_dir: str | Path) -> dict:
@@ -239,23 +217,40 @@ def check_structure(meta: dict, structure: dict) -> None:
                               + "; ".join(diffs) + ")." + keep + " Use a new run.name to start fresh.")
 
 
+def check_sharding(ckpt_dir: str | Path, *, sharded: bool) -> None:
+    """Refuse to resume a checkpoint written with every worker holding the whole model (ddp) in a run that shards
+    it (``sharded``: scaling.strategy=fsdp). A sharded checkpoint resumes under either strategy."""
+    d = Path(ckpt_dir)
+    if sharded and not (d / SHARDED).is_dir():
+        raise CheckpointError(f"cannot resume: {d.name} was written by a run whose workers each held the whole "
+                              f"model (scaling.strategy=ddp), and this run shards it (scaling.strategy=fsdp); resume "
+                              f"it with scaling.strategy=ddp")
+
+
 def load_training_state(ckpt_dir: str | Path, *, model, optimizer, scaler, rank: int = 0, world_size: int = 1,
                         map_location="cpu") -> dict:
     """Restore adapter weights, optimizer, scaler and this rank's RNG from a verified directory; returns meta +
     controller + history, and ``rng_ranks``: how many ranks' RNG states the checkpoint holds. The RNG is restored only
     when that equals ``world_size``; otherwise (a changed world size, or a checkpoint from before per-rank states,
-    counted as 0) the caller must seed the ranks itself."""
+    counted as 0) the caller must seed the ranks itself.
+
+    A sharded checkpoint (``sharded/``: all ranks call it then) loads into an FSDP model or a whole one, at any world
+    size; an FSDP model does not load an unsharded one."""
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
 
     d = Path(ckpt_dir)
-    adapter = load_file(str(d / "adapter" / "adapter_model.safetensors"))
-    result = set_peft_model_state_dict(model, adapter)
-    missing = [k for k in getattr(result, "unexpected_keys", [])]
-    if missing:
-        raise CheckpointError(f"adapter in {d} has keys the model lacks: {missing[:5]}")
     state = torch.load(d / "state.pt", map_location=map_location, weights_only=False)
-    optimizer.load_state_dict(state["optimizer"])
+    if (d / SHARDED).is_dir():
+        fsdp.load_sharded(d / SHARDED, model=model, optimizer=optimizer)
+    elif fsdp.is_sharded(model.parameters()):
+        check_sharding(d, sharded=True)
+    else:
+        result = set_peft_model_state_dict(model, load_file(str(d / "adapter" / "adapter_model.safetensors")))
+        missing = [k for k in getattr(result, "unexpected_keys", [])]
+        if missing:
+            raise CheckpointError(f"adapter in {d} has keys the model lacks: {missing[:5]}")
+        optimizer.load_state_dict(state["optimizer"])
     scaler.load_state_dict(state["scaler"])
     # one state per rank, in rank order; an older checkpoint holds one dict, rank 0's alone: counted as none
     rngs = state["rng"] if isinstance(state["rng"], list) else []

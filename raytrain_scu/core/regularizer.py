@@ -14,6 +14,9 @@ from typing import Iterable, Optional, Sequence
 import torch
 from torch.autograd.function import once_differentiable
 
+from raytrain_scu.core.dist import all_reduce_sum
+from raytrain_scu.core.fsdp import is_sharded, local
+
 
 class _SumOfSquares(torch.autograd.Function):
     """Σ (w − c)² over many float32 tensors (c a centre, or 0 where None): one fused norm forward, one fused multiply
@@ -40,16 +43,28 @@ class _SumOfSquares(torch.autograd.Function):
 def sum_of_squares(params: Iterable[torch.Tensor],
                    center: Optional[Sequence[Optional[torch.Tensor]]] = None) -> torch.Tensor:
     """Σ (w − c)² over all tensors in float32 (c = ``center``'s entry, 0 where None or without ``center``),
-    differentiable in the tensors, in one fused reduction forward and one fused multiply backward."""
+    differentiable in the tensors, in one fused reduction forward and one fused multiply backward.
+
+    FSDP's shards (DTensors; all ranks call it then): each rank sums its own shards and the sums are all-reduced, so
+    every rank holds the sum over the whole tensors; each rank's gradient reaches its own shards alone, which is all
+    of the sum's gradient there (no shard is held twice)."""
     params = list(params)
     if not params:
         raise ValueError("param_bpt needs at least one adapter tensor (is LoRA applied?)")
     if center is not None and len(center) != len(params):
         raise ValueError(f"center has {len(center)} entries for {len(params)} adapter tensors")
+    sharded = is_sharded(params)
+    if sharded:
+        params = [local(p) for p in params]
+        center = None if center is None else [local(c) for c in center]
     if any(p.dtype != torch.float32 for p in params):
         params = [p.float() for p in params]
     center = [None] * len(params) if center is None else [c if c is None else c.float() for c in center]
-    return _SumOfSquares.apply(center, *params)
+    total = _SumOfSquares.apply(center, *params)
+    if sharded:  # the other ranks' sums, added as a constant: the value is global, the gradient stays local
+        mine = total.detach()
+        total = total + (all_reduce_sum(mine.clone()) - mine)
+    return total
 
 
 def param_bpt(adapter_params: Iterable[torch.Tensor], sigma: float = 0.01, tokens_per_epoch: int = 1,
@@ -83,7 +98,14 @@ def initial_centers(model: torch.nn.Module) -> list[Optional[torch.Tensor]]:
 def centers_fingerprint(centers: Sequence[Optional[torch.Tensor]]) -> float:
     """Σw² of the initial A factors in float64: a checkpoint records it, so a resume can tell that the seeded rebuild
     of the initial adapter (:func:`initial_centers`) gave the same values (another peft or torch might not)."""
-    return float(sum(c.double().square().sum().item() for c in centers if c is not None))
+    if not is_sharded(c for c in centers if c is not None):
+        return float(sum(c.double().square().sum().item() for c in centers if c is not None))
+    # FSDP's shards (all ranks call it then): each rank's sum, then their sum over the ranks
+    mine = torch.zeros((), dtype=torch.float64)
+    for c in centers:
+        if c is not None:
+            mine += local(c).double().square().sum().cpu()
+    return float(all_reduce_sum(mine.to(local(next(c for c in centers if c is not None)).device)).item())
 
 
 @torch.no_grad()
@@ -91,7 +113,11 @@ def param_bpt_parts(adapter_params: Sequence[torch.Tensor], centers: Sequence[Op
                     sigma: float, tokens_per_epoch: int) -> torch.Tensor:
     """ParamBPT's parts, for telemetry: a float32 tensor [A part, B part, the update's ParamBPT Σ(w − w₀)²] in bits per
     token. With the zero-centred prior the first two add up to ParamBPT; the third is ParamBPT under the prior centred
-    on the initial adapter (B's part is the same under both)."""
+    on the initial adapter (B's part is the same under both). FSDP's shards (all ranks call it then): each rank's
+    parts, then their sum over the ranks."""
+    sharded = is_sharded(adapter_params)
+    if sharded:
+        adapter_params, centers = [local(p) for p in adapter_params], [local(c) for c in centers]
     a = [p.float() for p, c in zip(adapter_params, centers) if c is not None]
     b = [p.float() for p, c in zip(adapter_params, centers) if c is None]
     # one fused subtraction over every A factor and one fused norm over A, B and A's update, not a kernel per tensor
@@ -99,7 +125,10 @@ def param_bpt_parts(adapter_params: Sequence[torch.Tensor], centers: Sequence[Op
     updates = list(torch._foreach_sub(a, [c for c in centers if c is not None])) if a else []
     sq = torch.stack(torch._foreach_norm(a + b + updates, 2)).square()
     sa, sb, su = sq[:len(a)].sum(), sq[len(a):len(a) + len(b)].sum(), sq[len(a) + len(b):].sum()
-    return torch.stack([sa, sb, su + sb]) / (2.0 * sigma * sigma * tokens_per_epoch * math.log(2.0))
+    parts = torch.stack([sa, sb, su + sb])
+    if sharded:
+        all_reduce_sum(parts)
+    return parts / (2.0 * sigma * sigma * tokens_per_epoch * math.log(2.0))
 
 
 def penalty_nats(param_bpt_value: torch.Tensor, lam: float) -> torch.Tensor:

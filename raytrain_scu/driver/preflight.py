@@ -16,7 +16,13 @@ from transformers import AutoModelForCausalLM
 
 from raytrain_scu.config.paths import RunPaths
 from raytrain_scu.config.schema import Config, data_options, sequences_per_step
-from raytrain_scu.core.checkpoint import check_structure, check_tokens_per_epoch, newest_good_local, read_meta
+from raytrain_scu.core.checkpoint import (
+    check_sharding,
+    check_structure,
+    check_tokens_per_epoch,
+    newest_good_local,
+    read_meta,
+)
 from raytrain_scu.core.data import sft
 from raytrain_scu.core.data.cache import prepare_data
 from raytrain_scu.core.data.scan import scan_source
@@ -178,6 +184,7 @@ def resume_point(cfg: Config) -> tuple[Optional[Path], Optional[dict]]:
         resume_meta = read_meta(good) if good is not None else None
         if resume_meta is not None:
             check_structure(resume_meta, structure_of(cfg))
+            check_sharding(good, sharded=cfg.scaling.strategy == "fsdp")
     if problems:
         print(f"[raytrain_scu] warning: bad checkpoint(s) in {run_path}: {'; '.join(problems)}; "
               + (f"resuming from {good.name}" if good is not None

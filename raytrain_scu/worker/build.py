@@ -19,6 +19,7 @@ from raytrain_scu.core.dist import broadcast_params, notice0, rank, world_size
 from raytrain_scu.core.embed_quant import offloaded_embedding
 from raytrain_scu.core.fp8 import Fp8FrozenLinear, convert_base_to_fp8, convert_head_to_fp8
 from raytrain_scu.core.fp8_gptq import convert_base_to_fp8_gptq
+from raytrain_scu.core.fsdp import shard
 from raytrain_scu.core.fused_lora import fuse_lora_projections
 from raytrain_scu.core.loss import CausalLMLoss, compile_for_training
 from raytrain_scu.core.model.build import (
@@ -76,7 +77,8 @@ def share_rank0_codes(model) -> None:
 
 
 def _optimisation(cfg: Config, hooks, model, *, device, dtype) -> Optimisation:
-    """The loss module (compiled and placed by the hooks), AdamW over the adapters, the fp16 scaler, autocast."""
+    """The loss module (compiled, placed by the hooks and, under scaling.strategy=fsdp, sharded), AdamW over the
+    adapters, the fp16 scaler, autocast."""
     m, o = cfg.model, cfg.optim
     params = adapter_params(model)
     use_amp = device.type == "cuda" and dtype != torch.float32
@@ -98,13 +100,17 @@ def _optimisation(cfg: Config, hooks, model, *, device, dtype) -> Optimisation:
     # a quantized model is placed by device_map and must never be moved with .to()
     loss_model = hooks.prepare_model(loss_model, move_to_device=not cfg.quant.load_in_4bit)
     broadcast_params(params)  # all ranks start from rank 0's adapters (the seeded init makes them equal already)
+    sharded = cfg.scaling.strategy == "fsdp"  # resolve() decided auto before launch; never resolved, it is ddp
+    if sharded:  # each rank keeps its shard of rank 0's values; the parameters are new (DTensor) tensors
+        loss_model = shard(loss_model, model, device=device, dtype=dtype)
+        params = adapter_params(model)
     optimizer = torch.optim.AdamW(params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
                                   fused=True)  # CUDA and CPU: it skips a step on the device (Optimisation.launch)
     # on the adapters' device, before a resume loads the checkpoint: the seeded build's initial A factors
     return Optimisation(model=model, params=params, loss_model=loss_model, optimizer=optimizer,
                         scaler=torch.amp.GradScaler(device.type, enabled=use_amp and dtype == torch.float16),
                         autocast=torch.autocast(device_type=device.type, dtype=dtype, enabled=use_amp),
-                        centers=initial_centers(model), offloaded=offloaded_embedding(model))
+                        centers=initial_centers(model), offloaded=offloaded_embedding(model), sharded=sharded)
 
 
 def build(cfg: Config, hooks, run_id: Optional[str] = None, phase: Optional[Phase] = None) -> State:

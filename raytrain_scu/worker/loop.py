@@ -12,6 +12,7 @@ from raytrain_scu.config.paths import RunPaths
 from raytrain_scu.config.schema import Config
 from raytrain_scu.core.data.cache import tokens_per_epoch_from
 from raytrain_scu.core.dist import notice0, print0, world_size
+from raytrain_scu.core.fsdp import GatheredAdapter
 from raytrain_scu.core.loss import compile_settings, recompute_elementwise
 from raytrain_scu.hardware.gpus import peak_flops
 from raytrain_scu.tracking.tracker import derived_params
@@ -99,5 +100,6 @@ def run_loop(cfg: Config, *, hooks, run_id: Optional[str] = None) -> None:
         s.tracker.pause()  # rank 0: the metrics sent, the system-metrics monitor stopped; the run stays open
         hooks.await_restart()
         return
-    s.tracker.finish(history=s.rec.history, model=s.opt.model,
+    # all ranks: a sharded adapter is gathered whole on rank 0 first
+    s.tracker.finish(history=s.rec.history, model=GatheredAdapter(s.opt.model) if s.opt.sharded else s.opt.model,
                      status="KILLED" if s.stopping and not over else "FINISHED")

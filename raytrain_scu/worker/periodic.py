@@ -91,8 +91,8 @@ def eta_s(s: State, step: int) -> float:
 
 
 def save_checkpoint(s: State, step: int, rng_states: list):
-    """Rank 0: write the checkpoint of step ``step + 1`` to a fresh local directory; returns that directory (removed
-    again when the write fails)."""
+    """Rank 0 (every rank under FSDP, each its own shards): write the checkpoint of step ``step + 1`` to a fresh local
+    directory; returns that directory (removed again when the write fails)."""
     s.phase.enter("checkpoint", step + 1, s.hooks.faults, s.device)
     local = ckpt.new_local_dir()
     extra = {**s.rec.saved(), **s.opt.saved(), **s.ctrl.saved(), "centers_sq": centers_fingerprint(s.opt.centers)}
@@ -101,7 +101,7 @@ def save_checkpoint(s: State, step: int, rng_states: list):
                               controller_state=s.ctrl.law.state_dict(), step=step + 1, position=s.pos.position,
                               structure=s.structure, tokens_per_epoch=s.ctrl.tokens_per_epoch,
                               config_yaml=to_yaml(s.cfg, redact=True), history=s.rec.history, rng_states=rng_states,
-                              extra=extra, fsync=s.hooks.faults.fsync(step + 1))
+                              extra=extra, fsync=s.hooks.faults.fsync(step + 1), sharded=s.opt.sharded)
     except BaseException:
         shutil.rmtree(local, ignore_errors=True)
         raise
@@ -109,7 +109,8 @@ def save_checkpoint(s: State, step: int, rng_states: list):
 
 
 def report(s: State, step: int, row: dict, is_ckpt: bool) -> None:
-    """All ranks report the same number of times; rank 0 writes the checkpoint and passes it, the others None."""
+    """All ranks report the same number of times; rank 0 writes the checkpoint and passes it, the others None (under
+    FSDP every rank writes and passes its own part, which Ray Train's upload puts together)."""
     perf = perf_metrics(s, step)
     row.update(perf)
     s.tracker.log_step(perf, step=step + 1)
@@ -124,7 +125,7 @@ def report(s: State, step: int, row: dict, is_ckpt: bool) -> None:
     if notices:  # one text, not a list: Tune's TensorBoard logger warns about a list it cannot plot (sweeps)
         metrics[NOTICES] = "\n".join(notices)
     rng_states = all_gather_object(ckpt.rng_state()) if is_ckpt else None  # all ranks: each rank's RNG
-    local = save_checkpoint(s, step, rng_states) if is_ckpt and rank() == 0 else None
+    local = save_checkpoint(s, step, rng_states) if is_ckpt and (rank() == 0 or s.opt.sharded) else None
     s.tracker.flush()
     with s.metering.meter.reporting(warn=not is_ckpt):
         s.hooks.report(metrics, local / "ckpt" if local else None,

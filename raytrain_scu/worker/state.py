@@ -60,6 +60,7 @@ class Optimisation:
     autocast: Any  # torch.autocast context for the forward passes
     centers: list  # per adapter tensor: its initial value (A), or None (B, from 0)
     offloaded: Any = None  # the model's OffloadedEmbedding (quant.offload_embedding): batches stage its rows
+    sharded: bool = False  # FSDP (scaling.strategy=fsdp): params are each rank's shards, gradients reduce-scattered
     skipped_total: int = 0
     skipped_in_a_row: int = 0
     overflows_total: int = 0

@@ -12,6 +12,7 @@ import torch
 from raytrain_scu.core.bootstrap import LN2
 from raytrain_scu.core.data.batches import step_counts, train_batch
 from raytrain_scu.core.dist import all_reduce_sum, average_gradients, barrier, rank, world_size
+from raytrain_scu.core.fsdp import clip_gradients
 from raytrain_scu.core.model.flops import bits_per_token
 from raytrain_scu.core.regularizer import param_bpt, param_bpt_parts
 from raytrain_scu.core.schedule import lr_at
@@ -139,9 +140,10 @@ def train_step(s: State, step: int) -> dict:
     lam = s.ctrl.law.lam  # constant within the step: the last control update's value
     nats_sum, tokens, pbpt = micro_steps(s, step, lam)
     s.pos.advance()
-    average_gradients(s.opt.params)  # all ranks: one all-reduce of the adapters' gradients, their data-parallel mean
+    if not s.opt.sharded:  # under FSDP the backward reduce-scattered them already
+        average_gradients(s.opt.params)  # all ranks: one all-reduce of the adapters' gradients, their mean
     s.opt.scaler.unscale_(s.opt.optimizer)
-    grad_norm = torch.nn.utils.clip_grad_norm_(s.opt.params, cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else 1e30)
+    grad_norm = clip_gradients(s.opt.params, cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else 1e30)
     copy, nonfinite = global_sums(s, nats_sum, tokens, pbpt, grad_norm)
     if s.opt.steps_on_device:
         s.opt.launch(nonfinite)

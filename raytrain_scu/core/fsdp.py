@@ -1,0 +1,123 @@
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``) for the loss module, and what a sharded adapter needs beside it: the
+gradient clip over sharded gradients, the whole adapter gathered for export, and the sharded training state saved and
+loaded with ``torch.distributed.checkpoint`` (DCP), which reshards to any world size.
+
+One FSDP unit per decoder layer and one at the root (the loss module: embeddings, final norm, LM head), so a layer's
+frozen base and its LoRA factors are gathered whole for its forward and backward only; the adapters' gradients are
+reduce-scattered (their mean over the ranks) and AdamW's moments live beside each rank's shard."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from raytrain_scu.core.dist import is_dist, world_size
+from raytrain_scu.core.model.parts import decoder_layers
+from raytrain_scu.errors import ModelError
+
+# the trainable tensors alone: the frozen base is rebuilt from the model's source at a resume, never saved
+ADAPTER_ONLY = {"ignore_frozen_params": True}
+
+
+def mixed_precision(dtype: torch.dtype):
+    """The ``MixedPrecisionPolicy`` of ``model.precision``'s compute dtype: fp32 leaves every tensor as it is stored;
+    bf16/fp16 gather the parameters (the float32 LoRA factors too) in that dtype and reduce gradients in float32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if dtype == torch.float32:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+
+
+def shard(loss_model: torch.nn.Module, peft_model: torch.nn.Module, *, device: torch.device,
+          dtype: torch.dtype) -> torch.nn.Module:
+    """All ranks: ``fully_shard`` on every decoder layer of ``peft_model``, then on ``loss_model`` (the root, which
+    holds the rest), over all the ranks of the process group; in place, returns ``loss_model``. The model's
+    parameters become DTensors: read them again afterwards (``regularizer.adapter_params``)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    if not is_dist():
+        raise ModelError("scaling.strategy=fsdp shards the model over a torch.distributed process group, and this "
+                         "worker has none (Ray Train's workers have one); set scaling.strategy=ddp")
+    layers = decoder_layers(peft_model)
+    if not layers:
+        raise ModelError(f"scaling.strategy=fsdp puts one FSDP unit on each decoder layer, and "
+                         f"{type(peft_model.get_base_model()).__name__} has no decoder `layers` list; set "
+                         f"scaling.strategy=ddp")
+    mesh = init_device_mesh(device.type, (world_size(),))
+    policy = mixed_precision(dtype)
+    for layer in layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    root = getattr(loss_model, "_orig_mod", loss_model)  # model.compile_scope=model: the module under the compile
+    fully_shard(root, mesh=mesh, mp_policy=policy)
+    return loss_model
+
+
+def is_sharded(params) -> bool:
+    """Whether the tensors are FSDP shards (DTensors)."""
+    return any(isinstance(p, DTensor) for p in params)
+
+
+def local(t):
+    """A DTensor's shard on this rank (differentiable), any other tensor (or None) as it is."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def clip_gradients(params: list, max_norm: float) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` that also takes FSDP's sharded gradients: the total norm over every rank's
+    shards (a plain 0-d tensor on every rank), then each gradient scaled by the same factor."""
+    grads = [p.grad for p in params if p.grad is not None]
+    total = torch.nn.utils.get_total_norm(grads)
+    if isinstance(total, DTensor):  # a norm of the shards: the reduction over the ranks happens here
+        total = total.full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total
+
+
+def full_adapter_state(model: torch.nn.Module) -> dict:
+    """All ranks: every LoRA factor of the sharded peft ``model`` gathered whole into CPU memory on rank 0 (the
+    others get an empty dict), keyed as ``model.state_dict()`` keys them."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
+                                                                **ADAPTER_ONLY))
+
+
+class GatheredAdapter:
+    """A sharded peft model's adapter gathered on rank 0 (all ranks build it), saved by ``save_pretrained`` as the
+    model would save it: one ordinary peft adapter."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model, self.state = model, full_adapter_state(model)
+
+    def save_pretrained(self, path: str, **kwargs) -> None:
+        self.model.save_pretrained(path, state_dict=self.state, **kwargs)
+
+
+def save_sharded(path: Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """All ranks: the LoRA factors and AdamW's state with DCP into ``path``, each rank writing its own shards
+    (``__<rank>_0.distcp``) and rank 0 the index (``.metadata``). Each rank may write into a directory of its own:
+    the files are put together afterwards (Ray Train's checkpoint upload)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer, options=StateDictOptions(**ADAPTER_ONLY))
+    dcp.save({"model": model_state, "optim": optim_state}, storage_writer=dcp.FileSystemWriter(str(path)))
+
+
+def load_sharded(path: Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """All ranks: the LoRA factors and AdamW's state from a DCP directory of :func:`save_sharded`, resharded to this
+    run's ranks (any world size, sharded or whole tensors)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+    # not strict: the model's own load_state_dict would miss the frozen base's keys, which are not saved; dcp.load
+    # is strict already, raising where the checkpoint lacks any LoRA factor or moment asked for
+    options = StateDictOptions(**ADAPTER_ONLY, strict=False)
+    model_state, optim_state = get_state_dict(model, optimizer, options=options)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, storage_reader=dcp.FileSystemReader(str(path)))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=options)

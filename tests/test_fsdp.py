@@ -1,0 +1,253 @@
+"""scaling.strategy=fsdp (FSDP2) on the CPU: two gloo processes run the real loop's steps under ddp and under fsdp
+and agree on the loss, the adapters' gradients (gathered whole), ParamBPT and λ; a 2-worker Ray run under fsdp writes
+sharded checkpoints that a 1-worker run resumes from, and its exported adapter loads with peft. Plus what auto picks
+and what is refused."""
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import TINY, free_port, tiny_cfg
+
+from raytrain_scu.errors import ConfigError
+
+STEPS = 4
+ROW_KEYS = ("train/data_bpt", "train/param_bpt", "train/grad_norm", "ctrl/lambda", "train/param_bpt_a",
+            "train/param_bpt_b", "train/param_bpt_update")
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor gathered whole (all ranks call it), a plain tensor as it is; detached, on the CPU."""
+    from torch.distributed.tensor import DTensor
+
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def _cfg(tmp: str, strategy: str, workers: int = 2):
+    # the prior centred on the initial adapter: the sharded centres take part in ParamBPT too; λ moves each step
+    return tiny_cfg(tmp, f"eq-{strategy}", "tracking.enabled=false", f"scaling.num_workers={workers}",
+                    f"scaling.strategy={strategy}", f"train.max_steps={STEPS}", "controller.law=spec",
+                    "controller.prior_center=init", "lora.dropout=0.0")
+
+
+def _training_state(s) -> dict:
+    """The adapters and AdamW's moments, gathered whole (all ranks call it)."""
+    from raytrain_scu.core.regularizer import adapter_params
+
+    params = adapter_params(s.opt.model)
+    moments = [[_full(s.opt.optimizer.state[p][k]) for k in ("exp_avg", "exp_avg_sq")] for p in params]
+    return {"adapter": [_full(p) for p in params], "moments": moments}
+
+
+def equality_worker(r: int, port: int, tmp: str, port_1: int) -> None:
+    """Rank ``r`` of a two-process gloo group: the loop's setup and STEPS optimizer steps (``train_step``), first
+    under ddp, then under fsdp, from the same seed and data. Keeps, per step, the row and the adapters' gradients
+    after their mean over the ranks (before the clip), gathered whole, and the adapters after the last step. Under
+    fsdp both ranks then write the step's sharded checkpoint, each into its own directory; rank 0 puts the two
+    together (as Ray Train's upload does) and, alone in a one-process group of its own, resumes from it under
+    fsdp."""
+    import shutil
+    from datetime import timedelta
+
+    import torch.distributed as tdist
+
+    from raytrain_scu.core import checkpoint as ckpt
+    from raytrain_scu.core.dist import all_gather_object
+    from raytrain_scu.worker.hooks import LocalHooks
+    from raytrain_scu.worker.loop import setup
+    from raytrain_scu.worker.periodic import save_checkpoint
+    from raytrain_scu.worker.step import train_step
+
+    torch.set_num_threads(1)
+    tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=r, world_size=2,
+                             timeout=timedelta(seconds=60))  # ranks that disagree hang in a collective: fail instead
+    out = {}
+    for strategy in ("ddp", "fsdp"):
+        s = setup(_cfg(tmp, strategy), LocalHooks(device=torch.device("cpu")))
+        grads = []
+        unscale = s.opt.scaler.unscale_
+
+        def keep_grads(optimizer, s=s, grads=grads, unscale=unscale):  # after the mean over the ranks, before the clip
+            grads.append([_full(p.grad) for p in s.opt.params])
+            return unscale(optimizer)
+
+        s.opt.scaler.unscale_ = keep_grads
+        rows = [train_step(s, step) for step in range(STEPS)]
+        out[strategy] = {"sharded": s.opt.sharded, "rows": [{k: row[k] for k in ROW_KEYS} for row in rows],
+                         "grads": grads, "val": s.rec.val_bpt, **_training_state(s)}
+    local = save_checkpoint(s, STEPS - 1, all_gather_object(ckpt.rng_state()))  # all ranks: fsdp's shards
+    parts = all_gather_object(str(local / "ckpt"))
+    tdist.barrier()
+    tdist.destroy_process_group()
+    if r == 0:
+        merged = Path(tmp, "run", f"checkpoint_{STEPS:08d}")
+        shutil.copytree(parts[0], merged)
+        shutil.copytree(Path(parts[1], ckpt.SHARDED), merged / ckpt.SHARDED, dirs_exist_ok=True)
+        out["files"] = sorted(str(p.relative_to(merged)) for p in merged.rglob("*") if p.is_file())
+        out["verify"] = ckpt.verify(merged)
+        broken = Path(tmp, "broken")
+        shutil.copytree(merged, broken)
+        (broken / ckpt.SHARDED / "__1_0.distcp").unlink()  # rank 1's upload never arrived
+        out["verify_broken"] = ckpt.verify(broken)
+        tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port_1}", rank=0, world_size=1)
+        s1 = setup(_cfg(tmp, "fsdp", workers=1), LocalHooks(device=torch.device("cpu"), run_dir=Path(tmp, "run")))
+        out["resumed"] = {"step": s1.rec.start_step, "position": s1.pos.position, "lam": s1.ctrl.law.lam,
+                          "sharded": s1.opt.sharded, **_training_state(s1)}
+        out["lam"] = s.ctrl.law.lam
+        tdist.destroy_process_group()
+    torch.save(out, Path(tmp, f"rank{r}.pt"))
+
+
+@pytest.fixture(scope="module")
+def equality_run(tmp_path_factory) -> list[dict]:
+    """What each rank of :func:`equality_worker` kept, run once for the tests below."""
+    import torch.multiprocessing as mp
+
+    tmp = tmp_path_factory.mktemp("fsdp")
+    mp.start_processes(equality_worker, args=(free_port(), str(tmp), free_port()), nprocs=2, start_method="spawn")
+    return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+@pytest.mark.slow
+def test_fsdp_matches_ddp_loss_gradients_param_bpt_and_lambda_on_two_gloo_ranks(equality_run):
+    got = equality_run
+    for g in got:
+        ddp, fsdp = g["ddp"], g["fsdp"]
+        assert not ddp["sharded"] and fsdp["sharded"]
+        assert fsdp["val"] == pytest.approx(ddp["val"], abs=1e-5)  # the untrained adapter's held-out BPT
+        lams = [row["ctrl/lambda"] for row in ddp["rows"]]
+        assert len(set(lams)) == STEPS  # λ moved at every step: its equality below is not that of a constant
+        for step, (a, b) in enumerate(zip(ddp["rows"], fsdp["rows"]), start=1):
+            for k in ROW_KEYS:
+                assert b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-5), f"step {step}: {k}"
+        for step, (ga, gb) in enumerate(zip(ddp["grads"], fsdp["grads"]), start=1):
+            assert len(ga) == len(gb) and len(ga) > 0
+            assert any(x.abs().max() > 0 for x in ga)
+            for x, y in zip(ga, gb):
+                assert x.shape == y.shape
+                torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-5, msg=f"step {step}")
+        for x, y in zip(ddp["adapter"] + sum(ddp["moments"], []), fsdp["adapter"] + sum(fsdp["moments"], [])):
+            torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-5)
+    # both ranks hold the same global numbers and the same λ
+    assert got[0]["fsdp"]["rows"] == got[1]["fsdp"]["rows"]
+
+
+@pytest.mark.slow
+def test_a_sharded_checkpoint_verifies_as_a_whole_and_resumes_on_one_rank(equality_run):
+    """The checkpoint the two fsdp ranks wrote (the equality test's run): every rank's shard is in the manifest,
+    a missing one fails the verification, and one rank resumes from it with the two ranks' adapters and AdamW
+    moments, resharded."""
+    g = equality_run[0]
+    assert {"sharded/.metadata", "sharded/__0_0.distcp", "sharded/__1_0.distcp", "adapter/adapter_model.safetensors",
+            "state.pt", "manifest.json"} <= set(g["files"])
+    assert g["verify"] is None
+    assert g["verify_broken"] == "missing file sharded/__1_0.distcp"
+    resumed = g["resumed"]
+    assert resumed["sharded"] and resumed["step"] == STEPS and resumed["lam"] == g["lam"]
+    for x, y in zip(g["fsdp"]["adapter"] + sum(g["fsdp"]["moments"], []),
+                    resumed["adapter"] + sum(resumed["moments"], [])):
+        assert torch.equal(x, y)
+
+
+def test_strategy_is_checked_and_fsdp_refuses_a_4bit_base(tmp_path):
+    with pytest.raises(ConfigError, match=r"scaling.strategy: expected one of ddp, fsdp, auto, got 'zero3'"):
+        tiny_cfg(tmp_path, "x", "scaling.strategy=zero3")
+    with pytest.raises(ConfigError, match=r"scaling.strategy=fsdp with quant.load_in_4bit=true"):
+        tiny_cfg(tmp_path, "x", "scaling.strategy=fsdp", "quant.load_in_4bit=true")
+    assert tiny_cfg(tmp_path, "x").scaling.strategy == "auto"
+
+
+def test_auto_shards_only_what_does_not_fit_one_card(capsys):
+    """auto: ddp on a CPU and where one replica fits the card; fsdp where it does not, with the estimate in the
+    line that says so; and the fit under fsdp counts each worker's share."""
+    from raytrain_scu.config.resolve import choose_strategy, resolve_config
+    from raytrain_scu.hardware.gpus import GpuInfo
+    from raytrain_scu.hardware.memory import estimate_peak_memory_gib
+
+    cfg, _ = resolve_config(TINY, [], gpus=[], announce=True)
+    assert cfg.scaling.strategy == "ddp"
+    assert "scaling.strategy=auto: ddp (no GPU (a CPU run)" in capsys.readouterr().err
+    # Llama-3.1-8B's and 70B's shapes in bf16: ~15 and ~131 GiB of weights
+    llama8b = {"n_params": 8_030_000_000, "hidden": 4096, "layers": 32, "heads": 32, "kv_heads": 8, "ffn": 14336,
+               "vocab": 128256}
+    llama70b = {"n_params": 70_550_000_000, "hidden": 8192, "layers": 80, "heads": 64, "kv_heads": 8, "ffn": 28672,
+                "vocab": 128256}
+    cfg, _ = resolve_config(TINY, ["model.precision=bf16", "scaling.num_workers=4"], gpus=[])
+    cfg.scaling.strategy = "auto"
+    h200 = GpuInfo(name="NVIDIA H200", memory_gib=141.0)
+    assert choose_strategy(cfg, llama8b, [h200])[0] == "ddp"
+    strategy, why = choose_strategy(cfg, llama70b, [h200])
+    assert strategy == "fsdp" and "more than 90% of the 141 GiB card" in why and "4 workers" in why, why
+    cfg.scaling.num_workers = 1
+    assert choose_strategy(cfg, llama70b, [h200])[0] == "ddp"  # nothing to shard over
+    shape = llama70b
+    kw = dict(shape, lora_r=16, lora_targets=["q_proj", "v_proj"], load_in_4bit=False, precision="bf16",
+              batch_size=1, block_size=1024, gradient_checkpointing=True, compile=False)
+    whole, quarter = estimate_peak_memory_gib(**kw), estimate_peak_memory_gib(**kw, shards=4)
+    assert quarter["weights_gib"] < whole["weights_gib"] / 2 and quarter["adapters_gib"] == whole["adapters_gib"] / 4
+
+
+@pytest.mark.slow
+def test_fsdp_on_two_ray_workers_resumes_on_one_and_exports_a_peft_adapter(ray_local, tmp_path, monkeypatch):
+    """The command of the strategy's promise, in this process (``resolve`` as the CLI calls it, then ``driver.run``
+    on the tests' Ray, real checkpoints): 2 CPU workers under fsdp, cut by a fault after step 7 (the checkpoint of
+    step 5 written, sharded), then the same run on 1 worker resumes from that checkpoint and finishes; the exported
+    adapter is one ordinary peft adapter, holding the last checkpoint's values."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    from raytrain_scu.config.resolve import resolve
+    from raytrain_scu.core import checkpoint as ckpt
+    from raytrain_scu.core.model.build import build_model
+    from raytrain_scu.core.model.source import load_tokenizer
+    from raytrain_scu.driver.run import run
+
+    common = [f"run.storage_path={tmp_path}", "run.name=sharded", "tracking.enabled=false", "scaling.strategy=fsdp",
+              "train.max_steps=10", "train.report_every=5", "train.checkpoint_every=5", "train.eval_every=5",
+              "run.max_failures=0", "run.primary_adapter=last"]
+    monkeypatch.setenv("RAYTRAIN_SCU_FAULT_AT_STEP", "7")
+    with pytest.raises(Exception, match="fault injected after step 7"):
+        run(resolve(TINY, [*common, "scaling.num_workers=2"]), quiet=True)
+    monkeypatch.delenv("RAYTRAIN_SCU_FAULT_AT_STEP")
+    first = tmp_path / "sharded" / "checkpoint_00000005"
+    assert ckpt.verify(first) is None
+    assert {p.name for p in (first / ckpt.SHARDED).iterdir()} == {".metadata", "__0_0.distcp", "__1_0.distcp"}
+    summary = run(resolve(TINY, [*common, "scaling.num_workers=1"]), quiet=True)
+    assert summary["steps"] == 10
+    last = Path(summary["run_dir"]) / "checkpoint_00000010"
+    meta = ckpt.read_meta(last)
+    assert meta["resumed_at"] == [5]
+    assert {p.name for p in (last / ckpt.SHARDED).iterdir()} == {".metadata", "__0_0.distcp"}  # one rank now
+    history = torch.load(last / "state.pt", weights_only=False)["history"]
+    assert [row["step"] for row in history] == list(range(11))
+    exported = Path(summary["adapter"])
+    model = PeftModel.from_pretrained(build_model("tiny", vocab_size=len(load_tokenizer("tiny"))), str(exported))
+    saved = load_file(str(last / "adapter" / "adapter_model.safetensors"))
+    loaded = {k: v for k, v in model.state_dict().items() if "lora_" in k}
+    assert len(saved) == len(loaded) > 0
+    for k, v in saved.items():
+        assert torch.equal(loaded[k.replace(".weight", ".default.weight")], v), k
+
+
+def test_a_ddp_checkpoint_is_refused_under_fsdp_and_a_shard_index_is_required(tmp_path):
+    import json
+
+    from raytrain_scu.core import checkpoint as ckpt
+    from raytrain_scu.core.manifest import files_of
+    from raytrain_scu.errors import CheckpointError
+
+    d = tmp_path / "checkpoint_00000010"
+    for rel in (*ckpt.REQUIRED, "sharded/__0_0.distcp", "sharded/__1_0.distcp"):
+        (d / rel).parent.mkdir(parents=True, exist_ok=True)
+        (d / rel).write_bytes(rel.encode())
+    (d / ckpt.MANIFEST).write_text(json.dumps({"step": 10, "files": files_of(d)}))
+    assert ckpt.verify(d) == "manifest lists no sharded/.metadata"  # the shards without rank 0's index
+    ckpt.check_sharding(d, sharded=True)  # a sharded checkpoint resumes under fsdp (and ddp)
+    ckpt.check_sharding(d, sharded=False)
+    for p in (d / ckpt.SHARDED).iterdir():
+        p.unlink()
+    (d / ckpt.SHARDED).rmdir()
+    ckpt.check_sharding(d, sharded=False)
+    with pytest.raises(CheckpointError, match=r"checkpoint_00000010 was written by a run whose workers each held the "
+                                              r"whole model \(scaling.strategy=ddp\).*resume it with "
+                                              r"scaling.strategy=ddp"):
+        ckpt.check_sharding(d, sharded=True)
