@@ -1,7 +1,9 @@
 """Bad inputs: each is refused before any Ray worker starts, with a message that names the problem, exit code 2.
 
-Most cases call ``train.main`` in this process with Ray's start replaced by a failure (fast); the cases that depend on
-process-wide state (HF_HUB_OFFLINE, whether Ray runs) and a few representative ones run the real CLI in a subprocess.
+Most cases call ``train.main`` in this process with Ray's start replaced by a failure (fast); a few call it with Ray
+as this process has it (HF_HUB_OFFLINE is read when the model is checked, so the test sets it for the call); the case
+that depends on whether Ray runs in the process (the local CPU count) and one representative run the real CLI in a
+subprocess.
 The table of cases and messages is in docs/reliability.md. A resumed run whose checkpoint has a different structure is
 tested in test_reliability.py (it needs a real earlier run).
 """
@@ -163,18 +165,42 @@ def test_a_launch_checks_the_storage_path_once(tmp_path, no_ray, capsys, monkeyp
     assert calls == [str(tmp_path)]
 
 
-# the real CLI: exit code, message, and no Ray instance started
+# train.main in this process, nothing replaced: exit code, message, and no Ray started by the call
 @pytest.mark.parametrize("name, args, env, expected", [
     ("unknown model id offline", ["model.name=no-such-org/no-such-model"], {"HF_HUB_OFFLINE": "1"},
      ["model.name=no-such-org/no-such-model", "HF_HUB_OFFLINE=1"]),
-    ("more workers than CPUs", ["scaling.num_workers=4096"], {}, ["scaling.num_workers=4096", "needs 4096 CPUs"]),
-    ("unknown key (CLI)", ["train.max_stepz=5"], {}, ["unknown config key 'train.max_stepz'"]),
-    ("undecodable data (CLI)", ["data.source=text", "data.path={tmp}/bin.txt"], {}, ["bin.txt is not UTF-8"]),
+    ("undecodable data (Ray untouched)", ["data.source=text", "data.path={tmp}/bin.txt"], {}, ["bin.txt is not UTF-8"]),
+])
+def test_train_main_refuses_bad_input_without_starting_ray(name, args, env, expected, tmp_path, monkeypatch, capfd):
+    import ray
+
+    import raytrain_scu.train as train
+
+    (tmp_path / "bin.txt").write_bytes(b"\xff\xfe")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    # an earlier test in this process may have joined the tests' Ray (ray_local): the call must not start or leave one
+    ray_before = ray.is_initialized()
+    code = train.main([TINY, f"run.storage_path={tmp_path}", *[a.format(tmp=tmp_path) for a in args]])
+    out, err = capfd.readouterr()
+    assert code == 2 and all(s in err for s in expected), (out + err)[-3000:]
+    assert ray.is_initialized() is ray_before
+    assert "Started a local Ray instance" not in out + err and "RayTrainWorker" not in out + err
+    message = next(line for line in err.splitlines() if line.startswith("error: "))
+    print(f"BAD_INPUT {json.dumps({'case': name, 'message': message})}")
+
+
+# the real CLI: exit code, message, and no Ray instance started. More workers than CPUs is checked only where no Ray
+# runs in the process (a Ray up is a cluster it defers to), which a fresh process guarantees; an unknown key is the
+# program as a person runs it (refused before torch loads: a tenth of a second)
+@pytest.mark.parametrize("name, args, expected", [
+    ("more workers than CPUs", ["scaling.num_workers=4096"], ["scaling.num_workers=4096", "needs 4096 CPUs"]),
+    ("unknown key (CLI)", ["train.max_stepz=5"], ["unknown config key 'train.max_stepz'"]),
 ])
 @pytest.mark.slow
-def test_cli_bad_input_exits_non_zero_without_starting_ray(name, args, env, expected, tmp_path):
-    (tmp_path / "bin.txt").write_bytes(b"\xff\xfe")
-    r = cli(f"run.storage_path={tmp_path}", *[a.format(tmp=tmp_path) for a in args], env=env, timeout=300)
+def test_cli_bad_input_exits_non_zero_without_starting_ray(name, args, expected, tmp_path):
+    r = cli(f"run.storage_path={tmp_path}", *args, timeout=300)
     out = r.stdout + r.stderr
     assert r.returncode == 2 and all(s in r.stderr for s in expected), out[-3000:]
     assert "Started a local Ray instance" not in out and "RayTrainWorker" not in out
