@@ -127,11 +127,7 @@ def test_exported_adapter_loads_with_peft(finished_run):
 def test_finished_run_is_reported_before_ray_and_its_adapter_generates(finished_run, tmp_path, capsys):
     """Re-running a finished run prints its summary within seconds, without Ray; generate rebuilds the base model from
     the run directory (a preset: base_model.json's seed, dtype and device) and completes a prompt with the adapter."""
-    import subprocess
-    import sys
     import time
-
-    from conftest import ROOT
 
     cfg, first = finished_run
     storage = cfg.run.storage_path
@@ -143,14 +139,12 @@ def test_finished_run_is_reported_before_ray_and_its_adapter_generates(finished_
     assert "run full already finished at step 20" in out and "held-out BPT" in out
     recipe = json.loads(open(f"{storage}/full/output/base_model.json").read())
     assert recipe["init_device"] == "cpu" and recipe["dtype"] == "float32" and recipe["seed"] == cfg.seed
-    r = subprocess.run([sys.executable, "-m", "raytrain_scu.generate", f"{storage}/full", "To be, or not",
-                        "--max-new-tokens", "8", "--temperature", "0"], capture_output=True, text=True, cwd=ROOT,
-                       timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert r.stdout.startswith("To be, or not") and len(r.stdout.strip()) > len("To be, or not")
-    from raytrain_scu.cli.generate import main as generate_main  # the same CLI, in this process
+    from raytrain_scu.cli.generate import main as generate_main  # the CLI in this process: it starts no Ray
 
-    capsys.readouterr()
+    code = generate_main([f"{storage}/full", "To be, or not", "--max-new-tokens", "8", "--temperature", "0"])
+    out, err = capsys.readouterr()
+    assert code == 0, err[-2000:]
+    assert out.startswith("To be, or not") and len(out.strip()) > len("To be, or not")
     assert generate_main([f"{tmp_path}/nothing", "x"]) == 2
     assert "run directory not found" in capsys.readouterr().err
 
