@@ -183,7 +183,8 @@ def test_a_part_runs_end_to_end_in_its_subprocess_with_a_stand_in_unsloth(tmp_pa
 
     (tmp_path / "stub" / "unsloth").mkdir(parents=True)
     (tmp_path / "stub" / "unsloth" / "__init__.py").write_text(textwrap.dedent(STAND_IN))
-    data = prepare_data(load_tokenizer("tiny"), source="shakespeare", path="", block_size=64, val_fraction=0.05)
+    data = prepare_data(load_tokenizer("tiny"), streaming="off", loader_workers=0,
+                        source="shakespeare", path="", block_size=64, val_fraction=0.05)
     np.save(tmp_path / "blocks.npy", data.train)
     spec = dict(preset="tiny", batch=2, block=64, steps=4, warmup=3, interval=2, load_in_4bit=False, lora_r=16,
                 gradient_checkpointing=U.GRADIENT_CHECKPOINTING,

@@ -180,7 +180,8 @@ def test_split_by_document_is_seeded_and_disjoint():
 
 def test_prepare_packs_blocks_and_splits_by_document(tok, tmp_path):
     src = write_docs(tmp_path / "corpus", 20)
-    data = prepare_data(tok, source="text", path=str(src), block_size=16, val_fraction=0.2, seed=0,
+    data = prepare_data(tok, streaming="off", loader_workers=0,
+                        source="text", path=str(src), block_size=16, val_fraction=0.2, seed=0,
                         cache_dir=str(tmp_path / "cache"))
     assert isinstance(data.train, np.memmap) and data.train.dtype == np.uint32
     assert data.train.shape[1] == 17 and data.val.shape[1] == 17
@@ -199,17 +200,18 @@ def test_cache_hit_skips_tokenization(tok, tmp_path):
     src = write_docs(tmp_path / "corpus", 10)
     kw = dict(source="text", path=str(src), block_size=8, cache_dir=str(tmp_path / "cache"))
     counting = CountingTokenizer(tok)
-    first = prepare_data(counting, **kw)
+    first = prepare_data(counting, streaming="off", loader_workers=0, **kw)
     assert counting.calls > 0
     counting.calls = 0
-    second = prepare_data(counting, **kw)
+    second = prepare_data(counting, streaming="off", loader_workers=0, **kw)
     assert counting.calls == 0 and second.cache_path == first.cache_path
     assert np.array_equal(first.train, second.train) and np.array_equal(first.val, second.val)
     meta = json.loads((tmp_path / "cache" / first.cache_path.split("/")[-1] / "meta.json").read_text())
     assert meta["block_size"] == 8 and meta["vocab_size"] == len(tok) and meta["source"] == "text"
     # a changed input file is a different key, and is tokenized again
     (src / "d000.txt").write_text(make_doc(0) + " more words")
-    assert prepare_data(counting, **kw).cache_path != first.cache_path and counting.calls > 0
+    assert prepare_data(counting, streaming="off", loader_workers=0,
+                        **kw).cache_path != first.cache_path and counting.calls > 0
 
 
 def test_concurrent_builders_tokenize_once(tok, tmp_path):
@@ -217,7 +219,7 @@ def test_concurrent_builders_tokenize_once(tok, tmp_path):
     counters = [CountingTokenizer(tok) for _ in range(3)]
     kw = dict(source="text", path=str(src), block_size=8, cache_dir=str(tmp_path / "cache"))
     with ThreadPoolExecutor(3) as pool:
-        paths = list(pool.map(lambda t: prepare_data(t, **kw).cache_path, counters))
+        paths = list(pool.map(lambda t: prepare_data(t, streaming="off", loader_workers=0, **kw).cache_path, counters))
     assert len(set(paths)) == 1
     assert sorted(c.calls > 0 for c in counters) == [False, False, True]  # the file lock let one build
     assert [p.name for p in (tmp_path / "cache").iterdir() if p.name.startswith(".")] == []  # no temp dirs left
@@ -226,14 +228,15 @@ def test_concurrent_builders_tokenize_once(tok, tmp_path):
 def test_cache_key_changes_with_block_size_and_tokenizer(tok, tmp_path):
     src = write_docs(tmp_path / "corpus", 10)
     kw = dict(source="text", path=str(src), cache_dir=str(tmp_path / "cache"))
-    a = prepare_data(tok, block_size=8, **kw).cache_path
-    assert prepare_data(tok, block_size=12, **kw).cache_path != a
-    assert prepare_data(train_tokenizer(280), block_size=8, **kw).cache_path != a
-    assert prepare_data(tok, block_size=8, **kw).cache_path == a
+    a = prepare_data(tok, streaming="off", loader_workers=0, block_size=8, **kw).cache_path
+    assert prepare_data(tok, streaming="off", loader_workers=0, block_size=12, **kw).cache_path != a
+    assert prepare_data(train_tokenizer(280), streaming="off", loader_workers=0, block_size=8, **kw).cache_path != a
+    assert prepare_data(tok, streaming="off", loader_workers=0, block_size=8, **kw).cache_path == a
 
 
 def test_prepare_shakespeare_small(tok, tmp_path):
-    data = prepare_data(tok, source="shakespeare", path="", max_documents=4, block_size=64, val_fraction=0.25,
+    data = prepare_data(tok, streaming="off", loader_workers=0,
+                        source="shakespeare", path="", max_documents=4, block_size=64, val_fraction=0.25,
                         cache_dir=str(tmp_path))
     assert data.meta["n_train_docs"] == 3 and data.meta["n_val_docs"] == 1 and len(data.val) > 100
 
@@ -436,18 +439,21 @@ def test_too_few_documents_and_tokens(tok, tmp_path):
     one = tmp_path / "one.txt"
     one.write_text(make_doc(0))  # one section, no blank line: one document
     with pytest.raises(DataError, match="1 document.*at least 2"):
-        prepare_data(tok, source="text", path=str(one), block_size=8, cache_dir=str(tmp_path / "c"))
+        prepare_data(tok, streaming="off", loader_workers=0,
+                     source="text", path=str(one), block_size=8, cache_dir=str(tmp_path / "c"))
     src = write_docs(tmp_path / "corpus", 4)
     train_docs, _ = split_documents([make_doc(i) for i in range(4)], val_fraction=0.1, seed=0)
     n_tokens = len(tokenize_documents(tok, train_docs))
     with pytest.raises(DataError, match=rf"corpus: the train split has {n_tokens} tokens.*block_size \+ 1 = 4097"):
-        prepare_data(tok, source="text", path=str(src), block_size=4096, cache_dir=str(tmp_path / "c"))
+        prepare_data(tok, streaming="off", loader_workers=0,
+                     source="text", path=str(src), block_size=4096, cache_dir=str(tmp_path / "c"))
 
 
 def test_tokenizer_without_eos(tok, tmp_path):
     no_eos = PreTrainedTokenizerFast(tokenizer_object=tok.backend_tokenizer)
     with pytest.raises(DataError, match="has no eos token"):
-        prepare_data(no_eos, source="text", path=str(write_docs(tmp_path / "c", 3)), block_size=8,
+        prepare_data(no_eos, streaming="off", loader_workers=0,
+                     source="text", path=str(write_docs(tmp_path / "c", 3)), block_size=8,
                      cache_dir=str(tmp_path / "cache"))
 
 

@@ -163,7 +163,8 @@ def test_adapter_changes_bpt_and_switching_is_exact(tok, corpus, tmp_path):
     a, b = r["models"]["A"], r["models"]["B"]
     assert a["adapter"] == trained and b["adapter"] is None
     # the targets counted apart from scoring: every held-out document's tokens + EOS, less its first token
-    meta = prepare_data(tok, source="jsonl", path=corpus, block_size=32, val_fraction=0.5, seed=0,
+    meta = prepare_data(tok, streaming="off", loader_workers=0,
+                        source="jsonl", path=corpus, block_size=32, val_fraction=0.5, seed=0,
                         cache_dir=str(tmp_path / "cache")).meta
     assert r["documents"] == meta["n_val_docs"] == 6
     assert a["tokens"] == b["tokens"] == meta["n_val_tokens"] - meta["n_val_docs"]
@@ -286,7 +287,8 @@ def test_cli_on_ray_workers_prints_only_its_lines_and_matches_one_process(tok, c
     assert "A − B" in r.stdout and "(base)" in r.stdout
     assert re.search(rf"^  scored in 2 Ray task\(s\): 2 x {tokens:,} tokens in \d+ s", r.stdout, re.M), r.stdout
     # --config: exactly the documents training held out (its seed, the fraction given here), as prepare_data split them
-    meta = prepare_data(tok, source="jsonl", path=corpus, block_size=32, val_fraction=0.25, seed=0,
+    meta = prepare_data(tok, streaming="off", loader_workers=0,
+                        source="jsonl", path=corpus, block_size=32, val_fraction=0.25, seed=0,
                         cache_dir=str(tmp_path / "cache")).meta
     assert result["documents"] == meta["n_val_docs"] == 3 and result["split"] == "val" and result["block_size"] == 32
     assert result["models"]["A"]["tokens"] == meta["n_val_tokens"] - meta["n_val_docs"]

@@ -337,7 +337,8 @@ def step1_data_bpt(cfg, *, base_fp8: bool) -> float:
 
     d, world = cfg.data, cfg.scaling.num_workers
     tok = load_tokenizer(cfg.model.name)
-    data = prepare_data(tok, source=d.source, path=d.path, text_field=d.text_field, max_documents=d.max_documents,
+    data = prepare_data(tok, streaming="off", loader_workers=0,
+                        source=d.source, path=d.path, text_field=d.text_field, max_documents=d.max_documents,
                         block_size=d.block_size, val_fraction=d.val_fraction, seed=cfg.seed, cache_dir=d.cache_dir)
     model = apply_lora(build_model(cfg.model.name, vocab_size=len(tok), seed=cfg.seed), r=cfg.lora.r,
                        alpha=cfg.lora.alpha, targets=cfg.lora.target_modules)

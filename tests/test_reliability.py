@@ -246,13 +246,13 @@ def test_each_rank_restores_its_own_rng_and_a_changed_world_size_restores_none(t
 
 def test_changed_tokens_per_epoch_is_refused_unless_overridden():
     meta = {"step": 10, "tokens_per_epoch": 204544}
-    assert ckpt.check_tokens_per_epoch(meta, measured=204544, override=0) is None
+    assert ckpt.check_tokens_per_epoch(meta, measured=204544, override=0, streamed=False, plan="") is None
     with pytest.raises(ckpt.CheckpointError, match=r"tokens_per_epoch=204544 but the data now gives "
                        r"tokens_per_epoch=140416.*set controller.tokens_per_epoch=204544"):
-        ckpt.check_tokens_per_epoch(meta, measured=140416, override=0)
+        ckpt.check_tokens_per_epoch(meta, measured=140416, override=0, streamed=False, plan="")
     # an explicit controller.tokens_per_epoch wins: as the checkpoint's, silently; else with a warning
-    assert ckpt.check_tokens_per_epoch(meta, measured=140416, override=204544) is None
-    note = ckpt.check_tokens_per_epoch(meta, measured=204544, override=102272)
+    assert ckpt.check_tokens_per_epoch(meta, measured=140416, override=204544, streamed=False, plan="") is None
+    note = ckpt.check_tokens_per_epoch(meta, measured=204544, override=102272, streamed=False, plan="")
     assert "controller.tokens_per_epoch=102272 overrides the checkpoint's tokens_per_epoch=204544" in note
     assert "x2 from step 10" in note
 
@@ -657,7 +657,7 @@ def test_the_watchdog_actor_is_killed_when_building_the_trainer_fails(ray_local,
     monkeypatch.setattr(launch, "build_trainer", failing_build)
     cfg = tiny_cfg(tmp_path, "leak", "train.hang_timeout_s=30", "tracking.enabled=false")
     facts = {"use_gpu": False, "model": "tiny", "train_blocks": 1, "val_blocks": 1, "tokens_per_epoch": 1,
-             "tokens_per_epoch_estimated": False, "unit": "blocks", "examples": ""}
+             "tokens_per_epoch_from": "measured", "unit": "blocks", "examples": ""}
     with pytest.raises(RuntimeError, match="no trainer"):
         run_mod._launch(cfg, facts, None, verbose=False)
     deadline = time.monotonic() + 60  # ray.kill is asynchronous: a call may still land before the kill does
@@ -1223,7 +1223,8 @@ def test_tracking_uri_credentials_are_redacted_in_params_dumps_and_run_file(tmp_
 
     cfg = tiny_cfg(tmp_path, "uri")
     cfg.tracking.uri = "https://alice:pw_SECRET@mlflow.example.invalid/"
-    params = derived_params(cfg, tokens_per_epoch=1, world=1, device=torch.device("cpu"))
+    params = derived_params(cfg, tokens_per_epoch=1, world=1, device=torch.device("cpu"),
+                            tokens_per_epoch_from="measured")
     assert params["tracking.uri"] == "https://alice:***@mlflow.example.invalid/"
     remember_run_id(cfg, "0123")
     dumps = [to_yaml(cfg, redact=True), json.dumps(params, default=str),

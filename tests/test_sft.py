@@ -92,38 +92,44 @@ def test_bad_records_are_refused_naming_the_line(tmp_path, tok, record, fmt, say
     good = conv(("user", "a"), ("assistant", "b")) if fmt == "chat" else {"prompt": "a", "completion": "b"}
     path = write_jsonl(tmp_path / "x.jsonl", [good, record])
     with pytest.raises(DataError) as e:
-        prepare_data(tok, source=fmt, path=path, block_size=64, val_fraction=0.5, cache_dir=str(tmp_path / "c"))
+        prepare_data(tok, streaming="off", loader_workers=0,
+                     source=fmt, path=path, block_size=64, val_fraction=0.5, cache_dir=str(tmp_path / "c"))
     assert says in str(e.value) and "\n" not in str(e.value)
 
 
 def test_an_example_without_a_target_is_refused_with_its_line(tmp_path, tok):
     path = write_jsonl(tmp_path / "x.jsonl", [conv(("user", "a"), ("assistant", "b")), conv(("user", "only me"))])
     with pytest.raises(DataError, match=r"x.jsonl:2: no target token \(nothing to learn: no assistant turn\)"):
-        prepare_data(tok, source="chat", path=path, block_size=64, val_fraction=0.5, cache_dir=str(tmp_path / "c"))
+        prepare_data(tok, streaming="off", loader_workers=0,
+                     source="chat", path=path, block_size=64, val_fraction=0.5, cache_dir=str(tmp_path / "c"))
 
 
 def test_a_tokenizer_without_a_template_is_refused_unless_one_is_given(tmp_path, tok, monkeypatch):
     path = write_jsonl(tmp_path / "x.jsonl", [conv(("user", "a"), ("assistant", "b"))] * 4)
     monkeypatch.setattr(tok, "chat_template", None)
     with pytest.raises(DataError, match="has no chat template: set data.chat_template"):
-        prepare_data(tok, source="chat", path=path, block_size=64, val_fraction=0.5, cache_dir=str(tmp_path / "c"))
+        prepare_data(tok, streaming="off", loader_workers=0,
+                     source="chat", path=path, block_size=64, val_fraction=0.5, cache_dir=str(tmp_path / "c"))
     (tmp_path / "t.jinja").write_text(TEMPLATE)
-    data = prepare_data(tok, source="chat", path=path, block_size=64, val_fraction=0.5, cache_dir=str(tmp_path / "c"),
+    data = prepare_data(tok, streaming="off", loader_workers=0,
+                        source="chat", path=path, block_size=64, val_fraction=0.5, cache_dir=str(tmp_path / "c"),
                         chat_template=str(tmp_path / "t.jinja"))
     assert data.meta["n_train_examples"] == 2
     with pytest.raises(DataError, match="no such file, and not an inline Jinja template"):
-        prepare_data(tok, source="chat", path=path, block_size=64, val_fraction=0.5,
+        prepare_data(tok, streaming="off", loader_workers=0, source="chat", path=path, block_size=64, val_fraction=0.5,
                      cache_dir=str(tmp_path / "c"), chat_template="missing.jinja")
 
 
 def test_too_long_truncates_and_counts_or_refuses(tmp_path, tok):
     long = conv(("user", "hi"), ("assistant", "word " * 80))
     path = write_jsonl(tmp_path / "x.jsonl", [conv(("user", "a"), ("assistant", "b"))] * 3 + [long])
-    data = prepare_data(tok, source="chat", path=path, block_size=48, val_fraction=0.25, seed=1,
+    data = prepare_data(tok, streaming="off", loader_workers=0,
+                        source="chat", path=path, block_size=48, val_fraction=0.25, seed=1,
                         cache_dir=str(tmp_path / "c"))
     assert data.meta["n_train_truncated"] + data.meta["n_val_truncated"] == 1
     with pytest.raises(DataError, match=r"x.jsonl:4: \d+ tokens, more than data.block_size \+ 1 = 49"):
-        prepare_data(tok, source="chat", path=path, block_size=48, val_fraction=0.25, seed=1, too_long="refuse",
+        prepare_data(tok, streaming="off", loader_workers=0,
+                     source="chat", path=path, block_size=48, val_fraction=0.25, seed=1, too_long="refuse",
                      cache_dir=str(tmp_path / "c"))
     # a truncation that keeps no answer leaves the example out, and says so
     assert fit(list(range(10)), [False] * 8 + [True] * 2, block_size=5, too_long="truncate", where="w") is None
@@ -284,7 +290,8 @@ def test_padded_rows_come_length_grouped_and_cut_to_the_longest():
 
 
 def test_shakespeare_chat_gives_conversations_in_smollm2s_template(tmp_path, tok):
-    data = prepare_data(tok, source="shakespeare_chat", path="", max_documents=40, block_size=256,
+    data = prepare_data(tok, streaming="off", loader_workers=0,
+                        source="shakespeare_chat", path="", max_documents=40, block_size=256,
                         val_fraction=0.1, cache_dir=str(tmp_path))
     rows = data.train
     assert isinstance(rows, Rows) and rows.packed and data.meta["n_train_examples"] == 36
@@ -315,7 +322,8 @@ def test_the_loop_trains_on_packed_conversations_and_counts_answer_tokens_only(t
                    "data.batch_size=4")
     last = in_process(cfg)
     data = prepare(load_tokenizer("tiny"), source="shakespeare_chat", path="", max_documents=120, block_size=128,
-                   val_fraction=0.2, seed=cfg.seed, cache_dir=str(tmp_path / "tokens"), chat_template=TEMPLATE)
+                   val_fraction=0.2, seed=cfg.seed, cache_dir=str(tmp_path / "tokens"), chat_template=TEMPLATE,
+                   streaming="off", loader_workers=0)
     assert data.tokens_per_epoch == data.meta["n_train_targets"] < data.meta["n_train_tokens"]
     assert last["tokens_per_epoch"] == data.tokens_per_epoch
     assert last["train/lora_b_norm"] > 0 and last["val/data_bpt"] < last["val/data_bpt_start"]
@@ -327,7 +335,8 @@ def test_an_empty_file_a_long_inline_template_and_a_template_that_refuses(tmp_pa
         check_source("chat", str(tmp_path / "empty.jsonl"))
     path = write_jsonl(tmp_path / "x.jsonl", [conv(("user", "a"), ("assistant", "b"))] * 4)
     long = TEMPLATE + "{# " + "x" * 400 + " #}"  # longer than a file name may be
-    data = prepare_data(tok, source="chat", path=path, block_size=64, val_fraction=0.5, chat_template=long,
+    data = prepare_data(tok, streaming="off", loader_workers=0,
+                        source="chat", path=path, block_size=64, val_fraction=0.5, chat_template=long,
                         cache_dir=str(tmp_path / "c"))
     assert data.meta["n_train_examples"] == 2
     strict = "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system') }}{% endif %}" \
@@ -335,7 +344,8 @@ def test_an_empty_file_a_long_inline_template_and_a_template_that_refuses(tmp_pa
     sys_path = write_jsonl(tmp_path / "s.jsonl", [conv(("user", "a"), ("assistant", "b")),
                                                   conv(("system", "s"), ("user", "a"), ("assistant", "b"))])
     with pytest.raises(DataError, match=r"s.jsonl:2: the chat template refused this conversation: .*no system"):
-        prepare_data(tok, source="chat", path=sys_path, block_size=64, val_fraction=0.5, chat_template=strict,
+        prepare_data(tok, streaming="off", loader_workers=0,
+                     source="chat", path=sys_path, block_size=64, val_fraction=0.5, chat_template=strict,
                      cache_dir=str(tmp_path / "c"))
 
 
@@ -368,7 +378,8 @@ def test_a_saved_dataset_of_conversations_is_read_with_the_same_fields(tmp_path,
     datasets = pytest.importorskip("datasets")
     records = [conv(("user", f"q{i}"), ("assistant", f"a{i}")) for i in range(6)]
     datasets.Dataset.from_list(records).save_to_disk(str(tmp_path / "ds"))
-    data = prepare_data(tok, source="auto", path=str(tmp_path / "ds"), block_size=64, val_fraction=0.5,
+    data = prepare_data(tok, streaming="off", loader_workers=0,
+                        source="auto", path=str(tmp_path / "ds"), block_size=64, val_fraction=0.5,
                         cache_dir=str(tmp_path / "c"))
     assert data.meta["source"] == "hf_disk" and data.meta["format"] == "chat"
     assert data.meta["n_train_examples"] + data.meta["n_val_examples"] == 6

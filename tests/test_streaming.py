@@ -104,7 +104,7 @@ def test_small_files_share_a_shard_and_every_document_is_in_one_shard(tok, plays
     docs = [d for ps in shards for d in shard_documents(files, ps, kind="text", text_field="text")]
     assert docs == [d for f in files for d in re.split(r"\n\s*\n", f.read_text()) if d.strip()]
     data = prepare_data(tok, source="text", path=str(tmp_path / "docs"), block_size=BLOCK, cache_dir=str(tmp_path),
-                        streaming="on", shard_bytes=16_384)
+                        streaming="on", shard_bytes=16_384, loader_workers=0)
     assert all(len(data.train.shards.open(i)) > 0 for i in range(len(shards)))
 
 
@@ -126,8 +126,9 @@ def test_the_stream_is_deterministic_and_resumes_at_any_position_and_world_size(
     steps = epoch // 16 + 3  # across the first epoch's end
     straight = batches(first, start=0, steps=steps, world=2, batch=4, accum=2)
     # a fresh process's stream (its own cache, loader threads tokenising ahead): the same blocks, step for step
-    again = batches(streamed(tok, source, tmp_path / "b", loader_workers=2), start=0, steps=steps, world=2, batch=4,
-                    accum=2)
+    ahead = streamed(tok, source, tmp_path / "b", loader_workers=2)
+    again = batches(ahead, start=0, steps=steps, world=2, batch=4, accum=2)
+    ahead.close()
     assert all(np.array_equal(a, b) for a, b in zip(straight, again))
     # resumed at step k's position, on 1 worker of 16 a step and on 4 workers of 2 x 2: the same steps from there
     k = steps - 5
@@ -136,7 +137,7 @@ def test_the_stream_is_deterministic_and_resumes_at_any_position_and_world_size(
     four = batches(resumed, start=16 * k, steps=5, world=4, batch=2, accum=2)
     assert all(np.array_equal(a, b) and np.array_equal(a, c) for a, b, c in zip(straight[k:], one, four))
     other_seed = prepare_data(tok, source="text", path=str(source), block_size=BLOCK, seed=1, cache_dir=str(tmp_path),
-                              streaming="on", shard_bytes=SHARD_BYTES)
+                              streaming="on", shard_bytes=SHARD_BYTES, loader_workers=0)
     assert not np.array_equal(train_batch(other_seed, position=0, micro_step=0, rank=0, world_size=1, batch_size=16,
                                           seed=1)[0].numpy(), straight[0])
     cal = calibration_batches(first, blocks=20, batch_size=8, seed=0)
@@ -176,10 +177,11 @@ def test_a_resume_refuses_an_estimate_that_changed_and_says_it_is_one():
     from raytrain_scu.errors import CheckpointError
 
     meta = {"tokens_per_epoch": 1000, "step": 4}
-    assert check_tokens_per_epoch(meta, measured=1000, override=0, estimated=True) is None
+    kw = {"streamed": True, "plan": "abc"}
+    assert check_tokens_per_epoch(meta, measured=1000, override=0, **kw) is None
     with pytest.raises(CheckpointError, match="the data now gives an estimated tokens_per_epoch=1024"):
-        check_tokens_per_epoch(meta, measured=1024, override=0, estimated=True)
-    assert check_tokens_per_epoch(meta, measured=1024, override=1000, estimated=True) is None
+        check_tokens_per_epoch(meta, measured=1024, override=0, **kw)
+    assert check_tokens_per_epoch(meta, measured=1024, override=1000, **kw) is None
 
 
 def test_auto_streams_a_source_above_the_stated_size_only(source, monkeypatch):
@@ -213,7 +215,8 @@ def test_the_scans_name_the_file_and_line_or_byte_of_a_bad_input(tmp_path, monke
     scan_jsonl([f], "text")  # blank lines are no documents, and no error
     t = tmp_path / "t.txt"
     t.write_bytes(b"fine text\n" * 100 + b"bad \xff here\n")
-    with pytest.raises(DataError, match=re.escape(f"{t} is not UTF-8 text: undecodable byte 0xff at byte offset 1004")):
+    with pytest.raises(DataError, match=re.escape(f"{t}:101: not UTF-8 text: undecodable byte 0xff at byte offset "
+                                                  f"1004")):
         scan_text([t])
 
 
@@ -250,8 +253,188 @@ def test_the_loop_resumed_on_a_streamed_source_ends_as_the_uninterrupted_run(sou
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     loss = {r["step"]: r["train/data_bpt"] for r in straight.reports}
     assert [(r["step"], r["train/data_bpt"]) for r in resumed.reports] == [(s, loss[s]) for s in (3, 4)]
-    assert json.loads((kept / "meta.json").read_text())["tokens_per_epoch"] == json.loads(
-        (run_dir / "checkpoint_00000004" / "meta.json").read_text())["tokens_per_epoch"]
+    kept_meta, meta = (json.loads((d / "meta.json").read_text()) for d in (kept, run_dir / "checkpoint_00000004"))
+    assert kept_meta["tokens_per_epoch"] == meta["tokens_per_epoch"]
+    # the checkpoint says how its data was read: a resume across a change of data.streaming can say so
+    assert meta["data_streamed"] is True and meta["data_plan"] == kept_meta["data_plan"] != ""
+
+def _pieces_text(data, i: int) -> str:
+    return "".join(data.train.shards.files[f].read_bytes()[a:b].decode() for f, a, b in data.train.shards.pieces[i])
+
+
+def test_quotas_follow_each_shards_words_so_a_whitespace_heavy_stretch_is_not_oversampled(tok, plays, tmp_path,
+                                                                                          capfd):
+    """A stretch whose paragraphs are parted by 200 whitespace lines (bytes with no token): each train shard's quota
+    is within [0.8, 1.25] of its blocks, and tokenising a shard says the ratio. By bytes, the stretch's shards got
+    ~4x their blocks an epoch."""
+    paras = [p for p in re.split(r"\n\s*\n", plays) if p.strip()]
+    third = len(paras) // 3
+    padded = "\n\n".join(paras[:third]) + "\n\n" + "\n \n".join(
+        p + "\n" + " \n" * 200 for p in paras[third:2 * third]) + "\n\n" + "\n\n".join(paras[2 * third:]) + "\n"
+    src = tmp_path / "padded.txt"
+    src.write_text(padded)
+    data = streamed(tok, src, tmp_path / "c")
+    s = data.train
+    ratios = {int(i): s.quota[i] / len(s.shards.open(int(i))) for i in s.train}
+    assert all(0.8 <= r <= 1.25 for r in ratios.values()), ratios
+    padded_shards = [i for i in ratios if _pieces_text(data, i).count(" \n") > 1000]
+    assert len(padded_shards) >= 3  # the stretch is shards of its own, not one lost among the plays'
+    out = capfd.readouterr()
+    assert re.search(r"shard \d+ \(\d+ bytes from .*padded.txt byte \d+\): \d+ blocks, quota \d+ an epoch "
+                     r"\(x[01]\.\d\d\)", out.out)
+    assert "warning" not in out.err
+
+
+def test_a_shard_without_a_block_hands_its_positions_to_the_next_shard_and_too_small_shards_are_refused(tok, source,
+                                                                                                      tmp_path, capfd):
+    """A jsonl whose middle 30 KB are lines with a blank text field: their shards give no block, and the stream gives
+    those positions to the next shard of the visit order that has blocks (a warning, no error), the same on every
+    call. A shard size that gives the smallest shard fewer than 2 blocks is refused when the stream is opened,
+    naming data.shard_bytes and data.block_size."""
+    words = [f"word{i % 997} said {i}" for i in range(6000)]
+    lines = ([json.dumps({"text": " ".join(words[i:i + 12])}) for i in range(0, 3000, 12)]
+             + [json.dumps({"text": ""})] * 2500 + [json.dumps({"text": " ".join(words[i:i + 12])})
+                                                    for i in range(3000, 6000, 12)])
+    src = tmp_path / "blanks.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    data = streamed(tok, src, tmp_path / "a", kind="jsonl", shard_bytes=8192)
+    s = data.train
+    empty = [int(i) for i in s.train if len(s.shards.open(int(i))) == 0]
+    assert len(empty) >= 2 and all(s.quota[i] > 0 for i in empty)
+    assert "holds 0 tokens, too few for one block" in capfd.readouterr().err
+    rows = s.rows(0, 2 * len(s))  # two epochs, every position
+    real = {bytes(r) for i in s.train for r in np.asarray(s.shards.open(int(i)))}
+    assert len(rows) == 2 * len(s) and all(bytes(r) in real for r in rows)  # every position a train shard's block
+    again = streamed(tok, src, tmp_path / "b", kind="jsonl", shard_bytes=8192)
+    np.testing.assert_array_equal(again.train.rows(0, 2 * len(s)), rows)
+    # a position of an empty shard's visit is the next non-empty shard's block past that shard's own quota
+    for p in range(len(s)):
+        epoch, visit, shard, offset = s.locate(p)
+        if shard in empty:
+            order = s._order(epoch)[0]
+            nxt = next(int(j) for j in order[visit + 1:] if int(j) not in empty)
+            blocks, perm = s._blocks(epoch, nxt)
+            skipped = sum(int(s.quota[int(j)]) for j in order[visit + 1:list(order).index(nxt) + 1])
+            np.testing.assert_array_equal(rows[p], blocks[perm[(offset + skipped) % len(blocks)]])
+            break
+    else:
+        pytest.fail("no position fell in an empty shard's visit")
+    with pytest.raises(DataError, match=r"smallest shard .* fewer than 2: raise data.shard_bytes \(now 4096\) or "
+                                        r"lower data.block_size"):
+        prepare_data(tok, source="text", path=str(source), block_size=1024, cache_dir=str(tmp_path / "d"),
+                     streaming="on", shard_bytes=4096, loader_workers=0)
+
+
+def test_the_shard_cache_is_keyed_by_the_stream_layout_and_refuses_another_plan(tok, source, tmp_path, monkeypatch):
+    from raytrain_scu.core.data import cache as cache_mod
+
+    data = streamed(tok, source, tmp_path)
+    meta_path = Path(data.cache_path) / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    assert meta["layout"] == stream_mod.STREAM_LAYOUT and len(meta["pieces"]) == len(data.train.shards.pieces)
+    assert meta["words"][0] > 1000
+    monkeypatch.setattr(cache_mod, "STREAM_LAYOUT", stream_mod.STREAM_LAYOUT + 1)
+    assert streamed(tok, source, tmp_path).cache_path != data.cache_path  # a new layout: new shard files
+    monkeypatch.undo()
+    meta["pieces"][1][0][2] += 1  # a plan cut elsewhere, under the same key
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(DataError, match="was cut by another shard plan than this run's .*delete the directory"):
+        streamed(tok, source, tmp_path)
+
+
+def test_a_text_without_line_ends_is_cut_at_whitespace_and_never_read_whole(tmp_path, monkeypatch):
+    from raytrain_scu.core.data import scan
+
+    t = tmp_path / "one_line.txt"
+    t.write_text(" ".join(f"w{i}é" for i in range(100_000)))  # ~700 KB, no line end
+    shards = plan_shards([t], kind="text", shard_bytes=65_536)
+    raw = t.read_bytes()
+    assert len(shards) == len(raw) // 65_536
+    assert all(raw[end - 1:end] == b" " for ((_, _, end),) in shards[:-1])  # after a space: no word, no é cut
+    monkeypatch.setattr(scan, "SCAN_CHUNK_BYTES", 4096)
+    monkeypatch.setattr(scan, "MAX_JSONL_LINE_BYTES", 65_536)
+    chunks = list(scan._chunks(t, whole_lines=False))
+    assert max(len(c) for _, c in chunks) <= 2 * 4096 and b"".join(c for _, c in chunks) == raw
+    scan.scan_text([t])
+    j = tmp_path / "one_line.jsonl"
+    j.write_text(json.dumps({"text": raw.decode()}))
+    with pytest.raises(DataError, match=re.escape(f"{j}: no line end in 65536 bytes from byte offset 0")):
+        scan.scan_jsonl([j], "text")
+
+
+def test_the_scans_decode_strictly_and_name_the_files_line_and_offset(tmp_path, monkeypatch):
+    """An encoded surrogate (bytes ED A0 80, which json.loads of bytes lets pass and a worker's decode refuses) and a
+    bad byte in a later chunk: each named by the file's line and byte offset."""
+    from raytrain_scu.core.data import scan
+
+    monkeypatch.setattr(scan, "SCAN_CHUNK_BYTES", 256)
+    good = [json.dumps({"text": f"doc {i}"}).encode() for i in range(100)]
+    lines = list(good)
+    lines[70] = b'{"text": "a \xed\xa0\x80 b"}'
+    f = tmp_path / "s.jsonl"
+    f.write_bytes(b"\n".join(lines) + b"\n")
+    offset = len(b"\n".join(good[:70])) + 1 + len(b'{"text": "a ')
+    with pytest.raises(DataError, match=re.escape(f"{f}:71: not UTF-8 text: undecodable byte 0xed at byte offset "
+                                                  f"{offset}")):
+        scan_jsonl([f], "text")
+    t = tmp_path / "t.txt"
+    t.write_bytes(b"fine text\n" * 300 + b"bad \xff here\n")
+    with pytest.raises(DataError, match=re.escape(f"{t}:301: not UTF-8 text: undecodable byte 0xff at byte offset "
+                                                  f"3004")):
+        scan_text([t])
+
+
+def test_a_loader_threads_error_surfaces_at_the_step_that_reaches_its_shard_and_close_stops_the_threads(tok, plays,
+                                                                                                        tmp_path):
+    """A bad byte in one train shard, read by a loader thread ahead of the stream: every step before that shard's
+    first position gives its blocks, the one that reaches it raises the thread's DataError (naming the file's line
+    and byte offset); close() stops the threads."""
+    src = tmp_path / "bad.txt"
+    src.write_text(plays)
+    probe = streamed(tok, src, tmp_path / "probe")
+    s = probe.train
+    bad_shard = int(s._order(0)[0][3])  # the 4th shard visited: the loader thread reaches it ahead of the stream
+    first = next(p for p in range(len(s)) if s.locate(p)[2] == bad_shard)
+    (_, start, end), = s.shards.pieces[bad_shard]
+    raw = bytearray(src.read_bytes())
+    at = raw.index(b"e", (start + end) // 2)
+    raw[at] = 0xFF  # same size: the same plan
+    src.write_bytes(bytes(raw))
+    line = raw[:at].count(b"\n") + 1
+    data = streamed(tok, src, tmp_path / "c", loader_workers=1)
+    try:
+        s = data.train
+        assert s.quota.tolist() == probe.train.quota.tolist()
+        for position in range(0, first - first % 8, 8):
+            s.rows(position, 8)
+        with pytest.raises(DataError, match=re.escape(f"{src}:{line}: not UTF-8 text: undecodable byte 0xff at byte "
+                                                      f"offset {at}")):
+            s.rows(first - first % 8, 8)
+        assert s._pool is not None
+    finally:
+        data.close()
+    assert s._pool is None and not s._pending
+    deadline = time.monotonic() + 10
+    while any(t.name.startswith("raytrain_scu-shards") for t in threading.enumerate()):
+        assert time.monotonic() < deadline, "a loader thread outlived close()"
+        time.sleep(0.05)
+    probe.close()
+
+
+def test_a_resume_across_a_change_of_data_streaming_or_of_the_shard_plan_says_which():
+    from raytrain_scu.core.checkpoint import check_tokens_per_epoch, data_facts
+    from raytrain_scu.errors import CheckpointError
+
+    whole = {"tokens_per_epoch": 1000, "step": 4, **data_facts(streamed=False, plan="")}
+    with pytest.raises(CheckpointError, match=r"the checkpoint's source was read whole and is now read in shards "
+                                              r"\(data.streaming"):
+        check_tokens_per_epoch(whole, measured=990, override=0, streamed=True, plan="abc")
+    shards = {"tokens_per_epoch": 1000, "step": 4, **data_facts(streamed=True, plan="abc")}
+    with pytest.raises(CheckpointError, match=r"read in shards and is now read whole \(data.streaming"):
+        check_tokens_per_epoch(shards, measured=990, override=0, streamed=False, plan="")
+    with pytest.raises(CheckpointError, match=r"the source's shard plan changed \(data.shard_bytes"):
+        check_tokens_per_epoch(shards, measured=990, override=0, streamed=True, plan="def")
+
 
 # ---------------------------------------------------------------- 1 GB: a run's start, a malformed line
 

@@ -263,13 +263,20 @@ def load_training_state(ckpt_dir: str | Path, *, model, optimizer, scaler, rank:
     return meta
 
 
-def check_tokens_per_epoch(meta: dict, *, measured: int, override: int, estimated: bool = False) -> Optional[str]:
+def data_facts(*, streamed: bool, plan: str) -> dict:
+    """What a checkpoint's meta keeps of how its data was read: whether in shards, and the shard plan's fingerprint
+    (:func:`check_tokens_per_epoch` names what changed from them)."""
+    return {"data_streamed": streamed, "data_plan": plan}
+
+
+def check_tokens_per_epoch(meta: dict, *, measured: int, override: int, streamed: bool, plan: str) -> Optional[str]:
     """Refuse to resume when the data's tokens per epoch (N of ParamBPT, so S) is not the checkpoint's.
 
-    ``measured``: the training split's count now, or (``estimated``: a streamed source) its estimate, which the same
-    files, tokenizer, block size, seed and data.shard_bytes give again exactly; ``override``:
-    controller.tokens_per_epoch (0 = none). A set override wins: returns a warning when it differs from the
-    checkpoint's value, else None."""
+    ``measured``: the training split's count now, or (``streamed``: a source read in shards) its estimate, which the
+    same files, tokenizer, block size, seed and data.shard_bytes give again exactly; ``plan``: that source's shard
+    plan fingerprint ("" read whole), which the refusal compares with the checkpoint's (:func:`data_facts`) to say
+    what changed; ``override``: controller.tokens_per_epoch (0 = none). A set override wins: returns a warning when
+    it differs from the checkpoint's value, else None."""
     saved = meta["tokens_per_epoch"]
     if override:
         if override == saved:
@@ -277,9 +284,18 @@ def check_tokens_per_epoch(meta: dict, *, measured: int, override: int, estimate
         return (f"controller.tokens_per_epoch={override} overrides the checkpoint's tokens_per_epoch={saved}: "
                 f"ParamBPT and S change by x{saved / override:.4g} from step {meta['step']} on")
     if measured != saved:
+        how = {True: "read in shards", False: "read whole"}
+        # checkpoints written before these keys existed say nothing of how their data was read
+        if "data_streamed" in meta and meta["data_streamed"] != streamed:
+            what = (f"the checkpoint's source was {how[meta['data_streamed']]} and is now {how[streamed]} "
+                    f"(data.streaming, auto above STREAM_ABOVE_BYTES)")
+        elif streamed and meta.get("data_plan", plan) != plan:
+            what = "the source's shard plan changed (data.shard_bytes, or the files)"
+        else:
+            what = "did data.* change?"
         raise CheckpointError(
             f"cannot resume: the checkpoint was written with tokens_per_epoch={saved} but the data now gives "
-            f"{'an estimated ' if estimated else ''}tokens_per_epoch={measured} (did data.* change?); ParamBPT and S "
+            f"{'an estimated ' if streamed else ''}tokens_per_epoch={measured} ({what}); ParamBPT and S "
             f"scale with it, so they would change silently. Restore the data settings, set "
             f"controller.tokens_per_epoch={saved} to keep the checkpoint's scale on the new data, or use a new "
             f"run.name to start fresh.")

@@ -24,7 +24,7 @@ from raytrain_scu.core.checkpoint import (
     read_meta,
 )
 from raytrain_scu.core.data import sft
-from raytrain_scu.core.data.cache import prepare_data
+from raytrain_scu.core.data.cache import prepare_data, tokens_per_epoch_from
 from raytrain_scu.core.data.scan import scan_source
 from raytrain_scu.core.data.sources import check_source, resolve_format, resolve_source, source_files
 from raytrain_scu.core.data.stream import use_streaming
@@ -196,8 +196,8 @@ def resume_point(cfg: Config) -> tuple[Optional[Path], Optional[dict]]:
 def preflight(cfg: Config, *, storage_checked: bool = False) -> dict:
     """Every check that needs I/O, before Ray starts, the storage path's first (:func:`check_storage`; skipped when
     the caller ran it already: ``storage_checked``). Returns derived facts: where the model comes from, use_gpu,
-    tokens_per_epoch (and whether it is a streamed source's estimate), the split sizes, visible GPUs, the checkpoint a
-    re-run resumes from and the vocabulary size."""
+    tokens_per_epoch (the one the run uses) and where it comes from (config, measured or estimated), the split sizes,
+    visible GPUs, the checkpoint a re-run resumes from and the vocabulary size."""
     d = cfg.data
     if not storage_checked:
         check_storage(cfg)
@@ -220,14 +220,18 @@ def preflight(cfg: Config, *, storage_checked: bool = False) -> dict:
     if resume_meta is not None:  # the data must give the checkpoint's tokens_per_epoch (the loop checks it too)
         with _as_preflight(CheckpointError):
             check_tokens_per_epoch(resume_meta, measured=data.tokens_per_epoch,
-                                   override=cfg.controller.tokens_per_epoch, estimated=data.streamed)
+                                   override=cfg.controller.tokens_per_epoch, streamed=data.streamed, plan=data.plan)
+    data.close()  # the driver reads no batch: a streamed source's loader threads are never needed here
     unit = "rows" if examples else "blocks"
     global_batch = sequences_per_step(cfg)
     if len(data.train) < global_batch:
+        more = ("lower data.shard_bytes (the validation split is one shard, held out whole) or add data"
+                if data.streamed else "lower data.val_fraction or add data")
         raise PreflightError(f"the training split has {len(data.train)} {unit} of {d.block_size} tokens, fewer than "
                              f"one global batch ({global_batch} = data.batch_size x data.grad_accum x "
-                             f"scaling.num_workers): lower those, or lower data.val_fraction or add data")
-    return {"model": where, "use_gpu": use_gpu, "tokens_per_epoch": data.tokens_per_epoch,
-            "tokens_per_epoch_estimated": data.streamed,
+                             f"scaling.num_workers): lower those, or {more}")
+    return {"model": where, "use_gpu": use_gpu,
+            "tokens_per_epoch": cfg.controller.tokens_per_epoch or data.tokens_per_epoch,
+            "tokens_per_epoch_from": tokens_per_epoch_from(cfg.controller.tokens_per_epoch, data),
             "train_blocks": len(data.train), "val_blocks": len(data.val), "gpus": gpus, "resume_from": good,
             "vocab_size": len(tok), "unit": unit, "examples": sft.summary(data.meta) if examples else ""}

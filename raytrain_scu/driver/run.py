@@ -45,9 +45,11 @@ from raytrain_scu.tracking.store import (
     ui_command,
 )
 
-# the console's word on a streamed source's N (core.data.stream): what it is, and what sets it instead
-ESTIMATED_N = (" (estimated: the train shards' bytes x the validation shard's tokens per byte, the source being read "
-               "in shards; controller.tokens_per_epoch sets it)")
+# the console's word on where N comes from (core.data.cache.tokens_per_epoch_from): a streamed source's estimate, what
+# it is and what sets it instead; the config's value; nothing for a measured count
+N_FROM = {"estimated": " (estimated: the train shards' words x the validation shard's tokens per word, the source "
+                       "being read in shards; controller.tokens_per_epoch sets it)",
+          "config": " (set by controller.tokens_per_epoch)", "measured": ""}
 
 
 def output_dir(cfg: Config) -> Path:
@@ -178,7 +180,7 @@ def _launch(cfg: Config, facts: dict, run_id: Optional[str], *, verbose: bool):
     print(f"[raytrain_scu] run {cfg.run.name}: {facts['model']}, {cfg.scaling.num_workers} worker(s) "
           f"({'GPU' if facts['use_gpu'] else 'CPU'}, {cfg.scaling.strategy}), {facts['train_blocks']} train / "
           f"{facts['val_blocks']} val {facts['unit']}, tokens_per_epoch={facts['tokens_per_epoch']}"
-          + (ESTIMATED_N if facts["tokens_per_epoch_estimated"] else ""), flush=True)
+          + N_FROM[facts["tokens_per_epoch_from"]], flush=True)
     if facts["examples"]:
         print(f"[raytrain_scu] data: {facts['examples']}", flush=True)
     ray_logs = launch.logs_dir()

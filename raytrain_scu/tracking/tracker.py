@@ -28,7 +28,7 @@ def _version_of(dist: str) -> str:
 
 
 def derived_params(cfg: Config, *, tokens_per_epoch: int, world: int, device,
-                   tokens_per_epoch_from: str = "measured") -> dict:
+                   tokens_per_epoch_from: str) -> dict:
     """Flattened resolved config plus the values derived at run time; ``tokens_per_epoch_from``: config, measured or
     estimated (a streamed source: core.data.cache.tokens_per_epoch_from)."""
     import peft

@@ -150,7 +150,7 @@ def resume(s: State) -> None:
         saved = ckpt.read_meta(local)
         ckpt.check_structure(saved, s.structure)
         note = ckpt.check_tokens_per_epoch(saved, measured=s.pos.data.tokens_per_epoch, override=c.tokens_per_epoch,
-                                           estimated=s.pos.data.streamed)
+                                           streamed=s.pos.data.streamed, plan=s.pos.data.plan)
         meta = ckpt.load_training_state(local, model=s.opt.model, optimizer=s.opt.optimizer, scaler=s.opt.scaler,
                                         rank=rank(), world_size=world_size())
     check_centers(s, meta.get("centers_sq"))

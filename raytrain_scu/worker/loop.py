@@ -86,7 +86,7 @@ def train(s: State) -> bool:
 def run_loop(cfg: Config, *, hooks, run_id: Optional[str] = None) -> None:
     """Setup, then the training loop; ``hooks`` are Ray Train's calls (or their local stand-ins). Running out of
     device memory anywhere is a :class:`~raytrain_scu.errors.DeviceOutOfMemory` naming the phase."""
-    phase = Phase()
+    phase, s = Phase(), None
     try:
         s = setup(cfg, hooks, run_id, phase)  # no backward here: the training graphs compile in the first steps
         m = cfg.model
@@ -95,6 +95,9 @@ def run_loop(cfg: Config, *, hooks, run_id: Optional[str] = None) -> None:
     except torch.cuda.OutOfMemoryError as e:
         hooks.faults.ballast = None  # an injected fill of the card goes with the error
         raise out_of_memory(cfg, phase, hooks.get_device(), e) from e
+    finally:
+        if s is not None:  # a streamed source's loader threads stop with the loop, whatever ended it
+            s.pos.data.close()
     hooks.heartbeat(None)  # done stepping: what follows (the tracker's artifacts) may take long and is no hang
     if s.preempting and not s.stopping and not over:  # this step's checkpoint is in: the run goes on from it
         s.tracker.pause()  # rank 0: the metrics sent, the system-metrics monitor stopped; the run stays open

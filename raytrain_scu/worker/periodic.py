@@ -95,7 +95,8 @@ def save_checkpoint(s: State, step: int, rng_states: list):
     directory; returns that directory (removed again when the write fails)."""
     s.phase.enter("checkpoint", step + 1, s.hooks.faults, s.device)
     local = ckpt.new_local_dir()
-    extra = {**s.rec.saved(), **s.opt.saved(), **s.ctrl.saved(), "centers_sq": centers_fingerprint(s.opt.centers)}
+    extra = {**s.rec.saved(), **s.opt.saved(), **s.ctrl.saved(), "centers_sq": centers_fingerprint(s.opt.centers),
+             **ckpt.data_facts(streamed=s.pos.data.streamed, plan=s.pos.data.plan)}
     try:
         ckpt.write_checkpoint(local / "ckpt", model=s.opt.model, optimizer=s.opt.optimizer, scaler=s.opt.scaler,
                               controller_state=s.ctrl.law.state_dict(), step=step + 1, position=s.pos.position,

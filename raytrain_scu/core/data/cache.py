@@ -21,7 +21,7 @@ from raytrain_scu.core.data import sft
 from raytrain_scu.core.data.blocks import build_blocks
 from raytrain_scu.core.data.packing import IGNORE_INDEX
 from raytrain_scu.core.data.sources import SOURCES, describe, resolve_format, resolve_source, source_files
-from raytrain_scu.core.data.stream import ShardStream, open_stream, use_streaming
+from raytrain_scu.core.data.stream import CUT_SCAN_BYTES, STREAM_LAYOUT, ShardStream, open_stream, use_streaming
 from raytrain_scu.errors import DataError
 
 
@@ -70,6 +70,16 @@ class TokenData:
     def streamed(self) -> bool:
         """Whether the train split is read in shards, and tokens_per_epoch an estimate (:mod:`.stream`)."""
         return isinstance(self.train, ShardStream)
+
+    @property
+    def plan(self) -> str:
+        """A streamed source's shard plan fingerprint (:func:`.stream.plan_fingerprint`); "" for one read whole."""
+        return self.meta["plan"] if self.streamed else ""
+
+    def close(self) -> None:
+        """Stops a streamed source's loader threads (nothing to stop for one read whole)."""
+        if isinstance(self.train, ShardStream):
+            self.train.close()
 
 
 def tokens_per_epoch_from(override: int, data: TokenData) -> str:
@@ -142,8 +152,10 @@ def _write(root: Path, final: Path, arrays: dict, meta: dict) -> None:
 def _streamed(tokenizer, *, source, path, files, text_field, root, block_size, seed, shard_bytes,
               loader_workers) -> TokenData:
     """A text source read in shards (:mod:`.stream`): a cache directory of shard files, each written whole as the
-    stream reaches it. The seed picks the validation shard (data.val_fraction plays no part)."""
-    settings = {"text_field": text_field, "format": "text", "seed": seed, "shard_bytes": shard_bytes}
+    stream reaches it. The seed picks the validation shard (data.val_fraction plays no part). The key holds the
+    stream's layout version and its cut settings: a plan cut another way never reuses these shard files."""
+    settings = {"text_field": text_field, "format": "text", "seed": seed, "shard_bytes": shard_bytes,
+                "stream_layout": STREAM_LAYOUT, "cut_scan_bytes": CUT_SCAN_BYTES}
     key = cache_key(source=source, path=path, files=files, settings=settings,
                     tokenizer_id=tokenizer_identity(tokenizer), block_size=block_size)
     train, val, meta = open_stream(tokenizer, files=files, kind=source, text_field=text_field, dir_path=root / key,
@@ -156,8 +168,8 @@ def _streamed(tokenizer, *, source, path, files, text_field, root, block_size, s
 def prepare_data(tokenizer, *, source: str, path: str, text_field: str = "text", max_documents: int = 0,
                  block_size: int, val_fraction: float = 0.1, seed: int = 0, cache_dir: str = "",
                  fmt: str = "auto", chat_template: str = "", train_on: str = "answers", too_long: str = "truncate",
-                 packing: bool = True, streaming: str = "off", shard_bytes: int = DataConfig.shard_bytes,
-                 loader_workers: int = 0) -> TokenData:
+                 packing: bool = True, streaming: str, shard_bytes: int = DataConfig.shard_bytes,
+                 loader_workers: int) -> TokenData:
     """Token blocks (text) or rows of examples (chat, prompt_completion: :mod:`.sft`) of a source, from the on-disk
     cache or built once (under a file lock) and cached; a large text source (``streaming``: :mod:`.stream`) in shards
     tokenised as the stream reaches them, by ``loader_workers`` threads ahead of it.

@@ -4,65 +4,84 @@ a file's first bytes, these check on all of them, for a streamed source (:mod:`.
 before training."""
 from __future__ import annotations
 
-import codecs
 import json
 from pathlib import Path
 from typing import Iterator
 
-from raytrain_scu.core.data.sources import _decode, _read_jsonl_lines, source_files
+from raytrain_scu.core.data.sources import read_jsonl_lines, source_files
+from raytrain_scu.core.data.stream import hard_cut
 from raytrain_scu.errors import DataError
 
 SCAN_CHUNK_BYTES = 16 * 2**20  # what a full scan reads at a time: its memory, whatever the file's size
+MAX_JSONL_LINE_BYTES = 8 * SCAN_CHUNK_BYTES  # a jsonl line (one document) longer than this is refused
 
 
-def _chunks(file: Path) -> Iterator[tuple[int, bytes]]:
-    """(offset, bytes) of a file in pieces of about SCAN_CHUNK_BYTES, each ending at a line end (or the file's)."""
+def _chunks(file: Path, *, whole_lines: bool) -> Iterator[tuple[int, bytes]]:
+    """(offset, bytes) of a file in pieces of about SCAN_CHUNK_BYTES, each ending at a line end (or the file's). A
+    line longer than SCAN_CHUNK_BYTES is cut (``whole_lines`` False: after its last whitespace, never inside a
+    character) or, for a jsonl file, read on up to MAX_JSONL_LINE_BYTES and refused past that: a file without line
+    ends is never read whole."""
     with open(file, "rb") as f:
         offset = 0
         while chunk := f.read(SCAN_CHUNK_BYTES):
-            chunk += f.readline()
+            tail = f.readline(SCAN_CHUNK_BYTES)
+            while whole_lines and tail and not tail.endswith(b"\n"):
+                if len(chunk) + len(tail) > MAX_JSONL_LINE_BYTES:
+                    raise DataError(f"{file}: no line end in {MAX_JSONL_LINE_BYTES} bytes from byte offset {offset}: "
+                                    f"a jsonl source holds one document a line")
+                chunk += tail
+                tail = f.readline(SCAN_CHUNK_BYTES)
+            if not whole_lines and not tail.endswith(b"\n") and f.tell() < file.stat().st_size:
+                tail = tail[:hard_cut(tail)]
+                f.seek(offset + len(chunk) + len(tail))
+            chunk += tail
             yield offset, chunk
             offset += len(chunk)
 
 
+def _decoded(file: Path, chunk: bytes, offset: int, first_line: int) -> str:
+    """A chunk's text, decoded strictly (as a worker decodes a shard); DataError naming the file's line and byte
+    offset of an undecodable byte. A UTF-8 byte-order mark at the file's start is not text."""
+    try:
+        text = chunk.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = first_line + chunk.count(b"\n", 0, e.start)
+        raise DataError(f"{file}:{line}: not UTF-8 text: undecodable byte 0x{chunk[e.start]:02x} at byte offset "
+                        f"{offset + e.start}") from None
+    return text.removeprefix("\ufeff") if offset == 0 else text
+
+
 def scan_text(files: list[Path]) -> None:
-    """Every byte of every file decodes as UTF-8, and some file holds text: DataError naming the file and the byte
-    offset otherwise. Reads the files in chunks, so its memory does not grow with their size."""
+    """Every byte of every file decodes as UTF-8, and some file holds text: DataError naming the file, its line and
+    the byte offset otherwise. Reads the files in chunks, so its memory does not grow with their size."""
     any_text = False
     for f in files:
-        decoder = codecs.getincrementaldecoder("utf-8")()
-        for offset, chunk in _chunks(f):
-            try:
-                any_text = bool(decoder.decode(chunk).strip()) or any_text
-            except UnicodeDecodeError as e:
-                raise DataError(f"{f} is not UTF-8 text: undecodable byte 0x{chunk[e.start]:02x} at byte offset "
-                                f"{offset + e.start}") from None
-        try:
-            decoder.decode(b"", final=True)
-        except UnicodeDecodeError:
-            raise DataError(f"{f} is not UTF-8 text: it ends inside a character") from None
+        first_line = 1
+        for offset, chunk in _chunks(f, whole_lines=False):
+            any_text = bool(_decoded(f, chunk, offset, first_line).strip()) or any_text
+            first_line += chunk.count(b"\n")
     if not any_text:
         raise DataError(f"no text in text data at {files[0] if len(files) == 1 else files[0].parent}: every file is "
                         f"empty or whitespace")
 
 
 def scan_jsonl(files: list[Path], text_field: str) -> None:
-    """Every non-blank line of every file is a JSON object whose ``text_field`` is a string: DataError naming the file
-    and line otherwise. Each chunk's lines are parsed as one JSON array (one parser call, ~5x faster than one a line);
-    a chunk that does not give one object with the field a line is parsed again line by line, which names the
-    line."""
+    """Every non-blank line of every file is UTF-8 and a JSON object whose ``text_field`` is a string: DataError
+    naming the file and line otherwise. Each chunk is decoded strictly, then its lines parsed as one JSON array (one
+    parser call, ~5x faster than one a line); a chunk that does not give one object with the field a line is parsed
+    again line by line, which names the line."""
     for f in files:
         first_line = 1
-        for _, chunk in _chunks(f):
+        for offset, chunk in _chunks(f, whole_lines=True):
             n_lines = chunk.count(b"\n") + (not chunk.endswith(b"\n"))
+            text = _decoded(f, chunk, offset, first_line)
             try:
-                objs = json.loads(b"[" + chunk.rstrip(b"\n").replace(b"\n", b",") + b"]")
+                objs = json.loads("[" + text.rstrip("\n").replace("\n", ",") + "]")
                 ok = len(objs) == n_lines and all(type(o) is dict and type(o.get(text_field)) is str for o in objs)
-            except (ValueError, UnicodeDecodeError):  # JSONDecodeError is a ValueError
+            except ValueError:  # JSONDecodeError is a ValueError
                 ok = False
             if not ok:  # a blank line, a bad one, or the field missing: the line-by-line reading says which
-                lines = (_decode(raw, f) for raw in chunk.split(b"\n"))
-                for _ in _read_jsonl_lines(f, lines, text_field, first_line):
+                for _ in read_jsonl_lines(f, text.split("\n"), text_field, first_line):
                     pass
             first_line += n_lines
 

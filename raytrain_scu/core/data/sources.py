@@ -54,7 +54,7 @@ def _match_files(path: str, suffixes: tuple[str, ...]) -> list[Path]:
     raise DataError(f"data path does not exist: {p}")
 
 
-def _decode(raw: bytes, file: Path, final: bool = True) -> str:
+def decode_utf8(raw: bytes, file: Path, final: bool = True) -> str:
     """UTF-8 text of `raw`; `final=False` tolerates a character cut off at the end (a file's first bytes)."""
     try:
         text = codecs.getincrementaldecoder("utf-8")().decode(raw, final=final)
@@ -64,10 +64,10 @@ def _decode(raw: bytes, file: Path, final: bool = True) -> str:
 
 
 def _read_jsonl(file: Path, text_field: str) -> Iterator[str]:
-    return _read_jsonl_lines(file, _decode(file.read_bytes(), file).split("\n"), text_field)
+    return read_jsonl_lines(file, decode_utf8(file.read_bytes(), file).split("\n"), text_field)
 
 
-def _read_jsonl_lines(file: Path, lines: Iterable[str], text_field: str, first_line: int = 1) -> Iterator[str]:
+def read_jsonl_lines(file: Path, lines: Iterable[str], text_field: str, first_line: int = 1) -> Iterator[str]:
     for where, obj in jsonl_records(file, lines, first_line):
         if text_field not in obj:
             raise DataError(f"{where}: no field {text_field!r} (data.text_field) in this line")
@@ -130,7 +130,7 @@ def _hf_records(source: str, path: str) -> Iterator[tuple[str, dict]]:
 def _jsonl_records(files: list[Path]) -> Iterator[tuple[str, dict]]:
     for f in files:
         with open(f, "rb") as lines:  # line by line: telling the format reads the first line alone
-            yield from jsonl_records(f, (_decode(raw, f) for raw in lines))
+            yield from jsonl_records(f, (decode_utf8(raw, f) for raw in lines))
 
 
 SPEAKER = re.compile(r"^[A-Z][A-Za-z'\- ]{0,30}\.$")  # a speech's first line: "Hor." or "First Witch."
@@ -141,7 +141,7 @@ def _speeches(file: Path) -> Iterator[tuple[int, str, str]]:
     """(line, speaker, speech) of a play: a paragraph whose first line is a speaker's name; stage directions
     ([...]) left out."""
     lineno = 1
-    for para in re.split(r"\n\s*\n", _decode(file.read_bytes(), file)):
+    for para in re.split(r"\n\s*\n", decode_utf8(file.read_bytes(), file)):
         lines = para.strip("\n").split("\n")
         start, lineno = lineno, lineno + para.count("\n") + 2
         if len(lines) < 2 or not SPEAKER.match(lines[0].strip()):
@@ -187,15 +187,15 @@ def _hf_disk_files(path: str) -> list[Path]:
 def _text_documents(files: list[Path]) -> Iterator[str]:
     if len(files) == 1:
         # one file is one corpus: its blank-line-separated sections are the documents (so it can be split)
-        yield from re.split(r"\n\s*\n", _decode(files[0].read_bytes(), files[0]))
+        yield from re.split(r"\n\s*\n", decode_utf8(files[0].read_bytes(), files[0]))
         return
     for f in files:
-        yield _decode(f.read_bytes(), f)
+        yield decode_utf8(f.read_bytes(), f)
 
 
 def _head(file: Path, n_bytes: int = 4096) -> str:
     with open(file, "rb") as f:
-        return _decode(f.read(n_bytes), file, final=False)
+        return decode_utf8(f.read(n_bytes), file, final=False)
 
 
 def _check_text(files: list[Path], path: str, text_field: str) -> None:
@@ -207,7 +207,7 @@ def _check_text(files: list[Path], path: str, text_field: str) -> None:
 def _check_jsonl(files: list[Path], path: str, text_field: str) -> None:
     with open(files[0], "rb") as f:
         first_line = f.readline()
-    next(_read_jsonl_lines(files[0], [_decode(first_line, files[0], final=False)], text_field), None)
+    next(read_jsonl_lines(files[0], [decode_utf8(first_line, files[0], final=False)], text_field), None)
 
 
 def _check_datasets(files: list[Path], path: str, text_field: str) -> None:

@@ -9,12 +9,14 @@ documents are its blank-line-separated sections) or at a line end (jsonl: a docu
 of several small files where they are. One shard, picked by the seed, is the validation split; the others train.
 
 The training stream: epoch e visits the train shards in a seeded order perm(seed, e), and shard s gives ``quota[s]``
-blocks in that visit, its blocks in a seeded order perm(seed, e, s), from the start again where it has fewer (a few
-blocks twice) and cut short where it has more (a few wait for another epoch's order). A shard's quota is its bytes x
-the validation shard's blocks per byte, so the epoch's length, and the shard and block a global position falls on,
-are known before any train shard is tokenised: a resume at any position and world size continues the same stream, as
-:mod:`.batches`' position contract asks, and tokens_per_epoch (N) is that length in tokens: an estimate of the
-source's, from one shard.
+blocks in that visit, its blocks in a seeded order perm(seed, e, s), from the start again where it has fewer (some
+blocks twice) and cut short where it has more (some wait for another epoch's order). A shard's quota is its words
+(runs of non-whitespace bytes, counted once per cache directory and kept in its meta.json) x the validation shard's
+blocks per word, so the epoch's length, and the shard and block a global position falls on, are known before any
+train shard is tokenised: a resume at any position and world size continues the same stream, as :mod:`.batches`'
+position contract asks, and tokens_per_epoch (N) is that length in tokens: an estimate of the source's, from one
+shard. A shard that gives no block (blank jsonl text fields, say) hands its positions to the next shard of the visit
+order that has blocks, which depends on the data alone.
 
 ``loader_workers`` threads tokenise the next shards of the visit order ahead of the stream (the tokenizer runs
 outside Python's lock); every process on a node shares each shard's file (a file lock: one tokenises, the others wait
@@ -23,9 +25,14 @@ and read it), as they share the whole-source cache.
 from __future__ import annotations
 
 import copy
+import hashlib
+import json
 import os
 import re
+import socket
+import sys
 import threading
+import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,12 +42,22 @@ import numpy as np
 
 from raytrain_scu.config.schema import STREAM_ABOVE_BYTES
 from raytrain_scu.core.data.blocks import pack_blocks, tokenize_documents
-from raytrain_scu.core.data.sources import _decode, _read_jsonl_lines
+from raytrain_scu.core.data.sources import read_jsonl_lines
 from raytrain_scu.errors import DataError
 
 STREAMED_SOURCES = ("text", "jsonl")  # sources of files whose documents a byte range can be cut between
-CUT_SCAN_BYTES = 2**16  # past a text shard's nominal end, a blank line is looked for this far, then a line end will do
+# past a text shard's nominal end, a blank line is looked for this far, then a line end; without one this far, a cut
+# after the last whitespace (or at a character's start)
+CUT_SCAN_BYTES = 2**16
 OPEN_SHARDS = 8  # shards kept open (memory-mapped) at once: the one in use, the next, one per epoch boundary
+# the version of the shard plan and of what a shard's file holds: part of the cache key, so a change never reuses
+# shard files cut or filled another way
+STREAM_LAYOUT = 2
+COUNT_CHUNK_BYTES = 16 * 2**20  # what counting a shard's words reads at a time
+MIN_SHARD_BLOCKS = 2  # the fewest blocks the smallest shard's bytes may promise at the validation shard's density
+QUOTA_RATIO_WARN = (0.8, 1.25)  # a shard's quota / its blocks outside this is said as a warning
+_WHITESPACE = np.zeros(256, dtype=bool)
+_WHITESPACE[list(b" \t\n\r\x0b\x0c")] = True
 
 
 def use_streaming(*, source: str, fmt: str, streaming: str, max_documents: int, files: list[Path]) -> bool:
@@ -59,13 +76,51 @@ def use_streaming(*, source: str, fmt: str, streaming: str, max_documents: int, 
 
 def _cut(f, nominal: int, size: int, kind: str) -> int:
     """The end of a shard whose nominal end is ``nominal``: after the next blank line (text; a line end where none
-    comes within CUT_SCAN_BYTES) or the next line end (jsonl), or the file's end."""
+    comes within CUT_SCAN_BYTES, and without one either after the last whitespace or at a character's start) or the
+    next line end (jsonl: a line is a document, never cut), or the file's end. Reads at most CUT_SCAN_BYTES at a time,
+    so a file without line ends is not read whole."""
     f.seek(nominal)
-    f.readline()  # to the end of the line the nominal end falls in
-    while kind == "text" and f.tell() < size and f.tell() - nominal < CUT_SCAN_BYTES:
-        if not f.readline().strip():
+    line = f.readline(CUT_SCAN_BYTES)  # to the end of the line the nominal end falls in
+    if kind == "jsonl":
+        while line and not line.endswith(b"\n"):
+            line = f.readline(CUT_SCAN_BYTES)
+        return min(f.tell(), size)
+    if not line.endswith(b"\n") and f.tell() < size:
+        return nominal + hard_cut(line)
+    while f.tell() < size and f.tell() - nominal < CUT_SCAN_BYTES:
+        if not f.readline(CUT_SCAN_BYTES).strip():
             break
     return min(f.tell(), size)
+
+
+def hard_cut(buf: bytes) -> int:
+    """Where to cut a run of bytes that holds no line end, as near its start as may be: after its first whitespace,
+    else before its second UTF-8 character (never inside a character); len(buf) where neither is found."""
+    found = [i for i in (buf.find(c) for c in (b" ", b"\t", b"\r", b"\x0b", b"\x0c")) if i >= 0]
+    if found:
+        return min(found) + 1
+    for i in range(1, min(len(buf), 5)):
+        if buf[i] & 0xC0 != 0x80:  # not a continuation byte: a character starts here
+            return i
+    return len(buf)
+
+
+def count_words(path: Path, start: int, end: int) -> int:
+    """Runs of non-whitespace bytes in ``path``'s bytes [start, end): a shard's density measure, cheap (numpy, read
+    COUNT_CHUNK_BYTES at a time) where tokenising is not."""
+    words, prev_ws = 0, True
+    with open(path, "rb") as f:
+        f.seek(start)
+        left = end - start
+        while left > 0:
+            chunk = f.read(min(left, COUNT_CHUNK_BYTES))
+            if not chunk:
+                break
+            left -= len(chunk)
+            ws = _WHITESPACE[np.frombuffer(chunk, dtype=np.uint8)]
+            words += int(np.count_nonzero(~ws[1:] & ws[:-1])) + int(prev_ws and not ws[0])
+            prev_ws = bool(ws[-1])
+    return words
 
 
 Piece = tuple[int, int, int]  # (file index, start byte, end byte)
@@ -106,22 +161,39 @@ def _joined(pieces: list[Piece]) -> list[Piece]:
     return out
 
 
+def lines_before(path: Path, offset: int) -> int:
+    """Line ends in ``path`` before byte ``offset`` (read COUNT_CHUNK_BYTES at a time): for an error's line number."""
+    n = 0
+    with open(path, "rb") as f:
+        while f.tell() < offset:
+            n += f.read(min(COUNT_CHUNK_BYTES, offset - f.tell())).count(b"\n")
+    return n
+
+
 def shard_documents(files: list[Path], pieces: tuple[Piece, ...], *, kind: str, text_field: str) -> list[str]:
     """The non-blank documents of one shard: its pieces' blank-line-separated sections (text) or each line's
-    ``text_field`` (jsonl; line numbers in an error count from the piece's first line)."""
+    ``text_field`` (jsonl). A DataError names the file's line and byte offset of the fault."""
     docs = []
     for i, start, end in pieces:
         path = files[i]
         with open(path, "rb") as f:
             f.seek(start)
             raw = f.read(end - start)
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            where = start + e.start
+            raise DataError(f"{path}:{lines_before(path, where) + 1}: not UTF-8 text: undecodable byte "
+                            f"0x{raw[e.start]:02x} at byte offset {where}") from None
+        if start == 0:
+            text = text.removeprefix("\ufeff")  # a UTF-8 byte-order mark is not text
         if kind == "text":
-            docs += re.split(r"\n\s*\n", _decode(raw, path))
+            docs += re.split(r"\n\s*\n", text)
             continue
         try:
-            docs += _read_jsonl_lines(path, (_decode(line, path) for line in raw.split(b"\n")), text_field)
-        except DataError as e:
-            raise DataError(f"{e} (lines counted from byte offset {start})") from None
+            docs += read_jsonl_lines(path, text.split("\n"), text_field)
+        except DataError:  # said again with the file's line numbers, counted only now that one is needed
+            docs += read_jsonl_lines(path, text.split("\n"), text_field, lines_before(path, start) + 1)
     return [d for d in docs if d.strip()]
 
 
@@ -136,6 +208,7 @@ class Shards:
     dir_path: Path
     block_size: int
     tokenizer: object
+    quota: np.ndarray | None = None  # each shard's blocks an epoch, for the line said when a shard is tokenised
     local: threading.local = field(default_factory=threading.local, repr=False)
 
     def path(self, i: int) -> Path:
@@ -154,7 +227,8 @@ class Shards:
 
     def build(self, i: int) -> Path:
         """Shard ``i``'s blocks in their cache file, tokenised now unless it exists (one process at a time, under a
-        file lock; the file appears whole, by a rename)."""
+        file lock; the file appears whole, by a rename). A shard too small for a block gets an empty file and a
+        warning: the stream hands its positions on (:meth:`ShardStream.rows`)."""
         final = self.path(i)
         if final.exists():
             return final
@@ -164,21 +238,43 @@ class Shards:
             docs = shard_documents(self.files, self.pieces[i], kind=self.kind, text_field=self.text_field)
             tokens = tokenize_documents(self._tokenizer(), docs) if docs else np.zeros(0, np.uint32)
             blocks = pack_blocks(tokens, self.block_size)
-            if len(blocks) == 0:
-                f, start, _ = self.pieces[i][0]
-                raise DataError(f"shard {i} ({self.nbytes(i)} bytes from {self.files[f]} byte {start}) holds "
-                                f"{len(tokens)} tokens, too few for one block of data.block_size + 1 = "
-                                f"{self.block_size + 1}: raise data.shard_bytes or lower data.block_size")
-            tmp = final.with_name(f".{final.name}.{os.getpid()}.{threading.get_ident()}")
+            self._say_built(i, len(tokens), len(blocks))
+            # unique across hosts sharing the cache's filesystem, and across this process's threads
+            tmp = final.with_name(f".{final.name}.{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex}")
             blocks.tofile(tmp)
             os.replace(tmp, final)
         return final
+
+    def _say_built(self, i: int, n_tokens: int, n_blocks: int) -> None:
+        """The line said once a shard is tokenised: its quota against its blocks (a warning outside
+        QUOTA_RATIO_WARN, or where it has none)."""
+        f, start, _ = self.pieces[i][0]
+        where = f"shard {i} ({self.nbytes(i)} bytes from {self.files[f]} byte {start})"
+        if n_blocks == 0:
+            print(f"[raytrain_scu] warning: {where} holds {n_tokens} tokens, too few for one block of "
+                  f"data.block_size + 1 = {self.block_size + 1}: the next shard of the visit order with blocks takes "
+                  f"its positions", file=sys.stderr, flush=True)
+            return
+        if self.quota is None:  # the validation shard: it sets the quotas
+            return
+        ratio = self.quota[i] / n_blocks
+        low, high = QUOTA_RATIO_WARN
+        line = f"{where}: {n_blocks} blocks, quota {self.quota[i]} an epoch (x{ratio:.2f})"
+        if low <= ratio <= high:
+            print(f"[raytrain_scu] data: {line}", flush=True)
+        else:
+            print(f"[raytrain_scu] warning: {line}, outside [{low}, {high}]: its blocks are seen x{ratio:.2f} an "
+                  f"epoch; the words-per-block density of the validation shard does not fit it", file=sys.stderr,
+                  flush=True)
 
     def open(self, i: int) -> np.ndarray:
         """Shard ``i``'s blocks, (n_blocks, block_size + 1) uint32, memory-mapped (built first where needed)."""
         path = self.build(i)
         width = self.block_size + 1
-        return np.memmap(path, dtype=np.uint32, mode="r", shape=(path.stat().st_size // (4 * width), width))
+        n_blocks = path.stat().st_size // (4 * width)
+        if n_blocks == 0:  # an empty file cannot be memory-mapped
+            return np.zeros((0, width), dtype=np.uint32)
+        return np.memmap(path, dtype=np.uint32, mode="r", shape=(n_blocks, width))
 
 
 class ShardStream:
@@ -229,14 +325,32 @@ class ShardStream:
 
     def rows(self, position: int, count: int) -> np.ndarray:
         """The blocks at stream positions position .. position + count - 1, (count, block_size + 1) uint32; then the
-        next shards of the visit order are handed to the loader threads."""
+        next shards of the visit order are handed to the loader threads. A position whose shard has no block is
+        taken by the next shard of the visit order that has: its blocks after its own quota's."""
         out = np.empty((count, self.shards.block_size + 1), dtype=np.uint32)
         for j in range(count):
-            epoch, _, shard, offset = self.locate(position + j)
+            epoch, visit, shard, offset = self.locate(position + j)
             blocks, perm = self._blocks(epoch, shard)
+            for _ in range(2 * len(self.train)):
+                if len(blocks):
+                    break
+                epoch, visit = (epoch, visit + 1) if visit + 1 < len(self.train) else (epoch + 1, 0)
+                shard = int(self._order(epoch)[0][visit])
+                offset += int(self.quota[shard])
+                blocks, perm = self._blocks(epoch, shard)
+            else:
+                raise DataError(f"no train shard of {self.shards.dir_path} holds a block of data.block_size + 1 = "
+                                f"{self.shards.block_size + 1} tokens: lower data.block_size")
             out[j] = blocks[perm[offset % len(blocks)]]
         self.prefetch(position + count)
         return out
+
+    def close(self) -> None:
+        """Stops the loader threads: queued shards are dropped, the one being tokenised finishes in the background."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+        self._pending.clear()
 
     def prefetch(self, position: int) -> None:
         """The shards of the visit ``position`` falls in and of the 2 x loader_workers visits after it, to the loader
@@ -263,22 +377,60 @@ def _keep_few(cache: dict, n: int) -> None:
 def open_stream(tokenizer, *, files: list[Path], kind: str, text_field: str, dir_path: Path, block_size: int,
                 seed: int, shard_bytes: int, loader_workers: int) -> tuple[ShardStream, np.ndarray, dict]:
     """(the training stream, the validation blocks, meta) of a source read in shards. Tokenises the validation
-    shard alone (it sets every train shard's quota); the train shards wait for the stream to read them."""
+    shard alone (it sets every train shard's quota: its words x the validation shard's blocks per word); the train
+    shards wait for the stream to read them. The plan and each shard's words are kept in the directory's meta.json
+    (counted by the first process to open it), which a later open checks against its own plan."""
     pieces = plan_shards(files, kind=kind, shard_bytes=shard_bytes)
+    where = files[0] if len(files) == 1 else files[0].parent
     if len(pieces) < 2:
-        raise DataError(f"{files[0] if len(files) == 1 else files[0].parent}: {len(pieces)} shard(s) of "
-                        f"data.shard_bytes={shard_bytes}; a streamed source needs 2 or more (one validates): lower "
-                        f"data.shard_bytes, or set data.streaming=off")
+        raise DataError(f"{where}: {len(pieces)} shard(s) of data.shard_bytes={shard_bytes}; a streamed source needs "
+                        f"2 or more (one validates): lower data.shard_bytes, or set data.streaming=off")
     dir_path.mkdir(parents=True, exist_ok=True)
+    words = _plan_words(files, pieces, dir_path)
     shards = Shards(files=files, kind=kind, text_field=text_field, pieces=pieces, dir_path=dir_path,
                     block_size=block_size, tokenizer=tokenizer)
     val_shard = int(np.random.default_rng(seed).integers(len(pieces)))
     val = shards.open(val_shard)
-    blocks_per_byte = len(val) / shards.nbytes(val_shard)
-    quota = np.array([max(1, round(blocks_per_byte * shards.nbytes(i))) for i in range(len(pieces))], np.int64)
+    smallest = min(shards.nbytes(i) for i in range(len(pieces)))
+    if len(val) / shards.nbytes(val_shard) * smallest < MIN_SHARD_BLOCKS:
+        raise DataError(f"{where}: the validation shard gives {len(val)} blocks of data.block_size + 1 = "
+                        f"{block_size + 1} tokens from {shards.nbytes(val_shard)} bytes, so the smallest shard "
+                        f"({smallest} bytes) would give fewer than {MIN_SHARD_BLOCKS}: raise data.shard_bytes "
+                        f"(now {shard_bytes}) or lower data.block_size")
+    blocks_per_word = len(val) / words[val_shard]
+    quota = np.array([round(blocks_per_word * w) for w in words], np.int64)
+    shards.quota = quota
     train = np.array([i for i in range(len(pieces)) if i != val_shard], dtype=np.int64)
+    if quota[train].sum() == 0:
+        raise DataError(f"{where}: the train shards hold no words (all whitespace): nothing to train on")
     stream = ShardStream(shards, train=train, quota=quota, seed=seed, loader_workers=loader_workers)
+    train_bytes = int(sum(shards.nbytes(i) for i in train))
     meta = {"streamed": True, "n_shards": len(pieces), "shard_bytes": shard_bytes, "val_shard": val_shard,
-            "n_train_bytes": int(sum(shards.nbytes(i) for i in train)), "n_train_blocks": len(stream),
-            "n_val_blocks": len(val), "tokens_per_byte": round(blocks_per_byte * (block_size + 1), 6)}
+            "n_train_bytes": train_bytes, "n_train_blocks": len(stream), "n_val_blocks": len(val),
+            "tokens_per_byte": round(len(stream) * (block_size + 1) / train_bytes, 6),
+            "tokens_per_word": round(blocks_per_word * (block_size + 1), 6), "plan": plan_fingerprint(pieces)}
     return stream, val, meta
+
+
+def plan_fingerprint(pieces: list[tuple[Piece, ...]]) -> str:
+    """A short hash of a shard plan and its layout: a checkpoint keeps it, so a resume can say the plan changed."""
+    return hashlib.sha256(json.dumps([STREAM_LAYOUT, pieces]).encode()).hexdigest()[:16]
+
+
+def _plan_words(files: list[Path], pieces: list[tuple[Piece, ...]], dir_path: Path) -> list[int]:
+    """Each shard's words (:func:`count_words`), from ``dir_path``'s meta.json, or counted and written there (under a
+    file lock: one process counts, every other reads). A meta.json of another plan is a DataError."""
+    meta_path = dir_path / "meta.json"
+    plan = [[list(p) for p in shard] for shard in pieces]
+    with filelock.FileLock(f"{meta_path}.lock"):
+        if meta_path.exists():
+            meta = json.loads(meta_path.read_text())
+            if meta.get("layout") != STREAM_LAYOUT or meta.get("pieces") != plan:
+                raise DataError(f"shard cache {dir_path} was cut by another shard plan than this run's (its "
+                                f"meta.json): delete the directory")
+            return meta["words"]
+        words = [sum(count_words(files[f], s, e) for f, s, e in shard) for shard in pieces]
+        tmp = meta_path.with_name(f".meta.json.{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex}")
+        tmp.write_text(json.dumps({"layout": STREAM_LAYOUT, "pieces": plan, "words": words}))
+        os.replace(tmp, meta_path)
+    return words

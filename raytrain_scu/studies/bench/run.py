@@ -135,7 +135,8 @@ def run_parts(args) -> dict:
     """Every part of ``args.part_list`` in order; the results (written to ``--out`` after each part)."""
     preset = preset_of(args.shape, args.smoke)
     tok = load_tokenizer(preset)
-    data = prepare_data(tok, source="shakespeare", path="", block_size=args.block, val_fraction=0.05)
+    data = prepare_data(tok, streaming="off", loader_workers=0,
+                        source="shakespeare", path="", block_size=args.block, val_fraction=0.05)
     storage = tempfile.mkdtemp(prefix="rtscu_bench_")
     # the default shape's preset and FLOPs; a part of another shape (..._8b, granite_...) records its own, and each
     # part its own batch
