@@ -139,6 +139,19 @@ def test_bad_input_is_refused_early_with_a_clear_message(name, tmp_path, no_ray,
     print(f"BAD_INPUT {json.dumps({'case': name, 'message': err.strip()})}")
 
 
+@pytest.mark.parametrize("args, expected", [
+    (["data.streaming=yes"], ["data.streaming", "'yes'"]),
+    (["data.shard_bytes=100"], ["data.shard_bytes: must be in [4096, 268435456]", "got 100"]),
+    (["data.shard_bytes=1073741824"], ["data.shard_bytes: must be in [4096, 268435456]", "got 1073741824"]),
+    (["data.streaming=on", "data.max_documents=5"], ["data.max_documents: must be 0 with data.streaming=on", "got 5"]),
+])
+def test_a_bad_streaming_setting_is_refused_early(args, expected, tmp_path, no_ray, capsys):
+    """The streamed path's settings (docs/reliability.md, Bad inputs, rows 35g-35j)."""
+    code = no_ray([TINY, f"run.storage_path={tmp_path}", *args])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: ") and all(s in err for s in expected), err
+
+
 def test_more_workers_than_gpus(tmp_path, no_ray, capsys, monkeypatch):
     from raytrain_scu.driver import preflight
 

@@ -436,6 +436,28 @@ def test_a_resume_across_a_change_of_data_streaming_or_of_the_shard_plan_says_wh
         check_tokens_per_epoch(shards, measured=990, override=0, streamed=True, plan="def")
 
 
+def test_preflight_gives_the_n_the_run_uses_and_its_source_and_names_shard_bytes_for_a_short_streamed_split(
+        source, tmp_path, capsys):
+    """Preflight on a streamed source: the N it returns is controller.tokens_per_epoch's where set ("config"), else
+    the estimate ("estimated"), which the console line words accordingly; a global batch beyond the train split
+    names data.shard_bytes, not data.val_fraction (which plays no part)."""
+    from raytrain_scu.driver import run as run_mod
+    from raytrain_scu.driver.preflight import preflight
+    from raytrain_scu.errors import PreflightError
+
+    base = ("scaling.num_workers=1", "tracking.enabled=false", "data.source=text", f"data.path={source}",
+            "data.max_documents=0", "data.streaming=on", "data.shard_bytes=50000", f"data.cache_dir={tmp_path / 'c'}")
+    facts = preflight(tiny_cfg(tmp_path, "n", *base))
+    assert facts["tokens_per_epoch_from"] == "estimated" and facts["tokens_per_epoch"] > 0
+    set_n = preflight(tiny_cfg(tmp_path, "n", *base, "controller.tokens_per_epoch=12345"))
+    assert (set_n["tokens_per_epoch"], set_n["tokens_per_epoch_from"]) == (12345, "config")
+    assert "set by controller.tokens_per_epoch" in run_mod.N_FROM["config"]
+    assert "estimated" in run_mod.N_FROM["estimated"] and "estimated" not in run_mod.N_FROM["config"]
+    with pytest.raises(PreflightError, match=r"fewer than one global batch .* or lower data.shard_bytes \(the "
+                                             r"validation split is one shard"):
+        preflight(tiny_cfg(tmp_path, "n", *base, "data.batch_size=100000"))
+
+
 # ---------------------------------------------------------------- 1 GB: a run's start, a malformed line
 
 @pytest.fixture(scope="module")

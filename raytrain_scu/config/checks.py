@@ -166,7 +166,9 @@ def _check_model_and_data(cfg: Config) -> None:
     _check(d.max_documents >= 0, "data.max_documents", f"must be >= 0, got {d.max_documents}")
     _check(d.loader_workers >= 0, "data.loader_workers", f"must be >= 0, got {d.loader_workers}")
     _one_of("data.streaming", d.streaming, ("auto", "on", "off"))
-    _check(d.shard_bytes >= 4096, "data.shard_bytes", f"must be >= 4096, got {d.shard_bytes}")
+    # at most 256 MiB: a shard is read, decoded and tokenised whole in one worker's memory
+    _check(4096 <= d.shard_bytes <= 256 * 2**20, "data.shard_bytes",
+           f"must be in [4096, 268435456] (4 KiB to 256 MiB), got {d.shard_bytes}")
     _check(d.streaming != "on" or d.max_documents == 0, "data.max_documents",
            f"must be 0 with data.streaming=on (a streamed source is read whole), got {d.max_documents}")
 

@@ -123,7 +123,7 @@ class DataConfig:
     # (core/data/stream.py), instead of tokenised whole before the first step: on | off | auto (on when its files hold
     # more than STREAM_ABOVE_BYTES and data.max_documents is 0). Streamed: one shard, picked by the seed, is the
     # validation split (data.val_fraction plays no part), each shard's blocks are shuffled within it, and
-    # tokens_per_epoch (N) is estimated: the train shards' bytes x the validation shard's tokens per byte
+    # tokens_per_epoch (N) is estimated: the train shards' words x the validation shard's tokens per word
     streaming: str = "auto"
     shard_bytes: int = 4 * 2**20  # a streamed source's shard: this many bytes, cut at a blank line (text) or line end
     # background threads that tokenise a streamed source's next shards ahead of the training stream (the tokenizer

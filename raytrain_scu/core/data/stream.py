@@ -56,8 +56,6 @@ STREAM_LAYOUT = 2
 COUNT_CHUNK_BYTES = 16 * 2**20  # what counting a shard's words reads at a time
 MIN_SHARD_BLOCKS = 2  # the fewest blocks the smallest shard's bytes may promise at the validation shard's density
 QUOTA_RATIO_WARN = (0.8, 1.25)  # a shard's quota / its blocks outside this is said as a warning
-_WHITESPACE = np.zeros(256, dtype=bool)
-_WHITESPACE[list(b" \t\n\r\x0b\x0c")] = True
 
 
 def use_streaming(*, source: str, fmt: str, streaming: str, max_documents: int, files: list[Path]) -> bool:
@@ -106,8 +104,9 @@ def hard_cut(buf: bytes) -> int:
 
 
 def count_words(path: Path, start: int, end: int) -> int:
-    """Runs of non-whitespace bytes in ``path``'s bytes [start, end): a shard's density measure, cheap (numpy, read
-    COUNT_CHUNK_BYTES at a time) where tokenising is not."""
+    """Runs of bytes above 0x20 (space and the control characters part them) in ``path``'s bytes [start, end): a
+    shard's density measure, cheap where tokenising is not (one numpy comparison a byte, COUNT_CHUNK_BYTES at a time:
+    ~1 s a GiB here)."""
     words, prev_ws = 0, True
     with open(path, "rb") as f:
         f.seek(start)
@@ -117,8 +116,8 @@ def count_words(path: Path, start: int, end: int) -> int:
             if not chunk:
                 break
             left -= len(chunk)
-            ws = _WHITESPACE[np.frombuffer(chunk, dtype=np.uint8)]
-            words += int(np.count_nonzero(~ws[1:] & ws[:-1])) + int(prev_ws and not ws[0])
+            ws = np.frombuffer(chunk, dtype=np.uint8) <= 0x20
+            words += int(np.count_nonzero(ws[:-1] > ws[1:])) + int(prev_ws and not ws[0])  # a space, then a word
             prev_ws = bool(ws[-1])
     return words
 
