@@ -115,8 +115,8 @@ def resolve_config(path: Optional[str | Path], overrides: list[str] | tuple[str,
                    ) -> tuple[Config, dict[str, tuple[Any, Any]]]:
     """Load a config like :func:`config.load_config`, refuse a key set or swept for a law that no run of it uses
     (:func:`config.law_keys.check_law_keys`), then apply ``hardware.preset`` under the keys the YAML file and overrides
-    did not set, and decide ``scaling.strategy=auto`` (:func:`choose_strategy`; with ``announce`` its line on
-    stderr says which and why). Returns ``(cfg, {key: (old, new)})``, the preset's and the memory fit's changes."""
+    did not set, and decide ``scaling.strategy=auto`` (:func:`choose_strategy`; with ``announce`` and a GPU, its line
+    on stderr says which and why). Returns ``(cfg, {key: (old, new)})``, the preset's and the memory fit's changes."""
     tree = load_raw(path, overrides)
     explicit = explicit_keys(tree)
     cfg = build_config(tree, default_name=default_run_name(path))
@@ -132,7 +132,7 @@ def resolve_config(path: Optional[str | Path], overrides: list[str] | tuple[str,
     shape = shape_of(hf_config)
     if cfg.scaling.strategy == "auto":  # before the fit: under fsdp each card holds a share of the model
         cfg.scaling.strategy, why = choose_strategy(cfg, shape, found)
-        if announce:
+        if announce and found:  # without a GPU it is ddp, which the run's first line shows
             print(f"[raytrain_scu] scaling.strategy=auto: {cfg.scaling.strategy} ({why})", file=sys.stderr,
                   flush=True)
     if shape is not None:  # before launch: lower a default/preset batch, or refuse an explicit one that can't fit

@@ -7,10 +7,10 @@ frozen base and its LoRA factors are gathered whole for its forward and backward
 reduce-scattered (their mean over the ranks) and AdamW's moments live beside each rank's shard."""
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from raytrain_scu.core.dist import is_dist, world_size
 from raytrain_scu.core.model.parts import decoder_layers
@@ -55,14 +55,21 @@ def shard(loss_model: torch.nn.Module, peft_model: torch.nn.Module, *, device: t
     return loss_model
 
 
+def _is_dtensor(t) -> bool:
+    """Whether ``t`` is a DTensor, without importing torch.distributed.tensor (~0.4 s) into the processes that never
+    shard: where no code has imported it, no tensor can be one."""
+    tensor = sys.modules.get("torch.distributed.tensor")
+    return tensor is not None and isinstance(t, tensor.DTensor)
+
+
 def is_sharded(params) -> bool:
     """Whether the tensors are FSDP shards (DTensors)."""
-    return any(isinstance(p, DTensor) for p in params)
+    return any(_is_dtensor(p) for p in params)
 
 
 def local(t):
     """A DTensor's shard on this rank (differentiable), any other tensor (or None) as it is."""
-    return t.to_local() if isinstance(t, DTensor) else t
+    return t.to_local() if _is_dtensor(t) else t
 
 
 def clip_gradients(params: list, max_norm: float) -> torch.Tensor:
@@ -70,7 +77,7 @@ def clip_gradients(params: list, max_norm: float) -> torch.Tensor:
     shards (a plain 0-d tensor on every rank), then each gradient scaled by the same factor."""
     grads = [p.grad for p in params if p.grad is not None]
     total = torch.nn.utils.get_total_norm(grads)
-    if isinstance(total, DTensor):  # a norm of the shards: the reduction over the ranks happens here
+    if _is_dtensor(total):  # a norm of the shards: the reduction over the ranks happens here
         total = total.full_tensor()
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
     return total
