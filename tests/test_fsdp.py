@@ -154,6 +154,9 @@ def test_strategy_is_checked_and_fsdp_refuses_a_4bit_base(tmp_path):
     with pytest.raises(ConfigError, match=r"scaling.strategy=fsdp with quant.load_in_4bit=true"):
         tiny_cfg(tmp_path, "x", "scaling.strategy=fsdp", "quant.load_in_4bit=true")
     assert tiny_cfg(tmp_path, "x").scaling.strategy == "auto"
+    with pytest.raises(ConfigError, match=r"scaling.strategy: fsdp is not built for model.fuse_lora "
+                       r"yet: set scaling.strategy=ddp, or turn it off"):
+        tiny_cfg(tmp_path, "x", "scaling.strategy=fsdp", "model.fuse_lora=true")
 
 
 def test_auto_shards_only_what_does_not_fit_one_card(capsys):

@@ -245,6 +245,12 @@ def _check_scaling(cfg: Config) -> None:
     _check(not (s.strategy == "fsdp" and q.load_in_4bit), "scaling.strategy",
            "fsdp does not shard a 4-bit base yet: scaling.strategy=fsdp with quant.load_in_4bit=true is refused; set "
            "scaling.strategy=ddp or quant.load_in_4bit=false")
+    if s.strategy == "fsdp":  # what fsdp has not been run with: refused by name rather than run untried
+        untried = [k for k, on in (("model.fuse_lora", m.fuse_lora), ("model.base_fp8", m.base_fp8),
+                                   ("model.head_fp8", m.head_fp8), ("model.offload_activations", m.offload_activations),
+                                   ("quant.offload_embedding", q.offload_embedding)) if on]
+        _check(not untried, "scaling.strategy", f"fsdp is not built for {', '.join(untried)} yet: set "
+               f"scaling.strategy=ddp, or turn {'it' if len(untried) == 1 else 'them'} off")
     _check(0 < s.poll_interval_s <= 60, "scaling.poll_interval_s",
            f"must be in (0, 60] seconds, got {s.poll_interval_s}")
     if q.load_in_4bit:
