@@ -85,10 +85,14 @@ def _cut(f, nominal: int, size: int, kind: str) -> int:
         return min(f.tell(), size)
     if not line.endswith(b"\n") and f.tell() < size:
         return nominal + hard_cut(line)
+    line_end = f.tell()  # the cut, where no blank line comes: never inside a line read in part
     while f.tell() < size and f.tell() - nominal < CUT_SCAN_BYTES:
-        if not f.readline(CUT_SCAN_BYTES).strip():
-            break
-    return min(f.tell(), size)
+        line = f.readline(CUT_SCAN_BYTES)
+        if line.endswith(b"\n") or f.tell() >= size:
+            line_end = f.tell()
+            if not line.strip():
+                break
+    return min(line_end, size)
 
 
 def hard_cut(buf: bytes) -> int:
