@@ -23,7 +23,8 @@ from raytrain_scu.core.data.blocks import pack_blocks, tokenize_documents
 from raytrain_scu.core.data.cache import prepare_data
 from raytrain_scu.core.data.scan import scan_jsonl, scan_text
 from raytrain_scu.core.data.sources import _shakespeare_files
-from raytrain_scu.core.data.stream import plan_shards, shard_documents, use_streaming
+from raytrain_scu.core.data.plan import plan_shards, shard_documents
+from raytrain_scu.core.data.stream import use_streaming
 from raytrain_scu.errors import DataError
 
 BLOCK = 32

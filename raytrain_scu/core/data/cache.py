@@ -21,7 +21,8 @@ from raytrain_scu.core.data import sft
 from raytrain_scu.core.data.blocks import build_blocks
 from raytrain_scu.core.data.packing import IGNORE_INDEX
 from raytrain_scu.core.data.sources import SOURCES, describe, resolve_format, resolve_source, source_files
-from raytrain_scu.core.data.stream import CUT_SCAN_BYTES, STREAM_LAYOUT, ShardStream, open_stream, use_streaming
+from raytrain_scu.core.data.plan import CUT_SCAN_BYTES
+from raytrain_scu.core.data.stream import STREAM_LAYOUT, ShardStream, open_stream, use_streaming
 from raytrain_scu.errors import DataError
 
 

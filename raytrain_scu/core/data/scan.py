@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Iterator
 
 from raytrain_scu.core.data.sources import read_jsonl_lines, source_files
-from raytrain_scu.core.data.stream import hard_cut
+from raytrain_scu.core.data.plan import hard_cut
 from raytrain_scu.errors import DataError
 
 SCAN_CHUNK_BYTES = 16 * 2**20  # what a full scan reads at a time: its memory, whatever the file's size
