@@ -85,7 +85,7 @@ class TokenData:
 
 def tokens_per_epoch_from(override: int, data: TokenData) -> str:
     """Where a run's tokens_per_epoch (N) comes from: ``config`` (controller.tokens_per_epoch), ``estimated`` (a
-    streamed source: the train shards' bytes x the validation shard's tokens per byte) or ``measured`` (the train
+    streamed source: the train shards' words x the validation shard's tokens per word) or ``measured`` (the train
     split)."""
     return "config" if override else "estimated" if data.streamed else "measured"
 
