@@ -326,7 +326,9 @@ def test_a_shard_without_a_block_hands_its_positions_to_the_next_shard_and_too_s
                      streaming="on", shard_bytes=4096, loader_workers=0)
 
 
-def test_the_shard_cache_is_keyed_by_the_stream_layout_and_refuses_another_plan(tok, source, tmp_path, monkeypatch):
+def test_the_shard_cache_is_keyed_by_the_stream_layout_and_word_definition_and_refuses_another_plan(tok, source,
+                                                                                                      tmp_path,
+                                                                                                      monkeypatch):
     from raytrain_scu.core.data import cache as cache_mod
 
     data = streamed(tok, source, tmp_path)
@@ -334,9 +336,20 @@ def test_the_shard_cache_is_keyed_by_the_stream_layout_and_refuses_another_plan(
     meta = json.loads(meta_path.read_text())
     assert meta["layout"] == stream_mod.STREAM_LAYOUT and len(meta["pieces"]) == len(data.train.shards.pieces)
     assert meta["words"][0] > 1000
+    assert meta["words_version"] == stream_mod.WORDS_VERSION
     monkeypatch.setattr(cache_mod, "STREAM_LAYOUT", stream_mod.STREAM_LAYOUT + 1)
     assert streamed(tok, source, tmp_path).cache_path != data.cache_path  # a new layout: new shard files
     monkeypatch.undo()
+    monkeypatch.setattr(cache_mod, "WORDS_VERSION", stream_mod.WORDS_VERSION + 1)
+    assert streamed(tok, source, tmp_path).cache_path != data.cache_path  # words counted another way: new files
+    monkeypatch.undo()
+    meta["words_version"] -= 1  # words counted another way, under the same key
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(DataError, match=f"counted its shards' words another way than this run \\(words_version "
+                                        f"{stream_mod.WORDS_VERSION - 1} in its meta.json, "
+                                        f"{stream_mod.WORDS_VERSION} here\\): delete the directory"):
+        streamed(tok, source, tmp_path)
+    meta["words_version"] += 1
     meta["pieces"][1][0][2] += 1  # a plan cut elsewhere, under the same key
     meta_path.write_text(json.dumps(meta))
     with pytest.raises(DataError, match="was cut by another shard plan than this run's .*delete the directory"):

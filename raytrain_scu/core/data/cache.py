@@ -21,7 +21,7 @@ from raytrain_scu.core.data import sft
 from raytrain_scu.core.data.blocks import build_blocks
 from raytrain_scu.core.data.packing import IGNORE_INDEX
 from raytrain_scu.core.data.sources import SOURCES, describe, resolve_format, resolve_source, source_files
-from raytrain_scu.core.data.plan import CUT_SCAN_BYTES
+from raytrain_scu.core.data.plan import CUT_SCAN_BYTES, WORDS_VERSION
 from raytrain_scu.core.data.stream import STREAM_LAYOUT, ShardStream, open_stream, use_streaming
 from raytrain_scu.errors import DataError
 
@@ -154,9 +154,10 @@ def _streamed(tokenizer, *, source, path, files, text_field, root, block_size, s
               loader_workers) -> TokenData:
     """A text source read in shards (:mod:`.stream`): a cache directory of shard files, each written whole as the
     stream reaches it. The seed picks the validation shard (data.val_fraction plays no part). The key holds the
-    stream's layout version and its cut settings: a plan cut another way never reuses these shard files."""
+    stream's layout version, its cut settings and its word definition: a plan cut another way, or quotas from words
+    counted another way, never reuse these shard files."""
     settings = {"text_field": text_field, "format": "text", "seed": seed, "shard_bytes": shard_bytes,
-                "stream_layout": STREAM_LAYOUT, "cut_scan_bytes": CUT_SCAN_BYTES}
+                "stream_layout": STREAM_LAYOUT, "cut_scan_bytes": CUT_SCAN_BYTES, "words_version": WORDS_VERSION}
     key = cache_key(source=source, path=path, files=files, settings=settings,
                     tokenizer_id=tokenizer_identity(tokenizer), block_size=block_size)
     train, val, meta = open_stream(tokenizer, files=files, kind=source, text_field=text_field, dir_path=root / key,

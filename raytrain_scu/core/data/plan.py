@@ -16,6 +16,9 @@ from raytrain_scu.errors import DataError
 # after the first whitespace (or at a character's start)
 CUT_SCAN_BYTES = 2**16
 COUNT_CHUNK_BYTES = 16 * 2**20  # what counting a shard's words reads at a time
+# the version of what a word is (:func:`count_words`): kept with the words in a shard cache's meta.json and in its
+# key, so words counted another way (and the quotas they set) are never reused
+WORDS_VERSION = 2
 
 def _cut(f, nominal: int, size: int, kind: str) -> int:
     """The end of a shard whose nominal end is ``nominal``: after the next blank line (text; a line end where none

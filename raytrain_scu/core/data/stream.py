@@ -42,14 +42,14 @@ import numpy as np
 
 from raytrain_scu.config.schema import STREAM_ABOVE_BYTES
 from raytrain_scu.core.data.blocks import pack_blocks, tokenize_documents
-from raytrain_scu.core.data.plan import Piece, count_words, plan_shards, shard_documents
+from raytrain_scu.core.data.plan import WORDS_VERSION, Piece, count_words, plan_shards, shard_documents
 from raytrain_scu.errors import DataError
 
 STREAMED_SOURCES = ("text", "jsonl")  # sources of files whose documents a byte range can be cut between
 OPEN_SHARDS = 8  # shards kept open (memory-mapped) at once: the one in use, the next, one per epoch boundary
 # the version of the shard plan and of what a shard's file holds: part of the cache key, so a change never reuses
 # shard files cut or filled another way
-STREAM_LAYOUT = 2
+STREAM_LAYOUT = 3
 MIN_SHARD_BLOCKS = 2  # the fewest blocks the smallest shard's bytes may promise at the validation shard's density
 QUOTA_RATIO_WARN = (0.8, 1.25)  # a shard's quota / its blocks outside this is said as a warning
 
@@ -290,7 +290,8 @@ def plan_fingerprint(pieces: list[tuple[Piece, ...]]) -> str:
 
 def _plan_words(files: list[Path], pieces: list[tuple[Piece, ...]], dir_path: Path) -> list[int]:
     """Each shard's words (:func:`count_words`), from ``dir_path``'s meta.json, or counted and written there (under a
-    file lock: one process counts, every other reads). A meta.json of another plan is a DataError."""
+    file lock: one process counts, every other reads). A meta.json of another layout, plan or word definition
+    (WORDS_VERSION) is a DataError."""
     meta_path = dir_path / "meta.json"
     plan = [[list(p) for p in shard] for shard in pieces]
     with filelock.FileLock(f"{meta_path}.lock"):
@@ -299,9 +300,14 @@ def _plan_words(files: list[Path], pieces: list[tuple[Piece, ...]], dir_path: Pa
             if meta.get("layout") != STREAM_LAYOUT or meta.get("pieces") != plan:
                 raise DataError(f"shard cache {dir_path} was cut by another shard plan than this run's (its "
                                 f"meta.json): delete the directory")
+            if meta.get("words_version") != WORDS_VERSION:
+                raise DataError(f"shard cache {dir_path} counted its shards' words another way than this run "
+                                f"(words_version {meta.get('words_version')} in its meta.json, {WORDS_VERSION} "
+                                f"here): delete the directory")
             return meta["words"]
         words = [sum(count_words(files[f], s, e) for f, s, e in shard) for shard in pieces]
         tmp = meta_path.with_name(f".meta.json.{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex}")
-        tmp.write_text(json.dumps({"layout": STREAM_LAYOUT, "pieces": plan, "words": words}))
+        tmp.write_text(json.dumps({"layout": STREAM_LAYOUT, "pieces": plan, "words": words,
+                                   "words_version": WORDS_VERSION}))
         os.replace(tmp, meta_path)
     return words
