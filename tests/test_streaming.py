@@ -141,8 +141,12 @@ def test_the_stream_is_deterministic_and_resumes_at_any_position_and_world_size(
                               streaming="on", shard_bytes=SHARD_BYTES, loader_workers=0)
     assert not np.array_equal(train_batch(other_seed, position=0, micro_step=0, rank=0, world_size=1, batch_size=16,
                                           seed=1)[0].numpy(), straight[0])
-    cal = calibration_batches(first, blocks=20, batch_size=8, seed=0)
+    # setup's calibration blocks: the stream's first, read without starting the loader threads (only the loop's end
+    # closes the stream)
+    fresh = streamed(tok, source, tmp_path / "d", loader_workers=2)
+    cal = calibration_batches(fresh, blocks=20, batch_size=8, seed=0)
     np.testing.assert_array_equal(np.concatenate([c.numpy() for c in cal]), np.concatenate(straight[:2])[:20])
+    assert fresh.train._pool is None and not fresh.train._pending
 
 
 def test_an_epoch_gives_each_train_shard_its_quota_and_never_the_validation_shard(tok, source, tmp_path):
@@ -438,6 +442,35 @@ def test_a_loader_threads_error_surfaces_at_the_step_that_reaches_its_shard_and_
         assert time.monotonic() < deadline, "a loader thread outlived close()"
         time.sleep(0.05)
     probe.close()
+
+
+def test_close_returns_at_once_while_a_shard_is_being_tokenised_and_the_build_is_abandoned(tok, plays, tmp_path):
+    """close() while a loader thread builds a ~2 MB shard (~0.6 s of tokenising here): close returns at once, the
+    daemon thread ends within a batch of documents, and neither the shard's file nor a temp file is left (a build
+    that ran on, as a ThreadPoolExecutor's would, leaves the file); a later stream builds the shard whole."""
+    src = tmp_path / "big.txt"
+    src.write_text(plays * 10)  # ~4 MB: the validation shard and one train shard of ~2 MB
+    data = streamed(tok, src, tmp_path / "c", loader_workers=1, shard_bytes=2 << 20)
+    s = data.train
+    shard = int(s._order(0)[0][0])
+    lock = Path(f"{s.shards.path(shard)}.lock")
+    s.prefetch(0)
+    deadline = time.monotonic() + 30
+    while not lock.exists():  # the loader thread holds the shard's file lock: its build has begun
+        assert time.monotonic() < deadline, "the loader thread never began the shard"
+        time.sleep(0.002)
+    threads = list(s._pool.threads)
+    assert all(t.daemon for t in threads)  # the process's exit does not wait for them
+    t0 = time.monotonic()
+    data.close()
+    assert time.monotonic() - t0 < 0.05
+    for t in threads:
+        t.join(5)
+        assert not t.is_alive(), "a loader thread outlived close() by 5 s"
+    assert not s.shards.path(shard).exists(), "the build finished: close() did not stop it"
+    assert not list(Path(data.cache_path).glob(".shard_*"))  # no temp file: the rename never came
+    again = streamed(tok, src, tmp_path / "c", loader_workers=0, shard_bytes=2 << 20)
+    assert len(again.train.rows(0, 4)) == 4 and again.train.shards.path(shard).exists()
 
 
 def test_a_resume_across_a_change_of_data_streaming_or_of_the_shard_plan_says_which():

@@ -136,10 +136,11 @@ def _stream(data: TokenData, batch_size: int, seed: int) -> dict:
 
 def calibration_batches(data: TokenData, *, blocks: int, batch_size: int, seed: int) -> list[torch.Tensor]:
     """The token ids (int64, CPU) of the first ``blocks`` train blocks in stream order (all of them where there are
-    fewer), in batches of at most ``batch_size``: the same on every rank."""
+    fewer), in batches of at most ``batch_size``: the same on every rank. A streamed source's loader threads are not
+    started here: setup reads these, and only the training loop's end closes the stream."""
     count = min(blocks, len(data.train))
     if isinstance(data.train, ShardStream):
-        rows = data.train.rows(0, count)
+        rows = data.train.rows(0, count, prefetch=False)
         return [_to_xy(rows[i:i + batch_size], False)[0] for i in range(0, count, batch_size)]
     idx = stream_indices(0, count, **_stream(data, batch_size, seed))
     return [rows_batch(data.train, idx[i:i + batch_size])[0] for i in range(0, len(idx), batch_size)]

@@ -21,19 +21,24 @@ order that has blocks, which depends on the data alone.
 
 ``loader_workers`` threads tokenise the next shards of the visit order ahead of the stream (the tokenizer runs
 outside Python's lock); every process on a node shares each shard's file (a file lock: one tokenises, the others wait
-and read it), as they share the whole-source cache.
+and read it), as they share the whole-source cache. The threads are daemons and a closed stream's build stops at its
+next batch of documents (its temp file never becomes the shard's), so neither close() nor the process's exit waits
+for a shard being tokenised.
 """
 from __future__ import annotations
 
+import atexit
 import copy
 import hashlib
 import json
 import os
+import queue
 import socket
 import sys
 import threading
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor
+import weakref
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -52,6 +57,8 @@ OPEN_SHARDS = 8  # shards kept open (memory-mapped) at once: the one in use, the
 STREAM_LAYOUT = 3
 MIN_SHARD_BLOCKS = 2  # the fewest blocks the smallest shard's bytes may promise at the validation shard's density
 QUOTA_RATIO_WARN = (0.8, 1.25)  # a shard's quota / its blocks outside this is said as a warning
+STOP_CHECK_DOCS = 1024  # a loader thread's build looks for its stream's close between batches of this many documents
+EXIT_JOIN_S = 10.0  # at the process's exit, how long stopped loader threads are waited for (each stops within a batch)
 
 
 def use_streaming(*, source: str, fmt: str, streaming: str, max_documents: int, files: list[Path]) -> bool:
@@ -96,10 +103,11 @@ class Shards:
             self.local.tokenizer = copy.deepcopy(self.tokenizer)
         return self.local.tokenizer
 
-    def build(self, i: int) -> Path:
+    def build(self, i: int, stop: threading.Event | None = None) -> Path:
         """Shard ``i``'s blocks in their cache file, tokenised now unless it exists (one process at a time, under a
         file lock; the file appears whole, by a rename). A shard too small for a block gets an empty file and a
-        warning: the stream hands its positions on (:meth:`ShardStream.rows`)."""
+        warning: the stream hands its positions on (:meth:`ShardStream.rows`). ``stop`` set (a loader thread's stream
+        closed) abandons the build between batches of STOP_CHECK_DOCS documents: :class:`Abandoned`, no file."""
         final = self.path(i)
         if final.exists():
             return final
@@ -107,7 +115,12 @@ class Shards:
             if final.exists():  # another process built it while this one waited
                 return final
             docs = shard_documents(self.files, self.pieces[i], kind=self.kind, text_field=self.text_field)
-            tokens = tokenize_documents(self._tokenizer(), docs) if docs else np.zeros(0, np.uint32)
+            parts = [np.zeros(0, np.uint32)]
+            for k in range(0, len(docs), STOP_CHECK_DOCS):
+                if stop is not None and stop.is_set():
+                    raise Abandoned(f"shard {i}: its stream closed while it was being tokenised")
+                parts.append(tokenize_documents(self._tokenizer(), docs[k:k + STOP_CHECK_DOCS]))
+            tokens = np.concatenate(parts)
             blocks = pack_blocks(tokens, self.block_size)
             self._say_built(i, len(tokens), len(blocks))
             # unique across hosts sharing the cache's filesystem, and across this process's threads
@@ -148,6 +161,64 @@ class Shards:
         return np.memmap(path, dtype=np.uint32, mode="r", shape=(n_blocks, width))
 
 
+class Abandoned(Exception):
+    """A shard build stopped because its stream closed (never seen by the stream: close() drops its result)."""
+
+
+class Loaders:
+    """``n`` daemon threads building shards in the order submitted. A ThreadPoolExecutor's threads are not daemons:
+    the process's exit would wait for a shard being tokenised (minutes at 256 MiB). :meth:`stop` drops the queued
+    shards and stops the one being built at its next batch of documents."""
+
+    def __init__(self, n: int, build):
+        self.stopped = threading.Event()
+        self._build = build
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.threads = [threading.Thread(target=self._work, name=f"raytrain_scu-shards_{k}", daemon=True)
+                        for k in range(n)]
+        for t in self.threads:
+            t.start()
+        _LOADERS.add(self)
+
+    def submit(self, shard: int) -> Future:
+        future: Future = Future()
+        self._queue.put((future, shard))
+        return future
+
+    def _work(self) -> None:
+        while (item := self._queue.get()) is not None:
+            future, shard = item
+            if self.stopped.is_set():
+                future.cancel()
+                continue
+            future.set_running_or_notify_cancel()
+            try:
+                future.set_result(self._build(shard, self.stopped))
+            except BaseException as e:  # the stream raises it where it reads the shard
+                future.set_exception(e)
+
+    def stop(self) -> None:
+        """Returns at once: each thread ends after the batch of documents it is tokenising."""
+        self.stopped.set()
+        for _ in self.threads:
+            self._queue.put(None)
+
+
+_LOADERS: weakref.WeakSet[Loaders] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_loaders() -> None:
+    """At the process's exit, loader threads a stream never closed (a setup that failed, say) stop and are waited for
+    (a batch of documents each): no daemon thread is left inside the tokenizer while the interpreter finalises."""
+    loaders = list(_LOADERS)
+    for pool in loaders:
+        pool.stop()
+    for pool in loaders:
+        for t in pool.threads:
+            t.join(EXIT_JOIN_S)
+
+
 class ShardStream:
     """The training stream over the train shards (see the module's docstring). ``len()`` is the blocks of one epoch;
     :meth:`rows` the blocks at global stream positions."""
@@ -160,7 +231,7 @@ class ShardStream:
         self._open: dict[int, np.ndarray] = {}
         self._perms: dict[tuple[int, int], np.ndarray] = {}
         self._pending: dict[int, Future] = {}
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool: Loaders | None = None
 
     def __len__(self) -> int:
         return self.epoch_blocks
@@ -194,10 +265,10 @@ class ShardStream:
         visit = int(np.searchsorted(ends, r, side="right"))
         return epoch, visit, int(order[visit]), int(r - (ends[visit] - self.quota[order[visit]]))
 
-    def rows(self, position: int, count: int) -> np.ndarray:
-        """The blocks at stream positions position .. position + count - 1, (count, block_size + 1) uint32; then the
-        next shards of the visit order are handed to the loader threads. A position whose shard has no block is
-        taken by the next shard of the visit order that has: its blocks after its own quota's."""
+    def rows(self, position: int, count: int, *, prefetch: bool = True) -> np.ndarray:
+        """The blocks at stream positions position .. position + count - 1, (count, block_size + 1) uint32; then,
+        with ``prefetch``, the next shards of the visit order are handed to the loader threads. A position whose shard
+        has no block is taken by the next shard of the visit order that has: its blocks after its own quota's."""
         out = np.empty((count, self.shards.block_size + 1), dtype=np.uint32)
         for j in range(count):
             epoch, visit, shard, offset = self.locate(position + j)
@@ -213,13 +284,15 @@ class ShardStream:
                 raise DataError(f"no train shard of {self.shards.dir_path} holds a block of data.block_size + 1 = "
                                 f"{self.shards.block_size + 1} tokens: lower data.block_size")
             out[j] = blocks[perm[offset % len(blocks)]]
-        self.prefetch(position + count)
+        if prefetch:
+            self.prefetch(position + count)
         return out
 
     def close(self) -> None:
-        """Stops the loader threads: queued shards are dropped, the one being tokenised finishes in the background."""
+        """Stops the loader threads, returning at once: queued shards are dropped, the one being tokenised stops at
+        its next batch of documents (no file written; the next process to need it tokenises it)."""
         if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool.stop()
             self._pool = None
         self._pending.clear()
 
@@ -230,12 +303,12 @@ class ShardStream:
         if self.loader_workers == 0:
             return
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.loader_workers, thread_name_prefix="raytrain_scu-shards")
+            self._pool = Loaders(self.loader_workers, self.shards.build)
         epoch, visit, _, _ = self.locate(position)
         for _ in range(2 * self.loader_workers + 1):
             shard = int(self._order(epoch)[0][visit])
             if shard not in self._open and shard not in self._pending and not self.shards.path(shard).exists():
-                self._pending[shard] = self._pool.submit(self.shards.build, shard)
+                self._pending[shard] = self._pool.submit(shard)
             epoch, visit = (epoch, visit + 1) if visit + 1 < len(self.train) else (epoch + 1, 0)
 
 
