@@ -20,9 +20,11 @@ COUNT_CHUNK_BYTES = 16 * 2**20  # what counting a shard's words reads at a time
 # key, so words counted another way (and the quotas they set) are never reused
 WORDS_VERSION = 2
 
+
 def _cut(f, nominal: int, size: int, kind: str) -> int:
-    """The end of a shard whose nominal end is ``nominal``: after the next blank line (text; a line end where none
-    comes within CUT_SCAN_BYTES, and without one either after the last whitespace or at a character's start) or the
+    """The end of a shard whose nominal end is ``nominal``: after the next blank line (text; the last whole line's
+    end where none comes within CUT_SCAN_BYTES, and where the nominal end's line has no end within CUT_SCAN_BYTES,
+    :func:`hard_cut`: after its first whitespace from the nominal end, or at a character's start) or the
     next line end (jsonl: a line is a document, never cut), or the file's end. Reads at most CUT_SCAN_BYTES at a time,
     so a file without line ends is not read whole."""
     f.seek(nominal)

@@ -8,8 +8,8 @@ import json
 from pathlib import Path
 from typing import Iterator
 
-from raytrain_scu.core.data.sources import read_jsonl_lines, source_files
 from raytrain_scu.core.data.plan import hard_cut
+from raytrain_scu.core.data.sources import read_jsonl_lines, source_files
 from raytrain_scu.errors import DataError
 
 SCAN_CHUNK_BYTES = 16 * 2**20  # what a full scan reads at a time: its memory, whatever the file's size
@@ -18,17 +18,20 @@ MAX_JSONL_LINE_BYTES = 8 * SCAN_CHUNK_BYTES  # a jsonl line (one document) longe
 
 def _chunks(file: Path, *, whole_lines: bool) -> Iterator[tuple[int, bytes]]:
     """(offset, bytes) of a file in pieces of about SCAN_CHUNK_BYTES, each ending at a line end (or the file's). A
-    line longer than SCAN_CHUNK_BYTES is cut (``whole_lines`` False: after its last whitespace, never inside a
-    character) or, for a jsonl file, read on up to MAX_JSONL_LINE_BYTES and refused past that: a file without line
-    ends is never read whole."""
+    line longer than SCAN_CHUNK_BYTES is cut (``whole_lines`` False: where :func:`.plan.hard_cut` says, after the
+    first whitespace of the bytes read past the chunk, never inside a character) or, for a jsonl file, read on up to
+    MAX_JSONL_LINE_BYTES and refused past that, naming its line and byte offset: a file without line ends is never
+    read whole."""
     with open(file, "rb") as f:
-        offset = 0
+        offset, first_line = 0, 1
         while chunk := f.read(SCAN_CHUNK_BYTES):
             tail = f.readline(SCAN_CHUNK_BYTES)
+            start = chunk.rfind(b"\n") + 1  # where the chunk's last line begins
             while whole_lines and tail and not tail.endswith(b"\n"):
-                if len(chunk) + len(tail) > MAX_JSONL_LINE_BYTES:
-                    raise DataError(f"{file}: no line end in {MAX_JSONL_LINE_BYTES} bytes from byte offset {offset}: "
-                                    f"a jsonl source holds one document a line")
+                if len(chunk) + len(tail) - start > MAX_JSONL_LINE_BYTES:
+                    line = first_line + chunk.count(b"\n", 0, start)
+                    raise DataError(f"{file}:{line}: no line end in {MAX_JSONL_LINE_BYTES} bytes from byte offset "
+                                    f"{offset + start}: a jsonl source holds one document a line")
                 chunk += tail
                 tail = f.readline(SCAN_CHUNK_BYTES)
             if not whole_lines and not tail.endswith(b"\n") and f.tell() < file.stat().st_size:
@@ -37,6 +40,7 @@ def _chunks(file: Path, *, whole_lines: bool) -> Iterator[tuple[int, bytes]]:
             chunk += tail
             yield offset, chunk
             offset += len(chunk)
+            first_line += chunk.count(b"\n")
 
 
 def _decoded(file: Path, chunk: bytes, offset: int, first_line: int) -> str:
