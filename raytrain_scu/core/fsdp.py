@@ -14,10 +14,29 @@ import torch
 
 from raytrain_scu.core.dist import is_dist, world_size
 from raytrain_scu.core.model.parts import decoder_layers
-from raytrain_scu.errors import ModelError
+from raytrain_scu.errors import CheckpointError, ModelError
 
 # the trainable tensors alone: the frozen base is rebuilt from the model's source at a resume, never saved
 ADAPTER_ONLY = {"ignore_frozen_params": True}
+
+
+def _trainable(model: torch.nn.Module, state: dict) -> dict:
+    """``state`` (a model state dict of ``model``) without its frozen tensors. ``ignore_frozen_params`` alone keeps a
+    frozen head tied to the embeddings: ``named_parameters`` lists the tied pair once, under the embeddings' name, so
+    the head's key is never matched to a frozen parameter."""
+    names = {n.replace("_orig_mod.", "") for n, p in model.named_parameters() if p.requires_grad}
+    return {k: v for k, v in state.items() if k in names}
+
+
+def _unwrapped(error: BaseException) -> BaseException:
+    """The first rank's own failure inside DCP's ``CheckpointException`` (a BaseException that wraps each rank's
+    error with its traceback), so that an OSError (a full disk) stays one; any other error as it is."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if isinstance(error, CheckpointException) and error.failures:
+        first, _trace = next(iter(error.failures.values()))
+        return first
+    return error
 
 
 def mixed_precision(dtype: torch.dtype):
@@ -56,8 +75,9 @@ def shard(loss_model: torch.nn.Module, peft_model: torch.nn.Module, *, device: t
 
 
 def _is_dtensor(t) -> bool:
-    """Whether ``t`` is a DTensor, without importing torch.distributed.tensor (~0.4 s) into the processes that never
-    shard: where no code has imported it, no tensor can be one."""
+    """Whether ``t`` is a DTensor, without importing torch.distributed.tensor here: where no code has imported it, no
+    tensor can be one. (A process that imports core.checkpoint alone, the driver's checks, skips its ~0.4 s; a worker
+    imports it anyway, through worker.loop's torch._dynamo.)"""
     tensor = sys.modules.get("torch.distributed.tensor")
     return tensor is not None and isinstance(t, tensor.DTensor)
 
@@ -88,8 +108,9 @@ def full_adapter_state(model: torch.nn.Module) -> dict:
     others get an empty dict), keyed as ``model.state_dict()`` keys them."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
-                                                                **ADAPTER_ONLY))
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
+                                                                 **ADAPTER_ONLY))
+    return _trainable(model, state)
 
 
 class GatheredAdapter:
@@ -110,8 +131,17 @@ def save_sharded(path: Path, *, model: torch.nn.Module, optimizer: torch.optim.O
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
+    from torch.distributed.checkpoint.api import CheckpointException
+
     model_state, optim_state = get_state_dict(model, optimizer, options=StateDictOptions(**ADAPTER_ONLY))
-    dcp.save({"model": model_state, "optim": optim_state}, storage_writer=dcp.FileSystemWriter(str(path)))
+    state = {"model": _trainable(model, model_state), "optim": optim_state}
+    try:
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(path)))
+    except CheckpointException as e:  # a rank's OSError (a full disk) is raised as itself, for the caller's DiskFullError
+        first = _unwrapped(e)
+        if first is e:
+            raise
+        raise first from e
 
 
 def load_sharded(path: Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -123,8 +153,15 @@ def load_sharded(path: Path, *, model: torch.nn.Module, optimizer: torch.optim.O
     # not strict: the model's own load_state_dict would miss the frozen base's keys, which are not saved; dcp.load
     # is strict already, raising where the checkpoint lacks any LoRA factor or moment asked for
     options = StateDictOptions(**ADAPTER_ONLY, strict=False)
+    from torch.distributed.checkpoint.api import CheckpointException
+
     model_state, optim_state = get_state_dict(model, optimizer, options=options)
-    state = {"model": model_state, "optim": optim_state}
-    dcp.load(state, storage_reader=dcp.FileSystemReader(str(path)))
+    state = {"model": _trainable(model, model_state), "optim": optim_state}
+    try:
+        dcp.load(state, storage_reader=dcp.FileSystemReader(str(path)))
+    except CheckpointException as e:
+        first = _unwrapped(e)
+        raise CheckpointError(f"{path.parent.name}: its sharded state does not load: "
+                              f"{type(first).__name__}: {first}") from first
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                    options=options)
