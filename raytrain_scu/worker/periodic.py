@@ -1,5 +1,5 @@
 """The loop's "once in a while" blocks: the held-out evaluation (all ranks), the report with its throughput figures
-(all ranks) and the checkpoint (rank 0 writes it)."""
+(all ranks) and the checkpoint (rank 0 writes it; under FSDP every rank writes its own shards)."""
 from __future__ import annotations
 
 import math
@@ -33,6 +33,9 @@ def evaluate(loss_model, data, *, device, batch_size: int, max_blocks: int, auto
             nats, n = loss_model(*(t if t is None else t.to(device, non_blocking=True) for t in batch))
         stats += torch.stack([nats.double(), n.double()])
     loss_model.train()
+    root = getattr(loss_model, "_orig_mod", loss_model)
+    if hasattr(root, "reshard"):  # FSDP keeps the root unit gathered after a forward without a backward: shard it
+        root.reshard()  # again, or sums over the parameters count a LoRA factor of the root (head, embeddings) whole
     nats, n = all_reduce_sum(stats).tolist()
     return bits_per_token(nats, n)
 
@@ -145,7 +148,8 @@ def finished(s: State, step: int) -> bool:
 
 
 def after_step(s: State, step: int, row: dict) -> bool:
-    """Once in a while: eval (all ranks), report (all ranks), checkpoint (rank 0 writes). True when the run is done,
+    """Once in a while: eval (all ranks), report (all ranks), checkpoint (rank 0 writes; under FSDP every rank writes
+    its own shards). True when the run is done,
     or stops here (Ctrl-C, a preemption) with the checkpoint of this step. A preemption's checkpoint, short of the
     run's end, comes without an evaluation of its own (the grace window is for the checkpoint): its report carries the
     last evaluation's val/data_bpt and its val/step."""
