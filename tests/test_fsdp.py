@@ -1,5 +1,6 @@
 """scaling.strategy=fsdp (FSDP2) on the CPU: two gloo processes run the real loop's steps under ddp and under fsdp
-and agree on the loss, the adapters' gradients (gathered whole), ParamBPT and λ; a 2-worker Ray run under fsdp writes
+(with and without activation checkpointing) and agree on the loss, the adapters' gradients (gathered whole),
+ParamBPT and λ; a 2-worker Ray run under fsdp writes
 sharded checkpoints that a 1-worker run resumes from, and its exported adapter loads with peft. Plus what auto picks
 and what is refused."""
 from pathlib import Path
@@ -11,6 +12,14 @@ from conftest import TINY, free_port, tiny_cfg
 from raytrain_scu.errors import ConfigError
 
 STEPS = 4
+# Llama-3.1-8B's, a 14B's (Qwen2.5-14B's, counted as Llama's) and Llama-3.1-70B's shapes: ~15, ~28 and ~131 GiB of
+# weights in bf16
+LLAMA_8B = {"n_params": 8_030_000_000, "hidden": 4096, "layers": 32, "heads": 32, "kv_heads": 8, "ffn": 14336,
+            "vocab": 128256}
+QWEN_14B = {"n_params": 14_770_000_000, "hidden": 5120, "layers": 48, "heads": 40, "kv_heads": 8, "ffn": 13824,
+            "vocab": 152064}
+LLAMA_70B = {"n_params": 70_550_000_000, "hidden": 8192, "layers": 80, "heads": 64, "kv_heads": 8, "ffn": 28672,
+             "vocab": 128256}
 ROW_KEYS = ("train/data_bpt", "train/param_bpt", "train/grad_norm", "ctrl/lambda", "train/param_bpt_a",
             "train/param_bpt_b", "train/param_bpt_update")
 
@@ -22,11 +31,11 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
 
 
-def _cfg(tmp: str, strategy: str, workers: int = 2):
+def _cfg(tmp: str, strategy: str, workers: int = 2, *extra: str):
     # the prior centred on the initial adapter: the sharded centres take part in ParamBPT too; λ moves each step
     return tiny_cfg(tmp, f"eq-{strategy}", "tracking.enabled=false", f"scaling.num_workers={workers}",
                     f"scaling.strategy={strategy}", f"train.max_steps={STEPS}", "controller.law=spec",
-                    "controller.prior_center=init", "lora.dropout=0.0")
+                    "controller.prior_center=init", "lora.dropout=0.0", *extra)
 
 
 def _training_state(s) -> dict:
@@ -40,18 +49,22 @@ def _training_state(s) -> dict:
 
 def equality_worker(r: int, port: int, tmp: str, port_1: int) -> None:
     """Rank ``r`` of a two-process gloo group: the loop's setup and STEPS optimizer steps (``train_step``), first
-    under ddp, then under fsdp, from the same seed and data. Keeps, per step, the row and the adapters' gradients
+    under ddp, then under fsdp with activation checkpointing, then under fsdp, from the same seed and data. Keeps, per step, the row and the adapters' gradients
     after their mean over the ranks (before the clip), gathered whole, and the adapters after the last step. Under
     fsdp both ranks then write the step's sharded checkpoint, each into its own directory; rank 0 puts the two
     together (as Ray Train's upload does) and, alone in a one-process group of its own, resumes from it under
-    fsdp."""
+    fsdp and under ddp."""
     import shutil
     from datetime import timedelta
 
     import torch.distributed as tdist
 
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.tensor import DTensor
+
     from raytrain_scu.core import checkpoint as ckpt
     from raytrain_scu.core.dist import all_gather_object
+    from raytrain_scu.core.fsdp import full_adapter_state
     from raytrain_scu.worker.hooks import LocalHooks
     from raytrain_scu.worker.loop import setup
     from raytrain_scu.worker.periodic import save_checkpoint
@@ -61,8 +74,12 @@ def equality_worker(r: int, port: int, tmp: str, port_1: int) -> None:
     tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=r, world_size=2,
                              timeout=timedelta(seconds=60))  # ranks that disagree hang in a collective: fail instead
     out = {}
-    for strategy in ("ddp", "fsdp"):
-        s = setup(_cfg(tmp, strategy), LocalHooks(device=torch.device("cpu")))
+    # fsdp with activation checkpointing before plain fsdp, whose state the checkpoint below writes
+    for strategy, extra in (("ddp", ()), ("fsdp_gc", ("model.gradient_checkpointing=true",)), ("fsdp", ())):
+        s = setup(_cfg(tmp, strategy.split("_")[0], 2, *extra), LocalHooks(device=torch.device("cpu")))
+        # after setup's evaluation (a forward without a backward) every parameter is a shard again, the root's too
+        dtensors = [isinstance(p, DTensor) for p in s.opt.model.parameters()]
+        lora_keys = sorted(k for k in s.opt.model.state_dict() if "lora_" in k)
         grads = []
         unscale = s.opt.scaler.unscale_
 
@@ -73,7 +90,8 @@ def equality_worker(r: int, port: int, tmp: str, port_1: int) -> None:
         s.opt.scaler.unscale_ = keep_grads
         rows = [train_step(s, step) for step in range(STEPS)]
         out[strategy] = {"sharded": s.opt.sharded, "rows": [{k: row[k] for k in ROW_KEYS} for row in rows],
-                         "grads": grads, "val": s.rec.val_bpt, **_training_state(s)}
+                         "grads": grads, "val": s.rec.val_bpt, "dtensors": dtensors, "lora_keys": lora_keys,
+                         "gathered_keys": sorted(full_adapter_state(s.opt.model)), **_training_state(s)}
     local = save_checkpoint(s, STEPS - 1, all_gather_object(ckpt.rng_state()))  # all ranks: fsdp's shards
     parts = all_gather_object(str(local / "ckpt"))
     tdist.barrier()
@@ -84,6 +102,7 @@ def equality_worker(r: int, port: int, tmp: str, port_1: int) -> None:
         shutil.copytree(Path(parts[1], ckpt.SHARDED), merged / ckpt.SHARDED, dirs_exist_ok=True)
         out["files"] = sorted(str(p.relative_to(merged)) for p in merged.rglob("*") if p.is_file())
         out["verify"] = ckpt.verify(merged)
+        out["saved_keys"] = sorted(FileSystemReader(str(merged / ckpt.SHARDED)).read_metadata().state_dict_metadata)
         broken = Path(tmp, "broken")
         shutil.copytree(merged, broken)
         (broken / ckpt.SHARDED / "__1_0.distcp").unlink()  # rank 1's upload never arrived
@@ -92,6 +111,8 @@ def equality_worker(r: int, port: int, tmp: str, port_1: int) -> None:
         s1 = setup(_cfg(tmp, "fsdp", workers=1), LocalHooks(device=torch.device("cpu"), run_dir=Path(tmp, "run")))
         out["resumed"] = {"step": s1.rec.start_step, "position": s1.pos.position, "lam": s1.ctrl.law.lam,
                           "sharded": s1.opt.sharded, **_training_state(s1)}
+        s2 = setup(_cfg(tmp, "ddp", workers=1), LocalHooks(device=torch.device("cpu"), run_dir=Path(tmp, "run")))
+        out["resumed_ddp"] = {"step": s2.rec.start_step, "sharded": s2.opt.sharded, **_training_state(s2)}
         out["lam"] = s.ctrl.law.lam
         tdist.destroy_process_group()
     torch.save(out, Path(tmp, f"rank{r}.pt"))
@@ -110,9 +131,10 @@ def equality_run(tmp_path_factory) -> list[dict]:
 @pytest.mark.slow
 def test_fsdp_matches_ddp_loss_gradients_param_bpt_and_lambda_on_two_gloo_ranks(equality_run):
     got = equality_run
-    for g in got:
-        ddp, fsdp = g["ddp"], g["fsdp"]
+    for g, fsdp in ((g, g[k]) for g in got for k in ("fsdp", "fsdp_gc")):
+        ddp = g["ddp"]
         assert not ddp["sharded"] and fsdp["sharded"]
+        assert all(fsdp["dtensors"]) and not any(ddp["dtensors"])  # the root resharded after the evaluation
         assert fsdp["val"] == pytest.approx(ddp["val"], abs=1e-5)  # the untrained adapter's held-out BPT
         lams = [row["ctrl/lambda"] for row in ddp["rows"]]
         assert len(set(lams)) == STEPS  # λ moved at every step: its equality below is not that of a constant
@@ -141,10 +163,21 @@ def test_a_sharded_checkpoint_verifies_as_a_whole_and_resumes_on_one_rank(equali
             "state.pt", "manifest.json"} <= set(g["files"])
     assert g["verify"] is None
     assert g["verify_broken"] == "missing file sharded/__1_0.distcp"
+    # the adapter alone, not the frozen head tied to the embeddings: sharded and gathered, the same keys as ddp's
+    model_keys = [k for k in g["saved_keys"] if k.startswith("model.")]
+    assert model_keys and all("lora_" in k for k in model_keys), model_keys
+    assert g["ddp"]["lora_keys"] and g["fsdp"]["gathered_keys"] == g["ddp"]["lora_keys"]
+    assert sorted(k.removeprefix("model.") for k in model_keys) == g["ddp"]["lora_keys"]
     resumed = g["resumed"]
     assert resumed["sharded"] and resumed["step"] == STEPS and resumed["lam"] == g["lam"]
     for x, y in zip(g["fsdp"]["adapter"] + sum(g["fsdp"]["moments"], []),
                     resumed["adapter"] + sum(resumed["moments"], [])):
+        assert torch.equal(x, y)
+    # the sharded checkpoint resumes under ddp too, a whole model on one rank, with the same adapters and moments
+    ddp = g["resumed_ddp"]
+    assert not ddp["sharded"] and ddp["step"] == STEPS
+    assert len(ddp["adapter"]) == len(resumed["adapter"]) > 0
+    for x, y in zip(resumed["adapter"] + sum(resumed["moments"], []), ddp["adapter"] + sum(ddp["moments"], [])):
         assert torch.equal(x, y)
 
 
@@ -160,8 +193,9 @@ def test_strategy_is_checked_and_fsdp_refuses_a_4bit_base(tmp_path):
 
 
 def test_auto_shards_only_what_does_not_fit_one_card(capsys):
-    """auto: ddp on a CPU (silently: the run's first line names the strategy) and where one replica fits the card; fsdp where it does not, with the estimate in the
-    line that says so; and the fit under fsdp counts each worker's share."""
+    """auto: ddp on a CPU (silently: the run's first line names the strategy) and where one replica fits the card;
+    fsdp where it does not but its weights do, with the estimate in the line that says so; ddp beside an option fsdp
+    refuses; and the fit under fsdp counts each worker's share, the root unit (embeddings, head) whole."""
     from raytrain_scu.config.resolve import choose_strategy, resolve_config
     from raytrain_scu.hardware.gpus import GpuInfo
     from raytrain_scu.hardware.memory import estimate_peak_memory_gib
@@ -169,24 +203,71 @@ def test_auto_shards_only_what_does_not_fit_one_card(capsys):
     cfg, _ = resolve_config(TINY, [], gpus=[], announce=True)
     assert cfg.scaling.strategy == "ddp"
     assert capsys.readouterr().err == ""  # on a CPU the run's first line says ddp; no line of its own
-    # Llama-3.1-8B's and 70B's shapes in bf16: ~15 and ~131 GiB of weights
-    llama8b = {"n_params": 8_030_000_000, "hidden": 4096, "layers": 32, "heads": 32, "kv_heads": 8, "ffn": 14336,
-               "vocab": 128256}
-    llama70b = {"n_params": 70_550_000_000, "hidden": 8192, "layers": 80, "heads": 64, "kv_heads": 8, "ffn": 28672,
-                "vocab": 128256}
     cfg, _ = resolve_config(TINY, ["model.precision=bf16", "scaling.num_workers=4"], gpus=[])
     cfg.scaling.strategy = "auto"
-    h200 = GpuInfo(name="NVIDIA H200", memory_gib=141.0)
-    assert choose_strategy(cfg, llama8b, [h200])[0] == "ddp"
-    strategy, why = choose_strategy(cfg, llama70b, [h200])
-    assert strategy == "fsdp" and "more than 90% of the 141 GiB card" in why and "4 workers" in why, why
+    h200, card32 = GpuInfo(name="NVIDIA H200", memory_gib=141.0), GpuInfo(name="a 32 GiB card", memory_gib=32.0)
+    assert choose_strategy(cfg, LLAMA_8B, [h200])[0] == "ddp"
+    strategy, why = choose_strategy(cfg, QWEN_14B, [card32])  # ~27 GiB of weights: they fit, the step does not
+    assert strategy == "fsdp" and "more than 90% of the 32 GiB card" in why and "4 workers" in why, why
+    strategy, why = choose_strategy(cfg, LLAMA_70B, [h200])  # ~131 GiB of weights: more than 90% of the card
+    assert strategy == "ddp" and "loading a model larger than one card is not built yet" in why, why
+    cfg.model.fuse_lora = True
+    strategy, why = choose_strategy(cfg, QWEN_14B, [card32])
+    assert strategy == "ddp" and "fsdp is not built for model.fuse_lora yet" in why, why
+    cfg.model.fuse_lora = False
     cfg.scaling.num_workers = 1
-    assert choose_strategy(cfg, llama70b, [h200])[0] == "ddp"  # nothing to shard over
-    shape = llama70b
-    kw = dict(shape, lora_r=16, lora_targets=["q_proj", "v_proj"], load_in_4bit=False, precision="bf16",
+    assert choose_strategy(cfg, QWEN_14B, [card32])[0] == "ddp"  # nothing to shard over
+    kw = dict(LLAMA_70B, lora_r=16, lora_targets=["q_proj", "v_proj"], load_in_4bit=False, precision="bf16",
               batch_size=1, block_size=1024, gradient_checkpointing=True, compile=False)
     whole, quarter = estimate_peak_memory_gib(**kw), estimate_peak_memory_gib(**kw, shards=4)
     assert quarter["weights_gib"] < whole["weights_gib"] / 2 and quarter["adapters_gib"] == whole["adapters_gib"] / 4
+    layer = (whole["weights_gib"] - 2 * 128256 * 8192 * 2 / 2**30) / 80  # about: one layer's weights
+    tables = 2 * 128256 * 8192 * 2 / 2**30  # untied: the embedding table and the head, held whole
+    assert quarter["weights_gib"] > whole["weights_gib"] / 4 + tables * 0.75 + layer
+
+
+def test_fsdp_refuses_a_model_whose_weights_alone_do_not_fit_one_card(tmp_path):
+    """Each worker loads the whole model before fsdp shards it: an explicit fsdp for 70B on an H200 is refused
+    before launch, naming what is not built yet, though each worker's share would fit."""
+    from raytrain_scu.config.resolve import fit_to_gpu
+    from raytrain_scu.errors import MemoryFitError
+
+    cfg = tiny_cfg(tmp_path, "x", "model.precision=bf16", "scaling.num_workers=8", "scaling.strategy=fsdp",
+                   "data.batch_size=1", "model.gradient_checkpointing=true")
+    with pytest.raises(MemoryFitError, match=r"the model's weights alone need ~13\d\.\d GiB, more than 90% of the "
+                       r"141 GiB card.*loading a model larger than one card is not built yet"):
+        fit_to_gpu(cfg, LLAMA_70B, 141.0)
+    assert fit_to_gpu(cfg, QWEN_14B, 32.0) == {}  # its weights fit: the shares are what the fit counts
+
+
+def test_a_full_disk_under_dcp_is_an_oserror_and_a_bad_shard_a_checkpoint_error(tmp_path):
+    """DCP wraps each rank's failure in its CheckpointException (not an OSError): a full disk is raised as the
+    OSError it is (what the checkpoint writer turns into DiskFullError), an unreadable shard as a CheckpointError.
+    One process, no group: DCP saves and loads alone."""
+    import warnings
+
+    from raytrain_scu.core import checkpoint as ckpt
+    from raytrain_scu.core.fsdp import load_sharded, save_sharded
+    from raytrain_scu.errors import CheckpointError
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    model[0].requires_grad_(False)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    model(torch.ones(2, 4)).sum().backward()
+    optimizer.step()
+    full = tmp_path / "checkpoint_00000001" / ckpt.SHARDED
+    full.mkdir(parents=True)
+    (full / "__0_0.distcp").symlink_to("/dev/full")
+    bad = tmp_path / "checkpoint_00000002" / ckpt.SHARDED
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # DCP's "assuming ... a single process"
+        with pytest.raises(OSError) as info:
+            save_sharded(full, model=model, optimizer=optimizer)
+        assert ckpt.is_disk_full(info.value)
+        save_sharded(bad, model=model, optimizer=optimizer)
+        (bad / "__0_0.distcp").write_bytes(b"not a shard")
+        with pytest.raises(CheckpointError, match=r"checkpoint_00000002: its sharded state does not load"):
+            load_sharded(bad, model=model, optimizer=optimizer)
 
 
 @pytest.mark.slow

@@ -233,6 +233,15 @@ def _check_run(cfg: Config) -> None:
                                                      "cpu"))
 
 
+def fsdp_untried(cfg: Config) -> list[str]:
+    """The options set on ``cfg`` that fsdp has not been run with: scaling.strategy=fsdp refuses them by name rather
+    than run them untried, and scaling.strategy=auto picks ddp beside them."""
+    m, q = cfg.model, cfg.quant
+    return [k for k, on in (("model.fuse_lora", m.fuse_lora), ("model.base_fp8", m.base_fp8),
+                            ("model.head_fp8", m.head_fp8), ("model.offload_activations", m.offload_activations),
+                            ("quant.offload_embedding", q.offload_embedding)) if on]
+
+
 def _check_scaling(cfg: Config) -> None:
     """scaling, and what 4-bit needs of it."""
     m, q = cfg.model, cfg.quant
@@ -245,10 +254,8 @@ def _check_scaling(cfg: Config) -> None:
     _check(not (s.strategy == "fsdp" and q.load_in_4bit), "scaling.strategy",
            "fsdp does not shard a 4-bit base yet: scaling.strategy=fsdp with quant.load_in_4bit=true is refused; set "
            "scaling.strategy=ddp or quant.load_in_4bit=false")
-    if s.strategy == "fsdp":  # what fsdp has not been run with: refused by name rather than run untried
-        untried = [k for k, on in (("model.fuse_lora", m.fuse_lora), ("model.base_fp8", m.base_fp8),
-                                   ("model.head_fp8", m.head_fp8), ("model.offload_activations", m.offload_activations),
-                                   ("quant.offload_embedding", q.offload_embedding)) if on]
+    if s.strategy == "fsdp":
+        untried = fsdp_untried(cfg)
         _check(not untried, "scaling.strategy", f"fsdp is not built for {', '.join(untried)} yet: set "
                f"scaling.strategy=ddp, or turn {'it' if len(untried) == 1 else 'them'} off")
     _check(0 < s.poll_interval_s <= 60, "scaling.poll_interval_s",

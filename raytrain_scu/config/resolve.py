@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-from raytrain_scu.config.checks import validate
+from raytrain_scu.config.checks import fsdp_untried, validate
 from raytrain_scu.config.io import default_run_name, explicit_keys, get_dotted, load_raw
 from raytrain_scu.config.law_keys import check_law_keys
 from raytrain_scu.config.load import build_config
@@ -87,8 +87,9 @@ def _family_preset(cfg: Config, hf_config: Any, explicit: set[str]) -> dict[str,
 
 def choose_strategy(cfg: Config, shape: Optional[dict[str, int]], gpus: list[GpuInfo]) -> tuple[str, str]:
     """What ``scaling.strategy=auto`` runs, and why: fsdp where one replica of the model does not fit the smallest
-    card even at ``data.batch_size=1`` (the memory estimator, with everything else as configured) and there are
-    workers to shard over, else ddp."""
+    card even at ``data.batch_size=1`` (the memory estimator, with everything else as configured) but its weights
+    do (each worker loads the whole model before sharding it), there are workers to shard over and no option fsdp
+    refuses is on; else ddp."""
     if not gpus:
         return "ddp", "no GPU (a CPU run): every worker holds the whole model"
     if shape is None:
@@ -96,16 +97,22 @@ def choose_strategy(cfg: Config, shape: Optional[dict[str, int]], gpus: list[Gpu
     mem = min(g.memory_gib for g in gpus)
     kwargs = {**shape, **memory_kwargs(cfg), "shards": 1}
     kwargs.pop("batch_size")
-    need = estimate_peak_memory_gib(batch_size=1, **kwargs)["total_gib"]
+    est = estimate_peak_memory_gib(batch_size=1, **kwargs)
+    need = est["total_gib"]
     if fit_check(need, mem):
         return "ddp", (f"one replica fits the {mem:.0f} GiB card (~{need:.1f} GiB at data.batch_size=1, the memory "
                        f"estimate)")
+    too_big = f"one replica needs ~{need:.1f} GiB at data.batch_size=1, more than the {mem:.0f} GiB card holds"
     if cfg.scaling.num_workers == 1:
-        return "ddp", (f"one replica needs ~{need:.1f} GiB at data.batch_size=1, more than the {mem:.0f} GiB card "
-                       f"holds, but one worker has nothing to shard over")
+        return "ddp", f"{too_big}, but one worker has nothing to shard over"
     if cfg.quant.load_in_4bit:
-        return "ddp", (f"one replica needs ~{need:.1f} GiB at data.batch_size=1, more than the {mem:.0f} GiB card "
-                       f"holds, but fsdp does not shard a 4-bit base yet")
+        return "ddp", f"{too_big}, but fsdp does not shard a 4-bit base yet"
+    untried = fsdp_untried(cfg)
+    if untried:
+        return "ddp", f"{too_big}, but fsdp is not built for {', '.join(untried)} yet"
+    if not fit_check(est["weights_gib"], mem):
+        return "ddp", (f"{too_big}, and its weights alone (~{est['weights_gib']:.1f} GiB) too: each worker loads the "
+                       f"whole model before fsdp shards it, and loading a model larger than one card is not built yet")
     return "fsdp", (f"one replica needs ~{need:.1f} GiB at data.batch_size=1, more than {USABLE_FRACTION:.0%} of "
                     f"the {mem:.0f} GiB card: the base is sharded over the {cfg.scaling.num_workers} workers")
 
@@ -215,6 +222,14 @@ def fit_to_gpu(cfg: Config, shape: dict[str, int], gpu_mem_gib: float, explicit:
     that does not fit is an error naming what would. Returns ``{key: (old, new)}``."""
     kwargs = {**shape, **memory_kwargs(cfg)}
     batch_size = kwargs.pop("batch_size")
+    whole = {**kwargs, "shards": 1}  # what each worker holds while it loads, under fsdp too
+    weights = estimate_peak_memory_gib(batch_size=1, **whole)["weights_gib"]
+    if not fit_check(weights, gpu_mem_gib, usable_fraction):
+        raise MemoryFitError(
+            f"the model's weights alone need ~{weights:.1f} GiB, more than {usable_fraction:.0%} of the "
+            f"{gpu_mem_gib:.0f} GiB card, and every worker loads the whole model before scaling.strategy=fsdp shards "
+            f"it: loading a model larger than one card is not built yet. Under scaling.strategy=ddp: "
+            + no_fit_message(batch_size, gpu_mem_gib, usable_fraction, whole))
     total = estimate_peak_memory_gib(batch_size=batch_size, **kwargs)["total_gib"]
     if fit_check(total, gpu_mem_gib, usable_fraction):
         return {}

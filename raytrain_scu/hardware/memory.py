@@ -39,9 +39,11 @@ With ``a`` = bytes of the compute dtype (4 for fp32, else 2), ``tokens = batch_s
     total        = the sum
 
 Under FSDP over ``shards`` workers (scaling.strategy=fsdp) the weights and adapters are each worker's share,
-plus two decoder layers' projections whole (the layer running and the one gathered ahead)::
+plus two decoder layers' projections whole (the layer running and the one gathered ahead) and the root unit whole
+(the embedding table and LM head, the head once where it is tied, held from the forward's start to the backward's
+end)::
 
-    weights      = weights / shards + 2 * linear / L * a
+    weights      = weights / shards + 2 * linear / L * a + tables * (1 - 1 / shards)
     adapters     = adapters / shards
 
 That term is arithmetic from FSDP2's design (one unit per decoder layer, one all-gather ahead), not yet measured
@@ -141,7 +143,7 @@ def estimate_peak_memory_gib(*, n_params: int, hidden: int, layers: int, heads: 
     kinds = [(layers - mamba_layers, dims), (mamba_layers, m_dims)]  # (how many layers, their linear layers)
     linear_params = sum(n * sum(i * o for i, o in d.values()) for n, d in kinds)
     other_params = max(n_params - linear_params, 0)
-    weights = _weight_bytes(linear_params, other_params, a=a, load_in_4bit=load_in_4bit, layers=layers, hidden=hidden,
+    weights, root_bytes = _weight_bytes(linear_params, other_params, a=a, load_in_4bit=load_in_4bit, layers=layers, hidden=hidden,
                             vocab=vocab, embedding_int8=embedding_int8, offload_embedding=offload_embedding)
 
     lora_params = sum(n * sum(lora_r * sum(d[t]) for t in _targeted(d, lora_targets)) for n, d in kinds)
@@ -171,7 +173,8 @@ def estimate_peak_memory_gib(*, n_params: int, hidden: int, layers: int, heads: 
     overhead = (CUDA_OVERHEAD_GIB + (COMPILE_EXTRA_GIB if compile else 0.0)) * GIB
     if load_in_4bit:
         overhead += max(i * o for _, d in kinds for i, o in d.values()) * a
-    parts = {**_per_worker(weights, adapters, shards=shards, layer_bytes=linear_params / layers * a),
+    parts = {**_per_worker(weights, adapters, shards=shards, layer_bytes=linear_params / layers * a,
+                           root_bytes=root_bytes),
              "activations_gib": activations, "logits_gib": logits, "overhead_gib": overhead}
     out = {k: v / GIB for k, v in parts.items()}
     out["activation_per_layer_gib"] = per_layer / GIB
@@ -180,11 +183,13 @@ def estimate_peak_memory_gib(*, n_params: int, hidden: int, layers: int, heads: 
     return out
 
 
-def _per_worker(weights: float, adapters: float, *, shards: int, layer_bytes: float) -> dict[str, float]:
+def _per_worker(weights: float, adapters: float, *, shards: int, layer_bytes: float,
+                root_bytes: float) -> dict[str, float]:
     """The weights and adapters on one card: all of them (``shards`` 1), or under FSDP over ``shards`` workers each
     worker's share of both plus two decoder layers' projections whole (the one running and the next, gathered
-    ahead)."""
-    gathered = 2 * layer_bytes if shards > 1 else 0.0
+    ahead) and the root unit's embedding table and LM head whole (gathered from the forward's start to the
+    backward's end)."""
+    gathered = 2 * layer_bytes + root_bytes * (1 - 1 / shards) if shards > 1 else 0.0
     return {"weights_gib": weights / shards + gathered, "adapters_gib": adapters / shards}
 
 
@@ -237,13 +242,14 @@ def _mamba_layer_bytes(*, tokens: int, a: int, hidden: int, ffn: int, lora_r: in
 
 def _weight_bytes(linear_params: int, other_params: int, *, a: int, load_in_4bit: bool, layers: int, hidden: int,
                   vocab: int, embedding_int8: bool, offload_embedding: bool) -> float:
-    """The frozen weights on the device (:func:`estimate_peak_memory_gib`'s ``weights``)."""
+    """The frozen weights on the device (:func:`estimate_peak_memory_gib`'s ``weights``) and, of them, the
+    embedding table and LM head's bytes (the head once where it is tied)."""
     # 1 table tied, 2 untied; a layer's other parameters (norms; a Mamba layer's conv and scan) are far fewer
     tables = max(0, round((other_params - (2 * layers + 1) * hidden) / (vocab * hidden)))
     on_gpu = tables - (1 if offload_embedding and tables == 2 else 0)
     table_bytes = vocab * (hidden + 4) if embedding_int8 else vocab * hidden * a
     return (linear_params * (NF4_BYTES_PER_PARAM if load_in_4bit else a)
-            + (other_params - tables * vocab * hidden) * a + on_gpu * table_bytes)
+            + (other_params - tables * vocab * hidden) * a + on_gpu * table_bytes), on_gpu * table_bytes
 
 
 def shape_from_hf_config(hf_config: Any) -> dict[str, Any]:
