@@ -49,11 +49,11 @@ def _training_state(s) -> dict:
 
 def equality_worker(r: int, port: int, tmp: str, port_1: int) -> None:
     """Rank ``r`` of a two-process gloo group: the loop's setup and STEPS optimizer steps (``train_step``), first
-    under ddp, then under fsdp with activation checkpointing, then under fsdp, from the same seed and data. Keeps, per step, the row and the adapters' gradients
-    after their mean over the ranks (before the clip), gathered whole, and the adapters after the last step. Under
-    fsdp both ranks then write the step's sharded checkpoint, each into its own directory; rank 0 puts the two
-    together (as Ray Train's upload does) and, alone in a one-process group of its own, resumes from it under
-    fsdp and under ddp."""
+    under ddp, then under fsdp with activation checkpointing, then under fsdp, from the same seed and data. Keeps,
+    per step, the row and the adapters' gradients after their mean over the ranks (before the clip), gathered whole,
+    and the adapters after the last step. Under fsdp both ranks then write the step's sharded checkpoint, each into
+    its own directory; rank 0 puts the two together (as Ray Train's upload does) and, alone in a one-process group
+    of its own, resumes from it under fsdp and under ddp."""
     import shutil
     from datetime import timedelta
 

@@ -137,7 +137,7 @@ def save_sharded(path: Path, *, model: torch.nn.Module, optimizer: torch.optim.O
     state = {"model": _trainable(model, model_state), "optim": optim_state}
     try:
         dcp.save(state, storage_writer=dcp.FileSystemWriter(str(path)))
-    except CheckpointException as e:  # a rank's OSError (a full disk) is raised as itself, for the caller's DiskFullError
+    except CheckpointException as e:  # a rank's OSError (a full disk) raised as itself, for DiskFullError
         first = _unwrapped(e)
         if first is e:
             raise

@@ -143,8 +143,9 @@ def estimate_peak_memory_gib(*, n_params: int, hidden: int, layers: int, heads: 
     kinds = [(layers - mamba_layers, dims), (mamba_layers, m_dims)]  # (how many layers, their linear layers)
     linear_params = sum(n * sum(i * o for i, o in d.values()) for n, d in kinds)
     other_params = max(n_params - linear_params, 0)
-    weights, root_bytes = _weight_bytes(linear_params, other_params, a=a, load_in_4bit=load_in_4bit, layers=layers, hidden=hidden,
-                            vocab=vocab, embedding_int8=embedding_int8, offload_embedding=offload_embedding)
+    weights, root = _weight_bytes(linear_params, other_params, a=a, load_in_4bit=load_in_4bit, layers=layers,
+                                  hidden=hidden, vocab=vocab, embedding_int8=embedding_int8,
+                                  offload_embedding=offload_embedding)
 
     lora_params = sum(n * sum(lora_r * sum(d[t]) for t in _targeted(d, lora_targets)) for n, d in kinds)
     if base_fp8:  # the adapted projections' two e4m3 copies (fp8.py), one byte a weight each; the bf16 base stays
@@ -171,10 +172,8 @@ def estimate_peak_memory_gib(*, n_params: int, hidden: int, layers: int, heads: 
                          chunk=loss_chunk_tokens, head_fp8=head_fp8)
 
     overhead = (CUDA_OVERHEAD_GIB + (COMPILE_EXTRA_GIB if compile else 0.0)) * GIB
-    if load_in_4bit:
-        overhead += max(i * o for _, d in kinds for i, o in d.values()) * a
-    parts = {**_per_worker(weights, adapters, shards=shards, layer_bytes=linear_params / layers * a,
-                           root_bytes=root_bytes),
+    overhead += max(i * o for _, d in kinds for i, o in d.values()) * a if load_in_4bit else 0  # one dequantised weight
+    parts = {**_per_worker(weights, adapters, root, shards=shards, layer_bytes=linear_params / layers * a),
              "activations_gib": activations, "logits_gib": logits, "overhead_gib": overhead}
     out = {k: v / GIB for k, v in parts.items()}
     out["activation_per_layer_gib"] = per_layer / GIB
@@ -183,8 +182,8 @@ def estimate_peak_memory_gib(*, n_params: int, hidden: int, layers: int, heads: 
     return out
 
 
-def _per_worker(weights: float, adapters: float, *, shards: int, layer_bytes: float,
-                root_bytes: float) -> dict[str, float]:
+def _per_worker(weights: float, adapters: float, root_bytes: float, *, shards: int,
+                layer_bytes: float) -> dict[str, float]:
     """The weights and adapters on one card: all of them (``shards`` 1), or under FSDP over ``shards`` workers each
     worker's share of both plus two decoder layers' projections whole (the one running and the next, gathered
     ahead) and the root unit's embedding table and LM head whole (gathered from the forward's start to the
