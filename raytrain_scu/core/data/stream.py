@@ -231,6 +231,7 @@ class ShardStream:
         self._open: dict[int, np.ndarray] = {}
         self._perms: dict[tuple[int, int], np.ndarray] = {}
         self._pending: dict[int, Future] = {}
+        self._on_disk: set[int] = set()  # shards seen built: prefetch looks at each file once, not every batch
         self._pool: Loaders | None = None
 
     def __len__(self) -> int:
@@ -307,8 +308,11 @@ class ShardStream:
         epoch, visit, _, _ = self.locate(position)
         for _ in range(2 * self.loader_workers + 1):
             shard = int(self._order(epoch)[0][visit])
-            if shard not in self._open and shard not in self._pending and not self.shards.path(shard).exists():
-                self._pending[shard] = self._pool.submit(shard)
+            if shard not in self._open and shard not in self._pending and shard not in self._on_disk:
+                if self.shards.path(shard).exists():
+                    self._on_disk.add(shard)
+                else:
+                    self._pending[shard] = self._pool.submit(shard)
             epoch, visit = (epoch, visit + 1) if visit + 1 < len(self.train) else (epoch + 1, 0)
 
 
