@@ -285,7 +285,7 @@ def check_tokens_per_epoch(meta: dict, *, measured: int, override: int, streamed
                 f"ParamBPT and S change by x{saved / override:.4g} from step {meta['step']} on")
     if measured != saved:
         how = {True: "read in shards", False: "read whole"}
-        # checkpoints written before these keys existed say nothing of how their data was read
+        # a checkpoint without these keys says nothing of how its data was read
         if "data_streamed" in meta and meta["data_streamed"] != streamed:
             what = (f"the checkpoint's source was {how[meta['data_streamed']]} and is now {how[streamed]} "
                     f"(data.streaming, auto above STREAM_ABOVE_BYTES)")
