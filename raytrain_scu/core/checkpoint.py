@@ -159,7 +159,7 @@ def _write_files(tmp: Path, *, model, optimizer, scaler, controller_state: dict,
     crash_point("checkpoint.meta")
     (tmp / "config.yaml").write_text(config_yaml)
     crash_point("checkpoint.config")
-    manifest = {**files_of(tmp), **shards}
+    manifest = {**files_of(tmp, skip=(SHARDED,)), **shards}  # every rank's shards, hashed once by their writers
     (tmp / MANIFEST).write_text(json.dumps({"step": meta["step"], "files": manifest}, indent=1))
     crash_point("checkpoint.manifest")
 

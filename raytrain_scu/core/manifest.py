@@ -22,10 +22,11 @@ def sha256_of(path: Path) -> str:
     return h.hexdigest()
 
 
-def files_of(root: Path) -> dict:
-    """sha256 and size of every file under ``root``, by its path relative to ``root``."""
+def files_of(root: Path, skip: tuple[str, ...] = ()) -> dict:
+    """sha256 and size of every file under ``root``, by its path relative to ``root``, but those under its
+    top-level entries named in ``skip``."""
     return {str(p.relative_to(root)): {"sha256": sha256_of(p), "size": p.stat().st_size}
-            for p in sorted(root.rglob("*")) if p.is_file()}
+            for p in sorted(root.rglob("*")) if p.is_file() and p.relative_to(root).parts[0] not in skip}
 
 
 def verify(ckpt_dir: str | Path) -> Optional[str]:
