@@ -123,6 +123,20 @@ def lines_before(path: Path, offset: int) -> int:
     return n
 
 
+def decode_piece(file: Path, raw: bytes, offset: int, first_line: int | None = None) -> str:
+    """The text of ``raw``, the bytes of ``file`` from ``offset``, decoded strictly (as a worker decodes a shard);
+    DataError naming the file's line (``first_line``: the line ``offset`` is on, counted here only when needed) and
+    byte offset of an undecodable byte. A UTF-8 byte-order mark at the file's start is not text."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        first = lines_before(file, offset) + 1 if first_line is None else first_line
+        line = first + raw.count(b"\n", 0, e.start)
+        raise DataError(f"{file}:{line}: not UTF-8 text: undecodable byte "
+                        f"0x{raw[e.start]:02x} at byte offset {offset + e.start}") from None
+    return text.removeprefix("\ufeff") if offset == 0 else text
+
+
 def shard_documents(files: list[Path], pieces: tuple[Piece, ...], *, kind: str, text_field: str) -> list[str]:
     """The non-blank documents of one shard: its pieces' blank-line-separated sections (text) or each line's
     ``text_field`` (jsonl). A DataError names the file's line and byte offset of the fault."""
@@ -132,14 +146,7 @@ def shard_documents(files: list[Path], pieces: tuple[Piece, ...], *, kind: str, 
         with open(path, "rb") as f:
             f.seek(start)
             raw = f.read(end - start)
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            where = start + e.start
-            raise DataError(f"{path}:{lines_before(path, where) + 1}: not UTF-8 text: undecodable byte "
-                            f"0x{raw[e.start]:02x} at byte offset {where}") from None
-        if start == 0:
-            text = text.removeprefix("\ufeff")  # a UTF-8 byte-order mark is not text
+        text = decode_piece(path, raw, start)
         if kind == "text":
             docs += re.split(r"\n\s*\n", text)
             continue

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Iterator
 
-from raytrain_scu.core.data.plan import hard_cut
+from raytrain_scu.core.data.plan import decode_piece, hard_cut
 from raytrain_scu.core.data.sources import read_jsonl_lines, source_files
 from raytrain_scu.errors import DataError
 
@@ -43,18 +43,6 @@ def _chunks(file: Path, *, whole_lines: bool) -> Iterator[tuple[int, bytes]]:
             first_line += chunk.count(b"\n")
 
 
-def _decoded(file: Path, chunk: bytes, offset: int, first_line: int) -> str:
-    """A chunk's text, decoded strictly (as a worker decodes a shard); DataError naming the file's line and byte
-    offset of an undecodable byte. A UTF-8 byte-order mark at the file's start is not text."""
-    try:
-        text = chunk.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = first_line + chunk.count(b"\n", 0, e.start)
-        raise DataError(f"{file}:{line}: not UTF-8 text: undecodable byte 0x{chunk[e.start]:02x} at byte offset "
-                        f"{offset + e.start}") from None
-    return text.removeprefix("\ufeff") if offset == 0 else text
-
-
 def scan_text(files: list[Path]) -> None:
     """Every byte of every file decodes as UTF-8, and some file holds text: DataError naming the file, its line and
     the byte offset otherwise. Reads the files in chunks, so its memory does not grow with their size."""
@@ -62,7 +50,7 @@ def scan_text(files: list[Path]) -> None:
     for f in files:
         first_line = 1
         for offset, chunk in _chunks(f, whole_lines=False):
-            any_text = bool(_decoded(f, chunk, offset, first_line).strip()) or any_text
+            any_text = bool(decode_piece(f, chunk, offset, first_line).strip()) or any_text
             first_line += chunk.count(b"\n")
     if not any_text:
         raise DataError(f"no text in text data at {files[0] if len(files) == 1 else files[0].parent}: every file is "
@@ -78,7 +66,7 @@ def scan_jsonl(files: list[Path], text_field: str) -> None:
         first_line = 1
         for offset, chunk in _chunks(f, whole_lines=True):
             n_lines = chunk.count(b"\n") + (not chunk.endswith(b"\n"))
-            text = _decoded(f, chunk, offset, first_line)
+            text = decode_piece(f, chunk, offset, first_line)
             try:
                 objs = json.loads("[" + text.rstrip("\n").replace("\n", ",") + "]")
                 ok = len(objs) == n_lines and all(type(o) is dict and type(o.get(text_field)) is str for o in objs)
