@@ -113,9 +113,10 @@ def param_bpt_parts(adapter_params: Sequence[torch.Tensor], centers: Sequence[Op
                     sigma: float, tokens_per_epoch: int) -> torch.Tensor:
     """ParamBPT's parts, for telemetry: a float32 tensor [A part, B part, the update's ParamBPT Σ(w − w₀)²] in bits per
     token. With the zero-centred prior the first two add up to ParamBPT; the third is ParamBPT under the prior centred
-    on the initial adapter (B's part is the same under both). FSDP's shards: this rank's parts of its own shards,
-    which the caller sums over the ranks (the step's loop adds them to its one all-reduce of the step's sums)."""
-    if is_sharded(adapter_params):
+    on the initial adapter (B's part is the same under both). FSDP's shards (all ranks call it then): each rank's
+    parts, then their sum over the ranks."""
+    sharded = is_sharded(adapter_params)
+    if sharded:
         adapter_params, centers = [local(p) for p in adapter_params], [local(c) for c in centers]
     a = [p.float() for p, c in zip(adapter_params, centers) if c is not None]
     b = [p.float() for p, c in zip(adapter_params, centers) if c is None]
@@ -124,7 +125,10 @@ def param_bpt_parts(adapter_params: Sequence[torch.Tensor], centers: Sequence[Op
     updates = list(torch._foreach_sub(a, [c for c in centers if c is not None])) if a else []
     sq = torch.stack(torch._foreach_norm(a + b + updates, 2)).square()
     sa, sb, su = sq[:len(a)].sum(), sq[len(a):len(a) + len(b)].sum(), sq[len(a) + len(b):].sum()
-    return torch.stack([sa, sb, su + sb]) / (2.0 * sigma * sigma * tokens_per_epoch * math.log(2.0))
+    parts = torch.stack([sa, sb, su + sb])
+    if sharded:
+        all_reduce_sum(parts)
+    return parts / (2.0 * sigma * sigma * tokens_per_epoch * math.log(2.0))
 
 
 def penalty_nats(param_bpt_value: torch.Tensor, lam: float) -> torch.Tensor:

@@ -90,13 +90,9 @@ def global_sums(s: State, nats_sum, tokens, pbpt, grad_norm):
     # a fill on the device, not torch.tensor(): a host->device copy from pageable memory would sync mid-step
     stop = tokens.new_full((), float(rank() == 0 and s.stop_path is not None and s.stop_path.exists()))
     preempt = tokens.new_full((), float(s.hooks.preempt_notice()))
+    stats = all_reduce_sum(torch.stack([nats_sum, tokens, stop, preempt]))
     parts = param_bpt_parts(s.opt.params, s.opt.centers, sigma=s.cfg.controller.prior_sigma,
                             tokens_per_epoch=s.ctrl.tokens_per_epoch)  # telemetry: ParamBPT's A and B parts
-    mine = torch.stack([nats_sum, tokens, stop, preempt])
-    if s.opt.sharded:  # each rank's parts cover its own shards: summed in the same all-reduce
-        stats, parts = all_reduce_sum(torch.cat([mine, parts])).split([4, 3])
-    else:
-        stats = all_reduce_sum(mine)
     sums = torch.cat([stats, pbpt.detach().float().reshape(1), grad_norm.float().reshape(1), parts])
     nonfinite = (~torch.isfinite(torch.stack([sums[0] / sums[1], sums[4], sums[5]]))).any().float()
     return _to_host(sums), nonfinite
