@@ -107,6 +107,56 @@ def test_gptq_codes_keep_a_model_closer_to_full_precision_than_nearest_ones():
     assert 0 < err_gptq < 0.95 * err_near, (err_gptq, err_near)
 
 
+def fp8_codes(model) -> dict:
+    return {name: (m.fp8_weight.clone(), m.fp8_weight_scale.clone()) for name, m in model.named_modules()
+            if isinstance(m, Fp8FrozenLinear)}
+
+
+@cpu_fp8
+def test_gptq_codes_are_computed_once_and_read_back_identical_from_the_cache(tmp_path, monkeypatch, capsys):
+    """The second build of the same model on the same blocks reads the codes without calibrating (GPTQ's per-column
+    routine is not called) and gets the same bytes; another seed's blocks, a changed weight or a damaged file each
+    calibrate again, the damaged file said in one line and replaced."""
+    import raytrain_scu.core.fp8_gptq as g
+
+    batches, _ = calibration_and_held_out()
+    cache = tmp_path / "fp8_gptq"
+    first = lora_model()
+    assert convert_base_to_fp8_gptq(first, batches, cache=cache) == 2 * 7
+    files = list(cache.glob("*.safetensors"))
+    assert len(files) == 1 and "codes cached in" in capsys.readouterr().out
+
+    calls = []
+    real = g.gptq_codes
+    monkeypatch.setattr(g, "gptq_codes", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    second = lora_model()
+    convert_base_to_fp8_gptq(second, batches, cache=cache)
+    assert calls == [] and "read from the cache" in capsys.readouterr().out
+    want, got = fp8_codes(first), fp8_codes(second)
+    assert want.keys() == got.keys() and len(want) == 2 * 7
+    assert all(torch.equal(want[k][0], got[k][0]) and torch.equal(want[k][1], got[k][1]) for k in want)
+    _, held_out = calibration_and_held_out()
+    with torch.no_grad():
+        assert torch.equal(first(input_ids=held_out).logits, second(input_ids=held_out).logits)
+
+    other_blocks = [b.roll(1, dims=1) for b in batches]
+    changed = lora_model()
+    with torch.no_grad():
+        changed.get_base_model().model.layers[0].mlp.up_proj.base_layer.weight[0, 0] += 1.0
+    for model, blocks in ((lora_model(), other_blocks), (changed, batches)):
+        calls.clear()
+        convert_base_to_fp8_gptq(model, blocks, cache=cache)
+        assert len(calls) == 2 * 7
+    assert len(list(cache.glob("*.safetensors"))) == 3
+
+    files[0].write_bytes(b"not a safetensors file")
+    calls.clear()
+    convert_base_to_fp8_gptq(lora_model(), batches, cache=cache)
+    out = capsys.readouterr().out
+    assert len(calls) == 2 * 7 and f"the cached codes {files[0]} cannot be used" in out
+    assert files[0].stat().st_size > 1000  # written again
+
+
 def test_exclusions_that_match_nothing_or_everything_are_refused():
     model = lora_model()
     with pytest.raises(ModelError, match=r"model.fp8_exclude: 'layers.1.mlp.\*' matches none of the adapted "

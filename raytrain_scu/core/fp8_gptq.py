@@ -14,11 +14,19 @@ stops there, so calibrating L layers costs about L/2 forwards of the calibration
 (K x K float32 per projection) are held at a time. The per-column loop dominates the cost: 51 s for the Llama-3.2-1B
 shape's 112 projections on an H200. The input-grad copy stays the nearest rounding of the bf16 weight (fp8.to_fp8):
 the backward is the bf16 model's gradient, as with nearest codes.
+
+The codes are cached on disk (``cache``): keyed by the bytes of every tensor of the model (its adapters too: a
+calibration forward runs them), the calibration token ids, the adapted projections' names, the card's name and the
+torch version, so a restart, a resumed run or another trial of the same model, seed and data reads them in seconds
+instead of calibrating again.
 """
 from __future__ import annotations
 
+import hashlib
+import os
 import time
-from typing import Iterable
+from pathlib import Path
+from typing import Iterable, Optional
 
 import torch
 import torch.nn as nn
@@ -26,10 +34,12 @@ import torch.nn as nn
 from raytrain_scu.core.dist import notice0
 from raytrain_scu.core.fp8 import E4M3, E4M3_MAX, check_fp8_device, fp8_targets, to_fp8
 from raytrain_scu.core.model.parts import base_of, decoder_layers
+from raytrain_scu.core.model.source import file_lock
 from raytrain_scu.errors import ModelError
 
 BLOCK = 128  # columns rounded between two rank-BLOCK updates of the rest (GPTQ's lazy batch update)
 DAMP = 0.01  # the fraction of H's mean diagonal added to its diagonal: keeps the Cholesky factor well conditioned
+CODES_VERSION = 1  # part of the cache key: raised whenever the codes the same inputs give change
 
 
 def gptq_codes(weight: torch.Tensor, hessian: torch.Tensor, *, damp: float = DAMP):
@@ -114,16 +124,41 @@ def _second_moments(model, bases: list[nn.Linear], stop_after, batches: list[tor
     return [s / max(n, 1) for s, n in zip(sums, rows)]
 
 
-def convert_base_to_fp8_gptq(model, batches: Iterable[torch.Tensor], exclude=()) -> int:
+def convert_base_to_fp8_gptq(model, batches: Iterable[torch.Tensor], exclude=(),
+                             cache: Optional[Path] = None) -> int:
     """:func:`fp8.convert_base_to_fp8` with each forward copy's codes chosen by GPTQ on ``batches`` (token ids, on the
     model's device, at least one), layer after layer (see the module docstring), in eval mode (the model's modes are
-    restored after); returns how many were converted. Raises ModelError as that does, or naming model.fp8_rounding.
-    Rank 0 says what it calibrates and how long it took."""
+    restored after); returns how many were converted. ``cache``: a directory where the codes of this model, these
+    batches and this card are read if present, else computed and written (under a lock, so ranks of one machine
+    calibrate once). Raises ModelError as that does, or naming model.fp8_rounding. Rank 0 says what it calibrates or
+    reads, and how long it took."""
     batches = list(batches)
     if not batches:
         raise ModelError("model.fp8_rounding=gptq needs at least one calibration block (model.fp8_calibration_blocks)")
     targets = fp8_targets(model, exclude)
-    check_fp8_device(targets[0][1].weight.device)
+    device = targets[0][1].weight.device
+    check_fp8_device(device)
+    if cache is None:
+        _calibrate(model, batches, targets)
+        return len(targets)
+    began = time.perf_counter()
+    path = Path(cache) / f"{codes_key(model, batches, targets)}.safetensors"
+    with file_lock(path):
+        codes = _read_codes(path, targets, device)
+        if codes is None:
+            _calibrate(model, batches, targets)
+            _write_codes(path, targets)
+            notice0(f"model.fp8_rounding=gptq: codes cached in {path}")
+            return len(targets)
+    for name, base in targets:
+        to_fp8(base, codes=codes[name])
+    notice0(f"model.fp8_rounding=gptq: the e4m3 codes of {len(targets)} projections read from the cache in "
+            f"{time.perf_counter() - began:.1f} s ({path}: this base model, calibration blocks and card)")
+    return len(targets)
+
+
+def _calibrate(model, batches: list[torch.Tensor], targets: list[tuple[str, nn.Linear]]) -> None:
+    """GPTQ's codes for ``targets``, layer after layer, each base converted in place."""
     layers = decoder_layers(model)
     if not layers:
         notice0(f"{type(base_of(model)).__name__} has no decoder `layers` list: GPTQ calibrates all {len(targets)} "
@@ -151,4 +186,70 @@ def convert_base_to_fp8_gptq(model, batches: Iterable[torch.Tensor], exclude=())
         for m, training in modes:
             m.training = training
     notice0(f"model.fp8_rounding=gptq: {len(targets)} projections in FP8 after {time.perf_counter() - began:.0f} s")
-    return len(targets)
+
+
+# ---------------------------------------------------------------- the codes' cache
+
+def _bytes(t: torch.Tensor):
+    return t.detach().reshape(-1).contiguous().view(torch.uint8).cpu().numpy()
+
+
+def card_class(device: torch.device) -> str:
+    """What the codes' float sums depend on besides their inputs: the card's name (every card of a class computes the
+    same sums) or ``cpu``."""
+    return f"cuda {torch.cuda.get_device_name(device)}" if device.type == "cuda" else device.type
+
+
+def codes_key(model, batches: list[torch.Tensor], targets: list[tuple[str, nn.Linear]]) -> str:
+    """The codes' identity: every tensor's name, dtype, shape and bytes (the adapters' initial values too), the
+    calibration token ids, the adapted projections' names, the card class, torch's version and the method's
+    constants."""
+    device = targets[0][1].weight.device
+    h = hashlib.sha256(f"v{CODES_VERSION}|block {BLOCK}|damp {DAMP}|{card_class(device)}|"
+                       f"torch {torch.__version__.split('+')[0]}".encode())
+    tensors = [*model.named_parameters(remove_duplicate=True), *model.named_buffers(remove_duplicate=True)]
+    for name, t in sorted(tensors, key=lambda kv: kv[0]):
+        h.update(f"|{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(_bytes(t))
+    h.update("|".join(name for name, _ in targets).encode())
+    for ids in batches:
+        h.update(f"|{tuple(ids.shape)}|".encode())
+        h.update(_bytes(ids.to(torch.int64)))
+    return h.hexdigest()[:24]
+
+
+def _write_codes(path: Path, targets: list[tuple[str, nn.Linear]]) -> None:
+    """Each converted target's forward codes and row scales, written whole or not at all."""
+    from safetensors.torch import save_file
+
+    tensors = {}
+    for name, base in targets:
+        tensors[f"{name}.codes"] = base.fp8_weight.detach().contiguous().cpu()
+        tensors[f"{name}.scale"] = base.fp8_weight_scale.detach().t().contiguous().cpu()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    save_file(tensors, str(tmp))
+    os.replace(tmp, path)
+
+
+def _read_codes(path: Path, targets: list[tuple[str, nn.Linear]], device: torch.device):
+    """{name: (codes e4m3 [N, K], scales [N, 1])} from ``path`` on ``device``; None when there is no file. A file that
+    cannot be read or does not match the targets is said in one line, removed and computed again."""
+    if not path.is_file():
+        return None
+    from safetensors.torch import load_file
+
+    try:
+        t = load_file(str(path), device=str(device))
+        out = {}
+        for name, base in targets:
+            codes, scale = t[f"{name}.codes"], t[f"{name}.scale"]
+            if codes.shape != base.weight.shape or scale.shape != (base.weight.shape[0], 1):
+                raise ValueError(f"{name}: codes {tuple(codes.shape)} for a weight {tuple(base.weight.shape)}")
+            out[name] = (codes.view(E4M3), scale)
+        return out
+    except Exception as e:  # noqa: BLE001 - a damaged cache file is computed again, never used
+        notice0(f"model.fp8_rounding=gptq: the cached codes {path} cannot be used ({type(e).__name__}: "
+                f"{str(e)[:200]}); calibrating again")
+        path.unlink(missing_ok=True)
+        return None

@@ -30,7 +30,7 @@ from raytrain_scu.core.model.build import (
     structure_of,
 )
 from raytrain_scu.core.model.flops import flops_per_token
-from raytrain_scu.core.model.source import load_tokenizer
+from raytrain_scu.core.model.source import default_cache_dir, load_tokenizer
 from raytrain_scu.core.nf4 import convert_4bit_to_torch_dequant, torch_dequant
 from raytrain_scu.core.offload import ActivationOffload
 from raytrain_scu.core.regularizer import adapter_params, centers_fingerprint, initial_centers
@@ -61,7 +61,8 @@ def _model(cfg: Config, *, data, vocab_size: int, dtype, device):
     if m.base_fp8 and m.fp8_rounding == "gptq":  # on the device already: the weights are quantised there, once
         batches = calibration_batches(data, blocks=m.fp8_calibration_blocks, batch_size=cfg.data.batch_size,
                                       seed=cfg.seed)
-        convert_base_to_fp8_gptq(model, [ids.to(device) for ids in batches], exclude=m.fp8_exclude)
+        convert_base_to_fp8_gptq(model, [ids.to(device) for ids in batches], exclude=m.fp8_exclude,
+                                 cache=default_cache_dir(m.cache_dir) / "fp8_gptq")
         share_rank0_codes(model)
     elif m.base_fp8:
         convert_base_to_fp8(model, exclude=m.fp8_exclude)
