@@ -70,7 +70,8 @@ class ModelConfig:
     # cost (with base_fp8: +0.09 bits, docs/benchmarks.md)
     head_fp8: bool = False
     trust_remote_code: bool = False  # allow a hub model's own Python code (transformers' trust_remote_code)
-    cache_dir: str = ""  # where converted GGUF models, tokenizers and GPTQ's FP8 codes are kept ("" = ~/.cache/raytrain_scu)
+    # where converted GGUF models, tokenizers and GPTQ's FP8 codes are kept ("" = ~/.cache/raytrain_scu)
+    cache_dir: str = ""
 
 
 @dataclass
