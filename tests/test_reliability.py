@@ -640,6 +640,31 @@ def test_heartbeats_are_throttled_but_the_first_a_reported_and_the_last_are_alwa
     assert stalled(1, beats, 30 + beat_every_s(30)) is None and stalled(1, {0: (1, "n", 26, 31.5)}, 31) == 31.5
 
 
+def test_an_attempt_with_an_exited_rank_on_this_node_is_a_crash_the_watchdog_leaves_to_ray():
+    """A rank killed while the other waits in a collective: the survivor is quiet past the timeout until Ray Train
+    tears the group down, which on a loaded machine can take longer than the timeout. The watchdog sees the exited
+    rank (a zombie or gone) and kills nothing; a rank on another node is not looked at from here."""
+    import subprocess
+    import sys
+
+    from raytrain_scu.ray.watchdog import crashed
+
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        import psutil
+
+        wait_for(lambda: psutil.Process(dead.pid).status() == psutil.STATUS_ZOMBIE, 30, "the short process to exit")
+        assert not crashed({0: (live.pid, "here", 15, 40.0), 1: (os.getpid(), "here", 15, 40.0)}, "here")
+        assert crashed({0: (dead.pid, "here", 15, 40.0), 1: (live.pid, "here", 15, 40.0)}, "here")
+        dead.wait()
+        assert crashed({0: (dead.pid, "here", 15, 40.0), 1: (live.pid, "here", 15, 40.0)}, "here")  # reaped: gone
+        assert not crashed({0: (dead.pid, "elsewhere", 15, 40.0), 1: (live.pid, "here", 15, 40.0)}, "here")
+    finally:
+        live.kill()
+        live.wait()
+
+
 def test_the_watchdog_actor_is_killed_when_building_the_trainer_fails(ray_local, tmp_path, monkeypatch):
     """The hang watchdog's heartbeat actor starts before the trainer is built: an error there still kills it."""
     import ray

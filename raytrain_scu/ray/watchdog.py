@@ -9,7 +9,9 @@ step completing on any rank for ``train.hang_timeout_s`` (plus one beat interval
 worker process of that attempt (a stopped process dies of SIGKILL too; one on another node through a task pinned to
 that node), and Ray Train restarts the group from the last checkpoint, exactly as after a worker crash, within
 ``run.max_failures``. The clock of an attempt starts at its first completed step: building the
-model, resuming and the first step's compile never count.
+model, resuming and the first step's compile never count. An attempt one of whose ranks on the driver's node has
+exited is a crash, not a hang: Ray Train is already tearing that group down, however long it takes, and the
+watchdog leaves it.
 """
 from __future__ import annotations
 
@@ -82,6 +84,21 @@ def _kill(pid: int) -> None:
         pass
 
 
+def exited(pid: int) -> bool:
+    """Whether process ``pid`` of this node has ended (gone, or a zombie not yet reaped)."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def crashed(beats: dict, node_id: str) -> bool:
+    """Whether a rank of the attempt that runs on node ``node_id`` has exited."""
+    return any(node == node_id and exited(pid) for pid, node, _, _ in beats.values())
+
+
 def stalled(world: int, beats: dict, timeout_s: float) -> Optional[float]:
     """Seconds since the last completed step on any rank when that exceeds ``timeout_s`` and every rank of the
     attempt is stepping (each has completed a step, none is done); None otherwise."""
@@ -128,7 +145,8 @@ class HangWatchdog:
             quiet = None if attempt in self.handled else stalled(world, beats, self.timeout_s + self.beat_every_s)
             if quiet is not None:
                 self.handled.add(attempt)
-                self._kill_attempt(beats, quiet)
+                if not crashed(beats, self.node_id):
+                    self._kill_attempt(beats, quiet)
 
     def _kill_attempt(self, beats: dict, quiet: float) -> None:
         steps = sorted({step for _, _, step, _ in beats.values()})
