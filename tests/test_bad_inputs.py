@@ -8,9 +8,11 @@ The table of cases and messages is in docs/reliability.md. A resumed run whose c
 tested in test_reliability.py (it needs a real earlier run).
 """
 import json
+import subprocess
+import sys
 
 import pytest
-from conftest import TINY, cli
+from conftest import ROOT, TINY, cli
 
 
 def text_file(tmp_path, name: str, data: bytes) -> str:
@@ -21,6 +23,11 @@ def text_file(tmp_path, name: str, data: bytes) -> str:
 
 def jsonl_without_text(tmp_path) -> str:
     return text_file(tmp_path, "d.jsonl", json.dumps({"body": "no text field here"}).encode() + b"\n")
+
+
+def chats(tmp_path) -> str:
+    line = {"messages": [{"role": "user", "content": "Who?"}, {"role": "assistant", "content": "Hamlet."}]}
+    return text_file(tmp_path, "d.jsonl", json.dumps(line).encode() + b"\n")
 
 
 def yaml_with(tmp_path, body: str, after: str = "") -> str:
@@ -71,17 +78,21 @@ CASES = {
     "block_size beyond the model's positions": (lambda t: [TINY, "data.block_size=4096"],
                                                 ["data.block_size=4096", "2048 positions"]),
     "data path missing": (lambda t: [TINY, "data.source=text", f"data.path={t}/missing.txt"],
-                          ["data path does not exist", "missing.txt"]),
+                          ["data.path: ", "missing.txt does not exist"]),
     "data path not set": (lambda t: [TINY, "data.source=text"], ["data.path", "must be set for data.source=text"]),
     "data empty": (lambda t: [TINY, "data.source=text", f"data.path={text_file(t, 'empty.txt', b'  ')}"],
-                   ["no text in", "empty"]),
+                   ["data.path: no text in", "empty"]),
     "data undecodable": (lambda t: [TINY, "data.source=text",
                                     f"data.path={text_file(t, 'bin.txt', b'ok then ' + bytes([0xff, 0xfe, 0x00]))}"],
                          ["bin.txt is not UTF-8", "0xff", "byte offset 8"]),
     "jsonl without the text field": (lambda t: [TINY, "data.source=jsonl", f"data.path={jsonl_without_text(t)}"],
                                      ["d.jsonl:1", "no field 'text'", "data.text_field"]),
     "training split smaller than one global batch": (lambda t: [TINY, "data.batch_size=100000"],
-                                                     ["fewer than one global batch"]),
+                                                     ["fewer than one global batch", "data.batch_size=799 fits"]),
+    "conversations read as text": (lambda t: [TINY, "data.source=jsonl", "data.text_field=messages",
+                                              f"data.path={chats(t)}"],
+                                   ["d.jsonl:1: field 'messages' (data.text_field) is list, not a string",
+                                    "a conversation", "data.source=chat"]),
     "missing GGUF file": (lambda t: [TINY, f"model.name={t}", "model.gguf_file=missing.gguf"],
                           ["model.gguf_file", "GGUF file not found", "missing.gguf"]),
     "model directory without config.json": (lambda t: [TINY, f"model.name={t}"], ["has no config.json"]),
@@ -162,20 +173,59 @@ def test_more_workers_than_gpus(tmp_path, no_ray, capsys, monkeypatch):
     print(f"BAD_INPUT {json.dumps({'case': 'more workers than GPUs', 'message': err.strip()})}")
 
 
-def test_a_launch_checks_the_storage_path_once(tmp_path, no_ray, capsys, monkeypatch):
-    """The run checks run.storage_path before taking its lock; preflight, which checks it for the sweep, skips it."""
-    from raytrain_scu.driver import preflight
-    from raytrain_scu.driver import run as run_mod
+def test_a_launch_checks_the_storage_path_and_the_data_once(tmp_path, no_ray, capsys, monkeypatch):
+    """The CLI checks run.storage_path and the data source before it imports the driver; the run (which checks them
+    before taking its lock when called directly) and preflight (which checks them for the sweep) skip them."""
+    from raytrain_scu.driver import early
 
     calls = []
-    check = preflight.check_storage
-    counted = lambda cfg: calls.append(cfg.run.storage_path) or check(cfg)  # noqa: E731
-    monkeypatch.setattr(preflight, "check_storage", counted)
-    monkeypatch.setattr(run_mod, "check_storage", counted)
+    storage, source = early.check_storage, early.check_source
+    monkeypatch.setattr(early, "check_storage", lambda cfg: calls.append("storage") or storage(cfg))
+    monkeypatch.setattr(early, "check_source", lambda *a: calls.append("data") or source(*a))
     # refused by preflight after its machine checks (the tiny model ties its embeddings): every check before ran
     code = no_ray([TINY, f"run.storage_path={tmp_path}", "quant.offload_embedding=true"])
     assert code == 2 and "quant.offload_embedding" in capsys.readouterr().err
-    assert calls == [str(tmp_path)]
+    assert calls == ["storage", "data"]
+
+
+def test_a_global_batch_the_data_cannot_fill_names_the_overrides_that_fit(tmp_path):
+    from raytrain_scu.config.load import load_config
+    from raytrain_scu.driver.preflight import fitting_overrides
+
+    cfg = load_config(TINY, ["data.batch_size=8", "data.grad_accum=2", "scaling.num_workers=1", "data.block_size=256"])
+    # 12 blocks against a global batch of 16; 16 blocks of 198 + 1 tokens fit the 3,184 tokens
+    assert fitting_overrides(12, cfg, tokens=12 * 257 + 100) == ["data.batch_size=6", "data.grad_accum=1",
+                                                                 "data.block_size=198"]
+    assert fitting_overrides(12, cfg) == ["data.batch_size=6", "data.grad_accum=1"]  # rows: the block stays
+    two = load_config(TINY, ["data.batch_size=4", "data.grad_accum=1", "scaling.num_workers=2"])
+    assert fitting_overrides(5, two) == ["data.batch_size=2", "scaling.num_workers=1"]
+    assert fitting_overrides(1, two, tokens=30) == []  # nothing fits: the message says to add data
+
+
+# a missing or empty data file and an unwritable storage path, as a person types them: refused before the CLI imports
+# torch, transformers or Ray (what made these take 36-68 s on 2 cores), which -X importtime shows
+@pytest.mark.parametrize("name, args, expected", [
+    ("data path missing (CLI)", ["data.source=text", "data.path={tmp}/missing.txt"],
+     "data.path: {tmp}/missing.txt does not exist"),
+    ("data empty (CLI)", ["data.source=text", "data.path={tmp}/empty.txt"], "data.path: no text in text data at"),
+    ("jsonl empty (CLI)", ["data.source=jsonl", "data.path={tmp}/empty.jsonl"],
+     "data.path: no records in jsonl data at"),
+    ("storage path unwritable (CLI)", ["run.storage_path={tmp}/a-file/runs"], "run.storage_path={tmp}/a-file/runs: "
+                                                                              "not writable"),
+])
+@pytest.mark.slow
+def test_bad_inputs_are_refused_before_the_heavy_imports(name, args, expected, tmp_path):
+    for file, data in (("empty.txt", b""), ("empty.jsonl", b"\n"), ("a-file", b"x")):
+        (tmp_path / file).write_bytes(data)
+    argv = [f"run.storage_path={tmp_path}", *[a.format(tmp=tmp_path) for a in args]]
+    r = subprocess.run([sys.executable, "-X", "importtime", "-m", "raytrain_scu.train", TINY, *argv],
+                       capture_output=True, text=True, cwd=ROOT, timeout=120)
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
+    assert r.returncode == 2 and len(errors) == 1 and expected.format(tmp=tmp_path) in errors[0], r.stderr[-3000:]
+    imported = {line.rsplit("|", 1)[1].strip() for line in r.stderr.splitlines() if line.startswith("import time:")}
+    assert "raytrain_scu.config.resolve" in imported  # -X importtime did report the imports
+    assert not imported & {"torch", "transformers", "ray", "mlflow", "peft"}, sorted(imported & {"torch", "ray"})
+    print(f"BAD_INPUT {json.dumps({'case': name, 'message': errors[0]})}")
 
 
 # train.main in this process, nothing replaced: exit code, message, and no Ray started by the call

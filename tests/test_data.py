@@ -392,11 +392,11 @@ def test_pinned():
 def test_missing_path_and_no_files(tmp_path):
     missing = tmp_path / "nope"
     for source in ("text", "jsonl"):
-        with pytest.raises(DataError, match="data path does not exist: .*nope"):
+        with pytest.raises(DataError, match="data.path: .*nope does not exist"):
             check_source(source, str(missing))
     with pytest.raises(DataError, match="not a directory saved with save_to_disk: .*nope"):
         source_files("hf_disk", str(missing))
-    with pytest.raises(DataError, match="data path does not exist: .*nope"):
+    with pytest.raises(DataError, match="data.path: .*nope does not exist"):
         load_documents("text", str(missing))
     (tmp_path / "empty").mkdir()
     with pytest.raises(DataError, match="no .txt/.md files found under directory .*empty"):
@@ -432,6 +432,16 @@ def test_bad_jsonl_lines(tmp_path):
         load_documents("jsonl", str(f))
     f.write_text('{"body": "x"}\n')
     with pytest.raises(DataError, match=r"bad.jsonl:1: no field 'text'"):
+        check_source("jsonl", str(f))
+    # a conversation where text is expected: the message names the setting that reads conversations
+    f.write_text(json.dumps({"messages": [{"role": "user", "content": "Hi"}]}) + "\n")
+    with pytest.raises(DataError, match=r"bad.jsonl:1: no field 'text' .* a conversation, .*: data.source=chat reads"):
+        check_source("jsonl", str(f), "text", "text")
+    with pytest.raises(DataError, match=r"field 'messages' \(data.text_field\) is list, not a string: a list of "
+                                        r"messages is a conversation"):
+        check_source("jsonl", str(f), "messages")
+    f.write_text('{"text": ["a", "b"]}\n')  # a list, but not of messages: no word of conversations
+    with pytest.raises(DataError, match=r"field 'text' \(data.text_field\) is list, not a string$"):
         check_source("jsonl", str(f))
 
 

@@ -278,7 +278,7 @@ def test_the_last_line_says_when_the_finished_trials_saw_different_token_budgets
 def test_cli_memory_fit_error_exits_2(tmp_path, monkeypatch, capsys):
     from raytrain_scu.errors import MemoryFitError
 
-    def no_fit(cfg, with_lr, verbose):
+    def no_fit(cfg, with_lr, verbose, inputs_checked):
         raise MemoryFitError("data.batch_size=64 does not fit")
 
     monkeypatch.setattr(driver_sweep, "sweep", no_fit)

@@ -6,6 +6,7 @@ import sys
 
 from raytrain_scu.config.io import help_text
 from raytrain_scu.config.resolve import resolve
+from raytrain_scu.driver.early import check_inputs
 from raytrain_scu.errors import USER_ERRORS
 
 USAGE = "usage: python -m raytrain_scu.sweep [--lr] [--verbose] CONFIG.yaml [key=value ...]"
@@ -44,11 +45,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: unknown option(s) {' '.join(unknown)}; {USAGE}", file=sys.stderr)
         return 2
     try:
-        cfg = resolve(args[0], args[1:])
-        # the driver imports torch, transformers and Ray: only once the config is known to be good
+        cfg = resolve(args[0], args[1:], early=check_inputs)  # the storage path and the data before the model
+        # the driver imports torch, transformers and Ray: only once the config and its inputs are known to be good
         from raytrain_scu.driver.sweep import sweep
 
-        summary = sweep(cfg, with_lr=with_lr, verbose=verbose)
+        summary = sweep(cfg, with_lr=with_lr, verbose=verbose, inputs_checked=True)
     except USER_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -13,6 +13,7 @@ import threading
 
 from raytrain_scu.config.io import help_text
 from raytrain_scu.config.resolve import resolve
+from raytrain_scu.driver.early import check_inputs
 from raytrain_scu.errors import USER_ERRORS, DeviceOutOfMemory, DiskFullError, Interrupted, Preempted
 
 USAGE = "usage: python -m raytrain_scu.train [--verbose] CONFIG.yaml [key=value ...]"
@@ -29,15 +30,16 @@ def main(argv: list[str] | None = None) -> int:
             print("\n" + help_text())
         return 0 if argv else 2
     try:
-        cfg = resolve(argv[0], argv[1:])  # presets, memory fit and checks, once
+        # presets, memory fit and checks, once; the storage path and the data before anything reads the model
+        cfg = resolve(argv[0], argv[1:], early=check_inputs)
     except USER_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    # the driver imports torch, transformers and Ray: only once the config is known to be good
+    # the driver imports torch, transformers and Ray: only once the config and its inputs are known to be good
     from raytrain_scu.driver import run as driver
 
     try:
-        driver.run(cfg, verbose=verbose)
+        driver.run(cfg, verbose=verbose, inputs_checked=True)
     except USER_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from raytrain_scu.config.checks import fsdp_untried, validate
 from raytrain_scu.config.io import default_run_name, explicit_keys, get_dotted, load_raw
@@ -118,16 +118,20 @@ def choose_strategy(cfg: Config, shape: Optional[dict[str, int]], gpus: list[Gpu
 
 
 def resolve_config(path: Optional[str | Path], overrides: list[str] | tuple[str, ...] = (),
-                   gpus: Optional[list[GpuInfo]] = None, *, announce: bool = False
-                   ) -> tuple[Config, dict[str, tuple[Any, Any]]]:
+                   gpus: Optional[list[GpuInfo]] = None, *, announce: bool = False,
+                   early: Optional[Callable[[Config], None]] = None) -> tuple[Config, dict[str, tuple[Any, Any]]]:
     """Load a config like :func:`config.load_config`, refuse a key set or swept for a law that no run of it uses
-    (:func:`config.law_keys.check_law_keys`), then apply ``hardware.preset`` under the keys the YAML file and overrides
-    did not set, and decide ``scaling.strategy=auto`` (:func:`choose_strategy`; with ``announce`` and a GPU, its line
-    on stderr says which and why). Returns ``(cfg, {key: (old, new)})``, the preset's and the memory fit's changes."""
+    (:func:`config.law_keys.check_law_keys`), run ``early`` on it (a launch's cheap checks, before the model's config
+    is read: torch and transformers load there), then apply ``hardware.preset`` under the keys the YAML file and
+    overrides did not set, and decide ``scaling.strategy=auto`` (:func:`choose_strategy`; with ``announce`` and a GPU,
+    its line on stderr says which and why). Returns ``(cfg, {key: (old, new)})``, the preset's and the memory fit's
+    changes."""
     tree = load_raw(path, overrides)
     explicit = explicit_keys(tree)
     cfg = build_config(tree, default_name=default_run_name(path))
     check_law_keys(cfg, explicit)
+    if early is not None:  # no preset or fit changes a key these read (the data, the storage path)
+        early(cfg)
     changes: dict[str, tuple[Any, Any]] = {}
     found = [] if cfg.scaling.use_gpu is False else (detect_gpus() if gpus is None else gpus)
     # read once, for the family's preset and the memory fit (no preset changes which model that is)
@@ -149,11 +153,13 @@ def resolve_config(path: Optional[str | Path], overrides: list[str] | tuple[str,
 
 
 def resolve(path: Optional[str | Path], overrides: list[str] | tuple[str, ...] = (), *,
-            gpus: Optional[list[GpuInfo]] = None, announce: bool = True) -> Config:
+            gpus: Optional[list[GpuInfo]] = None, announce: bool = True,
+            early: Optional[Callable[[Config], None]] = None) -> Config:
     """THE way a CLI turns a YAML file and ``key=value`` overrides into the final config: strict build and checks,
-    the hardware preset, the memory fit, each once (:func:`resolve_config`). With ``announce`` every value a preset
-    or the fit changed is printed (stderr), so a run never silently differs from its file."""
-    cfg, changes = resolve_config(path, overrides, gpus=gpus, announce=announce)
+    ``early`` (see :func:`resolve_config`), the hardware preset, the memory fit, each once (:func:`resolve_config`).
+    With ``announce`` every value a preset or the fit changed is printed (stderr), so a run never silently differs
+    from its file."""
+    cfg, changes = resolve_config(path, overrides, gpus=gpus, announce=announce, early=early)
     if announce:
         for key, (old, new) in changes.items():
             print(f"[raytrain_scu] preset {cfg.hardware.preset}: {key} {old!r} -> {new!r}", file=sys.stderr,

@@ -2,7 +2,6 @@
 re-run resumes from. Every problem is a PreflightError naming the key at fault; no Ray worker has started."""
 from __future__ import annotations
 
-import contextlib
 import importlib.metadata
 import importlib.util
 import os
@@ -26,7 +25,7 @@ from raytrain_scu.core.checkpoint import (
 from raytrain_scu.core.data import sft
 from raytrain_scu.core.data.cache import prepare_data, tokens_per_epoch_from
 from raytrain_scu.core.data.scan import scan_source
-from raytrain_scu.core.data.sources import check_source, resolve_format, resolve_source, source_files
+from raytrain_scu.core.data.sources import resolve_format, resolve_source, source_files
 from raytrain_scu.core.data.stream import use_streaming
 from raytrain_scu.core.embed_quant import (
     EMBEDDING_TARGETS,
@@ -40,18 +39,11 @@ from raytrain_scu.core.fused_lora import check_fusable_config
 from raytrain_scu.core.model.build import missing_targets, structure_of
 from raytrain_scu.core.model.packed import check_packing
 from raytrain_scu.core.model.source import check_model_source, load_tokenizer, max_positions, model_config
+from raytrain_scu.driver.early import as_preflight, check_inputs
 from raytrain_scu.errors import CheckpointError, DataError, ModelError, PreflightError
 
+MIN_BLOCK_SUGGESTED = 32  # a shorter block holds too little context to be worth suggesting as a fix
 BNB_COMPILES = (0, 50)  # the bitsandbytes whose 4-bit layers were measured compiled (docs/benchmarks.md)
-
-
-@contextlib.contextmanager
-def _as_preflight(*errors: type):
-    """A lower layer's error, said as a PreflightError (the CLIs print it in one line and exit 2)."""
-    try:
-        yield
-    except errors as e:
-        raise PreflightError(str(e)) from None
 
 
 def visible_gpus() -> int:
@@ -74,21 +66,6 @@ def _skeleton(hf_config, trust_remote_code: bool):
             return AutoModelForCausalLM.from_config(hf_config, trust_remote_code=trust_remote_code)
     except Exception:  # noqa: BLE001
         return None
-
-
-def check_storage(cfg: Config) -> None:
-    """A local run.storage_path must be writable (remote URIs are checked by Ray)."""
-    paths = RunPaths.of(cfg)
-    if paths.remote:
-        return
-    p = Path(paths.storage)
-    try:
-        p.mkdir(parents=True, exist_ok=True)
-        probe = p / f".write-test-{os.getpid()}"
-        probe.write_text("ok")
-        probe.unlink()
-    except OSError as e:
-        raise PreflightError(f"run.storage_path={cfg.run.storage_path}: not writable ({e.strerror})") from None
 
 
 def check_machine(cfg: Config) -> tuple[bool, int]:
@@ -134,7 +111,7 @@ def _check_model(cfg: Config, *, use_gpu: bool, gpus: int):
     """The model exists, takes the block size, has the LoRA targets, and supports the chosen fast paths; returns
     (where it comes from, its tokenizer, its transformers config)."""
     m = cfg.model
-    with _as_preflight(ModelError):
+    with as_preflight(ModelError):
         where = check_model_source(m.name, m.gguf_file)
         tok = load_tokenizer(m.name, m.gguf_file, m.tokenizer, m.cache_dir)
         hf_config = model_config(m.name, gguf_file=m.gguf_file, vocab_size=len(tok), cache_dir=m.cache_dir,
@@ -179,7 +156,7 @@ def resume_point(cfg: Config) -> tuple[Optional[Path], Optional[dict]]:
     run_path = RunPaths.of(cfg).local
     if run_path is None:
         return None, None
-    with _as_preflight(CheckpointError):
+    with as_preflight(CheckpointError):
         good, problems = newest_good_local(run_path)
         resume_meta = read_meta(good) if good is not None else None
         if resume_meta is not None:
@@ -193,19 +170,19 @@ def resume_point(cfg: Config) -> tuple[Optional[Path], Optional[dict]]:
     return good, resume_meta
 
 
-def preflight(cfg: Config, *, storage_checked: bool = False) -> dict:
-    """Every check that needs I/O, before Ray starts, the storage path's first (:func:`check_storage`; skipped when
-    the caller ran it already: ``storage_checked``). Returns derived facts: where the model comes from, use_gpu,
-    tokens_per_epoch (the one the run uses) and where it comes from (config, measured or estimated), the split sizes,
-    visible GPUs, the checkpoint a re-run resumes from and the vocabulary size."""
+def preflight(cfg: Config, *, inputs_checked: bool = False) -> dict:
+    """Every check that needs I/O, before Ray starts, the storage path's and the data source's cheap ones first
+    (:func:`~raytrain_scu.driver.early.check_inputs`; skipped when the caller ran them already: ``inputs_checked``).
+    Returns derived facts: where the model comes from, use_gpu, tokens_per_epoch (the one the run uses) and where it
+    comes from (config, measured or estimated), the split sizes, visible GPUs, the checkpoint a re-run resumes from
+    and the vocabulary size."""
     d = cfg.data
-    if not storage_checked:
-        check_storage(cfg)
+    if not inputs_checked:
+        check_inputs(cfg)
     use_gpu, gpus = check_machine(cfg)
     where, tok, hf_config = _check_model(cfg, use_gpu=use_gpu, gpus=gpus)
     good, resume_meta = resume_point(cfg)
-    with _as_preflight(DataError):
-        check_source(d.source, d.path, d.text_field, d.format)
+    with as_preflight(DataError):
         source = resolve_source(d.source, d.path)
         fmt = resolve_format(source, d.path, d.format, d.text_field)
         examples = fmt != "text"
@@ -213,25 +190,48 @@ def preflight(cfg: Config, *, storage_checked: bool = False) -> dict:
                          files=source_files(source, d.path)):
             scan_source(source, d.path, d.text_field)  # all of it, in bounded memory: no worker reads it whole first
     if examples and d.packing:  # before the tokenization: the model alone decides it
-        with _as_preflight(ModelError):
+        with as_preflight(ModelError):
             check_packing(hf_config, cfg.model.name, gpu=use_gpu)
-    with _as_preflight(DataError):
+    with as_preflight(DataError):
         data = prepare_data(tok, **data_options(cfg))
     if resume_meta is not None:  # the data must give the checkpoint's tokens_per_epoch (the loop checks it too)
-        with _as_preflight(CheckpointError):
+        with as_preflight(CheckpointError):
             check_tokens_per_epoch(resume_meta, measured=data.tokens_per_epoch,
                                    override=cfg.controller.tokens_per_epoch, streamed=data.streamed, plan=data.plan)
     data.close()  # the driver reads no batch: a streamed source's loader threads are never needed here
     unit = "rows" if examples else "blocks"
     global_batch = sequences_per_step(cfg)
     if len(data.train) < global_batch:
+        tokens = data.meta["n_train_tokens"] if unit == "blocks" and not data.streamed else None
+        fits = fitting_overrides(len(data.train), cfg, tokens=tokens)
         more = ("lower data.shard_bytes (the validation split is one shard, held out whole) or add data"
                 if data.streamed else "lower data.val_fraction or add data")
         raise PreflightError(f"the training split has {len(data.train)} {unit} of {d.block_size} tokens, fewer than "
-                             f"one global batch ({global_batch} = data.batch_size x data.grad_accum x "
-                             f"scaling.num_workers): lower those, or {more}")
+                             f"one global batch ({global_batch} = data.batch_size {d.batch_size} x data.grad_accum "
+                             f"{d.grad_accum} x scaling.num_workers {cfg.scaling.num_workers}): "
+                             + (f"{' or '.join(fits)} fits, or {more}" if fits else more))
     return {"model": where, "use_gpu": use_gpu,
             "tokens_per_epoch": cfg.controller.tokens_per_epoch or data.tokens_per_epoch,
             "tokens_per_epoch_from": tokens_per_epoch_from(cfg.controller.tokens_per_epoch, data),
             "train_blocks": len(data.train), "val_blocks": len(data.val), "gpus": gpus, "resume_from": good,
             "vocab_size": len(tok), "unit": unit, "examples": sft.summary(data.meta) if examples else ""}
+
+
+def fitting_overrides(rows: int, cfg: Config, *, tokens: Optional[int] = None) -> list[str]:
+    """The overrides, one key each with the rest as configured, under which a training split of ``rows`` rows (or
+    blocks) holds one global batch: the largest data.batch_size, data.grad_accum or scaling.num_workers below the
+    configured one that fits, and with ``tokens`` (the training split's tokens, text read whole) the largest
+    data.block_size whose blocks are enough (from ``MIN_BLOCK_SUGGESTED``)."""
+    d, workers = cfg.data, cfg.scaling.num_workers
+    out = []
+    for key, have, per_unit in (("data.batch_size", d.batch_size, d.grad_accum * workers),
+                                ("data.grad_accum", d.grad_accum, d.batch_size * workers),
+                                ("scaling.num_workers", workers, d.batch_size * d.grad_accum)):
+        fits = rows // per_unit
+        if 1 <= fits < have:
+            out.append(f"{key}={fits}")
+    if tokens:
+        block = tokens // sequences_per_step(cfg) - 1  # a block holds block_size + 1 tokens: inputs and targets
+        if MIN_BLOCK_SUGGESTED <= block < d.block_size:
+            out.append(f"data.block_size={block}")
+    return out

@@ -29,7 +29,8 @@ from raytrain_scu.core.checkpoint import BEST_METRIC, disk_full, is_disk_full, n
 from raytrain_scu.driver import outputs
 from raytrain_scu.driver.generate import BASE_RECIPE, base_recipe
 from raytrain_scu.driver.lock import run_lock
-from raytrain_scu.driver.preflight import check_storage, preflight
+from raytrain_scu.driver.early import check_inputs
+from raytrain_scu.driver.preflight import preflight
 from raytrain_scu.errors import CheckpointError, Interrupted
 from raytrain_scu.ray import launch
 from raytrain_scu.ray.callbacks import Sink
@@ -104,17 +105,19 @@ def record_config_change(cfg: Config, run_id: Optional[str], resume_from: Option
     return changes
 
 
-def run(cfg: Config, *, quiet: bool = False, verbose: bool = False) -> dict:
+def run(cfg: Config, *, quiet: bool = False, verbose: bool = False, inputs_checked: bool = False) -> dict:
     """Validate, train, export. Returns a summary dict (also printed unless ``quiet``).
 
     Holds the run's lock (``driver.lock``) from before anything is read until the end: a second launch of the same
     run exits at once naming this one. The one owner of the run's MLflow run: opens it before launch (or finds it
     again on a re-run) and ends it, FINISHED after the summary, FAILED with the reason when training or the summary
     fails, KILLED on Ctrl-C (``launch.fit``); the workers only log into it. ``verbose``: Ray's and the workers'
-    output on the console too."""
+    output on the console too. ``inputs_checked``: the caller ran :func:`~raytrain_scu.driver.early.check_inputs`
+    (the CLI does, before it imports this module)."""
     # the lock goes under the storage path, so it must be writable before anything else: a bad storage path is said
     # as such (preflight, which checks it too, is told it was)
-    check_storage(cfg)
+    if not inputs_checked:
+        check_inputs(cfg)
     with run_lock(cfg):
         finished = finished_summary(cfg)
         if finished is not None:  # before any check that loads the model or data, and before Ray
@@ -123,7 +126,7 @@ def run(cfg: Config, *, quiet: bool = False, verbose: bool = False) -> dict:
                       f"(raise train.max_steps to extend it)", flush=True)
                 print(format_summary(finished, title="finished earlier"), flush=True)
             return finished
-        summary = _run(cfg, preflight(cfg, storage_checked=True), verbose=verbose)
+        summary = _run(cfg, preflight(cfg, inputs_checked=True), verbose=verbose)
     if not quiet:
         print(format_summary(summary), flush=True)
     return summary

@@ -51,7 +51,7 @@ def _match_files(path: str, suffixes: tuple[str, ...]) -> list[Path]:
         if not files:
             raise DataError(f"no files matched the pattern {path}")
         return files
-    raise DataError(f"data path does not exist: {p}")
+    raise DataError(f"data.path: {p} does not exist")
 
 
 def decode_utf8(raw: bytes, file: Path, final: bool = True) -> str:
@@ -67,12 +67,25 @@ def _read_jsonl(file: Path, text_field: str) -> Iterator[str]:
     return read_jsonl_lines(file, decode_utf8(file.read_bytes(), file).split("\n"), text_field)
 
 
+CONVERSATIONS = ("a list of messages is a conversation, which data.text_field does not read: data.source=chat reads "
+                 "conversations from the 'messages' field (as experiments/smollm2-shakespeare-chat.yaml does)")
+
+
+def _is_conversation(value) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(m, dict) for m in value)
+
+
 def read_jsonl_lines(file: Path, lines: Iterable[str], text_field: str, first_line: int = 1) -> Iterator[str]:
+    """The text field of each line of a jsonl file read as text documents; a line without it, or where it holds no
+    string, is a DataError naming the line (and, for a list of messages, the setting that reads conversations)."""
     for where, obj in jsonl_records(file, lines, first_line):
         if text_field not in obj:
-            raise DataError(f"{where}: no field {text_field!r} (data.text_field) in this line")
+            chat = f"; {CONVERSATIONS}" if _is_conversation(obj.get("messages")) else ""
+            raise DataError(f"{where}: no field {text_field!r} (data.text_field) in this line{chat}")
         if not isinstance(obj[text_field], str):
-            raise DataError(f"{where}: field {text_field!r} is {type(obj[text_field]).__name__}, not a string")
+            chat = f": {CONVERSATIONS}" if _is_conversation(obj[text_field]) else ""
+            raise DataError(f"{where}: field {text_field!r} (data.text_field) is {type(obj[text_field]).__name__}, "
+                            f"not a string{chat}")
         yield obj[text_field]
 
 
@@ -201,7 +214,7 @@ def _head(file: Path, n_bytes: int = 4096) -> str:
 def _check_text(files: list[Path], path: str, text_field: str) -> None:
     heads = [_head(f) for f in files]  # every file: a bad one anywhere would stop the run later
     if not any(h.strip() for h in heads):
-        raise DataError(f"no text in text data at {path}: every file is empty or whitespace")
+        raise DataError(f"data.path: no text in text data at {path}: every file is empty or whitespace")
 
 
 def _check_jsonl(files: list[Path], path: str, text_field: str) -> None:
@@ -305,7 +318,7 @@ def resolve_format(source: str, path: str, fmt: str, text_field: str = "text") -
         return fmt
     first = next(iter_records(source, path), None)
     if first is None:
-        raise DataError(f"no records in {describe(source, path)}")
+        raise DataError(f"data.path: no records in {describe(source, path)}")
     return detect_format(first[1], text_field)
 
 
@@ -342,5 +355,5 @@ def check_source(source: str, path: str, text_field: str = "text", fmt: str = "a
         return
     first = next(iter_records(source, path), None)
     if first is None:
-        raise DataError(f"no records in {describe(source, path)}")
+        raise DataError(f"data.path: no records in {describe(source, path)}")
     to_example(first[1], fmt, first[0])
