@@ -1,5 +1,7 @@
 """MLflow integration: a real sqlite store read back with MlflowClient."""
 import json
+import shlex
+import sys
 from pathlib import Path
 
 import pytest
@@ -8,7 +10,15 @@ from conftest import free_port, mlflow_runs, tiny_cfg
 
 from raytrain_scu.core.checkpoint import read_meta
 from raytrain_scu.driver.run import run
-from raytrain_scu.tracking.store import BEST_STEP_TAG, CHANGES_TAG, REVISION_TAG, RUN_KEY_TAG, run_key
+from raytrain_scu.tracking.store import (
+    BEST_STEP_TAG,
+    CHANGES_TAG,
+    CHECKOUT,
+    REVISION_TAG,
+    RUN_KEY_TAG,
+    run_key,
+    ui_command,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -90,7 +100,9 @@ def test_params_metrics_and_artifacts(restarted):
     # one experiment per config file (its stem), the run named run.name; the summary says where and how to look
     assert client.get_experiment(r.info.experiment_id).name == "tiny-cpu" and r.info.run_name == "tracked"
     assert summary["tracking_uri"].startswith(f"sqlite:///{tmp_path}/mlflow.db")
-    assert summary["ui_command"].startswith(f"mlflow ui --backend-store-uri sqlite:///{tmp_path}/mlflow.db")
+    # run() called without the CLI's config file: this venv's mlflow by its full path
+    mlflow_ui = f"{Path(sys.executable).parent / 'mlflow'} ui --backend-store-uri sqlite:///{tmp_path}/mlflow.db"
+    assert summary["ui_command"].startswith(mlflow_ui)
     p = r.data.params
     assert p["controller.target_s"] == "0.01" and p["train.max_steps"] == "10"
     assert int(p["derived.tokens_per_epoch"]) > 0 and p["derived.world_size"] == "1"
@@ -411,3 +423,20 @@ def test_a_torn_last_line_of_the_spool_is_cut_off_and_later_points_stay_readable
     spool.append([point(3)])
     again = MetricSpool(path, 100)
     assert again.waiting == 2 and [p["s"] for _, p in again._lines()] == [1, 3]
+
+
+def test_the_ui_command_runs_from_a_plain_shell(tmp_path, monkeypatch):
+    """In the checkout, with the config file known (the train CLI's): make ui with the config and the overrides that
+    move the store, and no others; elsewhere this venv's mlflow by its full path; none for a tracking server."""
+    cfg = tiny_cfg(tmp_path, "ui")
+    monkeypatch.chdir(CHECKOUT)
+    tiny = "experiments/tiny-cpu.yaml"
+    assert ui_command(cfg, tiny, [f"run.storage_path={tmp_path}", "train.max_steps=3"]) == \
+        f"make ui CONFIG={tiny} ARGS=run.storage_path={tmp_path}"
+    assert ui_command(cfg, tiny, ["train.max_steps=3"]) == f"make ui CONFIG={tiny}"
+    both = [f"run.storage_path={tmp_path}", f"tracking.uri=sqlite:///{tmp_path}/m.db"]
+    assert shlex.split(ui_command(cfg, tiny, both)) == ["make", "ui", f"CONFIG={tiny}", "ARGS=" + " ".join(both)]
+    monkeypatch.chdir(tmp_path)  # outside the checkout there is no Makefile to run
+    assert ui_command(cfg, tiny) == shlex.join([str(Path(sys.executable).parent / "mlflow"), "ui",
+                                                "--backend-store-uri", f"sqlite:///{tmp_path}/mlflow.db"])
+    assert ui_command(tiny_cfg(tmp_path, "ui", "tracking.uri=http://127.0.0.1:5000"), tiny) is None

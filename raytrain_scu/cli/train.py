@@ -15,6 +15,7 @@ from raytrain_scu.config.io import help_text
 from raytrain_scu.config.resolve import resolve
 from raytrain_scu.driver.early import check_inputs
 from raytrain_scu.errors import USER_ERRORS, DeviceOutOfMemory, DiskFullError, Interrupted, Preempted
+from raytrain_scu.tracking.store import ui_command
 
 USAGE = "usage: python -m raytrain_scu.train [--verbose] CONFIG.yaml [key=value ...]"
 
@@ -39,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     from raytrain_scu.driver import run as driver
 
     try:
-        driver.run(cfg, verbose=verbose, inputs_checked=True)
+        driver.run(cfg, verbose=verbose, inputs_checked=True, ui=ui_command(cfg, argv[0], argv[1:]))
     except USER_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

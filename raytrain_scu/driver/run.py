@@ -105,7 +105,8 @@ def record_config_change(cfg: Config, run_id: Optional[str], resume_from: Option
     return changes
 
 
-def run(cfg: Config, *, quiet: bool = False, verbose: bool = False, inputs_checked: bool = False) -> dict:
+def run(cfg: Config, *, quiet: bool = False, verbose: bool = False, inputs_checked: bool = False,
+        ui: Optional[str] = None) -> dict:
     """Validate, train, export. Returns a summary dict (also printed unless ``quiet``).
 
     Holds the run's lock (``driver.lock``) from before anything is read until the end: a second launch of the same
@@ -113,7 +114,8 @@ def run(cfg: Config, *, quiet: bool = False, verbose: bool = False, inputs_check
     again on a re-run) and ends it, FINISHED after the summary, FAILED with the reason when training or the summary
     fails, KILLED on Ctrl-C (``launch.fit``); the workers only log into it. ``verbose``: Ray's and the workers'
     output on the console too. ``inputs_checked``: the caller ran :func:`~raytrain_scu.driver.early.check_inputs`
-    (the CLI does, before it imports this module)."""
+    (the CLI does, before it imports this module). ``ui``: the command the summary prints to open the MLflow UI (the
+    CLI's knows the config file: ``make ui CONFIG=...``); default :func:`~raytrain_scu.tracking.store.ui_command`."""
     # the lock goes under the storage path, so it must be writable before anything else: a bad storage path is said
     # as such (preflight, which checks it too, is told it was)
     if not inputs_checked:
@@ -126,7 +128,7 @@ def run(cfg: Config, *, quiet: bool = False, verbose: bool = False, inputs_check
                       f"(raise train.max_steps to extend it)", flush=True)
                 print(format_summary(finished, title="finished earlier"), flush=True)
             return finished
-        summary = _run(cfg, preflight(cfg, inputs_checked=True), verbose=verbose)
+        summary = _run(cfg, preflight(cfg, inputs_checked=True), verbose=verbose, ui=ui)
     if not quiet:
         print(format_summary(summary), flush=True)
     return summary
@@ -146,7 +148,7 @@ def open_tracking(cfg: Config, notes: list) -> Optional[str]:
         return None
 
 
-def _run(cfg: Config, facts: dict, *, verbose: bool) -> dict:
+def _run(cfg: Config, facts: dict, *, verbose: bool, ui: Optional[str]) -> dict:
     """Open the MLflow run, train on Ray Train, summarize; end the MLflow run with how it went."""
     notes: list = []
     run_id = open_tracking(cfg, notes)
@@ -156,7 +158,7 @@ def _run(cfg: Config, facts: dict, *, verbose: bool) -> dict:
         if facts["resume_from"] is not None:  # the workers say it too, in their log files
             print(f"[raytrain_scu] resuming from {facts['resume_from'].name}", flush=True)
         ray_logs, result = _launch(cfg, facts, run_id, verbose=verbose)
-        summary = summarize(cfg, result, run_id, changes, notes, facts)
+        summary = summarize(cfg, result, run_id, changes, notes, facts, ui=ui)
         status = "FINISHED"
     except (KeyboardInterrupt, Interrupted):
         status = "KILLED"
@@ -299,12 +301,14 @@ def _run_rank0_opened(cfg: Config, notes: list) -> Optional[str]:
     return run_id
 
 
-def summarize(cfg: Config, result, run_id: Optional[str], changes: dict, notes: list, facts: dict) -> dict:
+def summarize(cfg: Config, result, run_id: Optional[str], changes: dict, notes: list, facts: dict, *,
+              ui: Optional[str] = None) -> dict:
     """After fit(): log the best checkpoint; write the primary adapter (run.primary_adapter: the best checkpoint's or
     the last step's) to adapter/, the other beside it when it is another step, the control trace (scu_history.json,
     plots/), config.yaml, summary.json and base_model.json (what rebuilds the base model: generate) to the output
     directory (local, or on the remote storage); MLflow's ``adapter`` is what adapter/ holds. ``run_id`` None with
-    tracking on (MLflow unreachable at start): the run rank 0 opened, found by its run key. Returns the summary."""
+    tracking on (MLflow unreachable at start): the run rank 0 opened, found by its run key. ``ui``: the command that
+    opens the MLflow UI (see :func:`run`). Returns the summary."""
     paths = RunPaths.of(cfg)
     if run_id is None and cfg.tracking.enabled:
         run_id = _run_rank0_opened(cfg, notes)
@@ -316,12 +320,12 @@ def summarize(cfg: Config, result, run_id: Optional[str], changes: dict, notes: 
                "tokens_per_s": last.get("perf/tokens_per_s"), "run_dir": paths.run, "mlflow_run_id": run_id,
                "config_changes": changes or None, "notes": notes}
     if cfg.tracking.enabled:
-        uri, ui = redact_uri(tracking_uri(cfg)), ui_command(cfg)
+        uri, ui = redact_uri(tracking_uri(cfg)), ui or ui_command(cfg)
         summary["tracking_uri"] = f"{uri} (experiment {cfg.tracking.experiment})"
         if ui is not None:
-            needs = importlib.util.find_spec("flask") is None  # mlflow-skinny alone has no UI server
-            summary["ui_command"] = ui + ("   (needs the ui extra: pip install 'raytrain_scu[ui]')" if needs
-                                          else "   (or: make ui CONFIG=<this config>)")
+            # mlflow-skinny alone has no UI server; make ui installs the full package first (make setup)
+            needs = not ui.startswith("make ") and importlib.util.find_spec("flask") is None
+            summary["ui_command"] = ui + ("   (needs the ui extra: pip install 'raytrain_scu[ui]')" if needs else "")
     with contextlib.ExitStack() as stack:
         local = outputs.local_checkpoints(stack)  # each checkpoint downloaded once (remote storage)
         with _naming_full_disk(tempfile.gettempdir(), "the checkpoints downloaded from the run's storage"):

@@ -20,9 +20,10 @@ import json
 import logging
 import os
 import shlex
+import sys
 import warnings
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 from raytrain_scu.config.io import redact_uri
 from raytrain_scu.config.paths import RunPaths, storage_dir
@@ -36,6 +37,8 @@ CHANGES_TAG = "raytrain_scu.config_changes"  # the last revision's changes, "key
 BEST_STEP_TAG = "raytrain_scu.best_checkpoint_step"  # the step of the best_checkpoint artifact
 BEST_VAL_TAG = "raytrain_scu.best_checkpoint_val_bpt"  # and its val/data_bpt
 FAILURE_TAG = "raytrain_scu.failure"  # why a FAILED run failed: the one line the CLI printed after `error:`
+STORE_KEYS = ("run.storage_path", "tracking.uri")  # the keys that decide which store a config's runs use
+CHECKOUT = Path(__file__).resolve().parents[2]  # the source tree, whose Makefile has `make ui` (none in a wheel)
 
 
 def default_uri(storage_path: str) -> str:
@@ -47,14 +50,21 @@ def tracking_uri(cfg: Config) -> str:
     return cfg.tracking.uri or RunPaths.of(cfg).default_tracking_uri
 
 
-def ui_command(cfg: Config) -> Optional[str]:
-    """The command that opens the MLflow UI on the store this config's runs use, as the run's summary prints it (``make
-    ui`` runs the same); it needs the ``ui`` extra (the full mlflow package: its server and flask). None for an http(s)
-    tracking server, which serves the UI at its own address."""
+def ui_command(cfg: Config, config_file: Optional[str] = None, overrides: Sequence[str] = ()) -> Optional[str]:
+    """The command that opens the MLflow UI on the store this config's runs use, as the run's summary prints it, one
+    that works from a plain shell (no venv activated). In the checkout, with the config file known (the train CLI's):
+    ``make ui CONFIG=<file>``, with ARGS= the overrides that move the store (``STORE_KEYS``); make sets up the venv,
+    the ``ui`` extra (the full mlflow package: its server and flask) with it. Elsewhere: this venv's ``mlflow ui`` by
+    its full path, which needs that extra. None for an http(s) tracking server, which serves the UI at its own
+    address."""
     uri = redact_uri(tracking_uri(cfg))
     if uri.startswith(("http://", "https://")):
         return None
-    return shlex.join(["mlflow", "ui", "--backend-store-uri", uri])
+    if config_file is not None and Path.cwd().resolve() == CHECKOUT and (CHECKOUT / "Makefile").is_file():
+        store = [f"{key}={redact_uri(value)}" for key, value in (o.split("=", 1) for o in overrides if "=" in o)
+                 if key.strip() in STORE_KEYS]
+        return shlex.join(["make", "ui", f"CONFIG={config_file}", *([f"ARGS={' '.join(store)}"] if store else [])])
+    return shlex.join([str(Path(sys.executable).parent / "mlflow"), "ui", "--backend-store-uri", uri])
 
 
 def run_key(cfg: Config) -> str:
