@@ -257,6 +257,20 @@ def test_progress_estimate_and_how_it_ran(tok, corpus, tmp_path, capsys):
     assert lines[-1].startswith(f"[raytrain_scu] evaluate: {2 * r['tokens']}/600")
 
 
+def test_the_table_shows_each_adapter_path_whole_in_one_aligned_column():
+    from raytrain_scu.cli.evaluate import format_table
+
+    long = "/home/someone/raytrain_scu_runs/smollm2-shakespeare-own-text/output/adapter_best"
+    model = {"bpt": 5.385, "tokens": 12000, "documents": 40}
+    result = {"model": "tiny", "path": "", "source": "shakespeare", "split": "val", "val_fraction": 0.25, "seed": 0,
+              "documents": 40, "tokens": 12000, "block_size": 64, "comparison": None,
+              "models": {"A": {**model, "adapter": long}, "B": {**model, "adapter": None}}}
+    lines = format_table(result).splitlines()
+    assert lines[2].split()[:2] == ["A", long] and lines[3].split()[:2] == ["B", "(base)"]
+    ends = {lines[1].index("BPT") + len("BPT")} | {line.index("5.3850") + len("5.3850") for line in lines[2:4]}
+    assert len(ends) == 1, lines  # the BPT column right-aligned under its header
+
+
 # ---------------------------------------------------------------- CLI
 
 @pytest.mark.slow

@@ -24,12 +24,15 @@ def format_table(result: dict) -> str:
     where = f" {result['path']}" if result["path"] else ""
     split = (f"val split (fraction {result['val_fraction']}, seed {result['seed']})" if result["split"] == "val"
              else "all documents")
+    # each adapter's path whole (a remote URI without its options), the column as wide as the longest
+    adapters = {label: split_query(m["adapter"])[0] if m["adapter"] else "(base)"
+                for label, m in result["models"].items()}
+    width = max(len("adapter"), *map(len, adapters.values()))
     lines = [f"held-out BPT of {result['model']} on {result['source']}{where}: {split}, "
              f"{result['documents']} documents, {result['tokens']:,} tokens, block {result['block_size']}",
-             f"  {'':5} {'adapter':<48} {'BPT':>9} {'tokens':>12} {'docs':>7}"]
+             f"  {'':5} {'adapter':<{width}} {'BPT':>9} {'tokens':>12} {'docs':>7}"]
     for label, m in result["models"].items():
-        where = split_query(m["adapter"])[0] if m["adapter"] else "(base)"  # a remote URI without its options
-        lines.append(f"  {label:5} {where[-48:]:<48} {m['bpt']:9.4f} {m['tokens']:12,} {m['documents']:7}")
+        lines.append(f"  {label:5} {adapters[label]:<{width}} {m['bpt']:9.4f} {m['tokens']:12,} {m['documents']:7}")
     c = result["comparison"]
     if c:
         lines.append(f"  A − B {c['diff_bpt']:+.4f} BPT, {c['ci']:.0%} CI [{c['ci_low']:+.4f}, {c['ci_high']:+.4f}], "
