@@ -70,10 +70,13 @@ check: setup
 
 # MLflow UI on the store CONFIG's runs use (tracking.uri, else sqlite:///<run.storage_path>/mlflow.db): the same URI
 # a run prints, served on 127.0.0.1:$(PORT) (`make ui PORT=5001` when 5000 is taken). The full mlflow package (the
-# `ui` extra, which setup installs) carries the UI server and flask.
+# `ui` extra, which setup installs) carries the UI server and flask. One server process: --workers 1 (mlflow starts
+# 4 uvicorn workers otherwise), and no job runner (MLflow's job execution, for GenAI jobs this package never submits,
+# starts a pool of huey consumers beside the server).
 ui: setup
-	$(BIN)/mlflow ui --backend-store-uri "$$($(BIN)/python -m raytrain_scu.tracking uri $(CONFIG) $(ARGS))" \
-		--host 127.0.0.1 --port $(PORT)
+	MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false $(BIN)/mlflow ui \
+		--backend-store-uri "$$($(BIN)/python -m raytrain_scu.tracking uri $(CONFIG) $(ARGS))" \
+		--host 127.0.0.1 --port $(PORT) --workers 1
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

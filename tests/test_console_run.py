@@ -192,20 +192,23 @@ def _get(url: str) -> tuple[int, bytes]:
 
 
 def test_the_ui_command_the_summary_prints_serves_the_run(quiet_run):
-    """`pip install raytrain_scu[ui]` (make setup installs it) gives a working `mlflow ui` for the printed store."""
-    from raytrain_scu.tracking.store import ui_command
+    """The summary's `make ui CONFIG=... ARGS=...` works from a plain shell (make finds the venv; its setup installs
+    the ui extra) and serves the run's store in one server process, with no job runner beside it."""
+    import psutil
 
     assert importlib.util.find_spec("flask"), "no ui extra here (make setup installs it: pip install -e '.[ui]')"
     out, storage = quiet_run
-    printed = re.search(r"^  open the UI\s+(.+?)(?:   \(.*\))?$", out.stdout, re.M)
-    assert printed and printed.group(1) == ui_command(tiny_cfg(storage, "quiet")), out.stdout
+    printed = re.search(r"^  open the UI\s+(.+)$", out.stdout, re.M)
+    assert printed and shlex.split(printed.group(1)) == ["make", "ui", f"CONFIG={TINY}",
+                                                         f"ARGS=run.storage_path={storage}"], out.stdout
     port = free_port()
-    bin_dir = str(Path(sys.executable).parent)  # the venv's `mlflow`, as an activated venv finds it
-    env = {**os.environ, "PATH": bin_dir + os.pathsep + os.environ.get("PATH", "")}
+    venv_bin = str(Path(sys.executable).parent)
+    path = os.pathsep.join(p for p in os.environ.get("PATH", "").split(os.pathsep) if p != venv_bin)
+    # this venv, set up already: make is told not to redo its setup (-o the stamp)
+    here = [f"VENV={sys.prefix}", f"PORT={port}", "-o", f"{sys.prefix}/.setup-stamp"]
     with open(storage / "ui.log", "w") as log:
-        serve = ["--host", "127.0.0.1", "--port", str(port), "--workers", "1"]  # one worker: no child to lose
-        ui = subprocess.Popen(shlex.split(printed.group(1)) + serve,
-                              stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        ui = subprocess.Popen(shlex.split(printed.group(1)) + here, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                              env={**os.environ, "PATH": path}, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + 180
@@ -227,6 +230,8 @@ def test_the_ui_command_the_summary_prints_serves_the_run(quiet_run):
         with urllib.request.urlopen(req, timeout=10) as r:
             runs = json.loads(r.read())["runs"]
         assert [r["info"]["run_name"] for r in runs] == ["quiet"] and runs[0]["info"]["status"] == "FINISHED"
+        commands = [" ".join(p.cmdline()) for p in psutil.Process(ui.pid).children(recursive=True)]
+        assert not [c for c in commands if "huey" in c or "spawn_main" in c], commands  # no workers, no job runner
     finally:
         os.killpg(ui.pid, signal.SIGTERM)  # the server and the workers it started: its own process group only
         try:
