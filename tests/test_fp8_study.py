@@ -71,6 +71,8 @@ def test_fp8_becomes_the_default_only_when_every_plants_upper_end_is_within_the_
     assert text.startswith("**Decision: FP8 fails on at least one plant: `model.base_fp8` stays opt-in.**")
     assert "| 1 | 4.9100 | 4.9300 | +0.0200 |" in text and "Upper end ≤ +0.01: no" in text
     assert json.loads((tmp_path / "summary.json").read_text())["decision"] == "opt-in"
+    one_plant = report.write({"plants": {"P1": tight, "P2": plant({}, seeds=())}}, tmp_path)
+    assert one_plant.startswith("**Decision: incomplete")  # a plant not run yet decides nothing
 
 
 def fake_run_call(results, plant_name, arms, a, path):

@@ -51,12 +51,13 @@ def plant_text(plant: str, n: dict, rec: dict) -> str:
 
 def write(results: dict, out: Path, n_boot: int = 2000) -> str:
     """report.md and summary.json in ``out``; returns the report's text."""
-    per = {pl: plant_numbers(rec, n_boot) for pl, rec in results["plants"].items() if rec["trials"]}
-    verdict = decision(per) if per else "incomplete: no trial recorded"
+    per = {pl: plant_numbers(rec, n_boot) for pl, rec in results["plants"].items()}  # a plant not run: incomplete
+    verdict = decision(per)
     head = {"default": "FP8 passes on every plant: `hardware.preset=auto` may turn `model.base_fp8` on for Hopper "
                        "and Ada.",
             "opt-in": "FP8 fails on at least one plant: `model.base_fp8` stays opt-in."}.get(verdict, verdict)
-    text = "\n\n".join([f"**Decision: {head}**", *(plant_text(pl, n, results["plants"][pl]) for pl, n in per.items())])
+    text = "\n\n".join([f"**Decision: {head}**", *(plant_text(pl, n, results["plants"][pl]) for pl, n in per.items()
+                                                      if results["plants"][pl]["trials"])])
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.md").write_text(text + "\n")
     (out / "summary.json").write_text(json.dumps(json_ready({"decision": verdict, "plants": per}), indent=1) + "\n")
