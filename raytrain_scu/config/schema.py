@@ -59,8 +59,8 @@ class ModelConfig:
     # bf16 as good as bf16-trained ones (docs/benchmarks.md)
     base_fp8: bool = False
     # how base_fp8 picks each weight's e4m3 code: gptq (against the inputs of fp8_calibration_blocks training blocks,
-    # so each layer's output moves least: about half nearest's held-out cost; same speed; calibrated at every start,
-    # 51 s for the 1B shape on an H200 with 8 blocks of 2048) | nearest
+    # so each layer's output moves least: about half nearest's held-out cost; same speed; calibrated once per model,
+    # seed and card, then read from model.cache_dir: 45 s, then 3 s, for the 1B shape on an H200) | nearest
     fp8_rounding: str = "gptq"
     fp8_calibration_blocks: int = 32  # training blocks (seeded stream order) GPTQ calibrates on
     # adapted projections whose base stays bf16 under base_fp8: fnmatch patterns over their names in the base model,
