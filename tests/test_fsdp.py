@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY, free_port, tiny_cfg
+from conftest import TINY, free_port, mlflow_runs, tiny_cfg
 
 from raytrain_scu.errors import ConfigError
 
@@ -271,13 +271,20 @@ def test_a_full_disk_under_dcp_is_an_oserror_and_a_bad_shard_a_checkpoint_error(
 
 
 @pytest.mark.slow
-def test_fsdp_on_two_ray_workers_resumes_on_one_and_exports_a_peft_adapter(ray_local, tmp_path, monkeypatch):
+def test_fsdp_on_two_ray_workers_survives_a_killed_worker_resumes_on_one_and_exports_a_peft_adapter(
+        ray_local, tmp_path, monkeypatch):
     """The command of the strategy's promise, in this process (``resolve`` as the CLI calls it, then ``driver.run``
-    on the tests' Ray, real checkpoints): 2 CPU workers under fsdp, cut by a fault after step 7 (the checkpoint of
-    step 5 written, sharded), then the same run on 1 worker resumes from that checkpoint and finishes; the exported
-    adapter is one ordinary peft adapter, holding the last checkpoint's values."""
+    on the tests' Ray, real checkpoints, a real MLflow store): 2 CPU workers under fsdp hold after step 8 and rank 0
+    (the checkpoint writer and MLflow client) is SIGKILLed; Ray Train restarts the group from the sharded checkpoint
+    of step 5, and the redone steps 6-8 give the λ, S and DataBPT that the killed attempt logged before the kill, so
+    the run goes on as an uninterrupted one would. The same run extended to step 15 on 1 worker resumes from the
+    2-rank checkpoint of step 10 (resharded) and finishes; the exported adapter is one ordinary peft adapter, holding
+    the last checkpoint's values."""
+    import threading
+
     from peft import PeftModel
     from safetensors.torch import load_file
+    from test_reliability import kill_rank0_at_the_hold
 
     from raytrain_scu.config.resolve import resolve
     from raytrain_scu.core import checkpoint as ckpt
@@ -285,24 +292,35 @@ def test_fsdp_on_two_ray_workers_resumes_on_one_and_exports_a_peft_adapter(ray_l
     from raytrain_scu.core.model.source import load_tokenizer
     from raytrain_scu.driver.run import run
 
-    common = [f"run.storage_path={tmp_path}", "run.name=sharded", "tracking.enabled=false", "scaling.strategy=fsdp",
-              "train.max_steps=10", "train.report_every=5", "train.checkpoint_every=5", "train.eval_every=5",
-              "run.max_failures=0", "run.primary_adapter=last"]
-    monkeypatch.setenv("RAYTRAIN_SCU_FAULT_AT_STEP", "7")
-    with pytest.raises(Exception, match="fault injected after step 7"):
-        run(resolve(TINY, [*common, "scaling.num_workers=2"]), quiet=True)
-    monkeypatch.delenv("RAYTRAIN_SCU_FAULT_AT_STEP")
-    first = tmp_path / "sharded" / "checkpoint_00000005"
-    assert ckpt.verify(first) is None
-    assert {p.name for p in (first / ckpt.SHARDED).iterdir()} == {".metadata", "__0_0.distcp", "__1_0.distcp"}
-    summary = run(resolve(TINY, [*common, "scaling.num_workers=1"]), quiet=True)
-    assert summary["steps"] == 10
-    last = Path(summary["run_dir"]) / "checkpoint_00000010"
+    common = [f"run.storage_path={tmp_path}", "run.name=sharded", "scaling.strategy=fsdp", "train.report_every=1",
+              "train.checkpoint_every=5", "train.eval_every=5", "run.max_failures=1", "run.primary_adapter=last"]
+    hold, kill = tmp_path / "hold", {}
+    monkeypatch.setenv("RAYTRAIN_SCU_HOLD_AT_STEP", "8")  # after step 8, the first time: wait to be killed
+    monkeypatch.setenv("RAYTRAIN_SCU_HOLD_DIR", str(hold))
+    threading.Thread(target=kill_rank0_at_the_hold, args=(hold, tmp_path / "sharded", kill), daemon=True).start()
+    first = run(resolve(TINY, [*common, "train.max_steps=10", "scaling.num_workers=2"]), quiet=True)
+    monkeypatch.delenv("RAYTRAIN_SCU_HOLD_AT_STEP")
+    assert "error" not in kill and kill["step"] == 8 and kill["ckpts"] == ["checkpoint_00000005"], kill
+    ten = Path(first["run_dir"]) / "checkpoint_00000010"
+    assert ckpt.verify(ten) is None and ckpt.read_meta(ten)["resumed_at"] == [5]
+    assert {p.name for p in (ten / ckpt.SHARDED).iterdir()} == {".metadata", "__0_0.distcp", "__1_0.distcp"}
+    # the killed attempt logged steps 6-8 before the kill (MLflow keeps those; the redone ones are not logged twice)
+    redone = {r["step"]: r for r in torch.load(ten / "state.pt", weights_only=False)["history"]}
+    client, (mrun,) = mlflow_runs(tmp_path, "sharded")
+    for key in ("ctrl/lambda", "ctrl/s", "train/data_bpt"):
+        logged = {m.step: m.value for m in client.get_metric_history(mrun.info.run_id, key)}
+        assert sorted(logged) == list(range(0 if key == "ctrl/lambda" else 1, 11)), key
+        for step in (6, 7, 8):
+            assert logged[step] == pytest.approx(redone[step][key], rel=1e-6, abs=1e-9), (key, step)
+
+    summary = run(resolve(TINY, [*common, "train.max_steps=15", "scaling.num_workers=1"]), quiet=True)
+    assert summary["steps"] == 15
+    last = Path(summary["run_dir"]) / "checkpoint_00000015"
     meta = ckpt.read_meta(last)
-    assert meta["resumed_at"] == [5]
+    assert meta["resumed_at"] == [5, 10]
     assert {p.name for p in (last / ckpt.SHARDED).iterdir()} == {".metadata", "__0_0.distcp"}  # one rank now
     history = torch.load(last / "state.pt", weights_only=False)["history"]
-    assert [row["step"] for row in history] == list(range(11))
+    assert [row["step"] for row in history] == list(range(16))
     exported = Path(summary["adapter"])
     model = PeftModel.from_pretrained(build_model("tiny", vocab_size=len(load_tokenizer("tiny"))), str(exported))
     saved = load_file(str(last / "adapter" / "adapter_model.safetensors"))
