@@ -156,6 +156,13 @@ def test_gptq_codes_are_computed_once_and_read_back_identical_from_the_cache(tmp
     assert len(calls) == 2 * 7 and f"the cached codes {files[0]} cannot be used" in out
     assert files[0].stat().st_size > 1000  # written again
 
+    # a cache that cannot be made (a file where its directory would go): calibrated, said in one line, no failure
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    calls.clear()
+    assert convert_base_to_fp8_gptq(lora_model(), batches, cache=blocker / "fp8_gptq") == 2 * 7
+    assert len(calls) == 2 * 7 and "cannot be used" in capsys.readouterr().out
+
 
 def test_exclusions_that_match_nothing_or_everything_are_refused():
     model = lora_model()

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import tempfile
 import time
 from pathlib import Path
 from typing import Iterable, Optional
@@ -143,17 +144,26 @@ def convert_base_to_fp8_gptq(model, batches: Iterable[torch.Tensor], exclude=(),
         return len(targets)
     began = time.perf_counter()
     path = Path(cache) / f"{codes_key(model, batches, targets)}.safetensors"
-    with file_lock(path):
+    try:
+        lock = file_lock(path)
+        lock.acquire()
+    except OSError as e:  # an unwritable cache directory: the codes are computed and kept in memory only
+        notice0(f"model.fp8_rounding=gptq: the codes cache {path.parent} cannot be used ({e}); calibrating without it")
+        _calibrate(model, batches, targets)
+        return len(targets)
+    try:
         codes = _read_codes(path, targets, device)
         if codes is None:
             _calibrate(model, batches, targets)
             _write_codes(path, targets)
-            notice0(f"model.fp8_rounding=gptq: codes cached in {path}")
             return len(targets)
+    finally:
+        lock.release()
     for name, base in targets:
         to_fp8(base, codes=codes[name])
     notice0(f"model.fp8_rounding=gptq: the e4m3 codes of {len(targets)} projections read from the cache in "
-            f"{time.perf_counter() - began:.1f} s ({path}: this base model, calibration blocks and card)")
+            f"{time.perf_counter() - began:.1f} s, hashing the model included ({path}: this model, its adapters' "
+            f"initial values, the calibration blocks and the card)")
     return len(targets)
 
 
@@ -201,12 +211,16 @@ def card_class(device: torch.device) -> str:
 
 
 def codes_key(model, batches: list[torch.Tensor], targets: list[tuple[str, nn.Linear]]) -> str:
-    """The codes' identity: every tensor's name, dtype, shape and bytes (the adapters' initial values too), the
-    calibration token ids, the adapted projections' names, the card class, torch's version and the method's
-    constants."""
+    """The codes' identity: every tensor's name, dtype, shape and bytes (the adapters' initial values too), the model's
+    config (norm epsilons, rope settings, the attention function), the calibration token ids, the adapted
+    projections' names, the card class, torch's, CUDA's and transformers' versions and the method's constants. Every
+    rank hashes its model on the host: a few seconds at 1B, about 16 GB read at 8B."""
+    import transformers
+
     device = targets[0][1].weight.device
-    h = hashlib.sha256(f"v{CODES_VERSION}|block {BLOCK}|damp {DAMP}|{card_class(device)}|"
-                       f"torch {torch.__version__.split('+')[0]}".encode())
+    h = hashlib.sha256(f"v{CODES_VERSION}|block {BLOCK}|damp {DAMP}|{card_class(device)}|torch {torch.__version__}|"
+                       f"cuda {torch.version.cuda}|transformers {transformers.__version__}|"
+                       f"{base_of(model).config.to_json_string(use_diff=False)}".encode())
     tensors = [*model.named_parameters(remove_duplicate=True), *model.named_buffers(remove_duplicate=True)]
     for name, t in sorted(tensors, key=lambda kv: kv[0]):
         h.update(f"|{name}|{t.dtype}|{tuple(t.shape)}|".encode())
@@ -219,17 +233,29 @@ def codes_key(model, batches: list[torch.Tensor], targets: list[tuple[str, nn.Li
 
 
 def _write_codes(path: Path, targets: list[tuple[str, nn.Linear]]) -> None:
-    """Each converted target's forward codes and row scales, written whole or not at all."""
+    """Each converted target's forward codes and row scales, written whole or not at all (one byte a weight: about
+    1 GB at 1B, 7 GB at 8B). A write that fails (a full disk, no permission) is said in one line; the run goes on with
+    the codes it holds."""
     from safetensors.torch import save_file
 
     tensors = {}
     for name, base in targets:
         tensors[f"{name}.codes"] = base.fp8_weight.detach().contiguous().cpu()
         tensors[f"{name}.scale"] = base.fp8_weight_scale.detach().t().contiguous().cpu()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    save_file(tensors, str(tmp))
-    os.replace(tmp, path)
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+        os.close(fd)
+        save_file(tensors, tmp)
+        os.replace(tmp, path)
+        tmp = None
+        notice0(f"model.fp8_rounding=gptq: codes cached in {path}")
+    except OSError as e:
+        notice0(f"model.fp8_rounding=gptq: the codes could not be cached in {path} ({e}); this run goes on with them")
+    finally:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
 
 
 def _read_codes(path: Path, targets: list[tuple[str, nn.Linear]], device: torch.device):
