@@ -643,7 +643,8 @@ def test_heartbeats_are_throttled_but_the_first_a_reported_and_the_last_are_alwa
 def test_an_attempt_with_an_exited_rank_on_this_node_is_a_crash_the_watchdog_leaves_to_ray():
     """A rank killed while the other waits in a collective: the survivor is quiet past the timeout until Ray Train
     tears the group down, which on a loaded machine can take longer than the timeout. The watchdog sees the exited
-    rank (a zombie or gone) and kills nothing; a rank on another node is not looked at from here."""
+    rank (a zombie or gone) and gives the teardown another timeout before it kills what is left; a rank on another
+    node is not looked at from here."""
     import subprocess
     import sys
 
@@ -663,6 +664,14 @@ def test_an_attempt_with_an_exited_rank_on_this_node_is_a_crash_the_watchdog_lea
     finally:
         live.kill()
         live.wait()
+
+    from raytrain_scu.ray.watchdog import HangWatchdog
+
+    dog = object.__new__(HangWatchdog)  # its decision alone: no heartbeat actor, no thread
+    dog.timeout_s, dog.crash_seen = 30.0, {}
+    assert dog.due(1, False, 100.0)  # stalled and every rank alive: a hang, killed at once
+    assert not dog.due(2, True, 100.0) and not dog.due(2, True, 130.0)  # a crash: Ray gets another timeout
+    assert dog.due(2, True, 130.5)  # a teardown that never finishes is killed after it
 
 
 def test_the_watchdog_actor_is_killed_when_building_the_trainer_fails(ray_local, tmp_path, monkeypatch):

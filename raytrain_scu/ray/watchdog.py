@@ -10,8 +10,8 @@ worker process of that attempt (a stopped process dies of SIGKILL too; one on an
 that node), and Ray Train restarts the group from the last checkpoint, exactly as after a worker crash, within
 ``run.max_failures``. The clock of an attempt starts at its first completed step: building the
 model, resuming and the first step's compile never count. An attempt one of whose ranks on the driver's node has
-exited is a crash, not a hang: Ray Train is already tearing that group down, however long it takes, and the
-watchdog leaves it.
+exited is a crash, not a hang: Ray Train is already tearing that group down, and the watchdog gives that another
+``train.hang_timeout_s`` before it kills what is left of the group itself.
 """
 from __future__ import annotations
 
@@ -121,6 +121,7 @@ class HangWatchdog:
         self.node_id = here
         self.notices: list[str] = []
         self.handled: set[int] = set()  # attempts already killed
+        self.crash_seen: dict[int, float] = {}  # attempt -> when a rank of it was first seen exited
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="raytrain_scu-watchdog", daemon=True)
 
@@ -143,10 +144,16 @@ class HangWatchdog:
                 continue
             # the ranks' newest steps may be up to beat_every_s newer than their newest beats: never kill earlier
             quiet = None if attempt in self.handled else stalled(world, beats, self.timeout_s + self.beat_every_s)
-            if quiet is not None:
+            if quiet is not None and self.due(attempt, crashed(beats, self.node_id), time.monotonic()):
                 self.handled.add(attempt)
-                if not crashed(beats, self.node_id):
-                    self._kill_attempt(beats, quiet)
+                self._kill_attempt(beats, quiet)
+
+    def due(self, attempt: int, has_exited_rank: bool, now: float) -> bool:
+        """Whether a stalled attempt is killed now: at once, unless a rank of it has exited (a crash Ray Train is
+        tearing down), which gets another ``timeout_s`` from when the exited rank was first seen."""
+        if not has_exited_rank:
+            return True
+        return now - self.crash_seen.setdefault(attempt, now) > self.timeout_s
 
     def _kill_attempt(self, beats: dict, quiet: float) -> None:
         steps = sorted({step for _, _, step, _ in beats.values()})
