@@ -426,8 +426,9 @@ def test_a_torn_last_line_of_the_spool_is_cut_off_and_later_points_stay_readable
 
 
 def test_the_ui_command_runs_from_a_plain_shell(tmp_path, monkeypatch):
-    """In the checkout, with the config file known (the train CLI's): make ui with the config and the overrides that
-    move the store, and no others; elsewhere this venv's mlflow by its full path; none for a tracking server."""
+    """In the checkout, from make's venv, with the config file known (the train CLI's): make ui with the config and
+    the overrides that move the store, and no others; from another venv or elsewhere this venv's mlflow by its full
+    path; none for a tracking server."""
     cfg = tiny_cfg(tmp_path, "ui")
     monkeypatch.chdir(CHECKOUT)
     tiny = "experiments/tiny-cpu.yaml"
@@ -436,6 +437,9 @@ def test_the_ui_command_runs_from_a_plain_shell(tmp_path, monkeypatch):
     assert ui_command(cfg, tiny, ["train.max_steps=3"]) == f"make ui CONFIG={tiny}"
     both = [f"run.storage_path={tmp_path}", f"tracking.uri=sqlite:///{tmp_path}/m.db"]
     assert shlex.split(ui_command(cfg, tiny, both)) == ["make", "ui", f"CONFIG={tiny}", "ARGS=" + " ".join(both)]
+    monkeypatch.setattr(sys, "prefix", str(tmp_path / "own-venv"))  # a venv of the user's own: make would build another
+    assert ui_command(cfg, tiny).startswith(shlex.quote(str(Path(sys.executable).parent / "mlflow")))
+    monkeypatch.undo()
     monkeypatch.chdir(tmp_path)  # outside the checkout there is no Makefile to run
     assert ui_command(cfg, tiny) == shlex.join([str(Path(sys.executable).parent / "mlflow"), "ui",
                                                 "--backend-store-uri", f"sqlite:///{tmp_path}/mlflow.db"])

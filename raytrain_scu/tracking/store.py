@@ -52,7 +52,8 @@ def tracking_uri(cfg: Config) -> str:
 
 def ui_command(cfg: Config, config_file: Optional[str] = None, overrides: Sequence[str] = ()) -> Optional[str]:
     """The command that opens the MLflow UI on the store this config's runs use, as the run's summary prints it, one
-    that works from a plain shell (no venv activated). In the checkout, with the config file known (the train CLI's):
+    that works from a plain shell (no venv activated). In the checkout, run from the venv `make` sets up, with the
+config file known (the train CLI's):
     ``make ui CONFIG=<file>``, with ARGS= the overrides that move the store (``STORE_KEYS``); make sets up the venv,
     the ``ui`` extra (the full mlflow package: its server and flask) with it. Elsewhere: this venv's ``mlflow ui`` by
     its full path, which needs that extra. None for an http(s) tracking server, which serves the UI at its own
@@ -60,7 +61,9 @@ def ui_command(cfg: Config, config_file: Optional[str] = None, overrides: Sequen
     uri = redact_uri(tracking_uri(cfg))
     if uri.startswith(("http://", "https://")):
         return None
-    if config_file is not None and Path.cwd().resolve() == CHECKOUT and (CHECKOUT / "Makefile").is_file():
+    in_make_venv = Path(sys.prefix).resolve() == (CHECKOUT / ".venv").resolve()  # the venv `make` sets up and uses
+    in_checkout = Path.cwd().resolve() == CHECKOUT and (CHECKOUT / "Makefile").is_file()
+    if config_file is not None and in_make_venv and in_checkout:
         store = [f"{key}={redact_uri(value)}" for key, value in (o.split("=", 1) for o in overrides if "=" in o)
                  if key.strip() in STORE_KEYS]
         return shlex.join(["make", "ui", f"CONFIG={config_file}", *([f"ARGS={' '.join(store)}"] if store else [])])
