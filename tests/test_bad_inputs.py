@@ -203,7 +203,7 @@ def test_a_global_batch_the_data_cannot_fill_names_the_overrides_that_fit(tmp_pa
 
 
 # a missing or empty data file and an unwritable storage path, as a person types them: refused before the CLI imports
-# torch, transformers or Ray (what made these take 36-68 s on 2 cores), which -X importtime shows
+# torch, transformers or Ray (what made these take tens of seconds on 2 cores), which -X importtime shows
 @pytest.mark.parametrize("name, args, expected", [
     ("data path missing (CLI)", ["data.source=text", "data.path={tmp}/missing.txt"],
      "data.path: {tmp}/missing.txt does not exist"),

@@ -43,7 +43,7 @@ def plant_text(plant: str, n: dict, rec: dict) -> str:
                       f"t-interval [{g['t_low']:+.4f}, {g['t_high']:+.4f}]; within-seed bootstrap "
                       f"[{g['boot_low']:+.4f}, {g['boot_high']:+.4f}]. Upper end ≤ +{p.TOLERANCE}: "
                       f"{'yes' if n['passes'] else 'no'}."]
-    lines += ["", "| calls | wall min | machine | overrides | started |", "|---|---|---|---|---|"]
+    lines += ["", "| call's trials | wall min | machine | overrides | started |", "|---|---|---|---|---|"]
     lines += [f"| {len(c['trials'])} | {c['wall_s'] / 60:.1f} | {c['gpus']} × {c['device']} | "
               f"`{' '.join(c['overrides'])}` | {c['started']} |" for c in rec["calls"]]
     return "\n".join(lines)

@@ -47,5 +47,5 @@ def run_call(results: dict, plant: str, arms: list[dict], a, path: Path) -> None
     results["plants"][plant]["calls"].append({
         "trials": [t["trial"] for t in trials], "wall_s": time.time() - t0, "device": device_name(),
         "gpus": torch.cuda.device_count(), "overrides": list(a.overrides),
-        "started": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.gmtime(t0))})
+        "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t0))})
     save(results, path)
