@@ -131,8 +131,9 @@ def convert_base_to_fp8_gptq(model, batches: Iterable[torch.Tensor], exclude=(),
     model's device, at least one), layer after layer (see the module docstring), in eval mode (the model's modes are
     restored after); returns how many were converted. ``cache``: a directory where the codes of this model, these
     batches and this card are read if present, else computed and written (under a lock, so ranks of one machine
-    calibrate once). Raises ModelError as that does, or naming model.fp8_rounding. Rank 0 says what it calibrates or
-    reads, and how long it took."""
+    calibrate once); a cache that cannot be made, read or written is said in one line, and the codes computed then
+    serve this run alone. Raises ModelError as that does, or naming model.fp8_rounding. Rank 0 says what it
+    calibrates or reads, and how long it took."""
     batches = list(batches)
     if not batches:
         raise ModelError("model.fp8_rounding=gptq needs at least one calibration block (model.fp8_calibration_blocks)")
