@@ -9,14 +9,12 @@ import json
 import time
 from pathlib import Path
 
-import torch
-
 from raytrain_scu.config.resolve import resolve
 from raytrain_scu.studies.ablation.fp8 import protocol as p
 from raytrain_scu.studies.ablation.results import save
 from raytrain_scu.studies.ablation.run import run_grid
 from raytrain_scu.studies.ablation.v2 import protocol as v2
-from raytrain_scu.studies.ablation.v2.run import collect, record
+from raytrain_scu.studies.ablation.v2.run import call_record, collect, record
 
 
 def plant_overrides(plant: str, overrides: list[str]) -> list[str]:
@@ -35,8 +33,6 @@ def call_arms(results: dict, plant: str) -> list[dict]:
 
 def run_call(results: dict, plant: str, arms: list[dict], a, path: Path) -> None:
     """One Tune grid over ``arms`` on ``plant``, scored in bf16 and recorded (``results`` written to ``path``)."""
-    from raytrain_scu.studies.bench.measure import device_name
-
     t0 = time.time()
     name = f"fp8-{plant}-{hashlib.sha1(json.dumps(arms, sort_keys=True).encode()).hexdigest()[:8]}"
     cfg, rows = run_grid(a.config, plant_overrides(plant, a.overrides), name, arms)
@@ -44,8 +40,5 @@ def run_call(results: dict, plant: str, arms: list[dict], a, path: Path) -> None
     for t in trials:
         t["arm"] = p.label(t["params"])
     record(results, plant, trials, units)
-    results["plants"][plant]["calls"].append({
-        "trials": [t["trial"] for t in trials], "wall_s": time.time() - t0, "device": device_name(),
-        "gpus": torch.cuda.device_count(), "overrides": list(a.overrides),
-        "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t0))})
+    results["plants"][plant]["calls"].append(call_record(trials, t0, a.overrides))
     save(results, path)

@@ -196,20 +196,24 @@ def record(results: dict, plant: str, trials: list[dict], units: dict) -> None:
     rec["trials"] += trials
 
 
-def run_call(results: dict, plant: str, stage: str, arms: list[dict], a, path: Path) -> None:
-    """One Tune grid over ``arms`` on ``plant``, scored and recorded (``results`` written to ``path``)."""
+def call_record(trials: list[dict], t0: float, overrides: list[str]) -> dict:
+    """What a study records of one call (each call may run on another machine, its GPUs shared between trials): its
+    trials, wall time from ``t0``, device, GPU count, the call's overrides and when it started (UTC)."""
     from raytrain_scu.studies.bench.measure import device_name
 
+    return {"trials": [t["trial"] for t in trials], "wall_s": time.time() - t0, "device": device_name(),
+            "gpus": torch.cuda.device_count(), "overrides": list(overrides),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t0))}
+
+
+def run_call(results: dict, plant: str, stage: str, arms: list[dict], a, path: Path) -> None:
+    """One Tune grid over ``arms`` on ``plant``, scored and recorded (``results`` written to ``path``)."""
     t0 = time.time()
     overrides = plant_overrides(plant, a.overrides)
     cfg, rows = run_grid(a.config, overrides, grid_name(plant, stage, arms), arms)
     trials, units = collect(plant, stage, cfg, rows, results["split"]["splits"])
     record(results, plant, trials, units)
-    # each call may run on another machine, with GPUs shared between trials (scaling.gpus_per_worker < 1)
-    results["plants"][plant]["calls"].append({
-        "stage": stage, "trials": [t["trial"] for t in trials], "wall_s": time.time() - t0, "device": device_name(),
-        "gpus": torch.cuda.device_count(), "overrides": list(a.overrides),
-        "started": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(t0))})
+    results["plants"][plant]["calls"].append({"stage": stage, **call_record(trials, t0, a.overrides)})
     save(results, path)
     prune([Path(run_dir(trial_config(cfg, r["params"], r["trial"]))) for r in rows
            if p.family_of(flat_params(r["params"])) == "none"])

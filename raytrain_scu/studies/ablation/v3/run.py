@@ -10,8 +10,6 @@ import json
 import time
 from pathlib import Path
 
-import torch
-
 from raytrain_scu.config.paths import run_dir
 from raytrain_scu.config.resolve import resolve
 from raytrain_scu.config.schema import Config
@@ -19,7 +17,7 @@ from raytrain_scu.ray.tune.space import flat_params, trial_config
 from raytrain_scu.studies.ablation.results import save
 from raytrain_scu.studies.ablation.run import run_grid
 from raytrain_scu.studies.ablation.v2 import protocol as v2
-from raytrain_scu.studies.ablation.v2.run import collect, prune, record
+from raytrain_scu.studies.ablation.v2.run import call_record, collect, prune, record
 from raytrain_scu.studies.ablation.v3 import protocol as p
 
 EVAL_FAMILIES = ("none", p.LAW)  # scored at every eval
@@ -52,17 +50,12 @@ def grid_name(plant: str, arms: list[dict]) -> str:
 
 def run_call(results: dict, plant: str, arms: list[dict], a, path: Path) -> None:
     """One Tune grid over ``arms`` on ``plant``, scored and recorded (``results`` written to ``path``)."""
-    from raytrain_scu.studies.bench.measure import device_name
-
     t0 = time.time()
     cfg, rows = run_grid(a.config, plant_overrides(plant, a.overrides), grid_name(plant, arms), arms)
     splits = results["plants"][plant]["split"]["splits"]
     trials, units = collect(plant, None, cfg, rows, splits, eval_families=EVAL_FAMILIES)
     record(results, plant, trials, units)
-    results["plants"][plant]["calls"].append({
-        "trials": [t["trial"] for t in trials], "wall_s": time.time() - t0, "device": device_name(),
-        "gpus": torch.cuda.device_count(), "overrides": list(a.overrides),
-        "started": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.gmtime(t0))})
+    results["plants"][plant]["calls"].append(call_record(trials, t0, a.overrides))
     save(results, path)
     prune([Path(run_dir(trial_config(cfg, r["params"], r["trial"]))) for r in rows
            if v2.family_of(flat_params(r["params"])) in EVAL_FAMILIES])
