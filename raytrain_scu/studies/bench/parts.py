@@ -183,8 +183,8 @@ PARTS: dict[str, Part] = {
     "mem_bf16": Part(_mem(load_in_4bit=False), loop=True),
     "mem_qlora": Part(_mem(load_in_4bit=True), loop=True),
     "mem_qlora_emb8": Part(_mem(load_in_4bit=True, int8=True), loop=True),
-    # the 4-bit base with its decoder layers compiled (the weights dequantised by torch ops in the layers' graphs):
-    # the fastest 4-bit setting at a shape that fits without offloading, beside ref_unsloth_qlora at one micro-batch
+    # the 4-bit base with its decoder layers compiled (the weights dequantised by torch ops in the layers' graphs) and
+    # checkpointed, nothing offloaded: set beside ref_unsloth_qlora at one micro-batch (--mem-batch for both)
     "qlora_compiled": Part(_mem(load_in_4bit=True, compiled=True), loop=True),
     "mem_bf16_8b": Part(_mem(load_in_4bit=False), loop=True),
     "qlora_8b": Part(_mem(load_in_4bit=True), loop=True),
