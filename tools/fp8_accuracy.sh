@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # FP8 frozen base, accuracy (issue #17): does model.base_fp8 change what a real run learns?
 #
-#   bash experiments/fp8_accuracy.sh OUT [SEEDS]        (SEEDS default "0 1"; needs 2 GPUs per seed, CC >= 8.9)
-#   CFG=experiments/tiny-cpu.yaml EXTRA="train.max_steps=4" bash experiments/fp8_accuracy.sh OUT 0   (a CPU smoke run)
+#   bash tools/fp8_accuracy.sh OUT [SEEDS]        (SEEDS default "0 1"; needs 2 GPUs per seed, CC >= 8.9)
+#   CFG=experiments/tiny-cpu.yaml EXTRA="train.max_steps=4" bash tools/fp8_accuracy.sh OUT 0   (a CPU smoke run)
 #
 # Setting, fixed before any FP8 run: experiments/ablation-gpu.yaml (real SmolLM2-135M-Instruct, LoRA r16 on the 7
 # projections, bf16, compiled, 300 steps of 8 x 1024 on 3 Shakespeare plays) at the study's best fixed penalty

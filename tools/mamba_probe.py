@@ -54,7 +54,7 @@ def emit(**rec):
 
 
 # ------------------------------------------------------------------ the Granite-4.0-H shapes
-# raytrain_scu/core/model.py's granite_hybrid_preset: Granite-4.0-H-1B's config.json dimensions, random init.
+# raytrain_scu/core/model/presets.py's granite_hybrid_preset: Granite-4.0-H-1B's config.json dimensions, random init.
 SHAPES = {
     "h1b": dict(hidden=1536, layers=40, attention_at=[5, 15, 25, 35], heads=12, kv_heads=4, ffn=4096, vocab=100352,
                 mamba_heads=48, mamba_head_dim=64, mamba_state=128, mamba_chunk=256),

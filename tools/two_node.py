@@ -1,11 +1,11 @@
 """Two Ray nodes on one multi-GPU host (issue #17's "across nodes"): a head and a worker node started with
 `ray start`, the host's GPUs split between them through CUDA_VISIBLE_DEVICES.
 
-    python experiments/two_node.py bench  --out DIR [--gpus-per-node 2] [-- BENCH ARGS]
+    python tools/two_node.py bench  --out DIR [--gpus-per-node 2] [-- BENCH ARGS]
         `python -m raytrain_scu.bench BENCH ARGS` (default: --parts ray4) joined to the two-node cluster: a rayN
         part whose N workers need both nodes' GPUs. Compare its per-GPU tokens/s with the same part on one node.
 
-    python experiments/two_node.py resume CONFIG --out DIR [--hold-at 30] [--down-s 10] [--repeat] [OVERRIDES]
+    python tools/two_node.py resume CONFIG --out DIR [--hold-at 30] [--down-s 10] [--repeat] [OVERRIDES]
         The same run twice on the two-node cluster, one worker per GPU (2 x --gpus-per-node workers):
         "straight", uninterrupted; then "interrupted", whose workers hold after step --hold-at
         (RAYTRAIN_SCU_HOLD_AT_STEP) while the worker node is killed (SIGKILL to its process group), left down --down-s
@@ -294,7 +294,7 @@ def collect(result: dict, storage: Path, name: str) -> dict:
     return state
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python experiments/two_node.py", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python tools/two_node.py", description=__doc__.split("\n\n")[0])
     p.add_argument("what", choices=["bench", "resume"])
     p.add_argument("config", nargs="?", help="resume: the run's YAML")
     p.add_argument("--out", required=True, type=Path)

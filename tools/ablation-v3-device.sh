@@ -3,11 +3,11 @@
 # The packages and the model the GPU image lacks travel as one blob (.carry/site312.tar.xz, then the GGUF), cut in
 # three parts of ~50 MB (.c1/part, .c2/part, .c3/part), one per call, since the working tree takes ~14.5 MB of each
 # call's 64 MiB. Here, once (after `bash ../shared/gpu/build_carry.sh` and `make setup`):
-#   bash experiments/ablation-v3-device.sh parts      # writes .c1/ .c2/ .c3/ (git-ignored through .git/info/exclude)
+#   bash tools/ablation-v3-device.sh parts      # writes .c1/ .c2/ .c3/ (git-ignored through .git/info/exclude)
 # Then on the device machine, three consecutive calls while it stays warm, and one call per seed after them:
-#   bash experiments/ablation-v3-device.sh part a     # carry [".c1"]
-#   bash experiments/ablation-v3-device.sh part b     # carry [".c2"]
-#   bash experiments/ablation-v3-device.sh run P3 11  # carry [".c3"] on the first study call (it assembles), then none
+#   bash tools/ablation-v3-device.sh part a     # carry [".c1"]
+#   bash tools/ablation-v3-device.sh part b     # carry [".c2"]
+#   bash tools/ablation-v3-device.sh run P3 11  # carry [".c3"] on the first study call (it assembles), then none
 # A study call resumes from /tmp/v3out/results.json on a warm machine, else from the tree's docs/ablation-v3/, and
 # leaves results.json, table.md and its log in $OUT (copy results.json back to docs/ablation-v3/ afterwards).
 set -u
