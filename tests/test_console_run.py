@@ -138,13 +138,15 @@ def test_when_the_best_checkpoint_is_not_the_last_both_adapters_are_exported_and
     from types import SimpleNamespace
 
     from raytrain_scu.console import format_summary
+    from raytrain_scu.core.checkpoint import BEST_METRIC
     from raytrain_scu.driver.run import summarize
 
     cfg = tiny_cfg(tmp_path, "both", "tracking.enabled=false", "train.max_steps=200", "run.primary_adapter=last")
     last, best = _checkpoint(tmp_path / "ck200", 200), _checkpoint(tmp_path / "ck20", 20)
-    metrics = {"step": 200, "val/data_bpt": 4.9, "ctrl/lambda_applied": 1.5, "ctrl/lambda": 1.6}
+    metrics = {"step": 200, "val/data_bpt": 4.9, BEST_METRIC: 4.9, "ctrl/lambda_applied": 1.5, "ctrl/lambda": 1.6}
+    scored_20 = {"step": 20, "val/data_bpt": 4.7, BEST_METRIC: 4.7}
     result = SimpleNamespace(metrics=metrics, checkpoint=last, path=str(tmp_path / "both"),
-                             best_checkpoints=[(last, metrics), (best, {"step": 20, "val/data_bpt": 4.7})])
+                             best_checkpoints=[(last, metrics), (best, scored_20)])
     summary = summarize(cfg, result, None, {}, [], {"use_gpu": False, "vocab_size": 2048})
     out = tmp_path / "both" / "output"
     assert summary["adapter"] == str(out / "adapter") and summary["best_adapter"] == str(out / "adapter_best")
@@ -156,7 +158,7 @@ def test_when_the_best_checkpoint_is_not_the_last_both_adapters_are_exported_and
     assert summary["lambda"] == 1.5 and summary["lambda_next"] == 1.6  # the last line's λ, and the next step's
     assert [Path(p).name for p in summary["plots"]][:2] == ["s_tracking.png", "lambda.png"]
     # extended until the last is the best again: one adapter, and no stale adapter_best beside it
-    result.best_checkpoints = [(last, {**metrics, "val/data_bpt": 4.5}), (best, {"step": 20, "val/data_bpt": 4.7})]
+    result.best_checkpoints = [(last, {**metrics, "val/data_bpt": 4.5, BEST_METRIC: 4.5}), (best, scored_20)]
     again = summarize(cfg, result, None, {}, [], {"use_gpu": False, "vocab_size": 2048})
     assert again["best_adapter"] is None and not (out / "adapter_best").exists()
 

@@ -11,6 +11,7 @@ from conftest import tiny_cfg
 
 from raytrain_scu.config.schema import Config
 from raytrain_scu.console import format_summary
+from raytrain_scu.core.checkpoint import BEST_METRIC
 from raytrain_scu.driver import outputs
 from raytrain_scu.driver.run import summarize
 
@@ -40,9 +41,9 @@ def finished(tmp_path, *overrides, val_bpt=None, run_id=None):
     cfg = tiny_cfg(tmp_path, "r", "tracking.enabled=false", "train.max_steps=200", *overrides)
     last = Checkpoint(tmp_path / "ck200", 200, val_bpt)
     best = Checkpoint(tmp_path / "ck20", 20, val_bpt)
-    metrics = {"step": 200, "val/data_bpt": val_bpt[200]}
-    result = SimpleNamespace(metrics=metrics, checkpoint=last,
-                             best_checkpoints=[(last, metrics), (best, {"step": 20, "val/data_bpt": val_bpt[20]})])
+    metrics = {"step": 200, "val/data_bpt": val_bpt[200], BEST_METRIC: val_bpt[200]}
+    scored_20 = {"step": 20, "val/data_bpt": val_bpt[20], BEST_METRIC: val_bpt[20]}
+    result = SimpleNamespace(metrics=metrics, checkpoint=last, best_checkpoints=[(last, metrics), (best, scored_20)])
     return summarize(cfg, result, run_id, {}, [], {"use_gpu": False, "vocab_size": 2048}), tmp_path / "r" / "output"
 
 

@@ -7,24 +7,27 @@ import pytest
 from conftest import tiny_cfg
 
 from raytrain_scu.config.io import flatten
+from raytrain_scu.core.checkpoint import BEST_METRIC, UNSCORED
 from raytrain_scu.driver.run import best_checkpoint
 from raytrain_scu.tracking.revisions import config_changes
 from raytrain_scu.tracking.store import param_text
 
 
-def test_best_checkpoint_is_the_lowest_val_bpt_in_any_order():
-    # Result.best_checkpoints as Ray 2.60 orders it (by score, worst first), with a NaN and a report without val
-    ray_order = [("nan", {"step": 5, "val/data_bpt": math.nan}), ("no-val", {"step": 8}),
-                 ("s15", {"step": 15, "val/data_bpt": 10.944}), ("s20", {"step": 20, "val/data_bpt": 10.939})]
-    for order in (ray_order, ray_order[::-1], [ray_order[2], ray_order[0], ray_order[3], ray_order[1]]):
+def test_best_checkpoint_is_the_lowest_own_evaluation_in_any_order():
+    # Result.best_checkpoints as Ray 2.60 orders it (by score, worst first), with a NaN, a report without a score
+    # (whose val/data_bpt is lower than any) and a preemption's checkpoint (UNSCORED: no evaluation of its own)
+    ray_order = [("nan", {"step": 5, BEST_METRIC: math.nan}), ("no-val", {"step": 8, "val/data_bpt": 1.0}),
+                 ("pre", {"step": 17, "val/data_bpt": 10.939, "val/step": 15, BEST_METRIC: UNSCORED}),
+                 ("s15", {"step": 15, BEST_METRIC: 10.944}), ("s20", {"step": 20, BEST_METRIC: 10.939})]
+    for order in (ray_order, ray_order[::-1], [ray_order[3], ray_order[0], ray_order[4], ray_order[2], ray_order[1]]):
         assert best_checkpoint(order)[0] == "s20"
-    tie = [("s10", {"step": 10, "val/data_bpt": 3.0}), ("s30", {"step": 30, "val/data_bpt": 3.0})]
+    tie = [("s10", {"step": 10, BEST_METRIC: 3.0}), ("s30", {"step": 30, BEST_METRIC: 3.0})]
     assert best_checkpoint(tie)[0] == "s30"  # a tie goes to the later step
-    # a preemption's checkpoint carries the last evaluation's val (its val/step another step's): no score of its own
-    preempted = [("s10", {"step": 10, "val/data_bpt": 3.0, "val/step": 10}),
-                 ("s14", {"step": 14, "val/data_bpt": 3.0, "val/step": 10})]
+    # a preemption's checkpoint carries the last evaluation's val/data_bpt, but not as its score: passed over
+    preempted = [("s10", {"step": 10, "val/data_bpt": 3.0, "val/step": 10, BEST_METRIC: 3.0}),
+                 ("s14", {"step": 14, "val/data_bpt": 3.0, "val/step": 10, BEST_METRIC: UNSCORED})]
     assert best_checkpoint(preempted)[0] == "s10"
-    assert best_checkpoint(ray_order[:2]) is None and best_checkpoint([]) is None and best_checkpoint(None) is None
+    assert best_checkpoint(ray_order[:3]) is None and best_checkpoint([]) is None and best_checkpoint(None) is None
 
 
 def report(**over):

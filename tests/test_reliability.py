@@ -466,18 +466,19 @@ def test_a_killed_worker_then_a_hung_one_and_the_run_recovers_exactly(clean_run,
             clean_s=round(clean_s, 1), faulty_run_s=round(faulty_s, 1))
 
 
-def sigterm_rank1_at_the_pause(hold: Path, ray_logs: Path, out: dict) -> None:
-    """Once both workers paused (RAYTRAIN_SCU_PAUSE_AT_STEP): SIGTERM rank 1's process and, once its log says it
-    took the signal for a preemption notice (the worker's main thread runs the handler at its next task: the
-    controller's poll), let both go on, so the next step's all-reduce reads the notice."""
+def sigterm_at_the_pause(hold: Path, ray_logs: Path, out: dict, world: int = 2, rank: int = 1) -> None:
+    """Once all ``world`` workers paused (RAYTRAIN_SCU_PAUSE_AT_STEP): SIGTERM rank ``rank``'s process and, once its
+    log says it took the signal for a preemption notice (the worker's main thread runs the handler at its next task:
+    the controller's poll), let all go on, so the next step's all-reduce reads the notice."""
     import psutil
 
     try:
-        pids = wait_for(lambda: held_pids(hold, 2, "paused"), 300, "both workers to pause")
-        out.update(pid=pids[1], cmdline=" ".join(psutil.Process(pids[1]).cmdline()))
-        os.kill(pids[1], signal.SIGTERM)
-        wait_for(lambda: any("rank 1 got SIGTERM" in f.read_text(errors="replace")
-                             for f in ray_logs.glob(f"worker-*-{pids[1]}.err")), 60, "rank 1 to take the notice")
+        pids = wait_for(lambda: held_pids(hold, world, "paused"), 300, "the workers to pause")
+        out.update(pid=pids[rank], cmdline=" ".join(psutil.Process(pids[rank]).cmdline()))
+        os.kill(pids[rank], signal.SIGTERM)
+        took, logs = f"rank {rank} got SIGTERM", f"worker-*-{pids[rank]}.err"
+        wait_for(lambda: any(took in f.read_text(errors="replace") for f in ray_logs.glob(logs)), 60,
+                 f"rank {rank} to take the notice")
         (hold / "go").touch()
     except Exception as e:  # noqa: BLE001 - reported by the test body
         out["error"] = repr(e)
@@ -537,7 +538,7 @@ def test_sigterm_to_the_driver_then_to_a_worker_checkpoints_the_step_in_flight_a
     monkeypatch.setenv("RAYTRAIN_SCU_PAUSE_AT_STEP", str(k2))
     monkeypatch.setenv("RAYTRAIN_SCU_HOLD_DIR", str(hold2))
     term = {}
-    threading.Thread(target=sigterm_rank1_at_the_pause, args=(hold2, logs_dir(), term), daemon=True).start()
+    threading.Thread(target=sigterm_at_the_pause, args=(hold2, logs_dir(), term), daemon=True).start()
     t1 = time.time()
     summary = run(tiny_cfg(tmp_path, "pre", "tracking.enabled=false", *FAULT_RUN), quiet=True)
     second_s = time.time() - t1
@@ -558,6 +559,85 @@ def test_sigterm_to_the_driver_then_to_a_worker_checkpoints_the_step_in_flight_a
     assert controller_state(ends[0]) == controller_state(ends[1])
     figures(test="preempt", k1=k1, k2=k2, resumed_at=resumed_at, driver_exit_after_sigterm_s=round(exit_s, 1),
             first_run_s=round(first_s, 1), second_run_s=round(second_s, 1))
+
+
+def test_rays_checkpoint_manager_ranks_an_unscored_checkpoint_last_and_reads_it_back(tmp_path):
+    """What a checkpoint's score (ckpt.BEST_METRIC) relies on in Ray Train's own checkpoint manager, under the run's
+    CheckpointConfig (ray.launch.build_trainer) with run.num_to_keep=1: after step 2's (the best) and step 3's, which
+    has no evaluation of its own, which checkpoints are kept; then, in a new manager on the same run directory (a
+    re-run of the run name reads Ray's snapshot back), after step 4's. UNSCORED ranks last, is kept while it is the
+    latest and survives the snapshot. A missing score ranks best and step 3's last evaluation's value ties step 2's,
+    each displacing the evaluated best; NaN ranks last but comes back from the snapshot as null, which Ray cannot
+    rank: the re-run's next checkpoint fails."""
+    import asyncio
+
+    from ray.train import Checkpoint
+    from ray.train.v2._internal.execution.checkpoint.checkpoint_manager import CheckpointManager
+    from ray.train.v2._internal.execution.context import StorageContext
+    from ray.train.v2._internal.execution.training_report import _TrainingReport
+
+    from raytrain_scu.ray.launch import build_trainer
+
+    config = build_trainer(tiny_cfg(tmp_path, "ranks", "run.num_to_keep=1"), use_gpu=False,
+                           run_id=None).run_config.checkpoint_config
+
+    async def kept(name: str, step3: dict) -> tuple[list, object]:
+        storage = StorageContext(storage_path=str(tmp_path), experiment_dir_name=name)
+
+        def register(manager, step: int, metrics: dict) -> list:
+            (tmp_path / name / f"checkpoint_{step:08d}").mkdir(parents=True)
+            checkpoint = Checkpoint(str(tmp_path / name / f"checkpoint_{step:08d}"))
+            manager.register_checkpoint(_TrainingReport(checkpoint, {"step": step, **metrics}, False))
+            return [int(d.name[-8:]) for d in checkpoint_dirs(tmp_path / name)]
+
+        manager = CheckpointManager(config, storage)
+        for step, score in ((1, 2.0), (2, 1.0)):
+            register(manager, step, {ckpt.BEST_METRIC: score})
+        after3 = register(manager, 3, step3)
+        try:
+            return after3, register(CheckpointManager(config, storage), 4, {ckpt.BEST_METRIC: 1.5})
+        except TypeError as e:
+            return after3, e
+
+    after3, rerun = asyncio.run(kept("unscored", {ckpt.BEST_METRIC: ckpt.UNSCORED}))
+    assert after3 == [2, 3] and rerun == [2, 4]
+    assert asyncio.run(kept("missing", {}))[0] == [3]
+    assert asyncio.run(kept("tie", {ckpt.BEST_METRIC: 1.0}))[0] == [3]
+    after3, rerun = asyncio.run(kept("nan", {ckpt.BEST_METRIC: float("nan")}))
+    assert after3 == [2, 3] and "NoneType" in str(rerun)
+
+
+# one worker, a checkpoint and an evaluation every 2 steps, one checkpoint kept besides the latest; at this learning
+# rate the held-out BPT is lowest at step 6 and higher again at step 8
+RANKED_RUN = ["tracking.enabled=false", "scaling.num_workers=1", "train.max_steps=8", "train.checkpoint_every=2",
+              "train.eval_every=2", "train.report_every=2", "optim.lr=0.1", "run.num_to_keep=1"]
+
+
+@pytest.mark.slow
+def test_a_preemptions_checkpoint_is_kept_for_the_resume_and_never_displaces_the_evaluated_best(
+        ray_local, tmp_path, monkeypatch):
+    """The worker's SIGTERM after step 6 (Ray Train's preemption path) makes step 7's checkpoint a preemption's, with
+    no evaluation of its own: its val/data_bpt is step 6's. Scored on it, it would tie step 6's checkpoint and, the
+    later one, displace it under run.num_to_keep=1. Ranked last, it is kept while it is the newest, the restart
+    resumes from it, and it goes once step 8's is in; step 6's, the lowest held-out BPT, stays and is the run's
+    adapter (run.primary_adapter=best)."""
+    from raytrain_scu.driver.run import run
+    from raytrain_scu.ray.launch import logs_dir
+
+    hold, term = tmp_path / "hold", {}
+    monkeypatch.setenv("RAYTRAIN_SCU_PAUSE_AT_STEP", "6")
+    monkeypatch.setenv("RAYTRAIN_SCU_HOLD_DIR", str(hold))
+    threading.Thread(target=sigterm_at_the_pause, args=(hold, logs_dir(), term, 1, 0), daemon=True).start()
+    summary = run(tiny_cfg(tmp_path, "ranked", *RANKED_RUN), quiet=True)
+    assert "error" not in term, term
+    dirs = checkpoint_dirs(tmp_path / "ranked")
+    rows = {r["step"]: r for r in torch.load(dirs[-1] / "state.pt", weights_only=False)["history"]}
+    val = {k: rows[k]["val/data_bpt"] for k in (2, 4, 6, 8)}
+    assert min(val, key=val.get) == 6 and val[8] > val[6], val  # the run this test needs
+    assert ckpt.read_meta(dirs[-1])["resumed_at"] == [7]  # the restart resumed from the preemption's checkpoint
+    assert [int(d.name[-8:]) for d in dirs] == [6, 8]  # the evaluated best and the latest
+    assert (summary["best_step"], summary["best_val_bpt"], summary["adapter_step"]) == (6, val[6], 6)
+    assert max_abs_diff(adapter(summary["adapter"]), adapter(dirs[0])) == 0.0
 
 
 def test_the_drivers_sigterm_writes_stop_and_past_the_grace_or_again_it_exits_without_waiting(tmp_path, capsys):
@@ -951,12 +1031,14 @@ def test_a_preemption_notice_checkpoints_the_step_in_flight_and_the_resumed_run_
     told = Told(at, tmp_path / "pre")
     run_loop(tiny_cfg(tmp_path, "pre", *PREEMPT_LOCAL), hooks=told)
     assert told.reports[-1]["step"] == at and told.beats[-1] is None and told.restarts == 1
-    # no evaluation of its own: the last one's (step 6's checkpoint, or a scheduled one every 10)
+    # no evaluation of its own: the last one's (step 6's checkpoint, or a scheduled one every 10), and no score
     assert told.reports[-1][VAL_STEP] == max(k for k in (6, 10) if k <= at)
+    assert told.reports[-1][ckpt.BEST_METRIC] == ckpt.UNSCORED
     assert [int(d.name[-8:]) for d in checkpoint_dirs(tmp_path / "pre")] == [6, at]
     resumed = Told(12 - at, tmp_path / "pre")  # told during step 12, the last
     run_loop(tiny_cfg(tmp_path, "pre", *PREEMPT_LOCAL), hooks=resumed)
     assert resumed.restarts == 0 and resumed.reports[-1]["step"] == 12 and resumed.reports[-1][VAL_STEP] == 12
+    assert resumed.reports[-1][ckpt.BEST_METRIC] == resumed.reports[-1]["val/data_bpt"] < ckpt.UNSCORED
     local_run(tmp_path, "clean", *PREEMPT_LOCAL)  # the uninterrupted run
     ends = [checkpoint_dirs(tmp_path / n)[-1] for n in ("pre", "clean")]
     assert [d.name for d in ends] == ["checkpoint_00000012"] * 2 and ckpt.read_meta(ends[0])["resumed_at"] == [at]

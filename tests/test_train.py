@@ -253,6 +253,7 @@ def test_summarize_downloads_each_remote_checkpoint_once(tmp_path, monkeypatch):
     import pyarrow.fs as pafs
     from ray.train import Checkpoint
 
+    from raytrain_scu.core.checkpoint import BEST_METRIC
     from raytrain_scu.driver.run import summarize
     from raytrain_scu.worker.hooks import LocalHooks
     from raytrain_scu.worker.loop import run_loop
@@ -267,8 +268,8 @@ def test_summarize_downloads_each_remote_checkpoint_once(tmp_path, monkeypatch):
     monkeypatch.setattr(Checkpoint, "to_directory", lambda self, *a: downloads.append(self.path) or
                         to_directory(self, *a))
     result = types.SimpleNamespace(metrics={"step": 4}, checkpoint=ck4,
-                                   best_checkpoints=[(ck2, {"val/data_bpt": 1.0, "step": 2}),
-                                                     (ck4, {"val/data_bpt": 2.0, "step": 4})])
+                                   best_checkpoints=[(ck2, {BEST_METRIC: 1.0, "step": 2}),
+                                                     (ck4, {BEST_METRIC: 2.0, "step": 4})])
     summary = summarize(cfg, result, None, {}, [], {"use_gpu": False, "vocab_size": 100})
     assert sorted(downloads) == [ck2.path, ck4.path]
     assert summary["best_step"] == 2 and summary["last_adapter"].endswith("adapter_last") and summary["plots"]

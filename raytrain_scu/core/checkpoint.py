@@ -31,6 +31,7 @@ import json
 import os
 import random
 import shutil
+import sys
 import tempfile
 import warnings
 from pathlib import Path
@@ -47,9 +48,12 @@ from raytrain_scu.core.dist import all_gather_object, broadcast_object, rank
 from raytrain_scu.core.manifest import MANIFEST, REQUIRED, SHARDED, files_of, incomplete_copy, verify  # noqa: F401
 from raytrain_scu.errors import CheckpointError, DiskFullError
 
-# what "best" means for a checkpoint (Ray's top-k, the MLflow best_checkpoint artifact): lowest held-out DataBPT
-BEST_METRIC = "val/data_bpt"
-
+# what "best" means for a checkpoint (Ray's top-k, the MLflow best_checkpoint artifact): the lowest held-out DataBPT
+# measured at the checkpoint's own step, which each checkpoint's report carries under this key (worker.periodic.report)
+BEST_METRIC = "ckpt/val_data_bpt"
+# its value for a checkpoint with no evaluation of its own: worse than any DataBPT, and finite, since Ray Train's
+# snapshot of its kept checkpoints writes NaN and inf as null, which it cannot rank once a re-run reads them back
+UNSCORED = sys.float_info.max
 
 
 def rng_state() -> dict:

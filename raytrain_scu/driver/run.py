@@ -23,9 +23,9 @@ import yaml
 from raytrain_scu.config.io import flatten, flatten_tree, redact_uri, to_yaml
 from raytrain_scu.config.paths import RunPaths
 from raytrain_scu.config.schema import Config
-from raytrain_scu.console import VAL_STEP, Progress, format_summary
+from raytrain_scu.console import Progress, format_summary
 from raytrain_scu.core import storage
-from raytrain_scu.core.checkpoint import BEST_METRIC, disk_full, is_disk_full, newest_good_local, read_meta
+from raytrain_scu.core.checkpoint import BEST_METRIC, UNSCORED, disk_full, is_disk_full, newest_good_local, read_meta
 from raytrain_scu.driver import outputs
 from raytrain_scu.driver.generate import BASE_RECIPE, base_recipe
 from raytrain_scu.driver.lock import run_lock
@@ -59,13 +59,13 @@ def output_dir(cfg: Config) -> Path:
 
 
 def best_checkpoint(best_checkpoints) -> Optional[tuple]:
-    """The ``(checkpoint, metrics)`` of ``Result.best_checkpoints`` with the lowest finite ``val/data_bpt`` (the
-    latest step on a tie); None when none has one. Ray keeps that list sorted by score, worst first, so its first
-    entry is the worst of the kept top-k: never pick by position. A checkpoint whose val/data_bpt was measured at
-    another step (a preemption's, which carries the last evaluation's) has no score of its own and is passed over."""
+    """The ``(checkpoint, metrics)`` of ``Result.best_checkpoints`` with the lowest ``BEST_METRIC``, the held-out
+    DataBPT measured at the checkpoint's own step (the latest step on a tie); None when none has one. Ray keeps that
+    list sorted by score, worst first, so its first entry is the worst of the kept top-k: never pick by position. A
+    checkpoint with no evaluation of its own (a preemption's, scored ``UNSCORED``) is passed over."""
     scored = [(m[BEST_METRIC], -int(m.get("step", 0)), i) for i, (_, m) in enumerate(best_checkpoints or [])
               if isinstance(m.get(BEST_METRIC), (int, float)) and math.isfinite(m[BEST_METRIC])
-              and m.get(VAL_STEP, m.get("step")) == m.get("step")]
+              and m[BEST_METRIC] != UNSCORED]
     return best_checkpoints[min(scored)[2]] if scored else None
 
 
@@ -268,12 +268,12 @@ def _in_output(found: dict, staged: Path, output: str) -> dict:
 
 
 def _log_best(cfg: Config, result, run_id: Optional[str], summary: dict, notes: list, local) -> Optional[tuple]:
-    """The best checkpoint (lowest val/data_bpt) into the summary, and as an MLflow artifact; returns its
-    ``(local dir, metrics)`` (None when no checkpoint has a finite val/data_bpt). ``local``:
+    """The best checkpoint (:func:`best_checkpoint`) into the summary, and as an MLflow artifact; returns its
+    ``(local dir, metrics)`` (None when no checkpoint was evaluated at its own step). ``local``:
     ``outputs.local_checkpoints``."""
     best = best_checkpoint(result.best_checkpoints)
     if best is None and result.best_checkpoints:
-        notes.append(f"no checkpoint has a finite {BEST_METRIC}: no best checkpoint")
+        notes.append("no checkpoint was evaluated at its own step: no best checkpoint")
     if best is None:
         return None
     summary["best_step"], summary["best_val_bpt"] = best[1].get("step"), best[1][BEST_METRIC]

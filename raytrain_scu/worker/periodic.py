@@ -128,6 +128,16 @@ def report(s: State, step: int, row: dict, is_ckpt: bool) -> None:
     notices = take_notices()  # rank 0's reach the driver's console (ray.launch.fit)
     if notices:  # one text, not a list: Tune's TensorBoard logger warns about a list it cannot plot (sweeps)
         metrics[NOTICES] = "\n".join(notices)
+    if is_ckpt:
+        # the checkpoint's score, what Ray Train's top-k (run.num_to_keep) and the driver's best rank by: this step's
+        # own held-out DataBPT, else UNSCORED (ranked last). A checkpoint with no evaluation of its own (a
+        # preemption's), scored on the last evaluation's val/data_bpt, would tie the checkpoint evaluated there and,
+        # as the later one, outrank it: Ray would delete the evaluated one. Ranked last, it stays while it is the
+        # newest (Ray never deletes its latest checkpoint), for the resume. Neither left out nor NaN: Ray 2.60 ranks a
+        # missing score best under "min", and NaN breaks its snapshot (core.checkpoint.UNSCORED). val/data_bpt keeps
+        # the last measured value, for the console and Tune.
+        own = s.rec.val_step == step + 1 and math.isfinite(s.rec.val_bpt)
+        metrics[ckpt.BEST_METRIC] = s.rec.val_bpt if own else ckpt.UNSCORED
     rng_states = all_gather_object(ckpt.rng_state()) if is_ckpt else None  # all ranks: each rank's RNG
     local = save_checkpoint(s, step, rng_states) if is_ckpt and (rank() == 0 or s.opt.sharded) else None
     s.tracker.flush()
@@ -152,7 +162,7 @@ def after_step(s: State, step: int, row: dict) -> bool:
     its own shards). True when the run is done,
     or stops here (Ctrl-C, a preemption) with the checkpoint of this step. A preemption's checkpoint, short of the
     run's end, comes without an evaluation of its own (the grace window is for the checkpoint): its report carries the
-    last evaluation's val/data_bpt and its val/step."""
+    last evaluation's val/data_bpt and its val/step, and ranks last among the checkpoints (:func:`report`)."""
     t = s.cfg.train
     done = finished(s, step) or s.stopping or s.preempting
     is_ckpt = (step + 1) % t.checkpoint_every == 0 or done
