@@ -4,15 +4,20 @@ loaded with ``torch.distributed.checkpoint`` (DCP), which reshards to any world 
 
 One FSDP unit per decoder layer and one at the root (the loss module: embeddings, final norm, LM head), so a layer's
 frozen base and its LoRA factors are gathered whole for its forward and backward only; the adapters' gradients are
-reduce-scattered (their mean over the ranks) and AdamW's moments live beside each rank's shard."""
+reduce-scattered (their mean over the ranks) and AdamW's moments live beside each rank's shard.
+
+The model is sharded while it is still on the meta device (no weight memory on any rank); each rank then
+materialises its own shards and rank 0's values of the whole model, read on its host, are broadcast into them tensor
+by tensor (:func:`shard`, :class:`FullModel`). So only rank 0's host ever holds the whole model, and no device does."""
 from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import NamedTuple, Optional
 
 import torch
 
-from raytrain_scu.core.dist import is_dist, world_size
+from raytrain_scu.core.dist import broadcast_object, is_dist, world_size
 from raytrain_scu.core.model.parts import decoder_layers
 from raytrain_scu.errors import CheckpointError, ModelError
 
@@ -49,11 +54,27 @@ def mixed_precision(dtype: torch.dtype):
     return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
 
 
-def shard(loss_model: torch.nn.Module, peft_model: torch.nn.Module, *, device: torch.device,
-          dtype: torch.dtype) -> torch.nn.Module:
+class FullModel(NamedTuple):
+    """Rank 0's whole model on its host, what every rank's shards are filled with: its state dict and its
+    non-persistent buffers (RoPE's ``inv_freq``), which a state dict leaves out and ``to_empty`` leaves
+    uninitialised."""
+
+    state: dict
+    buffers: dict
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> "FullModel":
+        state = model.state_dict()
+        return cls(state=state, buffers={n: b for n, b in model.named_buffers() if n not in state})
+
+
+def shard(loss_model: torch.nn.Module, peft_model: torch.nn.Module, *, device: torch.device, dtype: torch.dtype,
+          full: Optional[FullModel]) -> torch.nn.Module:
     """All ranks: ``fully_shard`` on every decoder layer of ``peft_model``, then on ``loss_model`` (the root, which
-    holds the rest), over all the ranks of the process group; in place, returns ``loss_model``. The model's
-    parameters become DTensors: read them again afterwards (``regularizer.adapter_params``)."""
+    holds the rest), over all the ranks of the process group; then each rank's shards materialised on ``device``
+    and filled with ``full``, rank 0's (None on the others: :func:`fill_from_rank0`). In place, returns
+    ``loss_model``. ``peft_model`` may be on the meta device (it is meant to be): no rank then ever holds the whole
+    model on its device. The parameters become DTensors: read them again afterwards (``regularizer.adapter_params``)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -71,7 +92,33 @@ def shard(loss_model: torch.nn.Module, peft_model: torch.nn.Module, *, device: t
         fully_shard(layer, mesh=mesh, mp_policy=policy)
     root = getattr(loss_model, "_orig_mod", loss_model)  # model.compile_scope=model: the module under the compile
     fully_shard(root, mesh=mesh, mp_policy=policy)
+    root.to_empty(device=device)  # the root: its FSDP state re-points every unit's shards at the new memory
+    fill_from_rank0(peft_model, full)
     return loss_model
+
+
+def fill_from_rank0(model: torch.nn.Module, full: Optional[FullModel]) -> None:
+    """All ranks: rank 0's ``full`` model into every rank's shards of ``model`` (a peft model sharded by
+    :func:`shard`, materialised), one tensor at a time: ``set_model_state_dict`` with ``broadcast_from_rank0`` sends
+    each whole tensor from rank 0 and each rank keeps its shard of it. Then the non-persistent buffers, small,
+    as one object. Strict: a key either side lacks is an error naming it. Rank 0's ``full`` is emptied, freeing its
+    host copy."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    state = full.state if full is not None else {}
+    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    persistent = set(model.state_dict())
+    buffers = {n: b for n, b in model.named_buffers() if n not in persistent}
+    values = broadcast_object(full.buffers if full is not None else None)
+    if set(values) != set(buffers):
+        raise ModelError(f"scaling.strategy=fsdp: the sharded model's non-persistent buffers {sorted(buffers)} are "
+                         f"not rank 0's model's {sorted(values)}; set scaling.strategy=ddp")
+    with torch.no_grad():
+        for name, buffer in buffers.items():
+            buffer.copy_(values[name])
+    if full is not None:
+        full.state.clear()
+        full.buffers.clear()
 
 
 def _is_dtensor(t) -> bool:

@@ -19,7 +19,7 @@ from raytrain_scu.core.dist import broadcast_params, notice0, rank, world_size
 from raytrain_scu.core.embed_quant import offloaded_embedding
 from raytrain_scu.core.fp8 import Fp8FrozenLinear, convert_base_to_fp8, convert_head_to_fp8
 from raytrain_scu.core.fp8_gptq import convert_base_to_fp8_gptq
-from raytrain_scu.core.fsdp import shard
+from raytrain_scu.core.fsdp import FullModel, shard
 from raytrain_scu.core.fused_lora import fuse_lora_projections
 from raytrain_scu.core.loss import CausalLMLoss, compile_for_training
 from raytrain_scu.core.model.build import (
@@ -40,9 +40,9 @@ from raytrain_scu.worker.oom import Phase
 from raytrain_scu.worker.state import Control, Metering, Optimisation, Position, Record, State
 
 
-def _model(cfg: Config, *, data, vocab_size: int, dtype, device):
-    """The base model with LoRA adapters, fused and FP8 as configured, seeded so every rank builds the same one (GPTQ's
-    calibration blocks are the same on every rank too)."""
+def _peft_model(cfg: Config, *, vocab_size: int, dtype, device):
+    """The frozen base on ``device`` with LoRA adapters, seeded so every rank builds the same one. On the meta device
+    the modules alone: scaling.strategy=fsdp materialises each rank's shards and fills them (core.fsdp.shard)."""
     m, q = cfg.model, cfg.quant
     # frozen base weights are stored in the compute dtype; LoRA adapters stay float32 (peft's default)
     base = build_model(m.name, gguf_file=m.gguf_file, vocab_size=vocab_size, dtype=dtype, device=device,
@@ -54,6 +54,32 @@ def _model(cfg: Config, *, data, vocab_size: int, dtype, device):
     model = apply_lora(base, r=cfg.lora.r, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout,
                        targets=cfg.lora.target_modules, quantized=q.load_in_4bit,
                        gradient_checkpointing=m.gradient_checkpointing)
+    return base, model
+
+
+def full_model(cfg: Config, *, vocab_size: int, dtype) -> Optional[FullModel]:
+    """Under scaling.strategy=fsdp, on rank 0: the whole model as a ddp run on the CPU builds it (the base read from
+    its source or, for a preset, initialised from the seed; then the seeded LoRA factors), on the host, to fill
+    every rank's shards with; None elsewhere. The global RNG is left as it was.
+
+    A preset is drawn on the CPU here, so its values are a CPU ddp run's; a GPU ddp run draws a preset on its device,
+    from CUDA's generator (other numbers, the same distribution). A random-init shape larger than rank 0's host
+    memory (the Llama-3.1-70B shape is ~131 GiB in bf16) would instead need each rank to initialise its own shards
+    (transformers' ``_init_weights`` on the DTensors, the LoRA factors from the seed): values no ddp run reproduces,
+    not built here."""
+    if cfg.scaling.strategy != "fsdp" or rank() != 0:
+        return None
+    with torch.random.fork_rng(devices=[]):
+        _, model = _peft_model(cfg, vocab_size=vocab_size, dtype=dtype, device=torch.device("cpu"))
+    return FullModel.of(model)
+
+
+def _model(cfg: Config, *, data, vocab_size: int, dtype, device):
+    """The base model with LoRA adapters, fused and FP8 as configured, seeded so every rank builds the same one (GPTQ's
+    calibration blocks are the same on every rank too). Under scaling.strategy=fsdp on the meta device, every rank."""
+    m, q = cfg.model, cfg.quant
+    on = torch.device("meta") if cfg.scaling.strategy == "fsdp" else device
+    base, model = _peft_model(cfg, vocab_size=vocab_size, dtype=dtype, device=on)
     if q.load_in_4bit and torch_dequant(q.dequant_4bit, q.quant_type, m.compile):
         convert_4bit_to_torch_dequant(model, q.dequant_4bit)
     if m.fuse_lora:  # on the device already: the base weights become views into the fused ones, not copies
@@ -77,9 +103,9 @@ def share_rank0_codes(model) -> None:
     broadcast_params([m.fp8_weight for m in model.modules() if isinstance(m, Fp8FrozenLinear)])
 
 
-def _optimisation(cfg: Config, hooks, model, *, device, dtype) -> Optimisation:
-    """The loss module (compiled, placed by the hooks and, under scaling.strategy=fsdp, sharded), AdamW over the
-    adapters, the fp16 scaler, autocast."""
+def _optimisation(cfg: Config, hooks, model, *, device, dtype, full: Optional[FullModel]) -> Optimisation:
+    """The loss module (compiled, placed by the hooks and, under scaling.strategy=fsdp, sharded and filled with rank
+    0's ``full`` model), AdamW over the adapters, the fp16 scaler, autocast."""
     m, o = cfg.model, cfg.optim
     params = adapter_params(model)
     use_amp = device.type == "cuda" and dtype != torch.float32
@@ -98,13 +124,15 @@ def _optimisation(cfg: Config, hooks, model, *, device, dtype) -> Optimisation:
         loss_model.offload = ActivationOffload(model, budget_bytes=budget, ahead_bytes=budget or 0)
     if m.compile:
         loss_model = compile_for_training(loss_model, scope=m.compile_scope, mode=m.compile_mode)
-    # a quantized model is placed by device_map and must never be moved with .to()
-    loss_model = hooks.prepare_model(loss_model, move_to_device=not cfg.quant.load_in_4bit)
-    broadcast_params(params)  # all ranks start from rank 0's adapters (the seeded init makes them equal already)
     sharded = cfg.scaling.strategy == "fsdp"  # resolve() decided auto before launch; never resolved, it is ddp
+    # a quantized model is placed by device_map and must never be moved with .to(); under fsdp it is on the meta
+    # device until shard() materialises each rank's shards there
+    loss_model = hooks.prepare_model(loss_model, move_to_device=not (cfg.quant.load_in_4bit or sharded))
     if sharded:  # each rank keeps its shard of rank 0's values; the parameters are new (DTensor) tensors
-        loss_model = shard(loss_model, model, device=device, dtype=dtype)
+        loss_model = shard(loss_model, model, device=device, dtype=dtype, full=full)
         params = adapter_params(model)
+    else:
+        broadcast_params(params)  # all ranks start from rank 0's adapters (the seeded init makes them equal already)
     optimizer = torch.optim.AdamW(params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
                                   fused=True)  # CUDA and CPU: it skips a step on the device (Optimisation.launch)
     # on the adapters' device, before a resume loads the checkpoint: the seeded build's initial A factors
@@ -126,8 +154,9 @@ def build(cfg: Config, hooks, run_id: Optional[str] = None, phase: Optional[Phas
     tok = load_tokenizer(m.name, m.gguf_file, m.tokenizer, m.cache_dir)
     data = prepare_data(tok, **data_options(cfg))
     base, model = _model(cfg, data=data, vocab_size=len(tok), dtype=dtype, device=device)
+    full = full_model(cfg, vocab_size=len(tok), dtype=dtype)  # fsdp, rank 0: what fills the shards
     ckpt.seed_all(ckpt.rank_seed(cfg.seed, rank()))  # then each rank its own stream: distinct dropout masks
-    opt = _optimisation(cfg, hooks, model, device=device, dtype=dtype)
+    opt = _optimisation(cfg, hooks, model, device=device, dtype=dtype, full=full)
     control = Control(law=laws.build(cfg.controller), every=cfg.controller.control_every,
                       tokens_per_epoch=cfg.controller.tokens_per_epoch or data.tokens_per_epoch,
                       bounds=BoundWatch(cfg.controller))

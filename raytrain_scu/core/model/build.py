@@ -61,7 +61,14 @@ from raytrain_scu.core.embed_quant import (
 from raytrain_scu.core.model import packed
 from raytrain_scu.core.model.families import family_of
 from raytrain_scu.core.model.presets import PRESETS, is_preset, preset_config
-from raytrain_scu.core.model.source import default_cache_dir, file_lock, gguf_cache, no_progress_bars, resolve_name
+from raytrain_scu.core.model.source import (
+    default_cache_dir,
+    file_lock,
+    gguf_cache,
+    model_config,
+    no_progress_bars,
+    resolve_name,
+)
 from raytrain_scu.core.nf4 import keep_4bit_layout
 from raytrain_scu.errors import ModelError
 
@@ -121,10 +128,17 @@ def build_model(name: str, *, gguf_file: str = "", vocab_size: int = 0, dtype: t
                 double_quant: bool = True, embedding_int8: bool = False, offload_embedding: bool = False,
                 cache_dir: str = "", trust_remote_code: bool = False, seed: int = 0):
     """The frozen base causal LM, on ``device``. With ``load_in_4bit`` it is NF4-quantised there
-    (device_map={"": device}); ``embedding_int8`` / ``offload_embedding``: embed_quant.shrink_embeddings."""
+    (device_map={"": device}); ``embedding_int8`` / ``offload_embedding``: embed_quant.shrink_embeddings. On the meta
+    device it is the modules of the model's config without weight memory, whatever the source (preset, directory,
+    GGUF or hub id): what scaling.strategy=fsdp shards before any rank holds a weight (core.fsdp.shard fills them)."""
     if attn_implementation == "sdpa":  # the same kernels, with the causal shortcut also under torch.compile
         attn_implementation = causal_sdpa()
     kw = dict(dtype=dtype, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code)
+    if device.type == "meta":
+        model = _on_meta(name, gguf_file=gguf_file, vocab_size=vocab_size, cache_dir=cache_dir,
+                         load_in_4bit=load_in_4bit, offload_embedding=offload_embedding, **kw)
+        return _frozen(model, load_in_4bit=False, gradient_checkpointing=gradient_checkpointing,
+                       embedding_int8=embedding_int8, offload_embedding=False)
     if load_in_4bit:
         kw["quantization_config"] = BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type=quant_type, bnb_4bit_use_double_quant=double_quant,
@@ -151,6 +165,29 @@ def build_model(name: str, *, gguf_file: str = "", vocab_size: int = 0, dtype: t
                 from None
         if not load_in_4bit:  # what follows (FP8 quantisation, fused projections) works on the device's weights
             model = model.to(device)
+    return _frozen(model, load_in_4bit=load_in_4bit, gradient_checkpointing=gradient_checkpointing,
+                   embedding_int8=embedding_int8, offload_embedding=offload_embedding)
+
+
+def _on_meta(name: str, *, gguf_file: str, vocab_size: int, cache_dir: str, load_in_4bit: bool,
+             offload_embedding: bool, **kw):
+    """The model of ``name``'s config on the meta device (its config read, or a GGUF file converted once, never its
+    weights). A 4-bit base is quantised as its weights load and an offloaded embedding is moved off the device it
+    loads on: neither has a meta form, and both are refused by name."""
+    refused = [k for k, on in (("quant.load_in_4bit", load_in_4bit), ("quant.offload_embedding", offload_embedding))
+               if on]
+    if refused:
+        raise ModelError(f"{', '.join(refused)}: the base is built on the meta device under scaling.strategy=fsdp "
+                         f"and this option needs its weights as they load; set scaling.strategy=ddp or turn it off")
+    config = model_config(name, gguf_file=gguf_file, vocab_size=vocab_size, cache_dir=cache_dir,
+                          trust_remote_code=kw["trust_remote_code"])
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, **kw)
+
+
+def _frozen(model, *, load_in_4bit: bool, gradient_checkpointing: bool, embedding_int8: bool,
+            offload_embedding: bool):
+    """``model`` frozen, with its family's preparation, checkpointing and shrunken embeddings as configured."""
     model.requires_grad_(False)
     if load_in_4bit:  # bitsandbytes' CPU eval repacking breaks the backward and torch.compile: nf4.py
         keep_4bit_layout(model)
