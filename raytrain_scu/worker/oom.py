@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from raytrain_scu.config.resolve import memory_kwargs, model_shape
+from raytrain_scu.hardware.shape import memory_kwargs, model_shape
 from raytrain_scu.config.schema import Config
 from raytrain_scu.errors import DeviceOutOfMemory
 from raytrain_scu.hardware.memory import GIB, USABLE_FRACTION, estimate_peak_memory_gib, largest_batch, no_fit_message

@@ -1,0 +1,62 @@
+"""What the memory estimator (:mod:`.memory`) needs to know of a run: the model's shape, read from its transformers
+config through ``core.model`` with what its family decides (:func:`model_shape`), and the keywords the rest of the
+config decides (:func:`memory_kwargs`). The front door's fit (``driver.resolve``) and the worker's out-of-memory
+message (``worker.oom``) both estimate from these.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from raytrain_scu.config.schema import Config
+from raytrain_scu.hardware.memory import shape_from_hf_config
+
+
+def read_model_config(cfg: Config) -> Any:
+    """The transformers config of the config's model, or None when it cannot be read here (the run's own pre-flight
+    check then says why)."""
+    # core.model imports torch and transformers (seconds): only when a shape is asked for, so that a bad config
+    # still fails within a fraction of a second
+    from raytrain_scu.core.model.source import model_config
+
+    try:
+        m = cfg.model
+        return model_config(m.name, gguf_file=m.gguf_file, cache_dir=m.cache_dir, trust_remote_code=m.trust_remote_code)
+    except Exception:  # noqa: BLE001 - a missing model is reported by the pre-flight check, with its reason
+        return None
+
+
+def shape_of(hf_config: Any) -> Optional[dict[str, int]]:
+    """The estimator's shape of a transformers config, with what its family decides (the Mamba path, and what
+    ``model.recompute_elementwise=auto`` picks), or None for none or one it cannot read."""
+    if hf_config is None:
+        return None
+    try:
+        shape = shape_from_hf_config(hf_config)
+    except Exception:  # noqa: BLE001 - no estimate; the pre-flight check reports a model it cannot use
+        return None
+    from raytrain_scu.core.model.families import family_of, mamba_kernels_run  # torch: only with a config to read
+
+    if shape.get("mamba_layers"):  # the path the family's preset chose checkpointing by: kernels or torch
+        shape["mamba_kernels"] = mamba_kernels_run()
+    shape["recompute_auto"] = family_of(hf_config).recompute_elementwise
+    return shape
+
+
+def model_shape(cfg: Config) -> Optional[dict[str, int]]:
+    """The estimator's shape of the config's model, or None when its config cannot be read here."""
+    return shape_of(read_model_config(cfg))
+
+
+def memory_kwargs(cfg: Config) -> dict[str, Any]:
+    """The estimator keywords a Config decides (everything but the model shape)."""
+    return {"lora_r": cfg.lora.r, "lora_targets": list(cfg.lora.target_modules),
+            "load_in_4bit": cfg.quant.load_in_4bit, "precision": cfg.model.precision,
+            "batch_size": cfg.data.batch_size, "block_size": cfg.data.block_size,
+            "gradient_checkpointing": cfg.model.gradient_checkpointing, "compile": cfg.model.compile,
+            "recompute_elementwise": cfg.model.recompute_elementwise,
+            "fused_loss": cfg.model.fused_loss, "loss_chunk_tokens": cfg.model.loss_chunk_size,
+            "embedding_int8": cfg.quant.embedding_int8, "offload_embedding": cfg.quant.offload_embedding,
+            "base_fp8": cfg.model.base_fp8, "head_fp8": cfg.model.head_fp8,
+            "offload_activations": cfg.model.offload_activations,
+            "offload_activations_gib": cfg.model.offload_activations_gib,
+            "shards": cfg.scaling.num_workers if cfg.scaling.strategy == "fsdp" else 1}
