@@ -199,7 +199,7 @@ def test_bad_stage_and_bad_config_exit_2_before_ray(capsys, tmp_path):
 def fake_grid(calls):
     """``run.run_grid`` without Ray: each arm's trial gets a real checkpoint (stand-in weights) of a flat history."""
     from raytrain_scu.config.paths import run_dir
-    from raytrain_scu.config.resolve import resolve
+    from raytrain_scu.driver.resolve import resolve
 
     def grid(config_path, overrides, name, arms):
         calls.append(name)

@@ -223,7 +223,7 @@ def test_bad_inputs_are_refused_before_the_heavy_imports(name, args, expected, t
     errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
     assert r.returncode == 2 and len(errors) == 1 and expected.format(tmp=tmp_path) in errors[0], r.stderr[-3000:]
     imported = {line.rsplit("|", 1)[1].strip() for line in r.stderr.splitlines() if line.startswith("import time:")}
-    assert "raytrain_scu.config.resolve" in imported  # -X importtime did report the imports
+    assert "raytrain_scu.driver.resolve" in imported  # -X importtime did report the imports
     assert not imported & {"torch", "transformers", "ray", "mlflow", "peft"}, sorted(imported & {"torch", "ray"})
     print(f"BAD_INPUT {json.dumps({'case': name, 'message': errors[0]})}")
 

@@ -353,7 +353,7 @@ def test_a_bad_config_is_refused_without_importing_torch():
 # ---------------------------------------------------------------- the laws' own keys
 
 def resolved(path=TINY, *overrides):
-    from raytrain_scu.config.resolve import resolve_config
+    from raytrain_scu.driver.resolve import resolve_config
 
     return resolve_config(path, list(overrides), gpus=[])[0]
 

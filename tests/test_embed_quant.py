@@ -5,7 +5,6 @@ logits, family by family, is in test_loss_arch.py."""
 import pytest
 import torch
 
-from raytrain_scu.config import resolve as resolve_mod
 from raytrain_scu.config.load import build_config
 from raytrain_scu.core import embed_quant
 from raytrain_scu.core.embed_quant import (
@@ -21,6 +20,7 @@ from raytrain_scu.core.model.build import apply_lora, build_model
 from raytrain_scu.core.regularizer import adapter_params
 from raytrain_scu.errors import ModelError
 from raytrain_scu.hardware import gpus, memory
+from raytrain_scu.hardware.shape import memory_kwargs
 
 TIED, UNTIED = "tiny", "tiny-llama-3.1-8b"
 
@@ -178,7 +178,7 @@ def test_a_trainable_or_unknown_embedding_is_refused():
 
 def test_the_options_are_config_keys_and_the_estimate_shrinks_by_the_tables():
     cfg = build_config({"quant": {"embedding_int8": True, "offload_embedding": True}})
-    kw = resolve_mod.memory_kwargs(cfg)
+    kw = memory_kwargs(cfg)
     assert kw["embedding_int8"] is True and kw["offload_embedding"] is True
     shape = dict(hidden=4096, layers=32, heads=32, kv_heads=8, ffn=14336, vocab=128256)
     linear = 32 * (2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336)

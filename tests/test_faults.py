@@ -334,7 +334,7 @@ def test_out_of_memory_in_the_first_step_names_the_micro_batch_the_estimate_and_
                                                                                                    monkeypatch):
     """Injected on the CPU (RAYTRAIN_SCU_OOM_AT=train:1): the message a card of a given size would give, with
     hardware.memory's estimate; the card's size is what the estimator needs to suggest a batch."""
-    from raytrain_scu.config.resolve import memory_kwargs, model_shape
+    from raytrain_scu.hardware.shape import memory_kwargs, model_shape
     from raytrain_scu.hardware.memory import estimate_peak_memory_gib
     from raytrain_scu.worker import oom
     from raytrain_scu.worker.hooks import LocalHooks

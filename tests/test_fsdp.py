@@ -196,7 +196,7 @@ def test_auto_shards_only_what_does_not_fit_one_card(capsys):
     """auto: ddp on a CPU (silently: the run's first line names the strategy) and where one replica fits the card;
     fsdp where it does not but its weights do, with the estimate in the line that says so; ddp beside an option fsdp
     refuses; and the fit under fsdp counts each worker's share, the root unit (embeddings, head) whole."""
-    from raytrain_scu.config.resolve import choose_strategy, resolve_config
+    from raytrain_scu.driver.resolve import choose_strategy, resolve_config
     from raytrain_scu.hardware.gpus import GpuInfo
     from raytrain_scu.hardware.memory import estimate_peak_memory_gib
 
@@ -229,7 +229,7 @@ def test_auto_shards_only_what_does_not_fit_one_card(capsys):
 def test_fsdp_refuses_a_model_whose_weights_alone_do_not_fit_one_card(tmp_path):
     """Each worker loads the whole model before fsdp shards it: an explicit fsdp for 70B on an H200 is refused
     before launch, naming what is not built yet, though each worker's share would fit."""
-    from raytrain_scu.config.resolve import fit_to_gpu
+    from raytrain_scu.driver.resolve import fit_to_gpu
     from raytrain_scu.errors import MemoryFitError
 
     cfg = tiny_cfg(tmp_path, "x", "model.precision=bf16", "scaling.num_workers=8", "scaling.strategy=fsdp",
@@ -286,7 +286,7 @@ def test_fsdp_on_two_ray_workers_survives_a_killed_worker_resumes_on_one_and_exp
     from safetensors.torch import load_file
     from test_reliability import kill_rank0_at_the_hold
 
-    from raytrain_scu.config.resolve import resolve
+    from raytrain_scu.driver.resolve import resolve
     from raytrain_scu.core import checkpoint as ckpt
     from raytrain_scu.core.model.build import build_model
     from raytrain_scu.core.model.source import load_tokenizer

@@ -5,11 +5,11 @@ import sys
 
 import pytest
 
-from raytrain_scu.config import resolve as resolve_mod
 from raytrain_scu.config.checks import validate
 from raytrain_scu.config.io import get_dotted
 from raytrain_scu.config.load import build_config
 from raytrain_scu.config.schema import ALL_LINEAR, Config
+from raytrain_scu.driver import resolve as resolve_mod
 from raytrain_scu.errors import ConfigError, MemoryFitError
 from raytrain_scu.hardware import envcheck as check
 from raytrain_scu.hardware import gpus, memory, presets
@@ -255,8 +255,8 @@ def test_the_elementwise_recompute_term_matches_the_h100_ab():
     """model.recompute_elementwise under compile: the estimate drops by what the H100 A/B measured (docs/benchmarks.md,
     2026-11-28: ours against ours_acts_kept, 24.25 -> 18.29 GiB at 1B 8 x 2048, 34.74 -> 29.19 GiB at 8B 2 x 2048),
     within 10%; auto is always for a Llama and never for the Mamba hybrid; eager has nothing to recompute."""
-    from raytrain_scu.config.resolve import shape_of
     from raytrain_scu.core.model.presets import preset_config
+    from raytrain_scu.hardware.shape import shape_of
 
     proj = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     for preset, batch, drop in [("llama-3.2-1b-shape", 8, 24.25 - 18.29), ("llama-3.1-8b-shape", 2, 34.74 - 29.19)]:
@@ -288,8 +288,8 @@ def test_the_fp8_copies_are_counted_as_the_h200_runs_measured():
     by the 0.49 GiB the 1B run's built model held for them (its lm_head entry; the head is tied there); with the head,
     the peak moved by -0.49 GiB at 1B and +0.49 at 8B (the chunk's logit gradient in e4m3 offsets the copies): the
     estimate stays at or above that (to the records' 0.01 GiB), by at most a chunk's bf16 gradient."""
-    from raytrain_scu.config.resolve import shape_of
     from raytrain_scu.core.model.presets import preset_config
+    from raytrain_scu.hardware.shape import shape_of
 
     proj = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     for preset, batch, rise, head_rise in [("llama-3.2-1b-shape", 8, 20.10 - 18.29, 19.61 - 20.10),

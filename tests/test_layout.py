@@ -19,13 +19,13 @@ MAX_MODULE_LINES = 400
 # `python -m raytrain_scu.<command>` entry points and the spec's public import paths: thin shims, the top layer.
 LAYERS = [
     ("errors",),
-    ("config",),  # schema, io, checks, load, paths: pure
-    ("core", "hardware", "console", "plots"),
+    ("config",),  # schema, io, checks, law_keys, load, paths, secrets: pure
+    ("core", "console", "plots"),
+    ("hardware",),  # the cards, the presets, the memory estimator and the model's shape for it (read through core)
     ("tracking",),
-    ("config.resolve",),  # the front door: reads the cards (hardware) and the model's shape (core.model)
     ("worker",),
     ("ray",),
-    ("driver",),
+    ("driver",),  # resolve.py among them: the CLIs' front door reads the cards and the model's config and family
     ("studies", "cli"),
 ]
 SHIM_LAYER = len(LAYERS)
@@ -120,6 +120,44 @@ def test_the_import_graph_has_no_cycles():
     assert not cycles, cycles
 
 
+def package_imports(source: str, name: str, is_pkg: bool = False) -> list[tuple[int, str]]:
+    """``(line, dotted module)`` of every import of the package in ``source`` (module ``name`` below raytrain_scu):
+    each ``import`` and ``from`` statement wherever it sits (a function's body too), relative ones resolved, and each
+    ``importlib.import_module`` / ``__import__`` call with a literal name."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            if node.level:
+                base = name.split(".")[: len(name.split(".")) - node.level + is_pkg]
+                module = ".".join(["raytrain_scu", *base, *([module] if module else [])])
+            found += [(node.lineno, f"{module}.{a.name}") for a in node.names]
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+            if getattr(node.func, "attr", None) == "import_module" or getattr(node.func, "id", None) == "__import__":
+                found.append((node.lineno, str(node.args[0].value)))
+    return sorted((line, m) for line, m in found if m == "raytrain_scu" or m.startswith("raytrain_scu."))
+
+
+def test_config_imports_nothing_above_its_floor():
+    """config/ is the pure floor the others build on: every import of the package in it, inside a function too,
+    names config itself or errors (the front door, which reads the cards and the model, is driver/resolve.py).
+    ``config/__main__.py`` is the ``python -m raytrain_scu.config`` shim over cli/, the top floor."""
+    sample = ("import os\ndef f():\n    from raytrain_scu.core.model import families\n    import raytrain_scu.ray\n"
+              "    return importlib.import_module('raytrain_scu.driver.resolve')\nfrom . import schema\n")
+    seen = [m for _, m in package_imports(sample, "config.x")]
+    assert seen == ["raytrain_scu.core.model.families", "raytrain_scu.ray", "raytrain_scu.driver.resolve",
+                    "raytrain_scu.config.schema"], seen
+    found = [(f"{name}:{line}", module) for name, path in modules().items()
+             if name.split(".")[0] == "config" and not name.endswith("__main__")
+             for line, module in package_imports(path.read_text(), name, path.name == "__init__.py")]
+    assert any(w.startswith("config.load:") and m == "raytrain_scu.config.schema.Config" for w, m in found)  # real
+    above = [f"{where} imports {module}" for where, module in found
+             if not (module + ".").startswith(("raytrain_scu.config.", "raytrain_scu.errors."))]
+    assert not above, above
+
+
 IMPORTS_RAY = re.compile(r"^\s*(import ray\b|from ray(\.| import))", re.MULTILINE)
 
 
@@ -160,7 +198,8 @@ def test_the_layout_checks_see_the_real_graph():
     """The checks above would pass on an empty graph: this one pins a few arrows that exist."""
     g = graph()
     assert "config.schema" in g["config.load"] and "ray.launch" in g["driver.run"]
-    assert layer_of("config.resolve") > layer_of("core.model") > layer_of("config.schema")
+    assert layer_of("driver.resolve") > layer_of("hardware.shape") > layer_of("core.model") > layer_of("config.schema")
+    assert "core.model.families" in g["hardware.shape"] and "hardware.shape" in g["driver.resolve"]
     assert layer_of("train") == SHIM_LAYER and layer_of("ray.tune.sweep") == layer_of("ray")
 
 

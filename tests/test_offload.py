@@ -136,7 +136,7 @@ def test_a_backward_that_asks_for_part_of_what_moved_leaves_nothing_fetched_behi
 def _estimate_8b(overrides: list[str], **kw) -> dict:
     """The memory estimate of the 8B shape at 2 x 2048 in bf16 under ``overrides``, with estimator keywords ``kw``
     replacing the config's."""
-    from raytrain_scu.config.resolve import memory_kwargs
+    from raytrain_scu.hardware.shape import memory_kwargs
     from raytrain_scu.hardware.memory import estimate_peak_memory_gib
 
     shape = dict(n_params=8_030_000_000, hidden=4096, layers=32, heads=32, kv_heads=8, ffn=14336, vocab=128256)

@@ -11,7 +11,7 @@ import json
 import sys
 from dataclasses import asdict
 
-from raytrain_scu.config.resolve import resolve
+from raytrain_scu.driver.resolve import resolve
 from raytrain_scu.errors import USER_ERRORS
 from raytrain_scu.hardware.envcheck import Row, run_checks
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import sys
 
 from raytrain_scu.config.io import help_text, to_yaml
-from raytrain_scu.config.resolve import resolve
+from raytrain_scu.driver.resolve import resolve
 from raytrain_scu.errors import USER_ERRORS
 
 

@@ -10,10 +10,10 @@ import sys
 from pathlib import Path
 
 from raytrain_scu.config.paths import split_query
-from raytrain_scu.config.resolve import resolve
 from raytrain_scu.config.schema import Config
 from raytrain_scu.config.secrets import refuse_credential
 from raytrain_scu.driver.evaluate import DEFAULT_BOOTSTRAP, DEFAULT_CI, DEFAULT_MAX_TOKENS, evaluate
+from raytrain_scu.driver.resolve import resolve
 from raytrain_scu.errors import USER_ERRORS, DataError, EvalError, ModelError
 
 FEW_DOCUMENTS = 20  # below this a resampling interval over documents is too coarse to lean on

@@ -5,8 +5,8 @@ from __future__ import annotations
 import sys
 
 from raytrain_scu.config.io import help_text
-from raytrain_scu.config.resolve import resolve
 from raytrain_scu.driver.early import check_inputs
+from raytrain_scu.driver.resolve import resolve
 from raytrain_scu.errors import USER_ERRORS
 
 USAGE = "usage: python -m raytrain_scu.sweep [--lr] [--verbose] CONFIG.yaml [key=value ...]"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from raytrain_scu.config.resolve import resolve
+from raytrain_scu.driver.resolve import resolve
 from raytrain_scu.errors import USER_ERRORS
 from raytrain_scu.tracking.store import tracking_uri
 

@@ -12,8 +12,8 @@ import sys
 import threading
 
 from raytrain_scu.config.io import help_text
-from raytrain_scu.config.resolve import resolve
 from raytrain_scu.driver.early import check_inputs
+from raytrain_scu.driver.resolve import resolve
 from raytrain_scu.errors import USER_ERRORS, DeviceOutOfMemory, DiskFullError, Interrupted, Preempted
 from raytrain_scu.tracking.store import ui_command
 

@@ -84,7 +84,7 @@ def check_law_keys(cfg: Config, explicit: set[str]) -> None:
     output, a run's saved config.yaml) sets every key, and a default changes nothing it would not change unset. Where
     the law is left to its default, any key of another law is refused, whatever its value: a file written for that
     law (its gains at their defaults included) would otherwise run the default law silently. Run by
-    ``config.resolve`` on the config as written, and not by :func:`validate`, which also runs on each trial's config:
+    ``driver.resolve`` on the config as written, and not by :func:`validate`, which also runs on each trial's config:
     there an arm's law has replaced the base's, which the other arms still run.
     """
     running, runs, fix = _running(cfg.controller.law, cfg.tune.space)

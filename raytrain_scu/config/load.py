@@ -52,5 +52,5 @@ def build_config(tree: dict, default_name: str = "run") -> Config:
 
 def load_config(path: Optional[str | Path] = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Load a YAML config, apply dotted overrides, build strictly and validate (no preset, no memory fit: that is
-    :func:`raytrain_scu.config.resolve.resolve`)."""
+    :func:`raytrain_scu.driver.resolve.resolve`)."""
     return build_config(load_raw(path, overrides), default_name=default_run_name(path))

@@ -8,5 +8,5 @@ imported inside :func:`~raytrain_scu.hardware.gpus.detect_gpus`):
 - :mod:`.envcheck`: the environment checks behind ``python -m raytrain_scu.check``.
 
 On a Ray cluster the driver usually runs on a CPU head node: ``auto`` must be resolved with the GPUs of a worker,
-e.g. ``ray.get(ray.remote(num_gpus=1)(detect_gpus).remote())`` passed as ``gpus=`` to ``config.resolve.resolve``.
+e.g. ``ray.get(ray.remote(num_gpus=1)(detect_gpus).remote())`` passed as ``gpus=`` to ``driver.resolve.resolve``.
 """

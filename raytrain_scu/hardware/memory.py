@@ -134,7 +134,7 @@ def estimate_peak_memory_gib(*, n_params: int, hidden: int, layers: int, heads: 
     """Peak GPU memory (GiB) of one training step of LoRA/QLoRA on a Llama-style decoder, or a hybrid with
     ``mamba_layers`` Mamba-2 layers, by part: the formula is in the module docstring. ``recompute_elementwise`` is
     ``model.recompute_elementwise`` and ``recompute_auto`` what its ``auto`` picks for the model's family
-    (``config.resolve.shape_of`` reads it from core.model.families); only the attention layers' term models it."""
+    (``hardware.shape.shape_of`` reads it from core.model.families); only the attention layers' term models it."""
     a = _dtype_bytes(precision)
     head_dim = head_dim or hidden // heads
     tokens = batch_size * block_size
@@ -255,7 +255,7 @@ def shape_from_hf_config(hf_config: Any) -> dict[str, Any]:
     """Estimator shape keywords from a transformers config (object or dict): hidden, layers, heads,
     kv_heads, ffn, vocab, head_dim and n_params (counted from the shape, tied embeddings once); for a Mamba-2 hybrid
     (GraniteMoeHybrid) also its Mamba layers' count and widths (whether the field's kernels run, ``mamba_kernels``,
-    is the caller's: ``config.resolve.shape_of`` asks the model family). A hybrid it does not model is refused
+    is the caller's: ``hardware.shape.shape_of`` asks the model family). A hybrid it does not model is refused
     (ValueError naming why)."""
     get = hf_config.get if isinstance(hf_config, dict) else (lambda k, d=None: getattr(hf_config, k, d))
     text = get("text_config")  # multimodal configs nest the language model's

@@ -1,6 +1,6 @@
 """Hardware presets: ``hardware.preset`` names a set of config values for a kind of card; ``auto`` picks one from the
 detected cards (:func:`preset_for`). Values set explicitly in the YAML file or on the command line always win over
-the preset (``config.resolve.apply_preset``).
+the preset (``driver.resolve.apply_preset``).
 
 ======  =========  ==========  ==========  =======  ======  ========  =====================================
 preset  precision  batch_size  grad_accum  compile  4-bit   ckpt      source
@@ -18,7 +18,7 @@ cpu     fp32       4           1           no       no      no        CPU: fp32,
 (precision = ``model.precision``, batch_size/grad_accum = ``data.*``, compile = ``model.compile``,
 4-bit = ``quant.load_in_4bit``, ckpt = ``model.gradient_checkpointing``.) A preset's batch is sized for
 the ~1B-parameter models this package targets at the default ``data.block_size`` of 256; longer blocks or
-bigger models are what ``config.resolve.fit_to_gpu`` is for.
+bigger models are what ``driver.resolve.fit_to_gpu`` is for.
 """
 from __future__ import annotations
 

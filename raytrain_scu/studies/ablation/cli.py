@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from raytrain_scu.config.resolve import resolve
+from raytrain_scu.driver.resolve import resolve
 from raytrain_scu.errors import USER_ERRORS, AblationError, CheckpointError
 from raytrain_scu.studies.ablation import report as ablation_report
 from raytrain_scu.studies.ablation.results import save

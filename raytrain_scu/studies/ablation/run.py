@@ -33,10 +33,10 @@ import torch
 
 from raytrain_scu.config.io import to_yaml
 from raytrain_scu.config.paths import run_dir
-from raytrain_scu.config.resolve import resolve
 from raytrain_scu.config.schema import Config
 from raytrain_scu.core.checkpoint import newest_good_local, read_meta
 from raytrain_scu.core.model.flops import bits_per_token
+from raytrain_scu.driver.resolve import resolve
 from raytrain_scu.errors import AblationError, ConfigError
 from raytrain_scu.ray.tune.space import flat_params, trial_config
 from raytrain_scu.studies.ablation.report import end_level

@@ -6,8 +6,8 @@ import statistics
 
 import torch
 
-from raytrain_scu.config.resolve import resolve
 from raytrain_scu.config.schema import ALL_LINEAR as PROJ
+from raytrain_scu.driver.resolve import resolve
 from raytrain_scu.hardware.gpus import measured_memory_gib
 from raytrain_scu.studies.bench.measure import free, proof_of_training, reset_mem
 from raytrain_scu.worker.hooks import LocalHooks

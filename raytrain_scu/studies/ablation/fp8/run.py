@@ -9,7 +9,7 @@ import json
 import time
 from pathlib import Path
 
-from raytrain_scu.config.resolve import resolve
+from raytrain_scu.driver.resolve import resolve
 from raytrain_scu.studies.ablation.fp8 import protocol as p
 from raytrain_scu.studies.ablation.results import save
 from raytrain_scu.studies.ablation.run import run_grid

@@ -17,10 +17,10 @@ from typing import Optional
 import torch
 
 from raytrain_scu.config.paths import run_dir
-from raytrain_scu.config.resolve import resolve
 from raytrain_scu.config.schema import Config
 from raytrain_scu.core.checkpoint import read_meta, verify
 from raytrain_scu.core.data.blocks import load_documents
+from raytrain_scu.driver.resolve import resolve
 from raytrain_scu.errors import AblationError, DataError, EvalError, ModelError
 from raytrain_scu.ray.tune.space import flat_params, trial_config
 from raytrain_scu.studies.ablation.results import save

@@ -11,8 +11,8 @@ import time
 from pathlib import Path
 
 from raytrain_scu.config.paths import run_dir
-from raytrain_scu.config.resolve import resolve
 from raytrain_scu.config.schema import Config
+from raytrain_scu.driver.resolve import resolve
 from raytrain_scu.ray.tune.space import flat_params, trial_config
 from raytrain_scu.studies.ablation.results import save
 from raytrain_scu.studies.ablation.run import run_grid

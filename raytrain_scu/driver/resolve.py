@@ -1,8 +1,8 @@
 """THE front door of every CLI: a YAML file and ``key=value`` overrides -> the final Config, with the strict build and
-checks, the hardware preset and the memory fit each done once (:func:`resolve`).
+checks, the hardware preset (the card's, then the model family's) and the memory fit each done once (:func:`resolve`).
 
-This module sits above ``core``: it reads the cards (``hardware``) and the model's shape (``core.model``). The rest
-of ``config`` stays pure and imports neither.
+It reads the cards (``hardware``) and the model's config and family (``core.model``), so it sits above ``core``, on the
+driver's floor; ``config`` below it stays pure and imports neither.
 """
 from __future__ import annotations
 
@@ -24,9 +24,9 @@ from raytrain_scu.hardware.memory import (
     fit_check,
     largest_batch,
     no_fit_message,
-    shape_from_hf_config,
 )
 from raytrain_scu.hardware.presets import PRESETS, preset_for
+from raytrain_scu.hardware.shape import memory_kwargs, read_model_config, shape_of
 
 
 def _set(cfg: Config, key: str, value: Any) -> None:
@@ -70,7 +70,9 @@ def _family_preset(cfg: Config, hf_config: Any, explicit: set[str]) -> dict[str,
     path) on top of the card's, except explicit keys; {} where the model's config could not be read here (None)."""
     if hf_config is None:
         return {}
-    from raytrain_scu.core.model.families import family_of  # torch and transformers: only with a card to fit
+    # core.model imports torch and transformers (seconds): only with a card to fit, so that a bad config still fails
+    # within a fraction of a second
+    from raytrain_scu.core.model.families import family_of
 
     try:
         family = family_of(hf_config)
@@ -165,59 +167,6 @@ def resolve(path: Optional[str | Path], overrides: list[str] | tuple[str, ...] =
             print(f"[raytrain_scu] preset {cfg.hardware.preset}: {key} {old!r} -> {new!r}", file=sys.stderr,
                   flush=True)
     return cfg
-
-
-def read_model_config(cfg: Config) -> Any:
-    """The transformers config of the config's model, or None when it cannot be read here (the run's own pre-flight
-    check then says why)."""
-    # core.model imports torch and transformers (seconds): only when there is a card to fit, so that a bad config
-    # still fails within a fraction of a second
-    from raytrain_scu.core.model.source import model_config
-
-    try:
-        m = cfg.model
-        return model_config(m.name, gguf_file=m.gguf_file, cache_dir=m.cache_dir, trust_remote_code=m.trust_remote_code)
-    except Exception:  # noqa: BLE001 - a missing model is reported by the pre-flight check, with its reason
-        return None
-
-
-def shape_of(hf_config: Any) -> Optional[dict[str, int]]:
-    """The estimator's shape of a transformers config, with what its family decides (the Mamba path, and what
-    ``model.recompute_elementwise=auto`` picks), or None for none or one it cannot read."""
-    if hf_config is None:
-        return None
-    try:
-        shape = shape_from_hf_config(hf_config)
-    except Exception:  # noqa: BLE001 - no estimate; the pre-flight check reports a model it cannot use
-        return None
-    from raytrain_scu.core.model.families import family_of, mamba_kernels_run
-
-    if shape.get("mamba_layers"):  # the path the family's preset chose checkpointing by: kernels or torch
-        shape["mamba_kernels"] = mamba_kernels_run()
-    shape["recompute_auto"] = family_of(hf_config).recompute_elementwise
-    return shape
-
-
-def model_shape(cfg: Config) -> Optional[dict[str, int]]:
-    """The estimator's shape of the config's model, or None when its config cannot be read here."""
-    return shape_of(read_model_config(cfg))
-
-
-def memory_kwargs(cfg: Config) -> dict[str, Any]:
-    """The estimator keywords a Config decides (everything but the model shape)."""
-    return {"lora_r": cfg.lora.r, "lora_targets": list(cfg.lora.target_modules),
-            "load_in_4bit": cfg.quant.load_in_4bit, "precision": cfg.model.precision,
-            "batch_size": cfg.data.batch_size, "block_size": cfg.data.block_size,
-            "gradient_checkpointing": cfg.model.gradient_checkpointing, "compile": cfg.model.compile,
-            "recompute_elementwise": cfg.model.recompute_elementwise,
-            "fused_loss": cfg.model.fused_loss, "loss_chunk_tokens": cfg.model.loss_chunk_size,
-            "embedding_int8": cfg.quant.embedding_int8, "offload_embedding": cfg.quant.offload_embedding,
-            "base_fp8": cfg.model.base_fp8, "head_fp8": cfg.model.head_fp8,
-            "offload_activations": cfg.model.offload_activations,
-            "offload_activations_gib": cfg.model.offload_activations_gib,
-            "shards": cfg.scaling.num_workers if cfg.scaling.strategy == "fsdp" else 1}
-
-
 
 
 def fit_to_gpu(cfg: Config, shape: dict[str, int], gpu_mem_gib: float, explicit: set[str] = frozenset(),
