@@ -24,6 +24,7 @@ import ray.train.torch
 from ray.exceptions import RayTaskError
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig, TrainingFailedError
 from ray.train.torch import TorchTrainer
+from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
 from ray.util.queue import Empty, Queue
 
 from raytrain_scu.config.paths import RunPaths
@@ -233,9 +234,18 @@ def hang_watchdog(cfg: Config, *, use_gpu: bool) -> Iterator[Optional[HangWatchd
         yield watchdog
 
 
+class Trainer(TorchTrainer):
+    """A TorchTrainer without Ray Data's callback. The workers read their data themselves (core.data), never a Ray
+    Dataset, and that callback starts a DatasetManager actor for every worker group it sees: one more process that
+    imports Ray Data, about 4 s of CPU at each start and restart of a run, for shards no worker asks for."""
+
+    def _create_default_callbacks(self):
+        return [cb for cb in super()._create_default_callbacks() if not isinstance(cb, DatasetsCallback)]
+
+
 def build_trainer(cfg: Config, *, use_gpu: bool, run_id: Optional[str], callbacks=(), extra_config=None,
-                  env: Optional[dict[str, str]] = None, watchdog: Optional[HangWatchdog] = None) -> TorchTrainer:
-    """The TorchTrainer for one run (the sweep builds one per trial with this too). ``env``: the workers'
+                  env: Optional[dict[str, str]] = None, watchdog: Optional[HangWatchdog] = None) -> Trainer:
+    """The :class:`Trainer` for one run (the sweep builds one per trial with this too). ``env``: the workers'
     RAYTRAIN_SCU_* variables (default: this process's, :func:`scu_env`); ``watchdog``: the hang watchdog whose
     heartbeat actor the workers report their steps to (:func:`fit` runs it)."""
     s = cfg.scaling
@@ -248,7 +258,7 @@ def build_trainer(cfg: Config, *, use_gpu: bool, run_id: Optional[str], callback
     # read from this process's environment when fit() starts the controller (Ray propagates it): a worker holds one
     # unconsumed report and blocks on the next until the controller polls, so Ray's 2 s default caps a fast loop
     os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = str(s.poll_interval_s)
-    return TorchTrainer(
+    return Trainer(
         train_func,
         train_loop_config=loop_config,
         scaling_config=ScalingConfig(num_workers=s.num_workers, use_gpu=use_gpu, resources_per_worker=resources,
