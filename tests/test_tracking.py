@@ -444,3 +444,45 @@ def test_the_ui_command_runs_from_a_plain_shell(tmp_path, monkeypatch):
     assert ui_command(cfg, tiny) == shlex.join([str(Path(sys.executable).parent / "mlflow"), "ui",
                                                 "--backend-store-uri", f"sqlite:///{tmp_path}/mlflow.db"])
     assert ui_command(tiny_cfg(tmp_path, "ui", "tracking.uri=http://127.0.0.1:5000"), tiny) is None
+
+
+def test_a_new_sqlite_store_is_a_copy_of_the_template_that_mlflow_opens_as_its_own(tmp_path, monkeypatch):
+    """A new store starts as a copy of the empty one MLflow made in the cache: the same schema and rows as a store
+    MLflow builds itself at that path (its Default experiment, with its artifact location from the working directory,
+    made when MLflow opens the copy), and it records a run."""
+    import sqlite3
+
+    from raytrain_scu.tracking.store import client_for
+
+    monkeypatch.setenv("RAYTRAIN_SCU_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+
+    def contents(db: Path) -> tuple:
+        con = sqlite3.connect(db)
+        # a table's statement with its lines sorted: MLflow's own migrations order a table's constraints differently
+        # from one process to the next (they come from a set)
+        schema = sorted((kind, name, sorted((sql or "").splitlines()))
+                        for kind, name, sql in con.execute("SELECT type, name, sql FROM sqlite_master"))
+        rows = {t: sorted(con.execute(f'SELECT * FROM "{t}"')) for (t,) in
+                con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        con.close()
+        rows["experiments"] = [r[:4] for r in rows["experiments"]]  # id, name, artifact location, stage: no times
+        return schema, rows
+
+    first, second = tmp_path / "a" / "mlflow.db", tmp_path / "b" / "mlflow.db"
+    client_for(f"sqlite:///{first}").search_experiments()  # makes the template, then copies it
+    templates = list((tmp_path / "cache" / "mlflow").glob("empty-*.db"))
+    assert len(templates) == 1
+    client = client_for(f"sqlite:///{second}")
+    assert [(e.experiment_id, e.name, e.artifact_location) for e in client.search_experiments()] == \
+        [("0", "Default", str(tmp_path / "mlruns" / "0"))]
+    # what MLflow builds itself, by its own migrations, at a third path
+    from mlflow.tracking import MlflowClient
+
+    own = tmp_path / "c" / "mlflow.db"
+    own.parent.mkdir()
+    MlflowClient(tracking_uri=f"sqlite:///{own}").search_experiments()
+    assert contents(second) == contents(own) == contents(first)
+    run_id = client.create_run("0").info.run_id
+    client.log_metric(run_id, "x", 1.5, step=3)
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "x")] == [(3, 1.5)]

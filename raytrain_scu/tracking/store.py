@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from raytrain_scu.config.io import redact_uri
-from raytrain_scu.config.paths import RunPaths, storage_dir
+from raytrain_scu.config.paths import RunPaths, cache_root, storage_dir
 from raytrain_scu.config.schema import Config
 from raytrain_scu.core.crashpoints import crash_point
 
@@ -89,8 +89,69 @@ def client_for(uri: str):
     from mlflow.tracking import MlflowClient
 
     if uri.startswith("sqlite:///"):
-        Path(uri[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
+        db = Path(uri[len("sqlite:///"):])
+        db.parent.mkdir(parents=True, exist_ok=True)
+        if not db.exists():
+            _seed_sqlite(db)
     return MlflowClient(tracking_uri=uri)
+
+
+# the rows MLflow's schema migrations leave in a new database, whatever its path: its schema version and the default
+# workspace. Its Default experiment (id 0) holds an artifact location made from the working directory, so the template
+# has none and MLflow makes it when it opens the copy, as it does in a database of its own.
+_TEMPLATE_ROWS = {"alembic_version": 1, "workspaces": 1}
+
+
+def _empty_store() -> Path:
+    """A sqlite store as MLflow makes it, without its Default experiment: made once per MLflow version in the cache
+    (``cache_root()/mlflow``) by MLflow itself. Raises if MLflow's new database holds other rows than
+    :data:`_TEMPLATE_ROWS`: a copy of it would then not be what MLflow makes at another path."""
+    import sqlite3
+    import tempfile
+
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    template = cache_root() / "mlflow" / f"empty-{mlflow.__version__}.db"
+    if template.is_file():
+        return template
+    template.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=template.parent) as tmp:
+        made = Path(tmp, "mlflow.db")
+        MlflowClient(tracking_uri=f"sqlite:///{made}").search_experiments()
+        con = sqlite3.connect(made)
+        try:
+            con.execute("DELETE FROM experiments")
+            con.commit()
+            tables = [t for (t,) in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
+            rows = {t: n for t in tables if (n := con.execute(f'SELECT COUNT(*) FROM "{t}"').fetchone()[0])}
+        finally:
+            con.close()
+        if rows != _TEMPLATE_ROWS:
+            raise RuntimeError(f"MLflow {mlflow.__version__}'s new sqlite store holds {rows}, not {_TEMPLATE_ROWS}")
+        os.replace(made, template)
+    return template
+
+
+def _seed_sqlite(db: Path) -> None:
+    """A new sqlite store starts as a copy of :func:`_empty_store`: MLflow builds a new database by running each of
+    its schema migrations, 3-8 s of CPU (2-core machine) at every new ``run.storage_path``, and it opens the copy as
+    one of its own (the schema check passes, the Default experiment is made). Where no copy can be made (no
+    hard links on this filesystem, an unwritable cache), MLflow builds the database itself, as without this."""
+    import shutil
+
+    try:
+        template = _empty_store()
+        staged = db.with_name(f".{db.name}.{os.getpid()}")
+        shutil.copyfile(template, staged)
+        try:
+            os.link(staged, db)  # only where no store is yet: another process's store is never replaced
+        except FileExistsError:
+            pass
+        finally:
+            staged.unlink()
+    except Exception as e:  # noqa: BLE001 - MLflow makes the store instead, only slower
+        logging.getLogger(__name__).debug("a new sqlite store from the template: %s", e)
 
 
 def experiment_id(client, name: str, uri: str) -> str:
