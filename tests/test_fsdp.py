@@ -1,8 +1,9 @@
 """scaling.strategy=fsdp (FSDP2) on the CPU: two gloo processes run the real loop's steps under ddp and under fsdp
-(with and without activation checkpointing) and agree on the loss, the adapters' gradients (gathered whole),
-ParamBPT and λ; a 2-worker Ray run under fsdp writes
-sharded checkpoints that a 1-worker run resumes from, and its exported adapter loads with peft. Plus what auto picks
-and what is refused."""
+(with and without activation checkpointing, and with the int8 embedding table) and agree on the loss, the adapters'
+gradients (gathered whole), ParamBPT and λ; the model fsdp builds on the meta device and fills from rank 0 is ddp's
+eager build, and from a local checkpoint only rank 0's host holds the whole model (a memory probe); a 2-worker Ray
+run under fsdp writes sharded checkpoints that a 1-worker run resumes from, and its exported adapter loads with peft.
+Plus what auto picks and what is refused."""
 from pathlib import Path
 
 import pytest
@@ -38,6 +39,20 @@ def _cfg(tmp: str, strategy: str, workers: int = 2, *extra: str):
                     "controller.prior_center=init", "lora.dropout=0.0", *extra)
 
 
+def _model_state(model) -> dict:
+    """Every parameter and persistent buffer of ``model`` gathered whole onto rank 0's CPU (all ranks call it; the
+    others get {}), this rank's non-persistent buffers (RoPE's inv_freq), and whether the LM head is still the
+    embeddings' tensor where the model ties them."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    persistent = set(model.state_dict())
+    base = model.get_base_model()
+    return {"state": {k: v.detach().clone() for k, v in state.items()},
+            "buffers": {n: b.detach().cpu().clone() for n, b in model.named_buffers() if n not in persistent},
+            "tied": base.lm_head.weight is base.get_input_embeddings().weight}
+
+
 def _training_state(s) -> dict:
     """The adapters and AdamW's moments, gathered whole (all ranks call it)."""
     from raytrain_scu.core.regularizer import adapter_params
@@ -47,13 +62,56 @@ def _training_state(s) -> dict:
     return {"adapter": [_full(p) for p in params], "moments": moments}
 
 
-def equality_worker(r: int, port: int, tmp: str, port_1: int) -> None:
+def _peak_rss_bytes() -> int:
+    """This process's peak resident memory since the last :func:`_reset_peak_rss` (Linux's VmHWM)."""
+    import re
+
+    return int(re.search(r"VmHWM:\s+(\d+) kB", Path("/proc/self/status").read_text()).group(1)) * 1024
+
+
+def _reset_peak_rss() -> bool:
+    """Start this process's peak resident memory afresh (Linux's clear_refs); False where that is not allowed."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return False
+    return True
+
+
+def _probe_build(tmp: str, model_dir: str) -> dict:
+    """All ranks: the worker's build (model, shards, optimizer) under fsdp from the local checkpoint ``model_dir``,
+    with this process's peak resident memory measured across it (the builds before it did the imports and read the
+    data); then the model gathered whole and the eager build of the same directory, to compare."""
+    import torch.distributed as tdist
+
+    from raytrain_scu.core.fsdp import local
+    from raytrain_scu.core.model.build import apply_lora, build_model
+    from raytrain_scu.worker.build import build
+    from raytrain_scu.worker.hooks import LocalHooks
+
+    cfg = _cfg(tmp, "fsdp", 2, f"model.name={model_dir}", "model.tokenizer=shakespeare-bpe", "run.name=probe")
+    tdist.barrier()
+    probed = _reset_peak_rss()
+    before = _peak_rss_bytes()
+    s = build(cfg, LocalHooks(device=torch.device("cpu")))
+    grown = _peak_rss_bytes() - before
+    shards = sum(local(p).numel() * local(p).element_size() for p in s.opt.model.parameters())
+    torch.manual_seed(cfg.seed)
+    eager = apply_lora(build_model(model_dir, vocab_size=2048), r=cfg.lora.r, alpha=cfg.lora.alpha)
+    persistent = eager.state_dict()
+    return {"probed": probed, "grown": grown, "shards": shards, "sharded": s.opt.sharded,
+            "built": _model_state(s.opt.model),
+            "eager": {"state": {k: v.clone() for k, v in persistent.items()},
+                      "buffers": {n: b.clone() for n, b in eager.named_buffers() if n not in persistent}}}
+
+
+def equality_worker(r: int, port: int, tmp: str, port_1: int, model_dir: str) -> None:
     """Rank ``r`` of a two-process gloo group: the loop's setup and STEPS optimizer steps (``train_step``), first
     under ddp, then under fsdp with activation checkpointing, then under fsdp, from the same seed and data. Keeps,
     per step, the row and the adapters' gradients after their mean over the ranks (before the clip), gathered whole,
     and the adapters after the last step. Under fsdp both ranks then write the step's sharded checkpoint, each into
     its own directory; rank 0 puts the two together (as Ray Train's upload does) and, alone in a one-process group
-    of its own, resumes from it under fsdp and under ddp."""
+    of its own, resumes from it under fsdp and under ddp. Between the two, :func:`_probe_build` from ``model_dir``."""
     import shutil
     from datetime import timedelta
 
@@ -74,9 +132,13 @@ def equality_worker(r: int, port: int, tmp: str, port_1: int) -> None:
     tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=r, world_size=2,
                              timeout=timedelta(seconds=60))  # ranks that disagree hang in a collective: fail instead
     out = {}
-    # fsdp with activation checkpointing before plain fsdp, whose state the checkpoint below writes
-    for strategy, extra in (("ddp", ()), ("fsdp_gc", ("model.gradient_checkpointing=true",)), ("fsdp", ())):
+    # fsdp with activation checkpointing and both with the int8 embedding table (shared by the tied head) before
+    # plain fsdp, whose state the checkpoint below writes
+    int8 = ("quant.embedding_int8=true",)
+    for strategy, extra in (("ddp", ()), ("fsdp_gc", ("model.gradient_checkpointing=true",)), ("ddp_int8", int8),
+                            ("fsdp_int8", int8), ("fsdp", ())):
         s = setup(_cfg(tmp, strategy.split("_")[0], 2, *extra), LocalHooks(device=torch.device("cpu")))
+        start = _model_state(s.opt.model)  # after setup's evaluation, before the first step
         # after setup's evaluation (a forward without a backward) every parameter is a shard again, the root's too
         dtensors = [isinstance(p, DTensor) for p in s.opt.model.parameters()]
         lora_keys = sorted(k for k in s.opt.model.state_dict() if "lora_" in k)
@@ -90,10 +152,12 @@ def equality_worker(r: int, port: int, tmp: str, port_1: int) -> None:
         s.opt.scaler.unscale_ = keep_grads
         rows = [train_step(s, step) for step in range(STEPS)]
         out[strategy] = {"sharded": s.opt.sharded, "rows": [{k: row[k] for k in ROW_KEYS} for row in rows],
-                         "grads": grads, "val": s.rec.val_bpt, "dtensors": dtensors, "lora_keys": lora_keys,
+                         "start": start, "grads": grads, "val": s.rec.val_bpt, "dtensors": dtensors,
+                         "lora_keys": lora_keys,
                          "gathered_keys": sorted(full_adapter_state(s.opt.model)), **_training_state(s)}
     local = save_checkpoint(s, STEPS - 1, all_gather_object(ckpt.rng_state()))  # all ranks: fsdp's shards
     parts = all_gather_object(str(local / "ckpt"))
+    out["probe"] = _probe_build(tmp, model_dir)
     tdist.barrier()
     tdist.destroy_process_group()
     if r == 0:
@@ -120,12 +184,21 @@ def equality_worker(r: int, port: int, tmp: str, port_1: int) -> None:
 
 @pytest.fixture(scope="module")
 def equality_run(tmp_path_factory) -> list[dict]:
-    """What each rank of :func:`equality_worker` kept, run once for the tests below."""
+    """What each rank of :func:`equality_worker` kept, run once for the tests below. Its local checkpoint is
+    ~90 MB of a 24-layer Llama shape in fp32 with no tensor over 1 MB."""
     import torch.multiprocessing as mp
+    from transformers import AutoModelForCausalLM, LlamaConfig
 
     tmp = tmp_path_factory.mktemp("fsdp")
-    mp.start_processes(equality_worker, args=(free_port(), str(tmp), free_port()), nprocs=2, start_method="spawn")
-    return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    config = LlamaConfig(hidden_size=256, intermediate_size=1024, num_hidden_layers=24, num_attention_heads=4,
+                         num_key_value_heads=1, vocab_size=2048, max_position_embeddings=2048,
+                         tie_word_embeddings=True)
+    AutoModelForCausalLM.from_config(config).save_pretrained(str(tmp / "model"))
+    mp.start_processes(equality_worker, args=(free_port(), str(tmp), free_port(), str(tmp / "model")), nprocs=2,
+                       start_method="spawn")
+    got = [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    got[0]["checkpoint_bytes"] = sum(p.stat().st_size for p in (tmp / "model").glob("*.safetensors"))
+    return got
 
 
 @pytest.mark.slow
@@ -151,6 +224,62 @@ def test_fsdp_matches_ddp_loss_gradients_param_bpt_and_lambda_on_two_gloo_ranks(
             torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-5)
     # both ranks hold the same global numbers and the same λ
     assert got[0]["fsdp"]["rows"] == got[1]["fsdp"]["rows"]
+    for g in got:  # the int8 embedding table: replicated, filled from rank 0 under its first name
+        assert g["fsdp_int8"]["sharded"] and g["fsdp_int8"]["val"] == pytest.approx(g["ddp_int8"]["val"], abs=1e-5)
+        for step, (a, b) in enumerate(zip(g["ddp_int8"]["rows"], g["fsdp_int8"]["rows"]), start=1):
+            for k in ROW_KEYS:
+                assert b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-5), f"int8, step {step}: {k}"
+
+
+@pytest.mark.slow
+def test_the_model_built_on_meta_and_filled_from_rank0_is_the_one_ddp_builds(equality_run):
+    """Under fsdp every rank builds the model on the meta device and rank 0's values fill the shards: gathered
+    whole, every parameter and persistent buffer (the frozen base, the tied embeddings and the LoRA factors) equals
+    ddp's eager build bit for bit, and so does each rank's RoPE inv_freq, a non-persistent buffer that the state
+    dict leaves out and to_empty leaves uninitialised; the LM head is still the embeddings' tensor. The same with
+    quant.embedding_int8, whose table the tied head shares."""
+    for r, g in enumerate(equality_run):
+        assert g["ddp"]["start"]["tied"]
+        for eager, strategy in (("ddp", "fsdp"), ("ddp", "fsdp_gc"), ("ddp_int8", "fsdp_int8")):
+            ddp, fsdp = g[eager]["start"], g[strategy]["start"]
+            assert fsdp["tied"] == ddp["tied"]
+            assert sorted(fsdp["buffers"]) == sorted(ddp["buffers"]) and any("inv_freq" in n for n in ddp["buffers"])
+            for n, b in ddp["buffers"].items():
+                assert torch.equal(fsdp["buffers"][n], b), (r, n)
+            if r == 0:
+                assert sorted(fsdp["state"]) == sorted(ddp["state"])
+                assert any("lora_A" in k for k in ddp["state"]) and any("embed_tokens" in k for k in ddp["state"])
+                for k, v in ddp["state"].items():
+                    assert torch.equal(fsdp["state"][k], v), (strategy, k)
+            else:  # gathered onto rank 0 alone
+                assert fsdp["state"] == {}
+
+
+@pytest.mark.slow
+def test_under_fsdp_only_rank0_holds_the_whole_model_and_the_shards_hold_a_local_checkpoint(equality_run):
+    """The worker's build under fsdp from a local checkpoint of ~90 MB, each process's peak resident memory measured
+    across it: rank 0 reads the whole model onto its host (it grows by more than the checkpoint), rank 1 never holds
+    it (it grows by its half of the shards plus less than a quarter of the checkpoint: the tensor in flight and the
+    allocator's slack). Gathered whole, the shards hold the checkpoint's weights and the seeded LoRA factors bit for
+    bit, and each rank's RoPE buffers are the eager build's."""
+    checkpoint = equality_run[0]["checkpoint_bytes"]
+    got = [g["probe"] for g in equality_run]
+    assert checkpoint > 80 * 2**20
+    assert all(g["sharded"] for g in got)
+    assert all(0.45 * checkpoint < g["shards"] < 0.55 * checkpoint for g in got), [g["shards"] for g in got]
+    built, eager = got[0]["built"], got[0]["eager"]
+    assert sorted(built["state"]) == sorted(eager["state"]) and any("lora_A" in k for k in eager["state"])
+    for k, v in eager["state"].items():
+        assert torch.equal(built["state"][k], v), k
+    for g in got:
+        assert g["built"]["tied"] and sorted(g["built"]["buffers"]) == sorted(g["eager"]["buffers"])
+        for n, b in g["eager"]["buffers"].items():
+            assert torch.equal(g["built"]["buffers"][n], b), n
+    if not all(g["probed"] for g in got):
+        pytest.skip("this kernel does not let a process reset its peak resident memory (/proc/self/clear_refs)")
+    grown = [g["grown"] for g in got]
+    assert grown[0] > checkpoint, (grown, checkpoint)
+    assert grown[1] < got[1]["shards"] + 0.25 * checkpoint, (grown, checkpoint)
 
 
 @pytest.mark.slow
