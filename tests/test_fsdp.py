@@ -323,8 +323,9 @@ def test_strategy_is_checked_and_fsdp_refuses_a_4bit_base(tmp_path):
 
 def test_auto_shards_only_what_does_not_fit_one_card(capsys):
     """auto: ddp on a CPU (silently: the run's first line names the strategy) and where one replica fits the card;
-    fsdp where it does not but its weights do, with the estimate in the line that says so; ddp beside an option fsdp
-    refuses; and the fit under fsdp counts each worker's share, the root unit (embeddings, head) whole."""
+    fsdp where it does not, its weights too (no card holds the whole model), with the estimate in the line that says
+    so; ddp beside an option fsdp refuses; and the fit under fsdp counts each worker's share, the root unit
+    (embeddings, head) whole."""
     from raytrain_scu.driver.resolve import choose_strategy, resolve_config
     from raytrain_scu.hardware.gpus import GpuInfo
     from raytrain_scu.hardware.memory import estimate_peak_memory_gib
@@ -339,7 +340,7 @@ def test_auto_shards_only_what_does_not_fit_one_card(capsys):
     strategy, why = choose_strategy(cfg, QWEN_14B, [card32])  # ~27 GiB of weights: they fit, the step does not
     assert strategy == "fsdp" and "more than 90% of the 32 GiB card" in why and "4 workers" in why, why
     strategy, why = choose_strategy(cfg, LLAMA_70B, [h200])  # ~131 GiB of weights: more than 90% of the card
-    assert strategy == "ddp" and "loading a model larger than one card is not built yet" in why, why
+    assert strategy == "fsdp" and "rank 0's host memory holding the whole model's ~131.4 GiB" in why, why
     cfg.model.fuse_lora = True
     strategy, why = choose_strategy(cfg, QWEN_14B, [card32])
     assert strategy == "ddp" and "fsdp is not built for model.fuse_lora yet" in why, why
@@ -355,18 +356,35 @@ def test_auto_shards_only_what_does_not_fit_one_card(capsys):
     assert quarter["weights_gib"] > whole["weights_gib"] / 4 + tables * 0.75 + layer
 
 
-def test_fsdp_refuses_a_model_whose_weights_alone_do_not_fit_one_card(tmp_path):
-    """Each worker loads the whole model before fsdp shards it: an explicit fsdp for 70B on an H200 is refused
-    before launch, naming what is not built yet, though each worker's share would fit."""
-    from raytrain_scu.driver.resolve import fit_to_gpu
+def test_fsdp_fits_a_model_larger_than_one_card_by_its_shares_and_names_the_gpus_it_needs(tmp_path):
+    """No card holds the whole model under fsdp: 70B (~131 GiB of weights) fits 8 H200s by each worker's share. A
+    share that does not fit (2 workers on 48 GiB cards, or ddp on an 80 GiB card) is refused before launch, naming
+    how many GPUs of that size fsdp needs and no 4-bit option (fsdp does not shard a 4-bit base); and the experiments'
+    70B config fits 4 x 80 GiB and 2 x 141 GiB cards, not 8 x 24 GiB ones."""
+    from raytrain_scu.driver.resolve import fit_to_gpu, resolve_config
     from raytrain_scu.errors import MemoryFitError
+    from raytrain_scu.hardware.gpus import GpuInfo
 
     cfg = tiny_cfg(tmp_path, "x", "model.precision=bf16", "scaling.num_workers=8", "scaling.strategy=fsdp",
                    "data.batch_size=1", "model.gradient_checkpointing=true")
-    with pytest.raises(MemoryFitError, match=r"the model's weights alone need ~13\d\.\d GiB, more than 90% of the "
-                       r"141 GiB card.*loading a model larger than one card is not built yet"):
-        fit_to_gpu(cfg, LLAMA_70B, 141.0)
-    assert fit_to_gpu(cfg, QWEN_14B, 32.0) == {}  # its weights fit: the shares are what the fit counts
+    assert fit_to_gpu(cfg, LLAMA_70B, 141.0) == {}
+    assert fit_to_gpu(cfg, QWEN_14B, 32.0) == {}
+    cfg.scaling.num_workers = 2
+    with pytest.raises(MemoryFitError, match=r"needs ~72\.\d GiB .* 48 GiB card .* Sharded, it needs 4 GPUs of 48 "
+                       r"GiB: scaling.strategy=fsdp scaling.num_workers=4 data.batch_size=1 "
+                       r"\(~40\.\d GiB per card\)") as e:
+        fit_to_gpu(cfg, LLAMA_70B, 48.0, {"data.batch_size"})
+    assert "load_in_4bit" not in str(e.value)
+    cfg.scaling.strategy = "ddp"
+    with pytest.raises(MemoryFitError, match=r"needs ~133\.\d GiB .* Sharded, it needs 3 GPUs of 80 GiB"):
+        fit_to_gpu(cfg, LLAMA_70B, 80.0, {"data.batch_size"})
+    seventy = str(Path(TINY).parent / "llama-3.1-70b-fsdp.yaml")
+    for workers, gib in ((4, 80.0), (2, 141.0)):
+        card = GpuInfo(name=f"a {gib:.0f} GiB card", memory_gib=gib)
+        resolved, changes = resolve_config(seventy, [f"scaling.num_workers={workers}"], gpus=[card] * workers)
+        assert resolved.scaling.strategy == "fsdp" and changes == {}
+    with pytest.raises(MemoryFitError, match=r"24 GiB card .* Sharded, it needs 16 GPUs of 24 GiB"):
+        resolve_config(seventy, ["scaling.num_workers=8"], gpus=[GpuInfo(name="a 24 GiB card", memory_gib=24.0)] * 8)
 
 
 def test_a_full_disk_under_dcp_is_an_oserror_and_a_bad_shard_a_checkpoint_error(tmp_path):

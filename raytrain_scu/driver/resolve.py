@@ -89,9 +89,10 @@ def _family_preset(cfg: Config, hf_config: Any, explicit: set[str]) -> dict[str,
 
 def choose_strategy(cfg: Config, shape: Optional[dict[str, int]], gpus: list[GpuInfo]) -> tuple[str, str]:
     """What ``scaling.strategy=auto`` runs, and why: fsdp where one replica of the model does not fit the smallest
-    card even at ``data.batch_size=1`` (the memory estimator, with everything else as configured) but its weights
-    do (each worker loads the whole model before sharding it), there are workers to shard over and no option fsdp
-    refuses is on; else ddp."""
+    card even at ``data.batch_size=1`` (the memory estimator, with everything else as configured), there are
+    workers to shard over and no option fsdp refuses is on; else ddp. Under fsdp no card ever holds the whole model
+    (each rank builds it on the meta device and keeps its shards), so a model larger than one card is sharded too;
+    whether each worker's share fits is the memory fit's to say (:func:`fit_to_gpu`)."""
     if not gpus:
         return "ddp", "no GPU (a CPU run): every worker holds the whole model"
     if shape is None:
@@ -112,11 +113,10 @@ def choose_strategy(cfg: Config, shape: Optional[dict[str, int]], gpus: list[Gpu
     untried = fsdp_untried(cfg)
     if untried:
         return "ddp", f"{too_big}, but fsdp is not built for {', '.join(untried)} yet"
-    if not fit_check(est["weights_gib"], mem):
-        return "ddp", (f"{too_big}, and its weights alone (~{est['weights_gib']:.1f} GiB) too: each worker loads the "
-                       f"whole model before fsdp shards it, and loading a model larger than one card is not built yet")
     return "fsdp", (f"one replica needs ~{need:.1f} GiB at data.batch_size=1, more than {USABLE_FRACTION:.0%} of "
-                    f"the {mem:.0f} GiB card: the base is sharded over the {cfg.scaling.num_workers} workers")
+                    f"the {mem:.0f} GiB card: the base is sharded over the {cfg.scaling.num_workers} workers, "
+                    f"rank 0's host memory holding the whole model's ~{est['weights_gib']:.1f} GiB while it fills "
+                    f"the shards")
 
 
 def resolve_config(path: Optional[str | Path], overrides: list[str] | tuple[str, ...] = (),
@@ -175,24 +175,18 @@ def fit_to_gpu(cfg: Config, shape: dict[str, int], gpu_mem_gib: float, explicit:
     changes. If ``data.batch_size`` came from a default or a preset, it drops to the largest batch that
     fits and ``data.grad_accum`` (unless explicit) rises to keep the sequences per step. An explicit batch
     that does not fit is an error naming what would. Returns ``{key: (old, new)}``."""
-    kwargs = {**shape, **memory_kwargs(cfg)}
+    kwargs = {**shape, **memory_kwargs(cfg)}  # under fsdp each worker's share: no card holds the whole model
     batch_size = kwargs.pop("batch_size")
-    whole = {**kwargs, "shards": 1}  # what each worker holds while it loads, under fsdp too
-    weights = estimate_peak_memory_gib(batch_size=1, **whole)["weights_gib"]
-    if not fit_check(weights, gpu_mem_gib, usable_fraction):
-        raise MemoryFitError(
-            f"the model's weights alone need ~{weights:.1f} GiB, more than {usable_fraction:.0%} of the "
-            f"{gpu_mem_gib:.0f} GiB card, and every worker loads the whole model before scaling.strategy=fsdp shards "
-            f"it: loading a model larger than one card is not built yet. Under scaling.strategy=ddp: "
-            + no_fit_message(batch_size, gpu_mem_gib, usable_fraction, whole))
     total = estimate_peak_memory_gib(batch_size=batch_size, **kwargs)["total_gib"]
     if fit_check(total, gpu_mem_gib, usable_fraction):
         return {}
     if "data.batch_size" in explicit:
-        raise MemoryFitError(no_fit_message(batch_size, gpu_mem_gib, usable_fraction, kwargs))
+        raise MemoryFitError(no_fit_message(batch_size, gpu_mem_gib, usable_fraction, kwargs)
+                             + sharded_fit(cfg, kwargs, batch_size, gpu_mem_gib, usable_fraction))
     best = largest_batch(gpu_mem_gib, batch_size, usable_fraction, **kwargs)
     if best < 1:
-        raise MemoryFitError(no_fit_message(batch_size, gpu_mem_gib, usable_fraction, kwargs))
+        raise MemoryFitError(no_fit_message(batch_size, gpu_mem_gib, usable_fraction, kwargs)
+                             + sharded_fit(cfg, kwargs, batch_size, gpu_mem_gib, usable_fraction))
     changes: dict[str, tuple[Any, Any]] = {"data.batch_size": (batch_size, best)}
     cfg.data.batch_size = best
     if "data.grad_accum" not in explicit:
@@ -200,3 +194,23 @@ def fit_to_gpu(cfg: Config, shape: dict[str, int], gpu_mem_gib: float, explicit:
         changes["data.grad_accum"] = (cfg.data.grad_accum, accum)
         cfg.data.grad_accum = accum
     return changes
+
+
+MAX_SHARDS = 128  # the most workers sharded_fit tries
+
+
+def sharded_fit(cfg: Config, kwargs: dict[str, Any], batch_size: int, gpu_mem_gib: float,
+                usable_fraction: float = USABLE_FRACTION) -> str:
+    """For a memory-fit error: the fewest cards of ``gpu_mem_gib`` over which scaling.strategy=fsdp fits (at
+    ``batch_size``, else at 1; more than scaling.num_workers under fsdp), as a sentence; "" where fsdp refuses this
+    config or no count up to MAX_SHARDS fits. ``kwargs``: the estimator's keywords but the batch."""
+    if cfg.quant.load_in_4bit or fsdp_untried(cfg):
+        return ""
+    first = cfg.scaling.num_workers + 1 if cfg.scaling.strategy == "fsdp" else 2
+    for batch in dict.fromkeys((batch_size, 1)):
+        for n in range(first, MAX_SHARDS + 1):
+            need = estimate_peak_memory_gib(batch_size=batch, **{**kwargs, "shards": n})["total_gib"]
+            if fit_check(need, gpu_mem_gib, usable_fraction):
+                return (f" Sharded, it needs {n} GPUs of {gpu_mem_gib:.0f} GiB: scaling.strategy=fsdp "
+                        f"scaling.num_workers={n} data.batch_size={batch} (~{need:.1f} GiB per card).")
+    return ""

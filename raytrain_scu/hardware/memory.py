@@ -327,13 +327,15 @@ def largest_batch(gpu_mem_gib: float, max_batch_size: int, usable_fraction: floa
 
 
 def _alternatives(gpu_mem_gib: float, batch_size: int, usable_fraction: float, kwargs: dict) -> list[str]:
-    """What would fit, tried in order of cost: a smaller batch, checkpointing, 4-bit, both."""
+    """What would fit, tried in order of cost: a smaller batch, checkpointing, 4-bit, both (not 4-bit where the
+    model is sharded over several workers: fsdp does not shard a 4-bit base)."""
     options = [("a smaller batch", {})]
+    four_bit = not kwargs["load_in_4bit"] and kwargs.get("shards", 1) == 1
     if not kwargs["gradient_checkpointing"]:
         options.append(("model.gradient_checkpointing=true", {"gradient_checkpointing": True}))
-    if not kwargs["load_in_4bit"]:
+    if four_bit:
         options.append(("quant.load_in_4bit=true", {"load_in_4bit": True}))
-    if not kwargs["gradient_checkpointing"] and not kwargs["load_in_4bit"]:
+    if not kwargs["gradient_checkpointing"] and four_bit:
         options.append(("model.gradient_checkpointing=true quant.load_in_4bit=true",
                         {"gradient_checkpointing": True, "load_in_4bit": True}))
     out = []
@@ -353,6 +355,9 @@ def no_fit_message(batch_size: int, gpu_mem_gib: float, usable_fraction: float, 
     alternatives = _alternatives(gpu_mem_gib, batch_size, usable_fraction, kwargs)
     if alternatives:
         return msg + " Would fit: " + "; or ".join(alternatives) + "."
+    if kwargs.get("shards", 1) > 1:
+        return (msg + " Nothing fits even at batch 1 with gradient checkpointing: use more workers, a smaller "
+                "data.block_size, a smaller model or a larger card.")
     return (msg + " Nothing fits even at batch 1 with gradient checkpointing and 4-bit: use a smaller "
             "data.block_size, a smaller model or a larger card.")
 

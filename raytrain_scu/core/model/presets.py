@@ -1,6 +1,6 @@
-"""Built-in random-init model presets (``model.name``): ``tiny`` for tests, the Llama-3.2-1B, Llama-3.1-8B and
-Granite-4.0-H-1B shapes for benchmarks, each with a shrunken ``tiny-`` twin for CPU tests. They are tokenized with a
-BPE trained on the bundled Shakespeare texts."""
+"""Built-in random-init model presets (``model.name``): ``tiny`` for tests, the Llama-3.2-1B, Llama-3.1-8B,
+Llama-3.1-70B and Granite-4.0-H-1B shapes for benchmarks, most with a shrunken ``tiny-`` twin for CPU tests. They are
+tokenized with a BPE trained on the bundled Shakespeare texts."""
 from __future__ import annotations
 
 from transformers import AutoConfig
@@ -47,6 +47,10 @@ PRESETS = {
     # the Llama-3.1-8B shape, random init, for benchmarks (untied head; RoPE theta without 3.1's long-context scaling)
     "llama-3.1-8b-shape": llama_preset(hidden=4096, layers=32, heads=32, kv_heads=8, ffn=14336, vocab=128256,
                                        tied=False),
+    # the Llama-3.1-70B shape, random init, for the fsdp config (experiments/llama-3.1-70b-fsdp.yaml): ~131 GiB of
+    # weights in bf16, more than one card; untied head, RoPE theta without 3.1's long-context scaling
+    "llama-3.1-70b-shape": llama_preset(hidden=8192, layers=80, heads=64, kv_heads=8, ffn=28672, vocab=128256,
+                                        tied=False),
     # the same structure shrunk for CPU tests: GQA 4:1, FFN 3.5 x hidden, untied head (every projection's output a
     # multiple of 32, which bitsandbytes' CPU 4-bit layout needs)
     "tiny-llama-3.1-8b": llama_preset(hidden=128, layers=2, heads=8, kv_heads=2, ffn=448, vocab=2048, tied=False,
