@@ -235,10 +235,10 @@ class ScalingConfig:
     gpus_per_worker: float = 1.0  # GPUs Ray reserves for each worker
     placement_strategy: str = "PACK"  # PACK | SPREAD | STRICT_PACK | STRICT_SPREAD (Ray placement group)
     # ddp: every worker holds the whole model, the adapters' gradients averaged | fsdp: FSDP2, the frozen base, the
-    # adapters and their optimizer state sharded over the workers, one unit per decoder layer | auto: fsdp where the
-    # memory estimator says one replica does not fit the card but its weights do, else ddp (a CPU run: ddp); see
-    # driver.resolve.choose_strategy. resolve() decides it before launch, and a config never resolved (a test's own
-    # loop) runs ddp
+    # adapters and their optimizer state sharded over the workers, one unit per decoder layer, the model built on the
+    # meta device and filled from rank 0's host (no card holds it whole) | auto: fsdp where the memory estimator says
+    # one replica does not fit the card, else ddp (a CPU run: ddp); see driver.resolve.choose_strategy. resolve()
+    # decides it before launch, and a config never resolved (a test's own loop) runs ddp
     strategy: str = "auto"
     # how often Ray Train's controller polls the workers (RAY_TRAIN_HEALTH_CHECK_INTERVAL_S, Ray's default 2 s): a
     # worker holds one unconsumed report, so reports more often stall training to the next poll; checkpoints register
