@@ -17,7 +17,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from raytrain_scu.core.dist import broadcast_object, is_dist, world_size
+from raytrain_scu.core.dist import all_gather_object, broadcast_object, is_dist, world_size
 from raytrain_scu.core.model.parts import decoder_layers
 from raytrain_scu.errors import CheckpointError, ModelError
 
@@ -107,13 +107,14 @@ def fill_from_rank0(model: torch.nn.Module, full: Optional[FullModel]) -> None:
 
     state = full.state if full is not None else {}
     # not strict: a module held twice (quant.embedding_int8's table, shared by the embedding and the tied head) is
-    # filled once, under its first name, and its second name is reported missing; only such aliases may be
+    # filled once, under its first name, and its second name is reported missing; such aliases alone may be missing
     missing, unexpected = set_model_state_dict(
         model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False))
-    unfilled = sorted(set(missing) - _aliases(model))
-    if unfilled or unexpected:
-        raise ModelError(f"scaling.strategy=fsdp: rank 0's model does not fill the shards: missing {unfilled}, "
-                         f"unexpected {sorted(unexpected)}; set scaling.strategy=ddp")
+    # every rank's keys, so that all ranks raise together rather than one waiting in the next collective
+    gaps = [gap for gap in all_gather_object((sorted(set(missing) - _aliases(model)), sorted(unexpected))) if any(gap)]
+    if gaps:
+        raise ModelError(f"scaling.strategy=fsdp: rank 0's model does not fill the shards: missing {gaps[0][0]}, "
+                         f"unexpected {gaps[0][1]}; set scaling.strategy=ddp")
     persistent = set(model.state_dict())
     buffers = {n: b for n, b in model.named_buffers() if n not in persistent}
     values = broadcast_object(full.buffers if full is not None else None)
