@@ -385,6 +385,25 @@ def test_fsdp_fits_a_model_larger_than_one_card_by_its_shares_and_names_the_gpus
         assert resolved.scaling.strategy == "fsdp" and changes == {}
     with pytest.raises(MemoryFitError, match=r"24 GiB card .* Sharded, it needs 16 GPUs of 24 GiB"):
         resolve_config(seventy, ["scaling.num_workers=8"], gpus=[GpuInfo(name="a 24 GiB card", memory_gib=24.0)] * 8)
+    # ddp on 4 cards that a replica does not fit: fsdp is named with at least the configured 4, not fewer
+    cfg.scaling.num_workers = 4
+    with pytest.raises(MemoryFitError, match=r"Sharded, it needs 4 GPUs of 80 GiB"):
+        fit_to_gpu(cfg, LLAMA_70B, 80.0, {"data.batch_size"})
+
+
+def test_the_collective_timeout_reaches_the_process_group_and_the_70b_config_outwaits_rank0s_draw(tmp_path):
+    """scaling.collective_timeout_s is the timeout of the workers' process group (Ray Train's TorchConfig): the other
+    ranks wait in rank 0's broadcast while it draws the 70B preset (~37 minutes), past the 30-minute default."""
+    from raytrain_scu.config.load import load_config
+    from raytrain_scu.ray.launch import build_trainer
+
+    assert build_trainer(tiny_cfg(tmp_path, "x"), use_gpu=False, run_id=None).backend_config.timeout_s == 1800
+    seventy = load_config(str(Path(TINY).parent / "llama-3.1-70b-fsdp.yaml"), [f"run.storage_path={tmp_path}"])
+    assert seventy.scaling.collective_timeout_s >= 40 * 60
+    trainer = build_trainer(seventy, use_gpu=True, run_id=None)
+    assert (trainer.backend_config.timeout_s, trainer.backend_config.backend) == (5400, "nccl")
+    with pytest.raises(ConfigError, match="scaling.collective_timeout_s"):
+        tiny_cfg(tmp_path, "y", "scaling.collective_timeout_s=0")
 
 
 def test_a_full_disk_under_dcp_is_an_oserror_and_a_bad_shard_a_checkpoint_error(tmp_path):

@@ -260,6 +260,8 @@ def _check_scaling(cfg: Config) -> None:
                f"scaling.strategy=ddp, or turn {'it' if len(untried) == 1 else 'them'} off")
     _check(0 < s.poll_interval_s <= 60, "scaling.poll_interval_s",
            f"must be in (0, 60] seconds, got {s.poll_interval_s}")
+    _check(s.collective_timeout_s > 0, "scaling.collective_timeout_s",
+           f"must be > 0 seconds, got {s.collective_timeout_s}")
     if q.load_in_4bit:
         _check(m.precision != "fp32" or s.use_gpu is not True, "quant.load_in_4bit",
                "4-bit on GPU needs a bf16/fp16 compute precision (model.precision), not fp32")

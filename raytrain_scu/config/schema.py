@@ -243,6 +243,10 @@ class ScalingConfig:
     # how often Ray Train's controller polls the workers (RAY_TRAIN_HEALTH_CHECK_INTERVAL_S, Ray's default 2 s): a
     # worker holds one unconsumed report, so reports more often stall training to the next poll; checkpoints register
     poll_interval_s: float = 0.25
+    # how long a collective (NCCL, gloo) waits for every rank before it fails the worker group (Ray Train's
+    # TorchConfig.timeout_s): under fsdp the other ranks wait in rank 0's broadcast while rank 0 reads or draws the
+    # whole model on its host, so a model that takes rank 0 longer than this to load needs more
+    collective_timeout_s: float = 1800.0
 
 
 @dataclass
@@ -251,7 +255,7 @@ class RunConfig:
     # where run directories and the default MLflow store live (a path or s3:// / gs://)
     storage_path: str = "~/raytrain_scu_runs"
     max_failures: int = 3  # worker-group restarts Ray Train makes before the run fails
-    num_to_keep: int = 2  # checkpoints kept: the best by val/data_bpt, plus the latest
+    num_to_keep: int = 2  # checkpoints kept: the best by their own step's held-out BPT, plus the latest
     # which checkpoint's adapter is the run's adapter (output/adapter, MLflow's "adapter", generate's): best (lowest
     # held-out BPT among the checkpoints: early stopping; the last step's goes to output/adapter_last when it is
     # another step) | last (the last step's; the best goes to output/adapter_best when it is another step)

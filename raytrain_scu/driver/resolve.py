@@ -201,16 +201,22 @@ MAX_SHARDS = 128  # the most workers sharded_fit tries
 
 def sharded_fit(cfg: Config, kwargs: dict[str, Any], batch_size: int, gpu_mem_gib: float,
                 usable_fraction: float = USABLE_FRACTION) -> str:
-    """For a memory-fit error: the fewest cards of ``gpu_mem_gib`` over which scaling.strategy=fsdp fits (at
-    ``batch_size``, else at 1; more than scaling.num_workers under fsdp), as a sentence; "" where fsdp refuses this
-    config or no count up to MAX_SHARDS fits. ``kwargs``: the estimator's keywords but the batch."""
+    """For a memory-fit error: the fewest cards of ``gpu_mem_gib`` over which scaling.strategy=fsdp fits, at
+    ``batch_size`` or at 1, whichever needs fewer (``batch_size`` on a tie); at least scaling.num_workers cards, more
+    than them under fsdp; as a sentence; "" where fsdp refuses this config or no count up to MAX_SHARDS fits.
+    ``kwargs``: the estimator's keywords but the batch."""
     if cfg.quant.load_in_4bit or fsdp_untried(cfg):
         return ""
-    first = cfg.scaling.num_workers + 1 if cfg.scaling.strategy == "fsdp" else 2
+    first = cfg.scaling.num_workers + 1 if cfg.scaling.strategy == "fsdp" else max(2, cfg.scaling.num_workers)
+    best = None  # (cards, batch, GiB per card)
     for batch in dict.fromkeys((batch_size, 1)):
-        for n in range(first, MAX_SHARDS + 1):
+        for n in range(first, (best[0] if best else MAX_SHARDS + 1)):
             need = estimate_peak_memory_gib(batch_size=batch, **{**kwargs, "shards": n})["total_gib"]
             if fit_check(need, gpu_mem_gib, usable_fraction):
-                return (f" Sharded, it needs {n} GPUs of {gpu_mem_gib:.0f} GiB: scaling.strategy=fsdp "
-                        f"scaling.num_workers={n} data.batch_size={batch} (~{need:.1f} GiB per card).")
-    return ""
+                best = (n, batch, need)
+                break
+    if best is None:
+        return ""
+    n, batch, need = best
+    return (f" Sharded, it needs {n} GPUs of {gpu_mem_gib:.0f} GiB: scaling.strategy=fsdp "
+            f"scaling.num_workers={n} data.batch_size={batch} (~{need:.1f} GiB per card).")

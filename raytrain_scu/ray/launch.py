@@ -23,7 +23,7 @@ import ray.train
 import ray.train.torch
 from ray.exceptions import RayTaskError
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig, TrainingFailedError
-from ray.train.torch import TorchTrainer
+from ray.train.torch import TorchConfig, TorchTrainer
 from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
 from ray.util.queue import Empty, Queue
 
@@ -261,6 +261,7 @@ def build_trainer(cfg: Config, *, use_gpu: bool, run_id: Optional[str], callback
     return Trainer(
         train_func,
         train_loop_config=loop_config,
+        torch_config=TorchConfig(timeout_s=int(s.collective_timeout_s)),
         scaling_config=ScalingConfig(num_workers=s.num_workers, use_gpu=use_gpu, resources_per_worker=resources,
                                      placement_strategy=s.placement_strategy),
         run_config=RunConfig(
