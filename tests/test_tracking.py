@@ -486,3 +486,6 @@ def test_a_new_sqlite_store_is_a_copy_of_the_template_that_mlflow_opens_as_its_o
     run_id = client.create_run("0").info.run_id
     client.log_metric(run_id, "x", 1.5, step=3)
     assert [(m.step, m.value) for m in client.get_metric_history(run_id, "x")] == [(3, 1.5)]
+    # a URI with a query seeds the file it names, not one named with the query
+    client_for(f"sqlite:///{tmp_path / 'd' / 'mlflow.db'}?timeout=30").search_experiments()
+    assert [p.name for p in (tmp_path / "d").iterdir()] == ["mlflow.db"]

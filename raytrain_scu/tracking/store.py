@@ -89,9 +89,9 @@ def client_for(uri: str):
     from mlflow.tracking import MlflowClient
 
     if uri.startswith("sqlite:///"):
-        db = Path(uri[len("sqlite:///"):])
+        db = Path(uri[len("sqlite:///"):].split("?", 1)[0])  # the file, without the URI's query (?timeout=...)
         db.parent.mkdir(parents=True, exist_ok=True)
-        if not db.exists():
+        if db.name != ":memory:" and not db.exists():
             _seed_sqlite(db)
     return MlflowClient(tracking_uri=uri)
 
@@ -136,22 +136,23 @@ def _empty_store() -> Path:
 def _seed_sqlite(db: Path) -> None:
     """A new sqlite store starts as a copy of :func:`_empty_store`: MLflow builds a new database by running each of
     its schema migrations, 3-8 s of CPU (2-core machine) at every new ``run.storage_path``, and it opens the copy as
-    one of its own (the schema check passes, the Default experiment is made). Where no copy can be made (no
-    hard links on this filesystem, an unwritable cache), MLflow builds the database itself, as without this."""
+    one of its own (the schema check passes, the Default experiment is made). Where no copy can be made (an
+    unwritable cache, no hard links on this filesystem, an MLflow whose new store holds other rows), a warning says
+    why and MLflow builds the database itself, as without this."""
     import shutil
 
+    staged = db.with_name(f".{db.name}.{os.getpid()}")
     try:
-        template = _empty_store()
-        staged = db.with_name(f".{db.name}.{os.getpid()}")
-        shutil.copyfile(template, staged)
+        shutil.copyfile(_empty_store(), staged)
         try:
             os.link(staged, db)  # only where no store is yet: another process's store is never replaced
         except FileExistsError:
             pass
-        finally:
-            staged.unlink()
-    except Exception as e:  # noqa: BLE001 - MLflow makes the store instead, only slower
-        logging.getLogger(__name__).debug("a new sqlite store from the template: %s", e)
+    except Exception as e:  # noqa: BLE001 - the store is MLflow's own then, only slower to make
+        warnings.warn(f"a new MLflow store is built by MLflow's migrations, not copied from the template: "
+                      f"{type(e).__name__}: {e}")
+    finally:
+        staged.unlink(missing_ok=True)
 
 
 def experiment_id(client, name: str, uri: str) -> str:
