@@ -203,7 +203,6 @@ def test_the_layout_checks_see_the_real_graph():
     assert layer_of("train") == SHIM_LAYER and layer_of("ray.tune.sweep") == layer_of("ray")
 
 
-
 def test_cluster_and_experiments_hold_launcher_files_and_configs_only():
     """cluster/ holds the cluster launcher files and the node script, experiments/ the run configs: a script that
     measures or builds something lives in tools/ (or tests/, where it is a test)."""
@@ -214,6 +213,7 @@ def test_cluster_and_experiments_hold_launcher_files_and_configs_only():
     other = sorted(str(p.relative_to(ROOT)) for d, ok in allowed.items() for p in (ROOT / d).iterdir()
                    if not p.name.startswith(".") and not (p.is_file() and ok(p)))
     assert not other, f"{other}: move them to tools/"
+
 
 @pytest.mark.slow
 def test_what_a_train_controller_and_a_trial_import_leaves_the_worker_stack_out():

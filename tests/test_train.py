@@ -37,7 +37,7 @@ def test_ranks_agree_on_lambda_and_s_every_step(ray_local, tmp_path):
     assert cfg.scaling.num_workers == 2
     result = build_trainer(cfg, use_gpu=False, run_id=None, callbacks=[Collect()]).fit()
     assert result.error is None
-    # the run's actors: no Ray Data DatasetManager (launch.Trainer leaves Ray Data's callback out), nor any other's
+    # the run's actors: no Ray Data DatasetManager (launch.Trainer leaves Ray Data's callback out)
     from ray.util.state import list_actors
 
     assert not list_actors(address=ray_local.get_runtime_context().gcs_address, raise_on_missing_output=False,

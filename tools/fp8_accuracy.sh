@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# FP8 frozen base, accuracy (issue #17): does model.base_fp8 change what a real run learns?
+# FP8 frozen base, accuracy: does model.base_fp8 change what a real run learns?
 #
 #   bash tools/fp8_accuracy.sh OUT [SEEDS]        (SEEDS default "0 1"; needs 2 GPUs per seed, CC >= 8.9)
 #   CFG=experiments/tiny-cpu.yaml EXTRA="train.max_steps=4" bash tools/fp8_accuracy.sh OUT 0   (a CPU smoke run)

@@ -1,4 +1,4 @@
-"""Two Ray nodes on one multi-GPU host (issue #17's "across nodes"): a head and a worker node started with
+"""Two Ray nodes on one multi-GPU host (training across nodes): a head and a worker node started with
 `ray start`, the host's GPUs split between them through CUDA_VISIBLE_DEVICES.
 
     python tools/two_node.py bench  --out DIR [--gpus-per-node 2] [-- BENCH ARGS]

@@ -269,11 +269,11 @@ def _in_output(found: dict, staged: Path, output: str) -> dict:
 
 def _log_best(cfg: Config, result, run_id: Optional[str], summary: dict, notes: list, local) -> Optional[tuple]:
     """The best checkpoint (:func:`best_checkpoint`) into the summary, and as an MLflow artifact; returns its
-    ``(local dir, metrics)`` (None when no checkpoint was evaluated at its own step). ``local``:
+    ``(local dir, metrics)`` (None when no checkpoint has a finite evaluation of its own step). ``local``:
     ``outputs.local_checkpoints``."""
     best = best_checkpoint(result.best_checkpoints)
     if best is None and result.best_checkpoints:
-        notes.append("no checkpoint was evaluated at its own step: no best checkpoint")
+        notes.append("no checkpoint has a finite evaluation of its own step: no best checkpoint")
     if best is None:
         return None
     summary["best_step"], summary["best_val_bpt"] = best[1].get("step"), best[1][BEST_METRIC]

@@ -60,7 +60,8 @@ def _peft_model(cfg: Config, *, vocab_size: int, dtype, device):
 def full_model(cfg: Config, *, vocab_size: int, dtype) -> Optional[FullModel]:
     """Under scaling.strategy=fsdp, on rank 0: the whole model as a ddp run on the CPU builds it (the base read from
     its source or, for a preset, initialised from the seed; then the seeded LoRA factors), on the host, to fill
-    every rank's shards with; None elsewhere. The global RNG is left as it was.
+    every rank's shards with; None elsewhere. The CPU generator is left as it was; CUDA's are reseeded (the seeded
+    LoRA factors), and :func:`build` seeds every generator of each rank right after.
 
     A preset is drawn on the CPU here, so its values are a CPU ddp run's; a GPU ddp run draws a preset on its device,
     from CUDA's generator (other numbers, the same distribution). A random-init shape larger than rank 0's host

@@ -115,7 +115,7 @@ class Family:
     ``fusable``: ``model.fuse_lora`` applies; ``layers``: per-layer (matmul parameters, mixer FLOPs per token) where
     the Llama count does not hold; ``kernels``: the optional fast kernels and which path runs; ``prepare``: what a base
 model of the family needs before training (Granite-4.0-H: its Mamba mixers keep out_proj a module, ``mamba.py``);
-``preset``: the values a hardware preset sets for the family on top of the card's (config.resolve);
+``preset``: the values a hardware preset sets for the family on top of the card's (driver.resolve);
 ``recompute_elementwise``: what ``model.recompute_elementwise=auto`` picks (off where it was measured slower)."""
 
     classes: tuple[str, ...]
