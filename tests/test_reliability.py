@@ -607,6 +607,49 @@ def test_rays_checkpoint_manager_ranks_an_unscored_checkpoint_last_and_reads_it_
     assert after3 == [2, 3] and "NoneType" in str(rerun)
 
 
+@pytest.mark.parametrize("scored", [True, False])
+def test_a_snapshot_of_checkpoints_reported_without_their_score_is_scored_before_ray_reads_it_back(tmp_path, scored):
+    """A run whose checkpoints were reported without ckpt.BEST_METRIC: steps 1 and 2 evaluated at their own step
+    (held-out BPT 2.0, 1.0), step 3 a preemption's (its report carries step 2's evaluation). registered.score_snapshot
+    gives each its own step's value or UNSCORED, so that the re-run's manager (run.num_to_keep=1) keeps the evaluated
+    best (step 2) and the latest after step 4's (1.5); left as they were, the unscored ones rank best under "min" and
+    the evaluated best goes."""
+    import asyncio
+
+    from ray.train import Checkpoint
+    from ray.train.v2._internal.execution.checkpoint.checkpoint_manager import CheckpointManager
+    from ray.train.v2._internal.execution.context import StorageContext
+    from ray.train.v2._internal.execution.training_report import _TrainingReport
+
+    from raytrain_scu.core.registered import score_snapshot
+    from raytrain_scu.ray.launch import build_trainer
+
+    def config(keep: int):
+        return build_trainer(tiny_cfg(tmp_path, "old", f"run.num_to_keep={keep}"), use_gpu=False,
+                             run_id=None).run_config.checkpoint_config
+
+    async def run() -> list:
+        storage = StorageContext(storage_path=str(tmp_path), experiment_dir_name="old")
+
+        def register(manager, step: int, metrics: dict) -> None:
+            (tmp_path / "old" / f"checkpoint_{step:08d}").mkdir(parents=True)
+            checkpoint = Checkpoint(str(tmp_path / "old" / f"checkpoint_{step:08d}"))
+            manager.register_checkpoint(_TrainingReport(checkpoint, {"step": step, **metrics}, False))
+
+        old = CheckpointManager(config(3), storage)
+        for step, (val, val_step) in ((1, (2.0, 1)), (2, (1.0, 2)), (3, (1.0, 2))):
+            register(old, step, {"val/data_bpt": val, "val/step": val_step})
+        if scored:
+            assert score_snapshot(tmp_path / "old", ckpt.BEST_METRIC, ckpt.UNSCORED) == 3
+        register(CheckpointManager(config(1), storage), 4, {ckpt.BEST_METRIC: 1.5, "val/data_bpt": 1.5,
+                                                            "val/step": 4})
+        return [int(d.name[-8:]) for d in checkpoint_dirs(tmp_path / "old")]
+
+    assert asyncio.run(run()) == ([2, 4] if scored else [3, 4])
+    if scored:
+        assert score_snapshot(tmp_path / "old", ckpt.BEST_METRIC, ckpt.UNSCORED) == 0  # every one has its score now
+
+
 # one worker, a checkpoint and an evaluation every 2 steps, one checkpoint kept besides the latest; at this learning
 # rate the held-out BPT is lowest at step 6 and higher again at step 8
 RANKED_RUN = ["tracking.enabled=false", "scaling.num_workers=1", "train.max_steps=8", "train.checkpoint_every=2",

@@ -44,3 +44,39 @@ def record_committed(run_dir: str | Path, name: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps({"checkpoints": names}))
     os.replace(tmp, path)
+
+
+def score_snapshot(run_dir: str | Path, key: str, unscored: float) -> int:
+    """Ray Train's snapshot (its checkpoints ranked under ``checkpoint_score_order="min"``) in ``run_dir`` of a run whose checkpoints were reported without their own score ``key``:
+    each listed checkpoint without it gets its own step's held-out BPT (``val/data_bpt`` where ``val/step`` is its
+    step) or ``unscored``, as the run's new checkpoints are reported. Ray reads the snapshot back when the run
+    resumes, and it ranks a checkpoint without the key best under "min": such a checkpoint would never be deleted,
+    and each newly evaluated best would be, under ``run.num_to_keep``. Rewritten in one rename; returns how many
+    checkpoints it scored (0 when there is no snapshot, every one has its score, or it cannot be read: Ray then says
+    so itself when it reads it)."""
+    path = Path(run_dir) / RAY_SNAPSHOT
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return 0
+    results = [*data.get("checkpoint_results", []), *data.get("pending_training_results", []),
+               data.get("latest_checkpoint_result") or {}]
+    scored = set()  # the snapshot lists the latest checkpoint twice: among the kept ones and as the latest
+    for result in results:
+        metrics = result.get("metrics")
+        if metrics is None or key in metrics:
+            continue
+        own = metrics.get("val/step") == metrics.get("step") and metrics.get("val/data_bpt") is not None
+        metrics[key] = float(metrics["val/data_bpt"]) if own else unscored
+        scored.add(result.get("checkpoint_dir_name"))
+    if scored:
+        # Ray keeps the list sorted, best last (under "min", as ray.launch sets: the highest score first), ties by
+        # report order, and reads it back as it is: sorted again by the new scores, its report indices with it
+        ranked = sorted(zip(data["checkpoint_results"], data["checkpoint_report_indices"]),
+                        key=lambda pair: (-pair[0]["metrics"][key], pair[1]))
+        data["checkpoint_results"] = [result for result, _ in ranked]
+        data["checkpoint_report_indices"] = [index for _, index in ranked]
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(data))
+        os.replace(tmp, path)
+    return len(scored)

@@ -26,6 +26,7 @@ from raytrain_scu.config.schema import Config
 from raytrain_scu.console import Progress, format_summary
 from raytrain_scu.core import storage
 from raytrain_scu.core.checkpoint import BEST_METRIC, UNSCORED, disk_full, is_disk_full, newest_good_local, read_meta
+from raytrain_scu.core.registered import score_snapshot
 from raytrain_scu.driver import outputs
 from raytrain_scu.driver.generate import BASE_RECIPE, base_recipe
 from raytrain_scu.driver.lock import run_lock
@@ -191,6 +192,8 @@ def _launch(cfg: Config, facts: dict, run_id: Optional[str], *, verbose: bool):
     ray_logs = launch.logs_dir()
     if not verbose:
         print(f"[raytrain_scu] Ray's and the workers' logs: {ray_logs} (--verbose shows them here)", flush=True)
+    if not RunPaths.of(cfg).remote:  # a run reported before checkpoints carried their own score: scored as now
+        score_snapshot(RunPaths.of(cfg).local, BEST_METRIC, UNSCORED)
     sink = Sink()
     # the watchdog's actor exists from here: the block kills it whatever raises below (building the trainer, fit)
     with launch.hang_watchdog(cfg, use_gpu=facts["use_gpu"]) as watchdog:
