@@ -56,13 +56,18 @@ def layer_of(name: str) -> int:
 
 def imports_of(name: str, path: Path) -> set[str]:
     """The package modules ``name`` imports, anywhere in the file (``from raytrain_scu.x import y`` counts x.y when
-    that is a module, else x), and the packages each of them sits in (whose ``__init__`` runs first)."""
+    that is a module, else x; an ``importlib.import_module`` or ``__import__`` of a literal name too), and the
+    packages each of them sits in (whose ``__init__`` runs first)."""
     mods, found = modules(), set()
     is_pkg = path.name == "__init__.py"
     for node in ast.walk(ast.parse(path.read_text())):
         targets = []
         if isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant) and (
+                getattr(node.func, "attr", None) == "import_module" or getattr(node.func, "id", None) == "__import__"):
+            name_ = str(node.args[0].value)
+            targets = [name_.removeprefix("raytrain_scu").lstrip(".")] if name_.startswith("raytrain_scu") else []
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = name.split(".")[: len(name.split(".")) - node.level + is_pkg]
@@ -120,41 +125,19 @@ def test_the_import_graph_has_no_cycles():
     assert not cycles, cycles
 
 
-def package_imports(source: str, name: str, is_pkg: bool = False) -> list[tuple[int, str]]:
-    """``(line, dotted module)`` of every import of the package in ``source`` (module ``name`` below raytrain_scu):
-    each ``import`` and ``from`` statement wherever it sits (a function's body too), relative ones resolved, and each
-    ``importlib.import_module`` / ``__import__`` call with a literal name."""
-    found = []
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Import):
-            found += [(node.lineno, a.name) for a in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            module = node.module or ""
-            if node.level:
-                base = name.split(".")[: len(name.split(".")) - node.level + is_pkg]
-                module = ".".join(["raytrain_scu", *base, *([module] if module else [])])
-            found += [(node.lineno, f"{module}.{a.name}") for a in node.names]
-        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
-            if getattr(node.func, "attr", None) == "import_module" or getattr(node.func, "id", None) == "__import__":
-                found.append((node.lineno, str(node.args[0].value)))
-    return sorted((line, m) for line, m in found if m == "raytrain_scu" or m.startswith("raytrain_scu."))
-
-
-def test_config_imports_nothing_above_its_floor():
-    """config/ is the pure floor the others build on: every import of the package in it, inside a function too,
-    names config itself or errors (the front door, which reads the cards and the model, is driver/resolve.py).
-    ``config/__main__.py`` is the ``python -m raytrain_scu.config`` shim over cli/, the top floor."""
-    sample = ("import os\ndef f():\n    from raytrain_scu.core.model import families\n    import raytrain_scu.ray\n"
-              "    return importlib.import_module('raytrain_scu.driver.resolve')\nfrom . import schema\n")
-    seen = [m for _, m in package_imports(sample, "config.x")]
-    assert seen == ["raytrain_scu.core.model.families", "raytrain_scu.ray", "raytrain_scu.driver.resolve",
-                    "raytrain_scu.config.schema"], seen
-    found = [(f"{name}:{line}", module) for name, path in modules().items()
-             if name.split(".")[0] == "config" and not name.endswith("__main__")
-             for line, module in package_imports(path.read_text(), name, path.name == "__init__.py")]
-    assert any(w.startswith("config.load:") and m == "raytrain_scu.config.schema.Config" for w, m in found)  # real
-    above = [f"{where} imports {module}" for where, module in found
-             if not (module + ".").startswith(("raytrain_scu.config.", "raytrain_scu.errors."))]
+def test_config_imports_nothing_above_its_floor(tmp_path):
+    """config/ is the pure floor the others build on: every import of the package in it, inside a function or through
+    importlib too, names config itself or errors (the front door, which reads the cards and the model, is
+    driver/resolve.py). ``config/__main__.py`` is the ``python -m raytrain_scu.config`` shim over cli/, the top floor."""
+    sample = tmp_path / "x.py"
+    sample.write_text("import os\ndef f():\n    from raytrain_scu.core.model import families\n    import raytrain_scu.ray\n"
+                      "    return importlib.import_module('raytrain_scu.driver.resolve')\nfrom . import schema\n")
+    assert {"core.model.families", "ray", "driver.resolve", "config.schema"} <= imports_of("config.x", sample)
+    g = graph()
+    assert "config.schema" in g["config.load"]  # the graph is config's real one
+    above = [f"{a} imports {b}" for a, targets in g.items()
+             if a.split(".")[0] == "config" and not a.endswith("__main__")
+             for b in targets if b.split(".")[0] not in ("config", "errors")]
     assert not above, above
 
 
