@@ -130,12 +130,9 @@ def report(s: State, step: int, row: dict, is_ckpt: bool) -> None:
         metrics[NOTICES] = "\n".join(notices)
     if is_ckpt:
         # the checkpoint's score, what Ray Train's top-k (run.num_to_keep) and the driver's best rank by: this step's
-        # own held-out DataBPT, else UNSCORED (ranked last). A checkpoint with no evaluation of its own (a
-        # preemption's), scored on the last evaluation's val/data_bpt, would tie the checkpoint evaluated there and,
-        # as the later one, outrank it: Ray would delete the evaluated one. Ranked last, it stays while it is the
-        # newest (Ray never deletes its latest checkpoint), for the resume. Neither left out nor NaN: Ray 2.60 ranks a
-        # missing score best under "min", and NaN breaks its snapshot (core.checkpoint.UNSCORED). val/data_bpt keeps
-        # the last measured value, for the console and Tune.
+        # own held-out DataBPT, else UNSCORED, ranked last (a preemption's checkpoint: on the last evaluation's value
+        # it would tie the checkpoint evaluated there and, the later one, displace it). Ray never deletes its latest
+        # checkpoint, so an unscored one stays for the resume. val/data_bpt keeps the last measured value (console)
         own = s.rec.val_step == step + 1 and math.isfinite(s.rec.val_bpt)
         metrics[ckpt.BEST_METRIC] = s.rec.val_bpt if own else ckpt.UNSCORED
     rng_states = all_gather_object(ckpt.rng_state()) if is_ckpt else None  # all ranks: each rank's RNG
