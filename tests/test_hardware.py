@@ -252,9 +252,10 @@ def test_fused_loss_and_fp32_and_compile():
 
 
 def test_the_elementwise_recompute_term_matches_the_h100_ab():
-    """model.recompute_elementwise under compile: the estimate drops by what the H100 A/B measured (docs/benchmarks.md,
-    2026-11-28: ours against ours_acts_kept, 24.25 -> 18.29 GiB at 1B 8 x 2048, 34.74 -> 29.19 GiB at 8B 2 x 2048),
-    within 10%; auto is always for a Llama and never for the Mamba hybrid; eager has nothing to recompute."""
+    """model.recompute_elementwise under compile: the estimate drops by what the H100 A/B measured
+    (docs/log/benchmarks.md, 2026-11-28: ours against ours_acts_kept, 24.25 -> 18.29 GiB at 1B 8 x 2048,
+    34.74 -> 29.19 GiB at 8B 2 x 2048), within 10%; auto is always for a Llama and never for the Mamba hybrid; eager
+    has nothing to recompute."""
     from raytrain_scu.core.model.presets import preset_config
     from raytrain_scu.hardware.shape import shape_of
 
@@ -283,7 +284,7 @@ def test_the_elementwise_recompute_term_matches_the_h100_ab():
 
 def test_the_fp8_copies_are_counted_as_the_h200_runs_measured():
     """model.base_fp8 keeps two e4m3 copies of every adapted projection beside the bf16 base, model.head_fp8 two of
-    the LM head: the estimate rises by what the same H200 run measured (docs/benchmarks.md, 2026-11-28: ours against
+    the LM head: the estimate rises by what the same H200 run measured (docs/log/benchmarks.md, 2026-11-28: ours against
     ours_fp8, 18.29 -> 20.10 GiB at 1B 8 x 2048 and 29.19 -> 42.20 at 8B 2 x 2048), within 10%, and the head's copies
     by the 0.49 GiB the 1B run's built model held for them (its lm_head entry; the head is tied there); with the head,
     the peak moved by -0.49 GiB at 1B and +0.49 at 8B (the chunk's logit gradient in e4m3 offsets the copies): the
@@ -318,7 +319,7 @@ def test_the_fp8_copies_are_counted_as_the_h200_runs_measured():
 
 
 def test_estimate_matches_h200_measurements_at_block_2048():
-    """Peak torch.cuda.max_memory_allocated() of the bench runs on an H200 (docs/benchmarks.md, 2026-11-26: ours,
+    """Peak torch.cuda.max_memory_allocated() of the bench runs on an H200 (docs/log/benchmarks.md, 2026-11-26: ours,
     ours_best, mem_bf16); the estimate without its CUDA-context term, which that counter does not see, within 10%."""
     proj = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     for batch, ckpt, comp, chunk, measured in [(8, False, True, 4096, 28.16), (16, False, True, 4096, 47.94),
@@ -366,7 +367,7 @@ def test_a_mamba_hybrid_shape_counts_its_parameters_and_adapters_as_the_model_ha
 
 
 def test_the_granite_estimate_matches_h200_measurements():
-    """Peak torch.cuda.max_memory_allocated() of the bench's granite parts on an H200 (docs/benchmarks.md), against
+    """Peak torch.cuda.max_memory_allocated() of the bench's granite parts on an H200 (docs/log/benchmarks.md), against
     the estimate without its CUDA-context term, within 10%: with the kernels, compiled (32 x 1024; 8 x 2048 measured
     with the whole mixer eager) and eager, bf16; and on transformers' torch path with checkpointing, the one point
     its scan term was fitted on (so that row checks only that the formula keeps it)."""

@@ -175,8 +175,8 @@ def test_every_fp8_run_learns_on_the_real_model(fp8_runs):
 
 
 def _missed(reason: str):
-    return pytest.mark.xfail(strict=True, raises=AssertionError, reason=f"measured on an H200 (docs/benchmarks.md): "
-                                                                        f"{reason}")
+    return pytest.mark.xfail(strict=True, raises=AssertionError,
+                             reason=f"measured on an H200 (docs/log/benchmarks.md): {reason}")
 
 
 @pytest.mark.gpu

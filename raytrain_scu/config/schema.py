@@ -39,7 +39,7 @@ class ModelConfig:
     offload_activations: bool = False
     # at most this many GiB of them move, the first saved (the bottom layers'); 0 = all, which needs checkpointing.
     # The peak falls by about this much; the copies run beside the step and slow its GEMMs a little (measured on an
-    # H200, 8B shape, 2 x 2048: 2 GiB takes 1.94 GiB off the peak at 1.3-1.7 % less speed; docs/benchmarks.md)
+    # H200, 8B shape, 2 x 2048: 2 GiB takes 1.94 GiB off the peak at 1.3-1.7 % less speed; docs/log/benchmarks.md)
     offload_activations_gib: float = 0.0
     compile: bool = False  # torch.compile the model (what hardware presets pick on A100/H100/H200/4090)
     # torch.compile mode: default | reduce-overhead | max-autotune | max-autotune-no-cudagraphs (the CUDA-graph
@@ -49,14 +49,14 @@ class ModelConfig:
     compile_scope: str = "layers"
     # under compile, the backward recomputes elementwise results (norm outputs, SiLU(gate)*up) instead of saving their
     # outputs (never a GEMM, attention or a custom kernel): auto | always | never. auto: on for every family but
-    # Granite-4.0-H's Mamba hybrid, where it measured slower (core.model.families; docs/benchmarks.md, H100 A/Bs)
+    # Granite-4.0-H's Mamba hybrid, where it measured slower (core.model.families; docs/log/benchmarks.md, H100 A/Bs)
     recompute_elementwise: str = "auto"
     fused_loss: bool = True  # chunked linear + cross-entropy: logits are never materialised in fp32
     loss_chunk_size: int = 4096  # tokens per chunk of the fused loss
     fuse_lora: bool = False  # Llama: q/k/v, gate/up one frozen GEMM each + one of their LoRA A's (fused_lora.py)
     # LoRA-base GEMMs in FP8 e4m3, rowwise (fp8.py): CUDA >= 8.9; CPU: torch 2.13, not 2.11. Faster; on SmolLM2-135M
     # (with gptq codes) the run's own held-out BPT, through FP8, is 0.018 bits above bf16's, its adapters scored in
-    # bf16 as good as bf16-trained ones (docs/benchmarks.md)
+    # bf16 as good as bf16-trained ones (docs/log/benchmarks.md)
     base_fp8: bool = False
     # how base_fp8 picks each weight's e4m3 code: gptq (against the inputs of fp8_calibration_blocks training blocks,
     # so each layer's output moves least: about half nearest's held-out cost; same speed; calibrated once per model,
@@ -67,7 +67,7 @@ class ModelConfig:
     # e.g. model.layers.29.mlp.up_proj,model.layers.29.mlp.down_proj (SmolLM2's last up/down: -0.003 bits there)
     fp8_exclude: list[str] = field(default_factory=list)
     # the frozen LM head's two GEMMs in FP8 e4m3, rowwise (fp8.py), on base_fp8's devices. Faster, at a larger held-out
-    # cost (with base_fp8: +0.09 bits, docs/benchmarks.md)
+    # cost (with base_fp8: +0.09 bits, docs/log/benchmarks.md)
     head_fp8: bool = False
     trust_remote_code: bool = False  # allow a hub model's own Python code (transformers' trust_remote_code)
     # where converted GGUF models, tokenizers and GPTQ's FP8 codes are kept ("" = ~/.cache/raytrain_scu)

@@ -6,7 +6,7 @@ The codes keep fp8.py's row scales and runtime GEMM; only which e4m3 value each 
 et al., 2022) rounds the input columns one at a time and spreads each column's rounding error over the columns not
 yet rounded, weighted by the inverse of the input second moment H = E[x xᵀ] from calibration blocks: correlated
 inputs let a later column cancel an earlier one's error in the product. On the real SmolLM2-135M (H200) this took the
-FP8 forward's held-out cost before training from 0.040 to 0.018 bits (docs/benchmarks.md).
+FP8 forward's held-out cost before training from 0.040 to 0.018 bits (docs/log/benchmarks.md).
 
 Calibration is sequential by decoder layer: layer i's projections see the inputs that layer i-1, already in FP8,
 gives them, as at training time. Each pass runs the model in eval mode up to the end of the layer being calibrated and

@@ -13,8 +13,10 @@ objects), so the optimizer, ParamBPT, checkpoints and saved adapters are those o
 
 Memory: the concatenated weight is built once per layer and the base ``q_proj``/``k_proj``/... weights become views
 into it, so the base's parameters cost no more than before (one layer's q/k/v or gate/up is held twice for a moment
-while it is built). The training step's peak is higher: +1.3 GiB on an H100 at the bench's 1B shape (docs/benchmarks.md),
-from what the function saves for its backward (the input, the A-products and the scaled block-diagonal of the B's). The concatenation is a frozen Parameter (not a buffer, which DDP broadcast at every forward when it was used); it
+while it is built). The training step's peak is higher: +1.3 GiB on an H100 at the bench's 1B shape
+(docs/log/benchmarks.md), from what the function saves for its backward (the input, the A-products and the scaled
+block-diagonal of the B's).
+The concatenation is a frozen Parameter (not a buffer, which DDP broadcast at every forward when it was used); it
 appears in ``state_dict()`` under ``fused_qkv_weight``/``fused_gate_up_weight`` but never in a saved adapter.
 
 Only transformers' own ``LlamaForCausalLM`` (Llama, SmolLM, ...) is fused: its attention and MLP forwards are

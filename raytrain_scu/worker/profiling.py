@@ -12,7 +12,7 @@ The copy account, from the same trace, charges the device time of every copy (a 
 host operators around its launch, innermost last: which cast, ``contiguous`` or ``cat`` in which phase wrote it.
 
 Recording the host's operators slows the host, and the device then waits on it where an unprofiled step would not
-(docs/benchmarks.md measures how much). With ``train.profile_host=false`` only the device is recorded
+(docs/log/benchmarks.md measures how much). With ``train.profile_host=false`` only the device is recorded
 (:func:`device_account`): its idle stretches are close to an unprofiled step's, each named by the kernels on either
 side of it.
 """

@@ -146,7 +146,7 @@ FAMILIES: dict[str, Family] = {
     "granitemoeshared": Family(("GraniteMoeSharedForCausalLM",), head=granite_head),
     "granitemoehybrid": Family(("GraniteMoeHybridForCausalLM",), head=granite_head, layers=granite_hybrid_layers,
                                kernels=mamba_kernels, prepare=keep_out_proj_a_module, preset=granite_hybrid_preset,
-                               recompute_elementwise=False),  # 10.8% slower on an H100 (docs/benchmarks.md)
+                               recompute_elementwise=False),  # 10.8% slower on an H100 (docs/log/benchmarks.md)
     "gemma2": Family(("Gemma2ForCausalLM",), head=gemma_head),
     "gemma3_text": Family(("Gemma3ForCausalLM",), head=gemma_head),
     "cohere": Family(("CohereForCausalLM",), head=cohere_head),

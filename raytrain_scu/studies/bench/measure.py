@@ -77,7 +77,7 @@ def peak_reserved() -> float:
 
 def free() -> None:
     """A part's memory and compiled graphs: left in place, a later part at another batch recompiled the shared layer
-    graph and ran slower (docs/benchmarks.md)."""
+    graph and ran slower (docs/log/benchmarks.md)."""
     torch._dynamo.reset()
     gc.collect()
     if torch.cuda.is_available():

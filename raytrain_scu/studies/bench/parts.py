@@ -163,7 +163,7 @@ PEERS_AT_EVERY_SHAPE = {
     # gradient checkpointing as the other SFT parts, and with Unsloth's recommended "unsloth" checkpointing
     "sft_ref_unsloth": Part(_sft_unsloth(False), peer=True, sft=True),
     "sft_ref_unsloth_gc": Part(_sft_unsloth("unsloth"), peer=True, sft=True),
-    # the Trainer's torch_compile=True: Inductor fails on TRL's own LM-head kernel there (docs/benchmarks.md)
+    # the Trainer's torch_compile=True: Inductor fails on TRL's own LM-head kernel there (docs/log/benchmarks.md)
     "sft_ref_trl_compiled": Part(_sft_trl("flex_attention", compile_=True), peer=True, isolated=True, sft=True),
 }
 PARTS: dict[str, Part] = {
@@ -204,7 +204,7 @@ PARTS: dict[str, Part] = {
     "granite_qlora": Part(_granite(load_in_4bit=True), loop=True),
 }
 SCALE_NS = (2, 4, 8)  # the `scale` group: ray1 and rayN for these N up to the GPUs here
-# named sets of parts; each fits one 10-minute call on one H100 or H200 (docs/benchmarks.md has the measured times)
+# named sets of parts; each fits one 10-minute call on one H100 or H200 (docs/log/benchmarks.md has the measured times)
 GROUPS = {"1b": "attn,ref_eager,ref_compile_default,ref_compile,ours,ours_fp8,scu_none,ray1,mem_bf16,mem_qlora_emb8,"
                 "ref_liger,ref_liger_layers",
           # the QLoRA part that meets the 8B QLoRA bounds: compiled, the offloaded embedding, the layers' inputs on
