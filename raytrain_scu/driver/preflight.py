@@ -43,7 +43,7 @@ from raytrain_scu.driver.early import as_preflight, check_inputs
 from raytrain_scu.errors import CheckpointError, DataError, ModelError, PreflightError
 
 MIN_BLOCK_SUGGESTED = 32  # a shorter block holds too little context to be worth suggesting as a fix
-BNB_COMPILES = (0, 50)  # the bitsandbytes whose 4-bit layers were measured compiled (docs/benchmarks.md)
+BNB_COMPILES = (0, 50)  # the bitsandbytes whose 4-bit layers were measured compiled (docs/log/benchmarks.md)
 
 
 def visible_gpus() -> int:
