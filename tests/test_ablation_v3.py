@@ -247,7 +247,7 @@ def test_bad_input_exits_2_and_a_later_call_may_not_change_the_rules(tmp_path, c
 
 # ---------------------------------------------------------------- the committed records
 
-def test_the_committed_report_and_readmes_figures_come_from_the_committed_results(tmp_path):
+def test_the_committed_report_and_the_scu_pages_figures_come_from_the_committed_results(tmp_path):
     out = ROOT / "docs" / "ablation-v3"
     results = json.loads((out / "results.json").read_text())
     text = v3_report.write(results, tmp_path, n_boot=2000, plots=False)
@@ -255,34 +255,37 @@ def test_the_committed_report_and_readmes_figures_come_from_the_committed_result
     per, answer = v3_report.numbers(results, 50)
     assert all(per[pl]["complete"] for pl in p.ORDER)
     assert answer["verdicts"] == {"P5": True, "P3": False, "P4": False} and not answer["adopt"]
-    readme = " ".join((ROOT / "README.md").read_text().split())  # the README's words, its line breaks aside
+    page = " ".join((ROOT / "docs" / "scu.md").read_text().split())  # the SCU page's words, line breaks aside
+    readme = " ".join((ROOT / "README.md").read_text().split())
 
     def num(x):
-        return f"{x:+.4f}".replace("-", "−")  # the README writes a minus sign
+        return f"{x:+.4f}".replace("-", "−")  # the pages write a minus sign
 
-    # the first sentence: failed on P3 and P4, met on P5, so the default is early stopping
-    assert "Does SCU help? Not as the default: in the pre-registered study v3 the grid-free target S\\* = 0.23 " \
-           "failed its test on P3 and P4 (it met it on P5), so the package's default is early stopping" in readme
+    # the README's answer: met on P5 alone, so the default is early stopping; the page's, plant by plant
+    met = sum(answer["verdicts"].values())
+    assert f"a grid-free S* = 0.23 met its test on {met} of {len(answer['verdicts'])} plants" in readme
+    assert "so `controller.mode=none` (early stopping) is the default" in readme
+    assert "**the rule failed the test on P3 and P4** and met it on P5" in page
     for pl, word in (("P5", "met"), ("P3", "failed"), ("P4", "failed")):  # the primary endpoint, plant by plant
         g = per[pl]["gaps"][0]
-        assert f"{num(g['mean'])} [{num(g['t_low'])}, {num(g['t_high'])}], {word}" in readme, pl
-    assert f"the grid's best λ there is {per['P4']['choice']['best_lambda']:g}" in readme
+        assert f"{num(g['mean'])} [{num(g['t_low'])}, {num(g['t_high'])}], {word}" in page, pl
+    assert f"the grid's best λ there is {per['P4']['choice']['best_lambda']:g}" in page
     # the table of one-run arms, the lowest per plant in bold, and the post-hoc criterion's numbers
     one = answer["one_run"]
     for pl in p.ORDER:
         low = min(one["bpt"][pl].values())
         cells = [f"**{v:.4f}**" if v == low else f"{v:.4f}" for v in one["bpt"][pl].values()]
-        assert f"| {pl} | " + " | ".join(cells) + " |" in readme, pl
+        assert f"| {pl} | " + " | ".join(cells) + " |" in page, pl
     assert list(one["arms"]) == ["law", "carried", "early", "law_best"] and one["chosen"] == "early"
     w, m = one["worst"], one["mean"]
     assert f"Early stopping's worst gap to a plant's best is the smallest, {w['early']:.3f} bits/token (the SCU's " \
-           f"{w['law']:.3f}, λ = 0.1's {w['carried']:.3f}), and so is its mean gap ({m['early']:.3f})" in readme
+           f"{w['law']:.3f}, λ = 0.1's {w['carried']:.3f}), and so is its mean gap ({m['early']:.3f})" in page
     assert min(m, key=m.get) == "early"
     near = max(one["gap"]["law"]["P5"], one["gap"]["law"]["P3"])
     assert near < 0.002 and "within 0.002 bits of the best one-run arm on P5 and P3 and " \
-                           f"{one['gap']['law']['P4']:.3f} behind it on P4" in readme
+                           f"{one['gap']['law']['P4']:.3f} behind it on P4" in page
     s_best = sorted(per[pl]["choice"]["s_best"] for pl in p.ORDER)
-    assert f"ended at S = {s_best[0]:.2f}–{s_best[-1]:.2f}" in readme
+    assert f"ended at S = {s_best[0]:.2f}–{s_best[-1]:.2f}" in page
     log = " ".join((ROOT / "docs" / "ablation-v3.md").read_text().split())
     assert f"early stopping, at most {w['early']:+.4f} bits/token behind (mean {m['early']:+.4f}), against " \
            f"{w['law']:+.4f} for the law, {w['carried']:+.4f} for λ = 0.1 and {w['law_best']:+.4f} for the law's " \
