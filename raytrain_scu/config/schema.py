@@ -180,7 +180,7 @@ class TrainConfig:
 class ControllerConfig:
     # none (λ = 0) | fixed (λ = lambda_init) | scu (λ under the control law). none: with run.primary_adapter=best
     # this is early stopping, what study v3 found the best one-run choice across its plants; the grid-free SCU
-    # target failed its pre-registered test on 2 of 3 plants (docs/ablation-v3.md, README "Does SCU help?")
+    # target failed its pre-registered test on 2 of 3 plants (docs/ablation-v3.md, docs/scu.md)
     mode: str = "none"
     # the update law under scu (core.laws.LAWS): logodds (PI on ln λ, log-odds error; docs/control.md), the GPU
     # study v2's choice (docs/ablation-v2.md) | spec (SCU_SPEC.md, exact). Each reads its own gains (LAW_KEYS)
