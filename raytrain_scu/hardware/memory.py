@@ -75,7 +75,7 @@ from raytrain_scu.errors import MemoryFitError
 GIB = 2**30
 
 
-# Constants of the estimate. Its structure follows what PyTorch keeps alive in a training step; docs/deploy.md §6
+# Constants of the estimate. Its structure follows what PyTorch keeps alive in a training step; docs/log/deploy.md
 # compares it with torch.cuda.max_memory_allocated() on the bench's shapes (1B and 8B, bf16, LoRA r16 on all seven
 # projections, the loop's autocast and chunked loss): eager runs land at 0.96-1.07x the measured peak without the
 # CUDA overhead term. Under autocast the input copies the LoRA matmuls save are in the compute dtype, and under
@@ -214,7 +214,7 @@ def _adapter_inputs(a: int, targets: list, dims: dict) -> int:
     float32 and autocast casts it back (torch.compile fuses them away: see the constants above). The loop turns that
     cast off under autocast (core.model.build.keep_lora_inputs_in_autocast_dtype), so its eager steps save no such
     copy: the term over-estimates them, which lowers a default batch or refuses an explicit one that would fit. The
-    eager calibration points (docs/deploy.md §6) were measured with the copy, so the term is kept with them."""
+    eager calibration points (docs/log/deploy.md) were measured with the copy, so the term is kept with them."""
     return 0 if a == 4 else a * sum(dims[t][0] for t in targets)
 
 
