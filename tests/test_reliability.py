@@ -1210,7 +1210,7 @@ def test_corrupt_latest_checkpoint_falls_back_then_none_good_is_a_clear_error(tm
     truncate(run_dir / "checkpoint_00000020" / "state.pt")
 
     capfd.readouterr()
-    assert resume_point(tiny_cfg(tmp_path, "c", *args))[0].name == "checkpoint_00000010"
+    assert resume_point(tiny_cfg(tmp_path, "c", *args), use_gpu=False)[0].name == "checkpoint_00000010"
     assert "bad checkpoint(s)" in capfd.readouterr().err  # the driver's warning, before any worker starts
     again = local_run(tmp_path, "c", *args)
     redone = run_dir / "checkpoint_00000020_from00000010"  # resumed at 10, redid 11..20 under a new name

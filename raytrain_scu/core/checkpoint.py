@@ -204,19 +204,23 @@ def read_meta(ckpt_dir: str | Path) -> dict:
     return json.loads((Path(ckpt_dir) / "meta.json").read_text())
 
 
-# structure keys newer than some checkpoints: what a checkpoint without one was made with
-STRUCTURE_ADDED = {"quant.embedding_int8": False, "controller.law": "spec"}
+# structure keys newer than some checkpoints: what a checkpoint without one was made with; None where that is unknown,
+# which any value matches (a preset's draw device, CUDA under GPU ddp, else the CPU: an older checkpoint resumes)
+STRUCTURE_ADDED = {"quant.embedding_int8": False, "controller.law": "spec", "model.init_device": None}
+# what resumes a checkpoint whose value of a key is not this run's, from the checkpoint's value
+RESUME_WITH = {"controller.law": "set controller.law={}".format, "model.init_device": {
+    "cuda": "set scaling.strategy=ddp on GPU workers (its preset base was drawn on CUDA, as GPU ddp workers draw it)",
+    "cpu": "set scaling.strategy=fsdp (its preset base was drawn on the CPU, as under fsdp or by CPU workers)"}.get}
 
 
 def check_structure(meta: dict, structure: dict) -> None:
-    """Refuse a checkpoint made for a different base model / LoRA shape / block size."""
+    """Refuse a checkpoint made for a different base model (or preset draw) / LoRA shape / block size / law."""
     saved = {**STRUCTURE_ADDED, **meta.get("structure", {})}
     diffs = [f"{k}: checkpoint has {saved.get(k)!r}, config has {v!r}" for k, v in structure.items()
-             if saved.get(k) != v]
+             if k not in saved or saved[k] not in (v, None)]
     if diffs:
-        law = saved.get("controller.law")
-        keep = (f" To resume it, set controller.law={law}." if "controller.law" in structure
-                and law != structure["controller.law"] else "")
+        keep = "".join(f" To resume it, {fix(saved[k])}." for k, fix in RESUME_WITH.items()
+                       if k in structure and saved.get(k) not in (structure[k], None))
         raise CheckpointError("cannot resume: the checkpoint was made for a structurally different run ("
                               + "; ".join(diffs) + ")." + keep + " Use a new run.name to start fresh.")
 

@@ -150,9 +150,9 @@ def _check_model(cfg: Config, *, use_gpu: bool, gpus: int):
     return where, tok, hf_config
 
 
-def resume_point(cfg: Config) -> tuple[Optional[Path], Optional[dict]]:
+def resume_point(cfg: Config, *, use_gpu: bool) -> tuple[Optional[Path], Optional[dict]]:
     """Re-running a run name resumes it: its newest good checkpoint (local storage) and that one's meta, checked
-    against this config's structure; (None, None) with none."""
+    against this config's structure on GPU workers or not (``use_gpu``); (None, None) with none."""
     run_path = RunPaths.of(cfg).local
     if run_path is None:
         return None, None
@@ -160,7 +160,7 @@ def resume_point(cfg: Config) -> tuple[Optional[Path], Optional[dict]]:
         good, problems = newest_good_local(run_path)
         resume_meta = read_meta(good) if good is not None else None
         if resume_meta is not None:
-            check_structure(resume_meta, structure_of(cfg))
+            check_structure(resume_meta, structure_of(cfg, use_gpu=use_gpu))
             check_sharding(good, sharded=cfg.scaling.strategy == "fsdp")
     if problems:
         print(f"[raytrain_scu] warning: bad checkpoint(s) in {run_path}: {'; '.join(problems)}; "
@@ -181,7 +181,7 @@ def preflight(cfg: Config, *, inputs_checked: bool = False) -> dict:
         check_inputs(cfg)
     use_gpu, gpus = check_machine(cfg)
     where, tok, hf_config = _check_model(cfg, use_gpu=use_gpu, gpus=gpus)
-    good, resume_meta = resume_point(cfg)
+    good, resume_meta = resume_point(cfg, use_gpu=use_gpu)
     with as_preflight(DataError):
         source = resolve_source(d.source, d.path)
         fmt = resolve_format(source, d.path, d.format, d.text_field)

@@ -163,8 +163,9 @@ def build(cfg: Config, hooks, run_id: Optional[str] = None, phase: Optional[Phas
                       bounds=BoundWatch(cfg.controller))
     # get_text_config: a nested text config too
     metering = Metering(meter=None, flops_per_token=flops_per_token(base.config.get_text_config(), d.block_size))
+    structure = structure_of(cfg, use_gpu=device.type == "cuda")  # a preset's draw device among it
     return State(cfg=cfg, hooks=hooks, device=device, tracker=for_rank(cfg, rank(), run_id=run_id),
-                 structure=structure_of(cfg), opt=opt, ctrl=control, rec=Record(), metering=metering,
+                 structure=structure, opt=opt, ctrl=control, rec=Record(), metering=metering,
                  pos=Position(data=data, seqs_per_step=sequences_per_step(cfg, world_size()), block_size=d.block_size),
                  stop_path=RunPaths.of(cfg).stop_flag, phase=phase or Phase())
 

@@ -281,19 +281,36 @@ def missing_targets(model, targets) -> tuple[list[str], set[str]]:
     return [t for t in targets if t not in present and t != "all-linear"], present
 
 
-def structure_of(cfg) -> dict:
-    """:func:`structure_signature` of a Config (what the loop writes and preflight checks)."""
+def preset_init_device(name: str, *, use_gpu: bool, strategy: str) -> str:
+    """The device type a run draws its random-init preset on, from the seed: "cpu" under scaling.strategy=fsdp (rank
+    0 builds the whole model on its host: worker.build.full_model), else the workers' own, "cuda" for GPU workers
+    (:func:`build_model` draws there, a 4-bit preset's :func:`_preset_on_disk` too) and "cpu" for CPU workers; "" for
+    a model that is read, not drawn (a checkpoint, a GGUF file, a hub id). CUDA's generator draws other numbers than
+    the CPU's, so adapters trained on one draw are for that base only. A strategy never resolved (auto) runs ddp, as
+    in the worker. The worker (the checkpoint's structure) and the driver (preflight, the base recipe) both ask here."""
+    if not is_preset(name):
+        return ""
+    return "cuda" if use_gpu and strategy != "fsdp" else "cpu"
+
+
+def structure_of(cfg, *, use_gpu: bool) -> dict:
+    """:func:`structure_signature` of a Config run by GPU workers or not (``use_gpu``): what the loop writes and
+    preflight checks."""
     m = cfg.model
     return structure_signature(name=m.name, gguf_file=m.gguf_file, r=cfg.lora.r, alpha=cfg.lora.alpha,
                                targets=cfg.lora.target_modules, block_size=cfg.data.block_size,
                                load_in_4bit=cfg.quant.load_in_4bit, embedding_int8=cfg.quant.embedding_int8,
-                               law=cfg.controller.law)
+                               law=cfg.controller.law,
+                               init_device=preset_init_device(m.name, use_gpu=use_gpu, strategy=cfg.scaling.strategy))
 
 
 def structure_signature(*, name: str, gguf_file: str, r: int, alpha: int, targets, block_size: int,
-                        load_in_4bit: bool, embedding_int8: bool = False, law: str) -> dict:
+                        load_in_4bit: bool, embedding_int8: bool = False, law: str, init_device: str) -> dict:
     """What a checkpoint must match to be resumed (base model, LoRA shape, block size, the control law whose state it
-    holds). ``law`` has no default: a caller names the law, never one that a changed default would swap."""
+    holds, and for a random-init preset the device type its base was drawn on: :func:`preset_init_device`, "" for
+    any other model, which records no such key). ``law`` and ``init_device`` have no default: a caller names them,
+    never one that a changed default would swap."""
     return {"model.name": name, "model.gguf_file": gguf_file, "lora.r": r, "lora.alpha": alpha,
             "lora.target_modules": list(targets), "data.block_size": block_size, "quant.load_in_4bit": load_in_4bit,
-            "quant.embedding_int8": embedding_int8, "controller.law": law}
+            "quant.embedding_int8": embedding_int8, "controller.law": law,
+            **({"model.init_device": init_device} if init_device else {})}
