@@ -560,3 +560,22 @@ def test_a_resume_that_would_draw_the_preset_elsewhere_is_refused_naming_the_str
     read = structure_of(tiny_cfg(tmp_path, "x", "scaling.strategy=fsdp", "model.name=/models/llama"), use_gpu=True)
     assert "model.init_device" not in read
     check_structure({"structure": read}, {**read})
+
+
+def test_the_base_recipe_of_a_gpu_run_that_auto_shards_says_the_preset_was_drawn_on_the_cpu():
+    """The recipe generate and evaluate rebuild a preset from: a GPU run that scaling.strategy=auto resolved to fsdp
+    drew it on rank 0's CPU (in the workers' bf16); one resolved to ddp drew it on CUDA."""
+    from raytrain_scu.driver.generate import base_recipe
+    from raytrain_scu.driver.resolve import resolve_config
+    from raytrain_scu.hardware.gpus import GpuInfo
+
+    h200 = GpuInfo(name="NVIDIA H200", memory_gib=141.0)
+    seventy = str(Path(TINY).parent / "llama-3.1-70b-fsdp.yaml")
+    cfg, _ = resolve_config(seventy, ["scaling.num_workers=2", "scaling.strategy=auto"], gpus=[h200] * 2)
+    assert cfg.scaling.strategy == "fsdp"
+    recipe = base_recipe(cfg, use_gpu=True, vocab_size=2048)
+    assert recipe["init_device"] == "cpu" and recipe["dtype"] == "bfloat16" and recipe["model.name"] == cfg.model.name
+    cfg, _ = resolve_config(TINY, ["scaling.use_gpu=true", "model.precision=bf16"], gpus=[h200] * 2)
+    assert cfg.scaling.strategy == "ddp"
+    assert base_recipe(cfg, use_gpu=True, vocab_size=2048)["init_device"] == "cuda"
+    assert base_recipe(cfg, use_gpu=False, vocab_size=2048)["init_device"] == "cpu"

@@ -48,17 +48,19 @@ def _config(path: Path) -> Config:
 def base_recipe(cfg: Config, *, use_gpu: bool, vocab_size: int) -> dict:
     """What rebuilds a run's base model (the driver writes it beside the adapter): the model's name, and for a
     random-init preset the seed, dtype and device type its weights were drawn with (a seeded init on a GPU draws other
-    numbers than on a CPU). With ``model.precision=auto`` on GPU workers the dtype is resolved here when this machine
-    has a GPU, else bf16 (what auto picks on every GPU this package has presets for)."""
-    from raytrain_scu.core.model.build import resolve_dtype
+    numbers than on a CPU; under scaling.strategy=fsdp rank 0 draws it on its CPU: core.model.build.preset_init_device,
+    from ``cfg``'s resolved strategy). With ``model.precision=auto`` on GPU workers the dtype is resolved here when
+    this machine has a GPU, else bf16 (what auto picks on every GPU this package has presets for)."""
+    from raytrain_scu.core.model.build import preset_init_device, resolve_dtype
 
-    device = torch.device("cuda" if use_gpu else "cpu")
+    device = torch.device("cuda" if use_gpu else "cpu")  # the workers': their compute dtype is the draw's
     if cfg.model.precision == "auto" and use_gpu and not torch.cuda.is_available():
         dtype = torch.bfloat16
     else:
         dtype = resolve_dtype(cfg.model.precision, device)
+    drawn_on = preset_init_device(cfg.model.name, use_gpu=use_gpu, strategy=cfg.scaling.strategy) or device.type
     return {"model.name": cfg.model.name, "model.gguf_file": cfg.model.gguf_file, "seed": cfg.seed,
-            "vocab_size": vocab_size, "dtype": str(dtype).removeprefix("torch."), "init_device": device.type}
+            "vocab_size": vocab_size, "dtype": str(dtype).removeprefix("torch."), "init_device": drawn_on}
 
 
 def load_for_generation(cfg: Config, adapter: Path, recipe: dict, device: torch.device):

@@ -63,9 +63,10 @@ def full_model(cfg: Config, *, vocab_size: int, dtype) -> Optional[FullModel]:
     every rank's shards with; None elsewhere. The CPU generator is left as it was; CUDA's are reseeded (the seeded
     LoRA factors), and :func:`build` seeds every generator of each rank right after.
 
-    A preset is drawn on the CPU here, so its values are a CPU ddp run's; a GPU ddp run draws a preset on its device,
-    from CUDA's generator (other numbers, the same distribution). A random-init shape larger than rank 0's host
-    memory (the Llama-3.1-70B shape is ~131 GiB in bf16) would instead need each rank to initialise its own shards
+    A preset is drawn on the CPU here (core.model.build.preset_init_device, which the checkpoint's structure and the
+    base recipe record), so its values are a CPU ddp run's; a GPU ddp run draws a preset on its device, from CUDA's
+    generator (other numbers, the same distribution). A random-init shape larger than rank 0's host memory (the
+    Llama-3.1-70B shape is ~131 GiB in bf16) would instead need each rank to initialise its own shards
     (transformers' ``_init_weights`` on the DTensors, the LoRA factors from the seed): values no ddp run reproduces,
     not built here."""
     if cfg.scaling.strategy != "fsdp" or rank() != 0:
