@@ -191,6 +191,43 @@ def test_adapter_for_another_base_is_a_clear_error(tok, corpus, tmp_path):
         evaluate(cfg, adapter=str(tmp_path / "missing"))
 
 
+def test_a_preset_is_drawn_as_the_adapters_run_drew_it(tok, corpus, tmp_path, capsys):
+    """A run's adapter on a random-init preset is scored on the base its run drew (output/base_model.json: seed,
+    dtype, device), found beside a finished run's adapter and for its checkpoints; runs that drew it differently are
+    not compared, and a base drawn on CUDA is not redrawn on a CPU."""
+    import shutil
+
+    from raytrain_scu.driver.evaluate import base_model, run_recipe
+
+    run = tmp_path / "run"
+    adapter = save_adapter(tok, run / "output" / "adapter", b_std=0.2, seed=7)
+    shutil.copytree(adapter, run / "checkpoint_00000010" / "adapter")
+    loose = shutil.copytree(adapter, tmp_path / "loose")  # no recipe: drawn here, from the config's seed
+    recipe = {"model.name": "tiny", "model.gguf_file": "", "seed": 7, "vocab_size": len(tok), "dtype": "bfloat16",
+              "init_device": "cpu"}
+    (run / "output" / "base_model.json").write_text(json.dumps(recipe))
+    cfg = cfg_for(corpus)
+    checkpoint = str(run / "checkpoint_00000010" / "adapter")  # a checkpoint: its run's output/ holds the recipe
+    assert run_recipe(cfg, {"A": adapter}) == recipe == run_recipe(cfg, {"A": checkpoint})
+    assert run_recipe(cfg, {"A": adapter, "B": str(loose)}) == recipe and run_recipe(cfg, {"A": str(loose)}) == {}
+    assert run_recipe(cfg_for(corpus, "model.name=tiny-llama-3.1-8b"), {"A": adapter}) == {}  # another model's
+    base = base_model(cfg, vocab_size=len(tok), device=torch.device("cpu"), dtype=torch.float32, recipe=recipe)
+    drawn = build_model("tiny", vocab_size=len(tok), dtype=torch.bfloat16, seed=7).state_dict()
+    assert all(torch.equal(v, drawn[k].float()) for k, v in base.state_dict().items())
+    # the recipe reaches the scoring: not the base the config's seed 0 draws here
+    got = evaluate(cfg, adapter=adapter, split="all", n_boot=10)["models"]["A"]["bpt"]
+    assert "loading tiny as its run drew it (seed 7, bfloat16, on cpu)" in capsys.readouterr().out
+    assert got != evaluate(cfg, adapter=str(loose), split="all", n_boot=10)["models"]["A"]["bpt"]
+    other = tmp_path / "other"
+    shutil.copytree(run / "output", other / "output")
+    (other / "output" / "base_model.json").write_text(json.dumps({**recipe, "init_device": "cuda"}))
+    with pytest.raises(EvalError, match="drew the tiny preset differently"):
+        evaluate(cfg, adapter=adapter, compare_adapter=str(other / "output" / "adapter"))
+    if not torch.cuda.is_available():
+        with pytest.raises(EvalError, match="was drawn on a GPU .* evaluate them on a machine with a CUDA GPU"):
+            evaluate(cfg, adapter=str(other / "output" / "adapter"))
+
+
 def test_many_adapters_share_one_slot_and_score_as_each_alone(tok, corpus, tmp_path):
     """Adapters of one config are scored through one peft adapter whose weights are replaced: each scores exactly as
     when it is the only adapter, in any order, and one made for another base is still refused by name."""

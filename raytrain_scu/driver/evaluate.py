@@ -17,6 +17,10 @@ Comparison. Model A is the base with ``--adapter`` (or the bare base); model B i
 ``--compare-adapter``, or the bare base with ``--compare-base``. Both are scored on the same documents, and the
 documents are resampled with replacement, pairs kept together (:func:`paired_bootstrap`).
 
+A random-init preset (``model.name=tiny``, ...) is drawn as the run the adapters come from drew it, from that run's
+``output/base_model.json`` (:func:`run_recipe`): a seeded draw on a GPU gives other weights than on a CPU, and under
+``scaling.strategy=fsdp`` a GPU run draws it on rank 0's CPU.
+
 ``--workers N`` scores round-robin shards of the documents in N Ray tasks (``launch.run_tasks``); Ray is imported only
 on that path.
 Errors (missing adapter, an adapter made for another base model, an empty source, a bad setting) exit with 2.
@@ -24,14 +28,17 @@ Errors (missing adapter, an adapter made for another base model, an empty source
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import time
 from dataclasses import asdict
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from raytrain_scu.config.load import build_config
+from raytrain_scu.config.paths import is_remote
 from raytrain_scu.config.schema import Config
 from raytrain_scu.console import Counter
 from raytrain_scu.core.bootstrap import DEFAULT_BOOTSTRAP, DEFAULT_CI, paired_bootstrap
@@ -40,8 +47,10 @@ from raytrain_scu.core.data.blocks import document_ids, load_documents, split_do
 from raytrain_scu.core.loss import CausalLMLoss
 from raytrain_scu.core.model.build import build_model, resolve_dtype
 from raytrain_scu.core.model.flops import bits_per_token
+from raytrain_scu.core.model.presets import is_preset
 from raytrain_scu.core.model.source import load_tokenizer
 from raytrain_scu.driver.adapters import AdapterSlots, adapter_dir, local_adapter
+from raytrain_scu.driver.generate import BASE_RECIPE
 from raytrain_scu.errors import DataError, EvalError, ModelError
 
 # tokens per model the CLI scores unless told (--max-tokens): a small model's comparison in minutes on a laptop CPU
@@ -92,27 +101,23 @@ def score_documents(loss_model: CausalLMLoss, token_docs: list[list[int]], *, bl
     return nats, tokens
 
 
-def score_shard(config: dict, adapters: dict[str, str], docs: list, report=None) -> dict:
+def score_shard(config: dict, adapters: dict[str, str], docs: list, recipe: dict | None = None, report=None) -> dict:
     """Score ``docs`` under every ``{label: adapter_dir or ""}``: ``{"tokens": int64[n], "nats": {label: float64[n]}}``.
 
     ``config`` is ``asdict(Config)``; ``docs`` are texts, or token ids (``data.document_ids`` output). Builds the
-    tokenizer and one base model, the adapters swapped in turn through
-    :class:`~raytrain_scu.driver.adapters.AdapterSlots`, on this process's device: the same function runs
-    in-process and in each Ray task. ``report``, if given: ``report(0)`` once the model is ready, then the target
-    tokens of each batch scored.
+    tokenizer and one base model (a random-init preset as ``recipe`` says, when given: :func:`base_model`), the
+    adapters swapped in turn through :class:`~raytrain_scu.driver.adapters.AdapterSlots`, on this process's device:
+    the same function runs in-process and in each Ray task. ``report``, if given: ``report(0)`` once the model is
+    ready, then the target tokens of each batch scored.
     """
     cfg = build_config(config)
-    m, q = cfg.model, cfg.quant
+    m = cfg.model
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = resolve_dtype(m.precision, device)
     autocast = torch.autocast(device_type=device.type, dtype=dtype,
                               enabled=device.type == "cuda" and dtype != torch.float32)
     tok = load_tokenizer(m.name, m.gguf_file, m.tokenizer, m.cache_dir)
-    base = build_model(m.name, gguf_file=m.gguf_file, vocab_size=len(tok), dtype=dtype, device=device,
-                       attn_implementation=m.attn_implementation, load_in_4bit=q.load_in_4bit,
-                       quant_type=q.quant_type, double_quant=q.double_quant, embedding_int8=q.embedding_int8,
-                       offload_embedding=q.offload_embedding, cache_dir=m.cache_dir,
-                       trust_remote_code=m.trust_remote_code, seed=cfg.seed)
+    base = base_model(cfg, vocab_size=len(tok), device=device, dtype=dtype, recipe=recipe or {})
     out = {"tokens": None, "nats": {}}
     with contextlib.ExitStack() as stack:
         local = {label: local_adapter(path, stack) if path else path for label, path in adapters.items()}
@@ -129,10 +134,56 @@ def score_shard(config: dict, adapters: dict[str, str], docs: list, report=None)
     return out
 
 
+def base_model(cfg: Config, *, vocab_size: int, device: torch.device, dtype: torch.dtype, recipe: dict):
+    """The frozen base to score with, on ``device`` in ``dtype``. A random-init preset with a ``recipe`` (the run's
+    base_model.json: :func:`run_recipe`) is drawn as that run drew it (its seed, dtype and device type: CUDA's
+    generator draws other numbers than the CPU's) and then placed here; without one it is drawn here, from the
+    config's seed."""
+    m, q = cfg.model, cfg.quant
+    drawn_on, drawn_in = device, dtype
+    if recipe:
+        drawn_on, drawn_in = torch.device(recipe["init_device"]), getattr(torch, recipe["dtype"])
+        if drawn_on.type == "cuda" and not torch.cuda.is_available():
+            raise EvalError(f"the {m.name} preset the adapters trained on was drawn on a GPU (seeded CUDA draws): "
+                            f"evaluate them on a machine with a CUDA GPU")
+        if drawn_on.type != device.type and (q.load_in_4bit or q.offload_embedding):
+            raise EvalError(f"the {m.name} preset the adapters trained on was drawn on {drawn_on.type}, and "
+                            f"quant.load_in_4bit or quant.offload_embedding keeps it there: evaluate them on "
+                            f"{drawn_on.type}")
+    base = build_model(m.name, gguf_file=m.gguf_file, vocab_size=recipe.get("vocab_size") or vocab_size,
+                       dtype=drawn_in, device=drawn_on, attn_implementation=m.attn_implementation,
+                       load_in_4bit=q.load_in_4bit, quant_type=q.quant_type, double_quant=q.double_quant,
+                       embedding_int8=q.embedding_int8, offload_embedding=q.offload_embedding, cache_dir=m.cache_dir,
+                       trust_remote_code=m.trust_remote_code, seed=recipe.get("seed", cfg.seed))
+    return base.to(device=device, dtype=dtype) if recipe and not (q.load_in_4bit or q.offload_embedding) else base
+
+
+def run_recipe(cfg: Config, adapters: dict[str, str]) -> dict:
+    """For a random-init preset, how the run the adapters come from drew it: the base_model.json of a local adapter's
+    run (beside ``<run>/output/adapter``, or in ``<run>/output/`` for ``<run>/checkpoint_*/adapter``); {} for another
+    model, or where none is found (a remote adapter, a run not finished). Adapters whose runs drew different bases
+    are an EvalError: no one base scores them both."""
+    if not is_preset(cfg.model.name):
+        return {}
+    found = {}
+    for path in (path for path in adapters.values() if path and not is_remote(path)):
+        p = Path(path)
+        for f in (p.parent / BASE_RECIPE, p.parent.parent / "output" / BASE_RECIPE):
+            recipe = json.loads(f.read_text()) if f.is_file() else {}
+            if recipe.get("model.name") == cfg.model.name:
+                found[path] = recipe
+                break
+    if len({json.dumps(r, sort_keys=True) for r in found.values()}) > 1:
+        raise EvalError(f"the adapters come from runs that drew the {cfg.model.name} preset differently ("
+                        + "; ".join(f"{path}: {r}" for path, r in found.items()) + "): compare them one at a time")
+    return next(iter(found.values()), {})
+
+
 def score_distributed(cfg: Config, adapters: dict[str, str], docs: list, *, workers: int,
-                      gpus_per_worker: float | None = None, report=None, verbose: bool = False) -> dict:
+                      gpus_per_worker: float | None = None, report=None, verbose: bool = False,
+                      recipe: dict | None = None) -> dict:
     """:func:`score_shard` over ``workers`` Ray tasks (round-robin shards of ``docs``), reassembled in order; the
-    tasks' reports reach ``report`` here.
+    tasks' reports reach ``report`` here. ``recipe``: :func:`score_shard`'s.
 
     ``gpus_per_worker`` None: ``scaling.gpus_per_worker`` when ``scaling.use_gpu`` is true, or is auto and the
     cluster has GPUs; else CPU tasks of ``scaling.cpus_per_worker``.
@@ -142,7 +193,7 @@ def score_distributed(cfg: Config, adapters: dict[str, str], docs: list, *, work
     shards = [idx for idx in (list(range(w, len(docs), workers)) for w in range(workers)) if idx]
     config = asdict(cfg)
     # our own errors keep their plain message, without the remote traceback
-    results = run_tasks(cfg, score_shard, [(config, adapters, [docs[i] for i in idx]) for idx in shards],
+    results = run_tasks(cfg, score_shard, [(config, adapters, [docs[i] for i in idx], recipe) for idx in shards],
                         gpus_per_worker=gpus_per_worker, plain_errors=(EvalError, ModelError, DataError),
                         progress=report, verbose=verbose)
     out = {"tokens": np.zeros(len(docs), dtype=np.int64),
@@ -229,7 +280,7 @@ def evaluate(cfg: Config, *, split: str = "val", adapter: str = "", compare_adap
     if compare_adapter or compare_base:
         adapters["B"] = adapter_dir(compare_adapter) if compare_adapter else ""
     docs = held_out_documents(cfg, split)
-    m = cfg.model
+    m, recipe = cfg.model, run_recipe(cfg, adapters)
     token_docs = document_ids(load_tokenizer(m.name, m.gguf_file, m.tokenizer, m.cache_dir), docs)
     available = sum(max(len(ids) - 1, 0) for ids in token_docs)
     token_docs = cap_tokens(token_docs, max_tokens)
@@ -238,14 +289,16 @@ def evaluate(cfg: Config, *, split: str = "val", adapter: str = "", compare_adap
     where = where_it_runs(workers, gpus_per_worker)
     capped = f" (--max-tokens {max_tokens:,} of {available:,})" if targets < available else ""
     print(f"[raytrain_scu] evaluate: {len(adapters)} model(s) x {targets:,} tokens{capped} of {len(docs)} documents, "
-          f"in {where}; loading {m.name}" + (f" ({m.gguf_file})" if m.gguf_file else ""), flush=True)
+          f"in {where}; loading {m.name}" + (f" ({m.gguf_file})" if m.gguf_file else "")
+          + (f" as its run drew it (seed {recipe['seed']}, {recipe['dtype']}, on {recipe['init_device']})"
+             if recipe else ""), flush=True)
     progress = progress or Counter(len(adapters) * targets, desc="evaluate", estimate=True)
     t0 = time.perf_counter()
     if workers > 0:
         scores = score_distributed(cfg, adapters, token_docs, workers=workers, gpus_per_worker=gpus_per_worker,
-                                   report=progress.advance, verbose=verbose)
+                                   report=progress.advance, verbose=verbose, recipe=recipe)
     else:
-        scores = score_shard(asdict(cfg), adapters, token_docs, report=progress.advance)
+        scores = score_shard(asdict(cfg), adapters, token_docs, recipe, report=progress.advance)
     progress.close()
     seconds = time.perf_counter() - t0
     return _result(cfg, split, adapters, scores, n_boot=n_boot, ci=ci, documents=len(docs), ran={
