@@ -5,6 +5,7 @@ eager build, and from a local checkpoint only rank 0's host holds the whole mode
 run under fsdp writes sharded checkpoints that a 1-worker run resumes from, and its exported adapter loads with peft.
 Plus what auto picks and what is refused."""
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -579,3 +580,39 @@ def test_the_base_recipe_of_a_gpu_run_that_auto_shards_says_the_preset_was_drawn
     assert cfg.scaling.strategy == "ddp"
     assert base_recipe(cfg, use_gpu=True, vocab_size=2048)["init_device"] == "cuda"
     assert base_recipe(cfg, use_gpu=False, vocab_size=2048)["init_device"] == "cpu"
+
+
+def test_rank0_refuses_a_host_with_less_memory_than_the_whole_model_needs(tmp_path, monkeypatch):
+    """Rank 0's host check under fsdp: the pure rule names both sizes in GiB and the fixes; the bytes it counts for the
+    tiny presets (tied and untied, fp32 and bf16) are the bytes rank 0 holds once it built the whole model; and a
+    host with less available memory is refused before the build."""
+    import psutil
+
+    from raytrain_scu.core.model.build import build_model
+    from raytrain_scu.core.model.source import load_tokenizer, model_config
+    from raytrain_scu.errors import ModelError
+    from raytrain_scu.hardware.shape import whole_model_bytes
+    from raytrain_scu.worker.build import check_host_memory, full_model
+
+    check_host_memory(100 * 2**30, 100 * 2**30)
+    with pytest.raises(ModelError, match=r"scaling.strategy=fsdp: rank 0 builds the whole model on its host, which "
+                                         r"needs ~131\.5 GiB of host memory, and rank 0's node has 64\.0 GiB "
+                                         r"available; give the workers' nodes .* or train a smaller model"):
+        check_host_memory(int(131.5 * 2**30), 64 * 2**30)
+    tok = load_tokenizer("tiny")
+    for name, dtype in (("tiny", torch.float32), ("tiny", torch.bfloat16), ("tiny-llama-3.1-8b", torch.bfloat16)):
+        cfg = tiny_cfg(tmp_path, "x", "scaling.strategy=fsdp", f"model.name={name}")
+        full = full_model(cfg, vocab_size=len(tok), dtype=dtype)
+        held = {t.untyped_storage().data_ptr(): t.nbytes for t in full.state.values()}  # a tied head once
+        assert any("lora_A" in k for k in full.state)
+        assert whole_model_bytes(cfg, model_config(name, vocab_size=len(tok)), dtype_bytes=dtype.itemsize) == sum(
+            held.values()), name
+    # the preset rank 0 draws is the base generate rebuilds from the recipe (the seed, dtype and the CPU)
+    base = build_model("tiny", vocab_size=len(tok), dtype=torch.bfloat16, seed=cfg.seed)
+    drawn = {k.removeprefix("base_model.model."): v for k, v in full_model(
+        tiny_cfg(tmp_path, "x", "scaling.strategy=fsdp"), vocab_size=len(tok), dtype=torch.bfloat16).state.items()}
+    for k, v in base.state_dict().items():
+        assert torch.equal(drawn[k.replace("proj.weight", "proj.base_layer.weight")], v), k
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(available=2**20))  # 1 MiB free
+    with pytest.raises(ModelError, match=r"needs ~0\.0 GiB of host memory, and rank 0's node has 0\.0 GiB available"):
+        full_model(cfg, vocab_size=len(tok), dtype=torch.float32)

@@ -1,14 +1,15 @@
 """What the memory estimator (:mod:`.memory`) needs to know of a run: the model's shape, read from its transformers
 config through ``core.model`` with what its family decides (:func:`model_shape`), and the keywords the rest of the
 config decides (:func:`memory_kwargs`). The front door's fit (``driver.resolve``) and the worker's out-of-memory
-message (``worker.oom``) both estimate from these.
+message (``worker.oom``) both estimate from these, and fsdp's rank 0 counts its host's whole model with them
+(:func:`whole_model_bytes`).
 """
 from __future__ import annotations
 
 from typing import Any, Optional
 
 from raytrain_scu.config.schema import Config
-from raytrain_scu.hardware.memory import shape_from_hf_config
+from raytrain_scu.hardware.memory import estimate_peak_memory_gib, shape_from_hf_config
 
 
 def read_model_config(cfg: Config) -> Any:
@@ -60,3 +61,14 @@ def memory_kwargs(cfg: Config) -> dict[str, Any]:
             "offload_activations": cfg.model.offload_activations,
             "offload_activations_gib": cfg.model.offload_activations_gib,
             "shards": cfg.scaling.num_workers if cfg.scaling.strategy == "fsdp" else 1}
+
+
+def whole_model_bytes(cfg: Config, hf_config: Any, *, dtype_bytes: int) -> Optional[int]:
+    """Bytes of the whole model with its adapters in one process' memory (fsdp's rank 0 builds it on its host): every
+    parameter of ``hf_config``'s shape in ``dtype_bytes`` each, and the LoRA factors in float32 (peft's), both as the
+    memory estimator counts them; None where the estimator cannot read the shape."""
+    shape = shape_of(hf_config)
+    if shape is None:
+        return None
+    estimate = estimate_peak_memory_gib(**{**shape, **memory_kwargs(cfg), "batch_size": 1, "shards": 1})
+    return int(shape["n_params"] * dtype_bytes + estimate["lora_params"] * 4)

@@ -6,6 +6,7 @@ import contextlib
 import math
 from typing import Optional
 
+import psutil
 import torch
 
 from raytrain_scu.config.paths import RunPaths
@@ -30,11 +31,13 @@ from raytrain_scu.core.model.build import (
     structure_of,
 )
 from raytrain_scu.core.model.flops import flops_per_token
-from raytrain_scu.core.model.source import default_cache_dir, load_tokenizer
+from raytrain_scu.core.model.source import default_cache_dir, load_tokenizer, model_config
 from raytrain_scu.core.nf4 import convert_4bit_to_torch_dequant, torch_dequant
 from raytrain_scu.core.offload import ActivationOffload
 from raytrain_scu.core.regularizer import adapter_params, centers_fingerprint, initial_centers
 from raytrain_scu.errors import CheckpointError, ModelError
+from raytrain_scu.hardware.memory import GIB
+from raytrain_scu.hardware.shape import whole_model_bytes
 from raytrain_scu.tracking.tracker import for_rank
 from raytrain_scu.worker.oom import Phase
 from raytrain_scu.worker.state import Control, Metering, Optimisation, Position, Record, State
@@ -61,7 +64,8 @@ def full_model(cfg: Config, *, vocab_size: int, dtype) -> Optional[FullModel]:
     """Under scaling.strategy=fsdp, on rank 0: the whole model as a ddp run on the CPU builds it (the base read from
     its source or, for a preset, initialised from the seed; then the seeded LoRA factors), on the host, to fill
     every rank's shards with; None elsewhere. The CPU generator is left as it was; CUDA's are reseeded (the seeded
-    LoRA factors), and :func:`build` seeds every generator of each rank right after.
+    LoRA factors), and :func:`build` seeds every generator of each rank right after. A host with less memory
+    available than the whole model needs is refused before the build (:func:`check_rank0_host`).
 
     A preset is drawn on the CPU here (core.model.build.preset_init_device, which the checkpoint's structure and the
     base recipe record), so its values are a CPU ddp run's; a GPU ddp run draws a preset on its device, from CUDA's
@@ -71,9 +75,32 @@ def full_model(cfg: Config, *, vocab_size: int, dtype) -> Optional[FullModel]:
     not built here."""
     if cfg.scaling.strategy != "fsdp" or rank() != 0:
         return None
+    check_rank0_host(cfg, vocab_size=vocab_size, dtype=dtype)
     with torch.random.fork_rng(devices=[]):
         _, model = _peft_model(cfg, vocab_size=vocab_size, dtype=dtype, device=torch.device("cpu"))
     return FullModel.of(model)
+
+
+def check_rank0_host(cfg: Config, *, vocab_size: int, dtype) -> None:
+    """fsdp's rank 0, before it builds the whole model on its host: :func:`check_host_memory` of the bytes the model
+    needs there (:func:`~raytrain_scu.hardware.shape.whole_model_bytes`, in ``dtype``) and the host's available
+    memory. A model whose shape the memory estimator does not read is built unchecked."""
+    m = cfg.model
+    hf_config = model_config(m.name, gguf_file=m.gguf_file, vocab_size=vocab_size, cache_dir=m.cache_dir,
+                             trust_remote_code=m.trust_remote_code)
+    needed = whole_model_bytes(cfg, hf_config, dtype_bytes=dtype.itemsize)
+    if needed is not None:
+        check_host_memory(needed, psutil.virtual_memory().available)
+
+
+def check_host_memory(needed_bytes: int, available_bytes: int) -> None:
+    """Refuse (ModelError) to build fsdp's whole model on rank 0's host when it needs more bytes than the host has
+    available: the build would be OOM-killed, after minutes of reading or drawing the weights."""
+    if needed_bytes > available_bytes:
+        raise ModelError(f"scaling.strategy=fsdp: rank 0 builds the whole model on its host, which needs "
+                         f"~{needed_bytes / GIB:.1f} GiB of host memory, and rank 0's node has "
+                         f"{available_bytes / GIB:.1f} GiB available; give the workers' nodes that much free "
+                         f"memory (Ray Train may place rank 0 on any of them), or train a smaller model (model.name)")
 
 
 def _model(cfg: Config, *, data, vocab_size: int, dtype, device):
