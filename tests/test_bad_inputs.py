@@ -92,11 +92,13 @@ CASES = {
     "a few documents of a text file": (  # its paragraphs, first two read: too few tokens for a block
         lambda t: [TINY, "data.source=text", "data.max_documents=2",
                    "data.path=" + str(text_file(t, "notes.txt", b"A short paragraph of notes." + 300 * b"\n\nMore."))],
-        ["too few for one block", "data.max_documents=0 reads the whole source, where now the first 2 documents"]),
+        ["too few for one block",
+         "(data.max_documents=0 reads the whole source, of which this config reads 2 documents"]),
     "a few blocks of a text file": (  # the first four paragraphs: a block or two, fewer than one global batch
         lambda t: [TINY, "data.source=text", "data.max_documents=4", "data.val_fraction=0.25", "data.path="
                    + str(text_file(t, "notes.txt", 40 * (100 * b"word " + b"\n\n")))],
-        ["fewer than one global batch", "data.max_documents=0 (this config reads the first 4 documents"]),
+        ["fewer than one global batch", "): data.max_documents=0 reads the whole source, of which this config reads 4 "
+                                        "documents (a text file's documents are its blank-line-separated sections)"]),
     "conversations read as text": (lambda t: [TINY, "data.source=jsonl", "data.text_field=messages",
                                               f"data.path={chats(t)}"],
                                    ["d.jsonl:1: field 'messages' (data.text_field) is list, not a string",

@@ -218,6 +218,13 @@ def test_a_preset_is_drawn_as_the_adapters_run_drew_it(tok, corpus, tmp_path, ca
     got = evaluate(cfg, adapter=adapter, split="all", n_boot=10)["models"]["A"]["bpt"]
     assert "loading tiny as its run drew it (seed 7, bfloat16, on cpu)" in capsys.readouterr().out
     assert got != evaluate(cfg, adapter=str(loose), split="all", n_boot=10)["models"]["A"]["bpt"]
+    assert "warning: no base_model.json says how the tiny preset of" in capsys.readouterr().out  # said, not silent
+    run_recipe(cfg, {"A": adapter, "B": str(loose)})
+    assert "scored on the other adapter's recipe" in capsys.readouterr().out
+    (tmp_path / "bad" / "output" / "adapter").mkdir(parents=True)
+    (tmp_path / "bad" / "output" / "base_model.json").write_text("{not json")
+    with pytest.raises(EvalError, match="base_model.json: cannot read how the run drew its base"):
+        run_recipe(cfg, {"A": str(tmp_path / "bad" / "output" / "adapter")})
     other = tmp_path / "other"
     shutil.copytree(run / "output", other / "output")
     (other / "output" / "base_model.json").write_text(json.dumps({**recipe, "init_device": "cuda"}))

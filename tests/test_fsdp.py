@@ -549,10 +549,10 @@ def test_a_resume_that_would_draw_the_preset_elsewhere_is_refused_naming_the_str
     fsdp_gpu, ddp_gpu = structure_of(fsdp, use_gpu=True), structure_of(ddp, use_gpu=True)
     assert fsdp_gpu["model.init_device"] == "cpu" and ddp_gpu["model.init_device"] == "cuda"
     check_structure({"structure": fsdp_gpu}, structure_of(ddp, use_gpu=False))  # both drawn on the CPU
-    with pytest.raises(CheckpointError, match=r"model.init_device: checkpoint has 'cpu', config has 'cuda'\)\. To "
+    with pytest.raises(CheckpointError, match=r"its preset base was drawn on 'cpu', this run draws it on 'cuda'\)\. To "
                                               r"resume it, set scaling.strategy=fsdp "):
         check_structure({"structure": fsdp_gpu}, ddp_gpu)
-    with pytest.raises(CheckpointError, match=r"model.init_device: checkpoint has 'cuda', config has 'cpu'\)\. To "
+    with pytest.raises(CheckpointError, match=r"its preset base was drawn on 'cuda', this run draws it on 'cpu'\)\. To "
                                               r"resume it, set scaling.strategy=ddp on GPU workers "):
         check_structure({"structure": ddp_gpu}, fsdp_gpu)
     older = {"structure": {k: v for k, v in fsdp_gpu.items() if k != "model.init_device"}}
@@ -616,3 +616,27 @@ def test_rank0_refuses_a_host_with_less_memory_than_the_whole_model_needs(tmp_pa
     monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(available=2**20))  # 1 MiB free
     with pytest.raises(ModelError, match=r"needs ~0\.0 GiB of host memory, and rank 0's node has 0\.0 GiB available"):
         full_model(cfg, vocab_size=len(tok), dtype=torch.float32)
+
+
+def test_available_memory_is_the_containers_where_its_cgroup_limits_it(tmp_path, monkeypatch):
+    """A pod's cgroup limit, not the host's free memory, bounds what rank 0 can build: v2's memory.max minus
+    memory.current (or v1's limit minus usage) where that is less; "max", no files or garbage leave the host's."""
+    import psutil
+    from types import SimpleNamespace
+
+    from raytrain_scu.worker.build import available_memory
+
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(available=64 * 2**30))
+
+    def files(limit, usage, name):
+        (tmp_path / f"{name}.limit").write_text(f"{limit}\n")
+        (tmp_path / f"{name}.usage").write_text(f"{usage}\n")
+        return (str(tmp_path / f"{name}.limit"), str(tmp_path / f"{name}.usage"))
+
+    missing = (str(tmp_path / "none.limit"), str(tmp_path / "none.usage"))
+    assert available_memory((files(16 * 2**30, 4 * 2**30, "v2"),)) == 12 * 2**30  # the pod's headroom
+    assert available_memory((files("max", 4 * 2**30, "v2max"),)) == 64 * 2**30  # no limit: the host's
+    assert available_memory((missing, files(8 * 2**30, 2**30, "v1"))) == 7 * 2**30  # v2 absent: v1's
+    assert available_memory((files(2**62, 2**30, "huge"),)) == 64 * 2**30  # v1's "no limit" is a huge number
+    assert available_memory((files(2**30, 2 * 2**30, "over"),)) == 0  # above its limit already
+    assert available_memory((files("garbage", 1, "bad"), missing)) == 64 * 2**30

@@ -169,13 +169,23 @@ def run_recipe(cfg: Config, adapters: dict[str, str]) -> dict:
     for path in (path for path in adapters.values() if path and not is_remote(path)):
         p = Path(path)
         for f in (p.parent / BASE_RECIPE, p.parent.parent / "output" / BASE_RECIPE):
-            recipe = json.loads(f.read_text()) if f.is_file() else {}
+            try:
+                recipe = json.loads(f.read_text()) if f.is_file() else {}
+            except (OSError, ValueError) as e:
+                raise EvalError(f"{f}: cannot read how the run drew its base: {e}") from None
             if recipe.get("model.name") == cfg.model.name:
                 found[path] = recipe
                 break
     if len({json.dumps(r, sort_keys=True) for r in found.values()}) > 1:
         raise EvalError(f"the adapters come from runs that drew the {cfg.model.name} preset differently ("
                         + "; ".join(f"{path}: {r}" for path, r in found.items()) + "): compare them one at a time")
+    missing = [path for path in adapters.values() if path and path not in found]
+    if missing:  # the base is then drawn here, from the config's seed: say so, it may not be the trained one
+        print(f"[raytrain_scu] warning: no {BASE_RECIPE} says how the {cfg.model.name} preset of {missing} was drawn "
+              f"(a remote adapter, a run not finished, or a sweep trial's): "
+              + ("scored on the other adapter's recipe" if found else "drawn here from the config's seed")
+              + "; a run that drew it on another device (CUDA, or the CPU under fsdp) trained on another base",
+              flush=True)
     return next(iter(found.values()), {})
 
 

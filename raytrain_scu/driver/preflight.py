@@ -23,6 +23,7 @@ from raytrain_scu.core.checkpoint import (
     read_meta,
 )
 from raytrain_scu.core.data import sft
+from raytrain_scu.core.data.blocks import PARAGRAPHS
 from raytrain_scu.core.data.cache import prepare_data, tokens_per_epoch_from
 from raytrain_scu.core.data.scan import scan_source
 from raytrain_scu.core.data.sources import resolve_format, resolve_source, source_files
@@ -206,13 +207,14 @@ def preflight(cfg: Config, *, inputs_checked: bool = False) -> dict:
         fits = fitting_overrides(len(data.train), cfg, tokens=tokens)
         more = ("lower data.shard_bytes (the validation split is one shard, held out whole) or add data"
                 if data.streamed else "lower data.val_fraction or add data")
-        if d.max_documents > 0:  # the likeliest cause on a config written for another source
-            more = (f"data.max_documents=0 (this config reads the first {d.max_documents} documents, and a text "
-                    f"file's documents are its blank-line-separated sections), or {more}")
+        fix = f"{' or '.join(fits)} fits, or {more}" if fits else more
+        read = data.meta.get("n_train_docs", 0) + data.meta.get("n_val_docs", 0)
+        if 0 < d.max_documents <= read:  # the limit cut the source: the likeliest cause, said first
+            fix = (f"data.max_documents=0 reads the whole source, of which this config reads {d.max_documents} "
+                   f"documents{PARAGRAPHS if d.source == 'text' else ''}; or {fix}")
         raise PreflightError(f"the training split has {len(data.train)} {unit} of {d.block_size} tokens, fewer than "
                              f"one global batch ({global_batch} = data.batch_size {d.batch_size} x data.grad_accum "
-                             f"{d.grad_accum} x scaling.num_workers {cfg.scaling.num_workers}): "
-                             + (f"{' or '.join(fits)} fits, or {more}" if fits else more))
+                             f"{d.grad_accum} x scaling.num_workers {cfg.scaling.num_workers}): " + fix)
     return {"model": where, "use_gpu": use_gpu,
             "tokens_per_epoch": cfg.controller.tokens_per_epoch or data.tokens_per_epoch,
             "tokens_per_epoch_from": tokens_per_epoch_from(cfg.controller.tokens_per_epoch, data),

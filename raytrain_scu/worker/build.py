@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from pathlib import Path
 from typing import Optional
 
 import psutil
@@ -90,7 +91,26 @@ def check_rank0_host(cfg: Config, *, vocab_size: int, dtype) -> None:
                              trust_remote_code=m.trust_remote_code)
     needed = whole_model_bytes(cfg, hf_config, dtype_bytes=dtype.itemsize)
     if needed is not None:
-        check_host_memory(needed, psutil.virtual_memory().available)
+        check_host_memory(needed, available_memory())
+
+
+# a container's memory limit and use: cgroup v2, then v1 (a pod's limit, which the host's free memory does not show)
+CGROUP_FILES = (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"))
+
+
+def available_memory(cgroup_files=CGROUP_FILES) -> int:
+    """The bytes this process can still allocate: the host's available memory, or less where this process's cgroup
+    (a container, a Kubernetes pod) limits it to its limit minus its use. No limit ("max", or v1's huge number) and
+    unreadable files leave the host's figure."""
+    available = psutil.virtual_memory().available
+    for limit_file, usage_file in cgroup_files:
+        try:
+            limit, usage = (Path(f).read_text().strip() for f in (limit_file, usage_file))
+            return available if limit == "max" else min(available, max(int(limit) - int(usage), 0))
+        except (OSError, ValueError):
+            continue
+    return available
 
 
 def check_host_memory(needed_bytes: int, available_bytes: int) -> None:

@@ -76,6 +76,9 @@ def pack_blocks(tokens: np.ndarray, block_size: int) -> np.ndarray:
     return tokens[:n_blocks * (block_size + 1)].reshape(n_blocks, block_size + 1)
 
 
+PARAGRAPHS = " (a text file's documents are its blank-line-separated sections)"
+
+
 def build_blocks(tokenizer, *, source, path, text_field, max_documents, block_size, val_fraction, seed):
     """({split: {"blocks": array}}, meta) from the source: read, split, tokenize, pack."""
     docs = load_documents(source, path, text_field, max_documents)
@@ -86,9 +89,9 @@ def build_blocks(tokenizer, *, source, path, text_field, max_documents, block_si
         blocks = pack_blocks(tokens, block_size)
         if len(blocks) == 0:
             fix = "lower data.block_size or add data"
-            if max_documents > 0:  # the likeliest cause on a config written for another source
-                fix = (f"data.max_documents=0 reads the whole source, where now the first {max_documents} documents "
-                       f"are read (a text file's documents are its blank-line-separated sections); or {fix}")
+            if 0 < max_documents <= len(docs):  # the limit cut the source: the likeliest cause
+                fix = (f"data.max_documents=0 reads the whole source, of which this config reads {max_documents} "
+                       f"documents{PARAGRAPHS if source == 'text' else ''}; or {fix}")
             raise DataError(f"{describe(source, path)}: the {split} split has {len(tokens)} tokens, too few for one "
                             f"block of block_size + 1 = {block_size + 1} ({fix})")
         arrays[split] = {"blocks": blocks}
