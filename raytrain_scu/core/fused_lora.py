@@ -16,7 +16,7 @@ into it, so the base's parameters cost no more than before (one layer's q/k/v or
 while it is built). The training step's peak is higher: +1.3 GiB on an H100 at the bench's 1B shape
 (docs/log/benchmarks.md), from what the function saves for its backward (the input, the A-products and the scaled
 block-diagonal of the B's).
-The concatenation is a frozen Parameter (not a buffer, which DDP broadcast at every forward when it was used); it
+The concatenation is a frozen Parameter (not a buffer: DDP broadcasts buffers at every forward); it
 appears in ``state_dict()`` under ``fused_qkv_weight``/``fused_gate_up_weight`` but never in a saved adapter.
 
 Only transformers' own ``LlamaForCausalLM`` (Llama, SmolLM, ...) is fused: its attention and MLP forwards are
