@@ -311,11 +311,117 @@ def test_a_sharded_checkpoint_verifies_as_a_whole_and_resumes_on_one_rank(equali
         assert torch.equal(x, y)
 
 
-def test_strategy_is_checked_and_fsdp_refuses_a_4bit_base(tmp_path):
+def qlora_worker(r: int, port: int, tmp: str) -> None:
+    """Rank ``r`` of a two-process gloo group: STEPS steps of the tiny preset in 4 bits under ddp (bitsandbytes'
+    layers dequantised by torch ops, quant.dequant_4bit=torch) and under fsdp (core.nf4's ShardedNF4Linear), from
+    the same seed and data; then fsdp's sharded checkpoint. Keeps the rows, the gradients after their mean over the
+    ranks, the adapters, and under fsdp what each rank holds of the 4-bit layers."""
+    from datetime import timedelta
+
+    import torch.distributed as tdist
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.tensor import DTensor
+
+    from raytrain_scu.core import checkpoint as ckpt
+    from raytrain_scu.core.dist import all_gather_object
+    from raytrain_scu.core.fsdp import local
+    from raytrain_scu.core.nf4 import ShardedNF4Linear
+    from raytrain_scu.worker.hooks import LocalHooks
+    from raytrain_scu.worker.loop import setup
+    from raytrain_scu.worker.periodic import save_checkpoint
+    from raytrain_scu.worker.step import train_step
+
+    torch.set_num_threads(1)
+    tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=r, world_size=2,
+                             timeout=timedelta(seconds=60))
+    out = {}
+    for strategy, extra in (("ddp", ("quant.dequant_4bit=torch",)), ("fsdp", ())):
+        s = setup(_cfg(tmp, strategy, 2, "quant.load_in_4bit=true", *extra), LocalHooks(device=torch.device("cpu")))
+        grads = []
+        unscale = s.opt.scaler.unscale_
+
+        def keep_grads(optimizer, s=s, grads=grads, unscale=unscale):
+            grads.append([_full(p.grad) for p in s.opt.params])
+            return unscale(optimizer)
+
+        s.opt.scaler.unscale_ = keep_grads
+        rows = [train_step(s, step) for step in range(STEPS)]
+        nf4 = [m for m in s.opt.model.modules() if isinstance(m, ShardedNF4Linear)]
+        out[strategy] = {"sharded": s.opt.sharded, "rows": [{k: row[k] for k in ROW_KEYS} for row in rows],
+                         "grads": grads, "val": s.rec.val_bpt, "nf4_layers": len(nf4),
+                         "nf4_dtensors": [isinstance(p, DTensor) for m in nf4 for p in (m.weight, m.absmax)],
+                         "nf4_bytes": [(local(p).numel() * p.element_size(), p.numel() * p.element_size())
+                                       for m in nf4 for p in (m.weight, m.absmax)],
+                         "codes": [_full(m.weight).view(torch.uint8) for m in nf4],
+                         **_training_state(s)}
+    saved = save_checkpoint(s, STEPS - 1, all_gather_object(ckpt.rng_state()))
+    if r == 0:  # the checkpoint's metadata: rank 0's to write
+        metadata = FileSystemReader(str(saved / "ckpt" / ckpt.SHARDED)).read_metadata()
+        out["saved_keys"] = sorted(metadata.state_dict_metadata)
+    tdist.destroy_process_group()
+    torch.save(out, Path(tmp, f"qlora{r}.pt"))
+
+
+@pytest.mark.slow
+def test_fsdp_shards_a_4bit_base_and_matches_ddp_in_4bits_on_two_gloo_ranks(tmp_path):
+    """quant.load_in_4bit under fsdp: every 4-bit layer's codes and absmaxes are sharded (each rank holds half their
+    bytes), and the loss, gradients, ParamBPT, λ and adapters over STEPS steps are ddp's 4-bit run's (the same
+    bitsandbytes codes, dequantised by the same torch ops) within 1e-5; the checkpoint holds the adapter alone."""
+    import torch.multiprocessing as mp
+
+    mp.start_processes(qlora_worker, args=(free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
+    got = [torch.load(tmp_path / f"qlora{r}.pt", weights_only=False) for r in range(2)]
+    for g in got:
+        ddp, fsdp = g["ddp"], g["fsdp"]
+        assert fsdp["sharded"] and not ddp["sharded"] and ddp["nf4_layers"] == 0
+        assert fsdp["nf4_layers"] == 14 and all(fsdp["nf4_dtensors"])  # 2 layers x 7 projections
+        for held, whole in fsdp["nf4_bytes"]:
+            assert held == whole // 2, fsdp["nf4_bytes"]
+        assert fsdp["val"] == pytest.approx(ddp["val"], abs=1e-5)
+        assert len({row["ctrl/lambda"] for row in ddp["rows"]}) == STEPS
+        for step, (a, b) in enumerate(zip(ddp["rows"], fsdp["rows"]), start=1):
+            for k in ROW_KEYS:
+                assert b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-5), f"step {step}: {k}"
+        for ga, gb in zip(ddp["grads"], fsdp["grads"]):
+            assert len(ga) == len(gb) > 0 and any(x.abs().max() > 0 for x in ga)
+            for x, y in zip(ga, gb):
+                torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-5)
+        for x, y in zip(ddp["adapter"] + sum(ddp["moments"], []), fsdp["adapter"] + sum(fsdp["moments"], [])):
+            torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-5)
+    assert all(torch.equal(a, b) for a, b in zip(got[0]["fsdp"]["codes"], got[1]["fsdp"]["codes"]))
+    model_keys = [k for k in got[0]["saved_keys"] if k.startswith("model.")]
+    assert model_keys and all("lora_" in k for k in model_keys), model_keys
+
+
+def test_a_4bit_layer_the_meta_build_shapes_otherwise_than_rank0_is_named_before_any_tensor_is_sent():
+    """The meta build's 4-bit layers are shells of every linear layer but the head; where rank 0's load left one
+    unquantised (a hub model's skip list), the shapes differ and the error names that tensor."""
+    from raytrain_scu.core.fsdp import _check_shapes
+    from raytrain_scu.core.model.build import build_model
+    from raytrain_scu.core.nf4 import ShardedNF4Linear
+    from raytrain_scu.errors import ModelError
+
+    meta = build_model("tiny", vocab_size=512, load_in_4bit=True, shardable_4bit=True, device=torch.device("meta"))
+    shells = [n for n, m in meta.named_modules() if isinstance(m, ShardedNF4Linear)]
+    assert len(shells) == 14 and not isinstance(meta.get_output_embeddings(), ShardedNF4Linear)
+    state = {k: torch.empty(v.shape) for k, v in meta.state_dict().items()}
+    _check_shapes(meta, state)  # the same shapes: nothing to say
+    state["model.layers.1.mlp.down_proj.weight"] = torch.empty(64, 128)  # left in 16 bits by rank 0's load
+    with pytest.raises(ModelError, match=r"rank 0's model.layers.1.mlp.down_proj.weight is \[64, 128\] and the "
+                                         r"shards' \[1024\]: the model built on the meta device is not rank 0's"):
+        _check_shapes(meta, state)
+
+
+def test_strategy_is_checked_and_fsdp_takes_a_4bit_base_in_nf4_dequantised_by_torch(tmp_path):
     with pytest.raises(ConfigError, match=r"scaling.strategy: expected one of ddp, fsdp, auto, got 'zero3'"):
         tiny_cfg(tmp_path, "x", "scaling.strategy=zero3")
-    with pytest.raises(ConfigError, match=r"scaling.strategy=fsdp with quant.load_in_4bit=true"):
-        tiny_cfg(tmp_path, "x", "scaling.strategy=fsdp", "quant.load_in_4bit=true")
+    assert tiny_cfg(tmp_path, "x", "scaling.strategy=fsdp", "quant.load_in_4bit=true").quant.load_in_4bit
+    with pytest.raises(ConfigError, match=r"quant.quant_type: fsdp shards nf4 codes that torch dequantises, not fp4"):
+        tiny_cfg(tmp_path, "x", "scaling.strategy=fsdp", "quant.load_in_4bit=true", "quant.quant_type=fp4")
+    with pytest.raises(ConfigError, match=r"quant.dequant_4bit: bitsandbytes' kernels do not run on fsdp's shards"):
+        tiny_cfg(tmp_path, "x", "scaling.strategy=fsdp", "quant.load_in_4bit=true", "quant.dequant_4bit=bitsandbytes")
+    # auto picks ddp for what fsdp refuses, refusing nothing itself
+    tiny_cfg(tmp_path, "x", "quant.load_in_4bit=true", "quant.quant_type=fp4", "quant.dequant_4bit=bitsandbytes")
     assert tiny_cfg(tmp_path, "x").scaling.strategy == "auto"
     with pytest.raises(ConfigError, match=r"scaling.strategy: fsdp is not built for model.fuse_lora "
                        r"yet: set scaling.strategy=ddp, or turn it off"):
@@ -360,8 +466,8 @@ def test_auto_shards_only_what_does_not_fit_one_card(capsys):
 def test_fsdp_fits_a_model_larger_than_one_card_by_its_shares_and_names_the_gpus_it_needs(tmp_path):
     """No card holds the whole model under fsdp: 70B (~131 GiB of weights) fits 8 H200s by each worker's share. A
     share that does not fit (2 workers on 48 GiB cards, or ddp on an 80 GiB card) is refused before launch, naming
-    how many GPUs of that size fsdp needs and no 4-bit option (fsdp does not shard a 4-bit base); and the experiments'
-    70B config fits 4 x 80 GiB and 2 x 141 GiB cards, not 8 x 24 GiB ones."""
+    how many GPUs of that size fsdp needs and the 4-bit base that fits; and the experiments' 70B config fits 4 x 80
+    GiB and 2 x 141 GiB cards, not 8 x 24 GiB ones, and in 4 bits 2 x 48 GiB cards, not 2 x 24 GiB ones."""
     from raytrain_scu.driver.resolve import fit_to_gpu, resolve_config
     from raytrain_scu.errors import MemoryFitError
     from raytrain_scu.hardware.gpus import GpuInfo
@@ -375,7 +481,7 @@ def test_fsdp_fits_a_model_larger_than_one_card_by_its_shares_and_names_the_gpus
                        r"GiB: scaling.strategy=fsdp scaling.num_workers=4 data.batch_size=1 "
                        r"\(~40\.\d GiB per card\)") as e:
         fit_to_gpu(cfg, LLAMA_70B, 48.0, {"data.batch_size"})
-    assert "load_in_4bit" not in str(e.value)
+    assert "Would fit: quant.load_in_4bit=true with data.batch_size=1." in str(e.value)  # fsdp shards 4 bits too
     cfg.scaling.strategy = "ddp"
     with pytest.raises(MemoryFitError, match=r"needs ~133\.\d GiB .* Sharded, it needs 3 GPUs of 80 GiB"):
         fit_to_gpu(cfg, LLAMA_70B, 80.0, {"data.batch_size"})
@@ -386,6 +492,11 @@ def test_fsdp_fits_a_model_larger_than_one_card_by_its_shares_and_names_the_gpus
         assert resolved.scaling.strategy == "fsdp" and changes == {}
     with pytest.raises(MemoryFitError, match=r"24 GiB card .* Sharded, it needs 16 GPUs of 24 GiB"):
         resolve_config(seventy, ["scaling.num_workers=8"], gpus=[GpuInfo(name="a 24 GiB card", memory_gib=24.0)] * 8)
+    four_bit = ["quant.load_in_4bit=true", "scaling.num_workers=2"]
+    resolved, changes = resolve_config(seventy, four_bit, gpus=[GpuInfo(name="a 48 GiB card", memory_gib=48.0)] * 2)
+    assert resolved.scaling.strategy == "fsdp" and changes == {}
+    with pytest.raises(MemoryFitError, match=r"24 GiB card .* Sharded, it needs 5 GPUs of 24 GiB"):
+        resolve_config(seventy, four_bit, gpus=[GpuInfo(name="a 24 GiB card", memory_gib=24.0)] * 2)
     # ddp on 4 cards that a replica does not fit: fsdp is named with at least the configured 4, not fewer
     cfg.scaling.num_workers = 4
     with pytest.raises(MemoryFitError, match=r"Sharded, it needs 4 GPUs of 80 GiB"):

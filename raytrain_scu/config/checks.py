@@ -235,11 +235,15 @@ def _check_run(cfg: Config) -> None:
 
 def fsdp_untried(cfg: Config) -> list[str]:
     """The options set on ``cfg`` that fsdp has not been run with: scaling.strategy=fsdp refuses them by name rather
-    than run them untried, and scaling.strategy=auto picks ddp beside them."""
+    than run them untried, and scaling.strategy=auto picks ddp beside them. Its 4-bit layers are nf4 dequantised by
+    torch (core.nf4)."""
     m, q = cfg.model, cfg.quant
+    four_bit = q.load_in_4bit
     return [k for k, on in (("model.fuse_lora", m.fuse_lora), ("model.base_fp8", m.base_fp8),
                             ("model.head_fp8", m.head_fp8), ("model.offload_activations", m.offload_activations),
-                            ("quant.offload_embedding", q.offload_embedding)) if on]
+                            ("quant.offload_embedding", q.offload_embedding),
+                            (f"quant.quant_type={q.quant_type}", four_bit and q.quant_type != "nf4"),
+                            ("quant.dequant_4bit=bitsandbytes", four_bit and q.dequant_4bit == "bitsandbytes")) if on]
 
 
 def _check_scaling(cfg: Config) -> None:
@@ -251,9 +255,12 @@ def _check_scaling(cfg: Config) -> None:
     _check(s.gpus_per_worker > 0, "scaling.gpus_per_worker", f"must be > 0, got {s.gpus_per_worker}")
     _one_of("scaling.placement_strategy", s.placement_strategy, ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"))
     _one_of("scaling.strategy", s.strategy, STRATEGIES)
-    _check(not (s.strategy == "fsdp" and q.load_in_4bit), "scaling.strategy",
-           "fsdp does not shard a 4-bit base yet: scaling.strategy=fsdp with quant.load_in_4bit=true is refused; set "
-           "scaling.strategy=ddp or quant.load_in_4bit=false")
+    if s.strategy == "fsdp" and q.load_in_4bit:  # fsdp's 4-bit layers are torch's nf4 (core.nf4)
+        _check(q.quant_type == "nf4", "quant.quant_type", f"fsdp shards nf4 codes that torch dequantises, not "
+               f"{q.quant_type}: set quant.quant_type=nf4 or scaling.strategy=ddp")
+        _check(q.dequant_4bit != "bitsandbytes", "quant.dequant_4bit",
+               "bitsandbytes' kernels do not run on fsdp's shards, which torch dequantises: set "
+               "quant.dequant_4bit=auto (or torch), or scaling.strategy=ddp")
     if s.strategy == "fsdp":
         untried = fsdp_untried(cfg)
         _check(not untried, "scaling.strategy", f"fsdp is not built for {', '.join(untried)} yet: set "

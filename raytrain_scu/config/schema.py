@@ -89,7 +89,8 @@ class QuantConfig:
     quant_type: str = "nf4"  # nf4 | fp4
     double_quant: bool = True  # also quantise the 4-bit quantisation constants
     # who dequantises the 4-bit weights: bitsandbytes (its kernels) | torch (torch ops that torch.compile fuses into
-    # each layer's graph, core/nf4.py; nf4 only) | auto: torch for nf4 under model.compile, else bitsandbytes
+    # each layer's graph, core/nf4.py; nf4 only) | auto: torch for nf4 under model.compile, else bitsandbytes;
+    # under scaling.strategy=fsdp torch always (its shards are core.nf4's ShardedNF4Linear)
     dequant_4bit: str = "auto"
     # the frozen token embedding and LM head (one table when tied) in int8, a scale per row: half their bf16 memory
     embedding_int8: bool = False

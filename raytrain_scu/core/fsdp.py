@@ -101,11 +101,12 @@ def fill_from_rank0(model: torch.nn.Module, full: Optional[FullModel]) -> None:
     """All ranks: rank 0's ``full`` model into every rank's shards of ``model`` (a peft model sharded by
     :func:`shard`, materialised), one tensor at a time: ``set_model_state_dict`` with ``broadcast_from_rank0`` sends
     each whole tensor from rank 0 and each rank keeps its shard of it. Then the non-persistent buffers, small,
-    as one object. A key either side lacks is an error naming it. Rank 0's ``full`` is emptied, freeing its host
-    copy."""
+    as one object. A key either side lacks, or a tensor whose shapes differ, is an error naming it. Rank 0's
+    ``full`` is emptied, freeing its host copy."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     state = full.state if full is not None else {}
+    _check_shapes(model, state if full is not None else None)
     # not strict: a module held twice (quant.embedding_int8's table, shared by the embedding and the tied head) is
     # filled once, under its first name, and its second name is reported missing; such aliases alone may be missing
     missing, unexpected = set_model_state_dict(
@@ -127,6 +128,20 @@ def fill_from_rank0(model: torch.nn.Module, full: Optional[FullModel]) -> None:
     if full is not None:
         full.state.clear()
         full.buffers.clear()
+
+
+def _check_shapes(model: torch.nn.Module, state: Optional[dict]) -> None:
+    """All ranks: rank 0's tensors (``state``, None on the others) against the whole shapes of ``model``'s shards,
+    before any tensor is sent: a model the two sides built otherwise (a layer bitsandbytes left unquantised that the
+    meta build made 4-bit, another block size) fails on every rank at once, naming the tensor."""
+    theirs = broadcast_object({k: tuple(v.shape) for k, v in state.items()} if state is not None else None)
+    mine = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    differ = sorted(k for k in theirs.keys() & mine.keys() if theirs[k] != mine[k])
+    if differ:
+        more = f" ({len(differ)} tensors differ)" if len(differ) > 1 else ""
+        raise ModelError(f"scaling.strategy=fsdp: rank 0's {differ[0]} is {list(theirs[differ[0]])} and the shards' "
+                         f"{list(mine[differ[0]])}{more}: the model built on the meta device is not rank 0's; set "
+                         f"scaling.strategy=ddp")
 
 
 def _aliases(model: torch.nn.Module) -> set[str]:

@@ -14,6 +14,12 @@ module's own (bitsandbytes' QuantState), referenced as buffers; nothing is requa
 bitsandbytes would use, and the CPU test holds the two dequantisations equal. Under compile the 4-bit layer's graph
 has no custom op in it, and the host launches two kernels per product instead of bitsandbytes' Python path (a
 profile of the compiled 8B QLoRA step on an H200 had each of its 448 gemm_4bit calls spend 270 us of host time).
+
+Under scaling.strategy=fsdp a 4-bit layer is a :class:`ShardedNF4Linear` instead: its codes and its float32
+absmaxes (double quantisation resolved once) are frozen parameters whose bytes are viewed in the compute dtype, so
+FSDP2 shards them and gathers them like any weight of that dtype (its mixed precision casts nothing that already has
+the dtype), and the forward views the gathered bytes back. bitsandbytes only quantises, on rank 0 (as fsdp_qlora
+sets ``bnb_4bit_quant_storage`` to the compute dtype, without bitsandbytes' classes in the sharded model).
 """
 from __future__ import annotations
 
@@ -159,3 +165,98 @@ def torch_dequant(setting: str, quant_type: str, compiled: bool) -> bool:
     """``quant.dequant_4bit`` resolved: torch where asked, or with ``auto`` for nf4 under torch.compile (eager, its
     torch ops would each run as a kernel of their own where bitsandbytes runs one)."""
     return setting == "torch" or (setting == "auto" and compiled and quant_type == "nf4")
+
+
+class ShardedNF4Linear(nn.Linear):
+    """A frozen nf4 ``nn.Linear`` that FSDP2 can shard: ``weight`` holds the packed codes (two per byte, high nibble
+    first, bitsandbytes' order) and ``absmax`` one float32 per block of ``blocksize`` weights, both as 1-D frozen
+    parameters whose bytes are viewed in ``storage_dtype`` (the compute dtype); ``code`` is the 16-entry code book.
+    An ``nn.Linear`` with its ``in_features`` / ``out_features``, so peft wraps it as it wraps any linear layer; its
+    forward is :class:`_Dequantised` on the bytes viewed back."""
+
+    def __init__(self, in_features: int, out_features: int, *, blocksize: int, storage_dtype: torch.dtype,
+                 bias: bool = False, device=None):
+        nn.Module.__init__(self)
+        self.in_features, self.out_features, self.blocksize = in_features, out_features, blocksize
+        n, size = in_features * out_features, storage_dtype.itemsize
+        problem = (f"{n} weights are not whole blocks of {blocksize}" if n % blocksize else
+                   f"its {n // 2} bytes of codes are not whole {storage_dtype} elements" if (n // 2) % size else "")
+        if problem:
+            raise ModelError(f"scaling.strategy=fsdp with quant.load_in_4bit=true: a [{out_features}, {in_features}] "
+                             f"layer cannot be sharded in 4 bits ({problem}); set scaling.strategy=ddp")
+        frozen = dict(dtype=storage_dtype, device=device)
+        self.weight = nn.Parameter(torch.empty(n // 2 // size, **frozen), requires_grad=False)
+        self.absmax = nn.Parameter(torch.empty(n // blocksize * 4 // size, **frozen), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features, **frozen), requires_grad=False) if bias else None
+        # the code book: a non-persistent buffer, as RoPE's inv_freq (core.fsdp fills those from rank 0)
+        self.register_buffer("code", torch.empty(16, dtype=torch.float32, device=device), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """As bitsandbytes' Linear4bit: the input in the compute dtype (the storage's), the output in the input's."""
+        inp_dtype = x.dtype
+        out = _Dequantised.apply(x.to(self.weight.dtype), self.weight.view(torch.uint8), self.code, self.blocksize,
+                                 (self.out_features, self.in_features), self.absmax.view(torch.float32))
+        if self.bias is not None:
+            out = out + self.bias.to(out.dtype)
+        return out.to(inp_dtype)
+
+    @classmethod
+    def shell(cls, linear: nn.Linear, storage_dtype: torch.dtype, blocksize: int = 64) -> "ShardedNF4Linear":
+        """The empty 4-bit layer of ``linear``'s shape, on its device (the meta device under fsdp)."""
+        return cls(linear.in_features, linear.out_features, blocksize=blocksize, storage_dtype=storage_dtype,
+                   bias=linear.bias is not None, device=linear.weight.device)
+
+    @classmethod
+    def of(cls, linear: nn.Module, storage_dtype: torch.dtype) -> "ShardedNF4Linear":
+        """The 4-bit layer holding a bitsandbytes Linear4bit's own codes (the same memory, viewed: no copy, no
+        requantisation) and absmaxes, resolved to float32 where doubly quantised. Raises ModelError where
+        :func:`unconvertible` says."""
+        problem = unconvertible(linear)
+        if problem:
+            raise ModelError(f"scaling.strategy=fsdp with quant.load_in_4bit=true dequantises with torch ops, and a "
+                             f"4-bit layer is {problem}; set scaling.strategy=ddp")
+        qs = linear.weight.quant_state
+        absmax = (nested_absmax(qs.absmax, qs.state2.code, qs.state2.absmax,
+                                torch.as_tensor(qs.offset, dtype=torch.float32)) if qs.nested else qs.absmax.float())
+        out_features, in_features = qs.shape
+        new = cls(in_features, out_features, blocksize=qs.blocksize, storage_dtype=storage_dtype,
+                  bias=linear.bias is not None, device=linear.weight.device)
+        new.weight = nn.Parameter(linear.weight.data.reshape(-1).view(torch.uint8).view(storage_dtype),
+                                  requires_grad=False)
+        with torch.no_grad():
+            new.absmax.copy_(absmax.reshape(-1).contiguous().view(storage_dtype))
+            new.code.copy_(qs.code)
+            if linear.bias is not None:
+                new.bias.copy_(linear.bias.detach().to(storage_dtype))
+        return new
+
+
+def _replace(model: nn.Module, make, wanted) -> int:
+    """Each submodule ``m`` of ``model`` that ``wanted(m)`` picks replaced by ``make(m)``, one at a time (so that a
+    replaced layer's memory is freed before the next is made); how many."""
+    names = [name for name, m in model.named_modules() if wanted(m)]
+    for name in names:
+        parent, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent)
+        setattr(parent, child, make(getattr(parent, child)))
+    return len(names)
+
+
+def shard_ready_4bit(model: nn.Module, storage_dtype: torch.dtype) -> int:
+    """Every bitsandbytes Linear4bit of ``model`` (loaded in 4 bits) replaced by its :class:`ShardedNF4Linear`;
+    returns how many. Before peft wraps the model."""
+    import bitsandbytes as bnb
+
+    return _replace(model, lambda m: ShardedNF4Linear.of(m, storage_dtype),
+                    lambda m: isinstance(m, bnb.nn.Linear4bit))
+
+
+def shard_ready_4bit_shells(model: nn.Module, storage_dtype: torch.dtype) -> int:
+    """On the meta device: every ``nn.Linear`` of ``model`` but its output embeddings (the LM head, which
+    bitsandbytes leaves unquantised) replaced by an empty :class:`ShardedNF4Linear` of its shape, the model that
+    :func:`shard_ready_4bit` makes of the 4-bit load (bitsandbytes' 64-weight blocks); returns how many. A layer
+    that bitsandbytes treated otherwise (one it skipped, another block size) is named, with both shapes, before rank
+    0's values fill the shards (core.fsdp)."""
+    head = model.get_output_embeddings()
+    return _replace(model, lambda m: ShardedNF4Linear.shell(m, storage_dtype),
+                    lambda m: type(m) is nn.Linear and m is not head)

@@ -108,8 +108,6 @@ def choose_strategy(cfg: Config, shape: Optional[dict[str, int]], gpus: list[Gpu
     too_big = f"one replica needs ~{need:.1f} GiB at data.batch_size=1, more than the {mem:.0f} GiB card holds"
     if cfg.scaling.num_workers == 1:
         return "ddp", f"{too_big}, but one worker has nothing to shard over"
-    if cfg.quant.load_in_4bit:
-        return "ddp", f"{too_big}, but fsdp does not shard a 4-bit base yet"
     untried = fsdp_untried(cfg)
     if untried:
         return "ddp", f"{too_big}, but fsdp is not built for {', '.join(untried)} yet"
@@ -205,7 +203,7 @@ def sharded_fit(cfg: Config, kwargs: dict[str, Any], batch_size: int, gpu_mem_gi
     ``batch_size`` or at 1, whichever needs fewer (``batch_size`` on a tie); at least scaling.num_workers cards, more
     than them under fsdp; as a sentence; "" where fsdp refuses this config or no count up to MAX_SHARDS fits.
     ``kwargs``: the estimator's keywords but the batch."""
-    if cfg.quant.load_in_4bit or fsdp_untried(cfg):
+    if fsdp_untried(cfg):
         return ""
     first = cfg.scaling.num_workers + 1 if cfg.scaling.strategy == "fsdp" else max(2, cfg.scaling.num_workers)
     best = None  # (cards, batch, GiB per card)

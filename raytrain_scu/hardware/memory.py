@@ -35,7 +35,8 @@ With ``a`` = bytes of the compute dtype (4 for fp32, else 2), ``tokens = batch_s
                                                       chunk's fp32 logits, their softmax-grad in the
                                                       compute dtype, and the saved grad wrt the hidden
                  = tokens * V * (a + 8)               otherwise (logits, fp32 copy, fp32 log-softmax)
-    overhead     = 1 GiB (+ 2 GiB with torch.compile, + one dequantised projection with 4-bit)
+    overhead     = 1 GiB (+ 2 GiB with torch.compile, + one dequantised projection with 4-bit: 12 bytes a weight
+                   under fsdp eager, torch's dequantisation)
     total        = the sum
 
 Under FSDP over ``shards`` workers (scaling.strategy=fsdp) the weights and adapters are each worker's share,
@@ -43,8 +44,11 @@ plus two decoder layers' projections whole (the layer running and the one gather
 (the embedding table and LM head, the head once where it is tied, held from the forward's start to the backward's
 end)::
 
-    weights      = weights / shards + 2 * linear / L * a + tables * (1 - 1 / shards)
+    weights      = weights / shards + 2 * linear / L * b + tables * (1 - 1 / shards)
     adapters     = adapters / shards
+
+with ``b`` the bytes of a gathered weight: ``a``, or with 4-bit the nf4 codes and their float32 absmaxes (fsdp's
+4-bit layers resolve the double quantisation, core.nf4: 0.5625 bytes a weight against 0.52).
 
 That term is arithmetic from FSDP2's design (one unit per decoder layer, one all-gather ahead), not yet measured
 on a GPU.
@@ -88,6 +92,8 @@ GIB = 2**30
 # layer holds more than modelled). The torch path's term is fitted on its one measured point.
 MAMBA_TORCH_PATH_BYTES = 16  # per token, per chunk position and mixer channel: the torch path's fp32 scan intermediates
 NF4_BYTES_PER_PARAM = 0.52  # 4 bits + blockwise absmax (64-blocks, double-quantised)
+NF4_SHARDED_BYTES_PER_PARAM = 0.5625  # fsdp's 4-bit layers: 4 bits + one float32 absmax per 64 (core.nf4)
+TORCH_DEQUANT_EAGER_BYTES = 12  # int32 index + float32 code value + float32 product, per weight (core.nf4.dequantize)
 ADAPTER_BYTES_PER_PARAM = 16  # fp32 weight + fp32 grad + AdamW exp_avg + exp_avg_sq
 COMPILE_EXTRA_GIB = 2.0  # torch.compile (inductor): its own buffers and workspaces
 CUDA_OVERHEAD_GIB = 1.0  # CUDA context, cuBLAS/cuDNN workspaces, NCCL buffers, allocator slack
@@ -143,9 +149,9 @@ def estimate_peak_memory_gib(*, n_params: int, hidden: int, layers: int, heads: 
     kinds = [(layers - mamba_layers, dims), (mamba_layers, m_dims)]  # (how many layers, their linear layers)
     linear_params = sum(n * sum(i * o for i, o in d.values()) for n, d in kinds)
     other_params = max(n_params - linear_params, 0)
-    weights, root = _weight_bytes(linear_params, other_params, a=a, load_in_4bit=load_in_4bit, layers=layers,
-                                  hidden=hidden, vocab=vocab, embedding_int8=embedding_int8,
-                                  offload_embedding=offload_embedding)
+    b = _projection_bytes(a, load_in_4bit=load_in_4bit, shards=shards)
+    weights, root = _weight_bytes(linear_params, other_params, a=a, linear_bytes=b, layers=layers, hidden=hidden,
+                                  vocab=vocab, embedding_int8=embedding_int8, offload_embedding=offload_embedding)
 
     lora_params = sum(n * sum(lora_r * sum(d[t]) for t in _targeted(d, lora_targets)) for n, d in kinds)
     if base_fp8:  # the adapted projections' two e4m3 copies (fp8.py), one byte a weight each; the bf16 base stays
@@ -172,14 +178,31 @@ def estimate_peak_memory_gib(*, n_params: int, hidden: int, layers: int, heads: 
                          chunk=loss_chunk_tokens, head_fp8=head_fp8)
 
     overhead = (CUDA_OVERHEAD_GIB + (COMPILE_EXTRA_GIB if compile else 0.0)) * GIB
-    overhead += max(i * o for _, d in kinds for i, o in d.values()) * a if load_in_4bit else 0  # one dequantised weight
-    parts = {**_per_worker(weights, adapters, root, shards=shards, layer_bytes=linear_params / layers * a),
+    overhead += max(i * o for _, d in kinds for i, o in d.values()) * _dequant_bytes(a, load_in_4bit, shards, compile)
+    parts = {**_per_worker(weights, adapters, root, shards=shards, layer_bytes=linear_params / layers * b),
              "activations_gib": activations, "logits_gib": logits, "overhead_gib": overhead}
     out = {k: v / GIB for k, v in parts.items()}
     out["activation_per_layer_gib"] = per_layer / GIB
     out["total_gib"] = sum(parts.values()) / GIB
     out["lora_params"] = float(lora_params)
     return out
+
+
+def _projection_bytes(a: int, *, load_in_4bit: bool, shards: int) -> float:
+    """The bytes of one weight of a frozen projection: ``a``, or in 4 bits nf4's (fsdp's sharded layers resolve the
+    double quantisation: core.nf4)."""
+    if not load_in_4bit:
+        return a
+    return NF4_SHARDED_BYTES_PER_PARAM if shards > 1 else NF4_BYTES_PER_PARAM
+
+
+def _dequant_bytes(a: int, load_in_4bit: bool, shards: int, compile: bool) -> float:
+    """Bytes per weight of the largest projection while it is dequantised (the 4-bit overhead): one weight in the
+    compute dtype; under fsdp eager, torch's dequantisation (core.nf4.dequantize) holds its int32 code indices, their
+    float32 values and the float32 product at once."""
+    if not load_in_4bit:
+        return 0
+    return TORCH_DEQUANT_EAGER_BYTES if shards > 1 and not compile else a
 
 
 def _per_worker(weights: float, adapters: float, root_bytes: float, *, shards: int,
@@ -239,7 +262,7 @@ def _mamba_layer_bytes(*, tokens: int, a: int, hidden: int, ffn: int, lora_r: in
     return tokens * (per_token + MAMBA_TORCH_PATH_BYTES * torch_path_chunk * inner)
 
 
-def _weight_bytes(linear_params: int, other_params: int, *, a: int, load_in_4bit: bool, layers: int, hidden: int,
+def _weight_bytes(linear_params: int, other_params: int, *, a: int, linear_bytes: float, layers: int, hidden: int,
                   vocab: int, embedding_int8: bool, offload_embedding: bool) -> float:
     """The frozen weights on the device (:func:`estimate_peak_memory_gib`'s ``weights``) and, of them, the
     embedding table and LM head's bytes (the head once where it is tied)."""
@@ -247,7 +270,7 @@ def _weight_bytes(linear_params: int, other_params: int, *, a: int, load_in_4bit
     tables = max(0, round((other_params - (2 * layers + 1) * hidden) / (vocab * hidden)))
     on_gpu = tables - (1 if offload_embedding and tables == 2 else 0)
     table_bytes = vocab * (hidden + 4) if embedding_int8 else vocab * hidden * a
-    return (linear_params * (NF4_BYTES_PER_PARAM if load_in_4bit else a)
+    return (linear_params * linear_bytes
             + (other_params - tables * vocab * hidden) * a + on_gpu * table_bytes), on_gpu * table_bytes
 
 
@@ -327,10 +350,9 @@ def largest_batch(gpu_mem_gib: float, max_batch_size: int, usable_fraction: floa
 
 
 def _alternatives(gpu_mem_gib: float, batch_size: int, usable_fraction: float, kwargs: dict) -> list[str]:
-    """What would fit, tried in order of cost: a smaller batch, checkpointing, 4-bit, both (not 4-bit where the
-    model is sharded over several workers: fsdp does not shard a 4-bit base)."""
+    """What would fit, tried in order of cost: a smaller batch, checkpointing, 4-bit, both."""
     options = [("a smaller batch", {})]
-    four_bit = not kwargs["load_in_4bit"] and kwargs.get("shards", 1) == 1
+    four_bit = not kwargs["load_in_4bit"]
     if not kwargs["gradient_checkpointing"]:
         options.append(("model.gradient_checkpointing=true", {"gradient_checkpointing": True}))
     if four_bit:

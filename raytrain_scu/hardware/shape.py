@@ -9,7 +9,13 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from raytrain_scu.config.schema import Config
-from raytrain_scu.hardware.memory import estimate_peak_memory_gib, shape_from_hf_config
+from raytrain_scu.hardware.memory import (
+    GIB,
+    NF4_BYTES_PER_PARAM,
+    NF4_SHARDED_BYTES_PER_PARAM,
+    estimate_peak_memory_gib,
+    shape_from_hf_config,
+)
 
 
 def read_model_config(cfg: Config) -> Any:
@@ -66,9 +72,18 @@ def memory_kwargs(cfg: Config) -> dict[str, Any]:
 def whole_model_bytes(cfg: Config, hf_config: Any, *, dtype_bytes: int) -> Optional[int]:
     """Bytes of the whole model with its adapters in one process' memory (fsdp's rank 0 builds it on its host): every
     parameter of ``hf_config``'s shape in ``dtype_bytes`` each, and the LoRA factors in float32 (peft's), both as the
-    memory estimator counts them; None where the estimator cannot read the shape."""
+    memory estimator counts them; None where the estimator cannot read the shape. A 4-bit model read from disk is
+    quantised as it loads: its 4-bit weights instead, at fsdp's bytes a weight (core.nf4; the estimator's weights
+    scaled whole, a bound from above); a random-init preset is drawn whole first, in bf16."""
     shape = shape_of(hf_config)
     if shape is None:
         return None
     estimate = estimate_peak_memory_gib(**{**shape, **memory_kwargs(cfg), "batch_size": 1, "shards": 1})
-    return int(shape["n_params"] * dtype_bytes + estimate["lora_params"] * 4)
+    lora_bytes = estimate["lora_params"] * 4
+    if cfg.quant.load_in_4bit:
+        from raytrain_scu.core.model.presets import is_preset  # as read_model_config: transformers, when asked
+
+        if not is_preset(cfg.model.name):
+            return int(estimate["weights_gib"] * GIB * NF4_SHARDED_BYTES_PER_PARAM / NF4_BYTES_PER_PARAM + lora_bytes)
+        return int(shape["n_params"] * 2 + lora_bytes)  # core.model.build._preset_on_disk's bf16 draw
+    return int(shape["n_params"] * dtype_bytes + lora_bytes)

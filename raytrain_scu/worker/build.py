@@ -53,7 +53,8 @@ def _peft_model(cfg: Config, *, vocab_size: int, dtype, device):
                        attn_implementation=m.attn_implementation, gradient_checkpointing=m.gradient_checkpointing,
                        load_in_4bit=q.load_in_4bit, quant_type=q.quant_type, double_quant=q.double_quant,
                        embedding_int8=q.embedding_int8, offload_embedding=q.offload_embedding, cache_dir=m.cache_dir,
-                       trust_remote_code=m.trust_remote_code, seed=cfg.seed)
+                       trust_remote_code=m.trust_remote_code, seed=cfg.seed,
+                       shardable_4bit=cfg.scaling.strategy == "fsdp")
     torch.manual_seed(cfg.seed)  # identical LoRA init on every rank
     model = apply_lora(base, r=cfg.lora.r, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout,
                        targets=cfg.lora.target_modules, quantized=q.load_in_4bit,

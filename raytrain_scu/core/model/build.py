@@ -69,7 +69,7 @@ from raytrain_scu.core.model.source import (
     no_progress_bars,
     resolve_name,
 )
-from raytrain_scu.core.nf4 import keep_4bit_layout
+from raytrain_scu.core.nf4 import keep_4bit_layout, shard_ready_4bit, shard_ready_4bit_shells
 from raytrain_scu.errors import ModelError
 
 
@@ -126,17 +126,21 @@ def build_model(name: str, *, gguf_file: str = "", vocab_size: int = 0, dtype: t
                 device: torch.device = torch.device("cpu"), attn_implementation: str = "sdpa",
                 gradient_checkpointing: bool = False, load_in_4bit: bool = False, quant_type: str = "nf4",
                 double_quant: bool = True, embedding_int8: bool = False, offload_embedding: bool = False,
-                cache_dir: str = "", trust_remote_code: bool = False, seed: int = 0):
+                cache_dir: str = "", trust_remote_code: bool = False, seed: int = 0, shardable_4bit: bool = False):
     """The frozen base causal LM, on ``device``. With ``load_in_4bit`` it is NF4-quantised there
     (device_map={"": device}); ``embedding_int8`` / ``offload_embedding``: embed_quant.shrink_embeddings. On the meta
     device it is the modules of the model's config without weight memory, whatever the source (preset, directory,
-    GGUF or hub id): what scaling.strategy=fsdp shards before any rank holds a weight (core.fsdp.shard fills them)."""
+    GGUF or hub id): what scaling.strategy=fsdp shards before any rank holds a weight (core.fsdp.shard fills them).
+    ``shardable_4bit`` (fsdp's 4-bit base): its 4-bit layers are core.nf4's ShardedNF4Linear, the codes
+    bitsandbytes quantised (empty on the meta device), in ``dtype``'s bytes."""
     if attn_implementation == "sdpa":  # the same kernels, with the causal shortcut also under torch.compile
         attn_implementation = causal_sdpa()
     kw = dict(dtype=dtype, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code)
     if device.type == "meta":
         model = _on_meta(name, gguf_file=gguf_file, vocab_size=vocab_size, cache_dir=cache_dir,
-                         load_in_4bit=load_in_4bit, offload_embedding=offload_embedding, **kw)
+                         load_in_4bit=load_in_4bit and not shardable_4bit, offload_embedding=offload_embedding, **kw)
+        if load_in_4bit:
+            shard_ready_4bit_shells(model, dtype)
         return _frozen(model, load_in_4bit=False, gradient_checkpointing=gradient_checkpointing,
                        embedding_int8=embedding_int8, offload_embedding=False)
     if load_in_4bit:
@@ -165,6 +169,8 @@ def build_model(name: str, *, gguf_file: str = "", vocab_size: int = 0, dtype: t
                 from None
         if not load_in_4bit:  # what follows (FP8 quantisation, fused projections) works on the device's weights
             model = model.to(device)
+    if load_in_4bit and shardable_4bit:
+        shard_ready_4bit(model, dtype)
     return _frozen(model, load_in_4bit=load_in_4bit, gradient_checkpointing=gradient_checkpointing,
                    embedding_int8=embedding_int8, offload_embedding=offload_embedding)
 
@@ -172,8 +178,9 @@ def build_model(name: str, *, gguf_file: str = "", vocab_size: int = 0, dtype: t
 def _on_meta(name: str, *, gguf_file: str, vocab_size: int, cache_dir: str, load_in_4bit: bool,
              offload_embedding: bool, **kw):
     """The model of ``name``'s config on the meta device (its config read, or a GGUF file converted once, never its
-    weights). A 4-bit base is quantised as its weights load and an offloaded embedding is moved off the device it
-    loads on: neither has a meta form, and both are refused by name."""
+    weights). bitsandbytes' 4-bit layers are quantised as their weights load and an offloaded embedding is moved off
+    the device it loads on: neither has a meta form, and both are refused by name (fsdp's 4-bit layers are
+    ShardedNF4Linear, which has)."""
     refused = [k for k, on in (("quant.load_in_4bit", load_in_4bit), ("quant.offload_embedding", offload_embedding))
                if on]
     if refused:
