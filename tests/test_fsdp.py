@@ -313,8 +313,8 @@ def test_a_sharded_checkpoint_verifies_as_a_whole_and_resumes_on_one_rank(equali
 
 def qlora_worker(r: int, port: int, tmp: str) -> None:
     """Rank ``r`` of a two-process gloo group: STEPS steps of the tiny preset in 4 bits under ddp (bitsandbytes'
-    layers dequantised by torch ops, quant.dequant_4bit=torch) and under fsdp (core.nf4's ShardedNF4Linear), from
-    the same seed and data; then fsdp's sharded checkpoint. Keeps the rows, the gradients after their mean over the
+    layers dequantised by torch ops, quant.dequant_4bit=torch) and under fsdp (core.nf4's ShardedNF4Linear), with
+    activation checkpointing and without, from the same seed and data; then fsdp's sharded checkpoint. Keeps the rows, the gradients after their mean over the
     ranks, the adapters, and under fsdp what each rank holds of the 4-bit layers."""
     from datetime import timedelta
 
@@ -335,8 +335,10 @@ def qlora_worker(r: int, port: int, tmp: str) -> None:
     tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=r, world_size=2,
                              timeout=timedelta(seconds=60))
     out = {}
-    for strategy, extra in (("ddp", ("quant.dequant_4bit=torch",)), ("fsdp", ())):
-        s = setup(_cfg(tmp, strategy, 2, "quant.load_in_4bit=true", *extra), LocalHooks(device=torch.device("cpu")))
+    arms = (("ddp", ("quant.dequant_4bit=torch",)), ("fsdp_gc", ("model.gradient_checkpointing=true",)), ("fsdp", ()))
+    for strategy, extra in arms:
+        s = setup(_cfg(tmp, strategy.split("_")[0], 2, "quant.load_in_4bit=true", *extra),
+                  LocalHooks(device=torch.device("cpu")))
         grads = []
         unscale = s.opt.scaler.unscale_
 
@@ -366,13 +368,14 @@ def qlora_worker(r: int, port: int, tmp: str) -> None:
 def test_fsdp_shards_a_4bit_base_and_matches_ddp_in_4bits_on_two_gloo_ranks(tmp_path):
     """quant.load_in_4bit under fsdp: every 4-bit layer's codes and absmaxes are sharded (each rank holds half their
     bytes), and the loss, gradients, ParamBPT, λ and adapters over STEPS steps are ddp's 4-bit run's (the same
-    bitsandbytes codes, dequantised by the same torch ops) within 1e-5; the checkpoint holds the adapter alone."""
+    bitsandbytes codes, dequantised by the same torch ops) within 1e-5, with activation checkpointing too; the
+    checkpoint holds the adapter alone."""
     import torch.multiprocessing as mp
 
     mp.start_processes(qlora_worker, args=(free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
     got = [torch.load(tmp_path / f"qlora{r}.pt", weights_only=False) for r in range(2)]
-    for g in got:
-        ddp, fsdp = g["ddp"], g["fsdp"]
+    for g, fsdp in ((g, g[k]) for g in got for k in ("fsdp", "fsdp_gc")):
+        ddp = g["ddp"]
         assert fsdp["sharded"] and not ddp["sharded"] and ddp["nf4_layers"] == 0
         assert fsdp["nf4_layers"] == 14 and all(fsdp["nf4_dtensors"])  # 2 layers x 7 projections
         for held, whole in fsdp["nf4_bytes"]:
