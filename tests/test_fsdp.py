@@ -455,6 +455,13 @@ def test_auto_shards_only_what_does_not_fit_one_card(capsys):
     strategy, why = choose_strategy(cfg, QWEN_14B, [card32])
     assert strategy == "ddp" and "fsdp is not built for model.fuse_lora yet" in why, why
     cfg.model.fuse_lora = False
+    cfg.quant.load_in_4bit = True  # the 70B shape's 4-bit replica does not fit a 32 GiB card: fsdp shards 4 bits too
+    strategy, why = choose_strategy(cfg, LLAMA_70B, [card32])
+    assert strategy == "fsdp", why
+    cfg.quant.dequant_4bit = "bitsandbytes"  # whose kernels do not run on shards
+    strategy, why = choose_strategy(cfg, LLAMA_70B, [card32])
+    assert strategy == "ddp" and "fsdp is not built for quant.dequant_4bit=bitsandbytes yet" in why, why
+    cfg.quant.load_in_4bit, cfg.quant.dequant_4bit = False, "auto"
     cfg.scaling.num_workers = 1
     assert choose_strategy(cfg, QWEN_14B, [card32])[0] == "ddp"  # nothing to shard over
     kw = dict(LLAMA_70B, lora_r=16, lora_targets=["q_proj", "v_proj"], load_in_4bit=False, precision="bf16",
