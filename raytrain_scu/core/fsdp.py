@@ -134,14 +134,19 @@ def _check_shapes(model: torch.nn.Module, state: Optional[dict]) -> None:
     """All ranks: rank 0's tensors (``state``, None on the others) against the whole shapes of ``model``'s shards,
     before any tensor is sent: a model the two sides built otherwise (a layer bitsandbytes left unquantised that the
     meta build made 4-bit, another block size) fails on every rank at once, naming the tensor."""
-    theirs = broadcast_object({k: tuple(v.shape) for k, v in state.items()} if state is not None else None)
-    mine = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    theirs = broadcast_object(_shapes(state) if state is not None else None)
+    mine = _shapes(model.state_dict())
     differ = sorted(k for k in theirs.keys() & mine.keys() if theirs[k] != mine[k])
     if differ:
         more = f" ({len(differ)} tensors differ)" if len(differ) > 1 else ""
         raise ModelError(f"scaling.strategy=fsdp: rank 0's {differ[0]} is {list(theirs[differ[0]])} and the shards' "
                          f"{list(mine[differ[0]])}{more}: the model built on the meta device is not rank 0's; set "
                          f"scaling.strategy=ddp")
+
+
+def _shapes(state: dict) -> dict:
+    """Each entry's whole shape (a DTensor's is the whole tensor's); () for a value without one."""
+    return {k: tuple(getattr(v, "shape", ())) for k, v in state.items()}
 
 
 def _aliases(model: torch.nn.Module) -> set[str]:

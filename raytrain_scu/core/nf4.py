@@ -102,6 +102,8 @@ def unconvertible(linear: nn.Module) -> str:
         return f"a {list(qs.shape)} weight, not whole blocks of {qs.blocksize}"
     if qs.nested and (qs.state2.blocksize != ABSMAX_GROUP or qs.state2.nested):
         return "doubly quantised with other than one level of 256-absmax groups"
+    if getattr(qs, "packing_format_for_cpu", False):
+        return "repacked for bitsandbytes' CPU inference kernel (its codes in another layout)"
     return ""
 
 
@@ -232,8 +234,9 @@ class ShardedNF4Linear(nn.Linear):
 
 
 def _replace(model: nn.Module, make, wanted) -> int:
-    """Each submodule ``m`` of ``model`` that ``wanted(m)`` picks replaced by ``make(m)``, one at a time (so that a
-    replaced layer's memory is freed before the next is made); how many."""
+    """Each submodule ``m`` of ``model`` that ``wanted(m)`` picks replaced by ``make(m)``, one at a time; how many.
+    (bitsandbytes' weight refers back to its layer, so a replaced layer's small tensors go at the next garbage
+    collection; the codes live on in the new layer, not copied.)"""
     names = [name for name, m in model.named_modules() if wanted(m)]
     for name in names:
         parent, _, child = name.rpartition(".")

@@ -36,7 +36,8 @@ With ``a`` = bytes of the compute dtype (4 for fp32, else 2), ``tokens = batch_s
                                                       compute dtype, and the saved grad wrt the hidden
                  = tokens * V * (a + 8)               otherwise (logits, fp32 copy, fp32 log-softmax)
     overhead     = 1 GiB (+ 2 GiB with torch.compile, + one dequantised projection with 4-bit: 12 bytes a weight
-                   under fsdp eager, torch's dequantisation)
+                   where torch's ops dequantise eager (fsdp's, quant.dequant_4bit=torch): its int32 code indices,
+                   their float32 values and the float32 product at once)
     total        = the sum
 
 Under FSDP over ``shards`` workers (scaling.strategy=fsdp) the weights and adapters are each worker's share,
@@ -134,9 +135,9 @@ def estimate_peak_memory_gib(*, n_params: int, hidden: int, layers: int, heads: 
                              offload_embedding: bool = False, fused_mlp: bool = False, mamba_layers: int = 0,
                              mamba_inner: int = 0, mamba_in_proj: int = 0, mamba_chunk: int = 0,
                              mamba_kernels: bool = True, recompute_elementwise: str = "never",
-                             recompute_auto: bool = True, base_fp8: bool = False,
-                             head_fp8: bool = False, offload_activations: bool = False,
-                             offload_activations_gib: float = 0.0, shards: int = 1) -> dict[str, float]:
+                             recompute_auto: bool = True, base_fp8: bool = False, head_fp8: bool = False,
+                             offload_activations: bool = False, offload_activations_gib: float = 0.0, shards: int = 1,
+                             torch_dequant_eager: bool = False) -> dict[str, float]:
     """Peak GPU memory (GiB) of one training step of LoRA/QLoRA on a Llama-style decoder, or a hybrid with
     ``mamba_layers`` Mamba-2 layers, by part: the formula is in the module docstring. ``recompute_elementwise`` is
     ``model.recompute_elementwise`` and ``recompute_auto`` what its ``auto`` picks for the model's family
@@ -149,7 +150,7 @@ def estimate_peak_memory_gib(*, n_params: int, hidden: int, layers: int, heads: 
     kinds = [(layers - mamba_layers, dims), (mamba_layers, m_dims)]  # (how many layers, their linear layers)
     linear_params = sum(n * sum(i * o for i, o in d.values()) for n, d in kinds)
     other_params = max(n_params - linear_params, 0)
-    b = _projection_bytes(a, load_in_4bit=load_in_4bit, shards=shards)
+    b = _projection_bytes(a, load_in_4bit=load_in_4bit, sharded=shards > 1)
     weights, root = _weight_bytes(linear_params, other_params, a=a, linear_bytes=b, layers=layers, hidden=hidden,
                                   vocab=vocab, embedding_int8=embedding_int8, offload_embedding=offload_embedding)
 
@@ -177,8 +178,8 @@ def estimate_peak_memory_gib(*, n_params: int, hidden: int, layers: int, heads: 
     logits = _loss_bytes(tokens=tokens, vocab=vocab, hidden=hidden, a=a, fused_loss=fused_loss,
                          chunk=loss_chunk_tokens, head_fp8=head_fp8)
 
-    overhead = (CUDA_OVERHEAD_GIB + (COMPILE_EXTRA_GIB if compile else 0.0)) * GIB
-    overhead += max(i * o for _, d in kinds for i, o in d.values()) * _dequant_bytes(a, load_in_4bit, shards, compile)
+    overhead = _overhead_bytes(kinds, a=a, compile=compile, load_in_4bit=load_in_4bit,
+                               torch_eager=torch_dequant_eager or shards > 1)
     parts = {**_per_worker(weights, adapters, root, shards=shards, layer_bytes=linear_params / layers * b),
              "activations_gib": activations, "logits_gib": logits, "overhead_gib": overhead}
     out = {k: v / GIB for k, v in parts.items()}
@@ -188,21 +189,24 @@ def estimate_peak_memory_gib(*, n_params: int, hidden: int, layers: int, heads: 
     return out
 
 
-def _projection_bytes(a: int, *, load_in_4bit: bool, shards: int) -> float:
-    """The bytes of one weight of a frozen projection: ``a``, or in 4 bits nf4's (fsdp's sharded layers resolve the
-    double quantisation: core.nf4)."""
+def _overhead_bytes(kinds, *, a: int, compile: bool, load_in_4bit: bool, torch_eager: bool) -> float:
+    """CUDA's context and workspaces, inductor's with torch.compile, and with 4 bits the largest projection while it
+    is dequantised: one weight in the compute dtype, or where torch's ops dequantise it eager (fsdp's layers,
+    quant.dequant_4bit=torch; compiled, inductor fuses them) their int32 code indices, float32 values and float32
+    product at once."""
+    overhead = (CUDA_OVERHEAD_GIB + (COMPILE_EXTRA_GIB if compile else 0.0)) * GIB
+    if load_in_4bit:
+        per_weight = TORCH_DEQUANT_EAGER_BYTES if torch_eager and not compile else a
+        overhead += max(i * o for _, d in kinds for i, o in d.values()) * per_weight
+    return overhead
+
+
+def _projection_bytes(a: int, *, load_in_4bit: bool, sharded: bool) -> float:
+    """The bytes of one weight of a frozen projection: ``a``, or in 4 bits nf4's (fsdp's layers resolve the double
+    quantisation: core.nf4)."""
     if not load_in_4bit:
         return a
-    return NF4_SHARDED_BYTES_PER_PARAM if shards > 1 else NF4_BYTES_PER_PARAM
-
-
-def _dequant_bytes(a: int, load_in_4bit: bool, shards: int, compile: bool) -> float:
-    """Bytes per weight of the largest projection while it is dequantised (the 4-bit overhead): one weight in the
-    compute dtype; under fsdp eager, torch's dequantisation (core.nf4.dequantize) holds its int32 code indices, their
-    float32 values and the float32 product at once."""
-    if not load_in_4bit:
-        return 0
-    return TORCH_DEQUANT_EAGER_BYTES if shards > 1 and not compile else a
+    return NF4_SHARDED_BYTES_PER_PARAM if sharded else NF4_BYTES_PER_PARAM
 
 
 def _per_worker(weights: float, adapters: float, root_bytes: float, *, shards: int,

@@ -66,7 +66,9 @@ def memory_kwargs(cfg: Config) -> dict[str, Any]:
             "base_fp8": cfg.model.base_fp8, "head_fp8": cfg.model.head_fp8,
             "offload_activations": cfg.model.offload_activations,
             "offload_activations_gib": cfg.model.offload_activations_gib,
-            "shards": cfg.scaling.num_workers if cfg.scaling.strategy == "fsdp" else 1}
+            "shards": cfg.scaling.num_workers if cfg.scaling.strategy == "fsdp" else 1,
+            # torch's ops dequantise the 4-bit layers: fsdp's (core.nf4), or as asked (eager unless compiled)
+            "torch_dequant_eager": cfg.quant.dequant_4bit == "torch" or cfg.scaling.strategy == "fsdp"}
 
 
 def whole_model_bytes(cfg: Config, hf_config: Any, *, dtype_bytes: int) -> Optional[int]:
