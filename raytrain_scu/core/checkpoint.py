@@ -206,19 +206,19 @@ def read_meta(ckpt_dir: str | Path) -> dict:
 
 # structure keys newer than some checkpoints: what one without the key was made with; None (unknown) matches anything
 STRUCTURE_ADDED = {"quant.embedding_int8": False, "controller.law": "spec", "model.init_device": None}
-# what resumes a checkpoint whose value of a key is not this run's, from the checkpoint's value
-RESUME_WITH = {"controller.law": "set controller.law={}".format, "model.init_device": lambda device: {
-    "cuda": "set scaling.strategy=ddp on GPU workers (as GPU ddp workers, it drew its preset base on CUDA)",
-    "cpu": "set scaling.strategy=fsdp (as under fsdp or CPU workers, it drew its preset base on the CPU)"}.get(
-    device, f"draw its preset base on {device}")}
+# how a difference in a key is said (from the saved value and the run's), and what resumes the checkpoint (from its)
+DIFFERENCE = {"model.init_device": "its preset base was drawn on {!r}, this run draws it on {!r}".format}
+DRAWN_ON = {"cuda": "set scaling.strategy=ddp on GPU workers (as GPU ddp workers, it drew its preset base on CUDA)",
+            "cpu": "set scaling.strategy=fsdp (as under fsdp or CPU workers, it drew its preset base on the CPU)"}
+RESUME_WITH = {"controller.law": "set controller.law={}".format,
+               "model.init_device": lambda device: DRAWN_ON.get(device, f"draw its preset base on {device}")}
 
 
 def check_structure(meta: dict, structure: dict) -> None:
     """Refuse a checkpoint made for a different base model (or preset draw) / LoRA shape / block size / law."""
     saved = {**STRUCTURE_ADDED, **meta.get("structure", {})}
-    diffs = [f"its preset base was drawn on {saved[k]!r}, this run draws it on {v!r}" if k == "model.init_device" else
-             f"{k}: checkpoint has {saved.get(k)!r}, config has {v!r}" for k, v in structure.items()
-             if k not in saved or saved[k] not in (v, None)]
+    diffs = [DIFFERENCE.get(k, f"{k}: checkpoint has {{!r}}, config has {{!r}}".format)(saved.get(k), v)
+             for k, v in structure.items() if k not in saved or saved[k] not in (v, None)]
     if diffs:
         keep = "".join(f" To resume it, {fix(saved[k])}." for k, fix in RESUME_WITH.items()
                        if k in structure and saved.get(k) not in (structure[k], None))

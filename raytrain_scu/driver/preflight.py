@@ -23,7 +23,7 @@ from raytrain_scu.core.checkpoint import (
     read_meta,
 )
 from raytrain_scu.core.data import sft
-from raytrain_scu.core.data.blocks import PARAGRAPHS
+from raytrain_scu.core.data.blocks import max_documents_hint
 from raytrain_scu.core.data.cache import prepare_data, tokens_per_epoch_from
 from raytrain_scu.core.data.scan import scan_source
 from raytrain_scu.core.data.sources import resolve_format, resolve_source, source_files
@@ -208,10 +208,9 @@ def preflight(cfg: Config, *, inputs_checked: bool = False) -> dict:
         more = ("lower data.shard_bytes (the validation split is one shard, held out whole) or add data"
                 if data.streamed else "lower data.val_fraction or add data")
         fix = f"{' or '.join(fits)} fits, or {more}" if fits else more
-        read = data.meta.get("n_train_docs", 0) + data.meta.get("n_val_docs", 0)
-        if 0 < d.max_documents <= read:  # the limit cut the source: the likeliest cause, said first
-            fix = (f"data.max_documents=0 reads the whole source, of which this config reads {d.max_documents} "
-                   f"documents{PARAGRAPHS if d.source == 'text' else ''}; or {fix}")
+        hint = max_documents_hint(d.max_documents, data.meta.get("n_train_docs", 0) + data.meta.get("n_val_docs", 0),
+                                  d.source)
+        fix = f"{hint}; or {fix}" if hint else fix  # the likeliest cause, said first
         raise PreflightError(f"the training split has {len(data.train)} {unit} of {d.block_size} tokens, fewer than "
                              f"one global batch ({global_batch} = data.batch_size {d.batch_size} x data.grad_accum "
                              f"{d.grad_accum} x scaling.num_workers {cfg.scaling.num_workers}): " + fix)

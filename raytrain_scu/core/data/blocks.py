@@ -76,7 +76,14 @@ def pack_blocks(tokens: np.ndarray, block_size: int) -> np.ndarray:
     return tokens[:n_blocks * (block_size + 1)].reshape(n_blocks, block_size + 1)
 
 
-PARAGRAPHS = " (a text file's documents are its blank-line-separated sections)"
+def max_documents_hint(max_documents: int, documents_read: int, source: str) -> str:
+    """The fix to name first when a split is too small and ``data.max_documents`` cut the source (the likeliest
+    cause); '' where it did not."""
+    if not 0 < max_documents <= documents_read:
+        return ""
+    paragraphs = " (a text file's documents are its blank-line-separated sections)" if source == "text" else ""
+    return (f"data.max_documents=0 reads the whole source, of which this config reads {max_documents} documents"
+            f"{paragraphs}")
 
 
 def build_blocks(tokenizer, *, source, path, text_field, max_documents, block_size, val_fraction, seed):
@@ -89,9 +96,8 @@ def build_blocks(tokenizer, *, source, path, text_field, max_documents, block_si
         blocks = pack_blocks(tokens, block_size)
         if len(blocks) == 0:
             fix = "lower data.block_size or add data"
-            if 0 < max_documents <= len(docs):  # the limit cut the source: the likeliest cause
-                fix = (f"data.max_documents=0 reads the whole source, of which this config reads {max_documents} "
-                       f"documents{PARAGRAPHS if source == 'text' else ''}; or {fix}")
+            hint = max_documents_hint(max_documents, len(docs), source)
+            fix = f"{hint}; or {fix}" if hint else fix
             raise DataError(f"{describe(source, path)}: the {split} split has {len(tokens)} tokens, too few for one "
                             f"block of block_size + 1 = {block_size + 1} ({fix})")
         arrays[split] = {"blocks": blocks}
