@@ -35,9 +35,8 @@ With ``a`` = bytes of the compute dtype (4 for fp32, else 2), ``tokens = batch_s
                                                       chunk's fp32 logits, their softmax-grad in the
                                                       compute dtype, and the saved grad wrt the hidden
                  = tokens * V * (a + 8)               otherwise (logits, fp32 copy, fp32 log-softmax)
-    overhead     = 1 GiB (+ 2 GiB with torch.compile, + one dequantised projection with 4-bit: 12 bytes a weight
-                   where torch's ops dequantise eager (fsdp's, quant.dequant_4bit=torch): its int32 code indices,
-                   their float32 values and the float32 product at once)
+    overhead     = 1 GiB (+ 2 GiB with torch.compile, + one dequantised projection with 4-bit, 12 bytes a weight
+                   where torch's ops dequantise it eager: :func:`_overhead_bytes`)
     total        = the sum
 
 Under FSDP over ``shards`` workers (scaling.strategy=fsdp) the weights and adapters are each worker's share,
@@ -49,7 +48,9 @@ end)::
     adapters     = adapters / shards
 
 with ``b`` the bytes of a gathered weight: ``a``, or with 4-bit the nf4 codes and their float32 absmaxes (fsdp's
-4-bit layers resolve the double quantisation, core.nf4: 0.5625 bytes a weight against 0.52).
+4-bit layers resolve the double quantisation, core.nf4: 0.5625 bytes a weight against 0.52). ``sharded_4bit`` says
+a run's 4-bit layers are fsdp's (as they are wherever ``shards`` > 1), ``torch_dequant`` that torch's ops
+dequantise them under ddp (quant.dequant_4bit=torch; eager unless ``compile``).
 
 That term is arithmetic from FSDP2's design (one unit per decoder layer, one all-gather ahead), not yet measured
 on a GPU.
@@ -137,7 +138,7 @@ def estimate_peak_memory_gib(*, n_params: int, hidden: int, layers: int, heads: 
                              mamba_kernels: bool = True, recompute_elementwise: str = "never",
                              recompute_auto: bool = True, base_fp8: bool = False, head_fp8: bool = False,
                              offload_activations: bool = False, offload_activations_gib: float = 0.0, shards: int = 1,
-                             torch_dequant_eager: bool = False) -> dict[str, float]:
+                             torch_dequant: bool = False, sharded_4bit: bool = False) -> dict[str, float]:
     """Peak GPU memory (GiB) of one training step of LoRA/QLoRA on a Llama-style decoder, or a hybrid with
     ``mamba_layers`` Mamba-2 layers, by part: the formula is in the module docstring. ``recompute_elementwise`` is
     ``model.recompute_elementwise`` and ``recompute_auto`` what its ``auto`` picks for the model's family
@@ -150,7 +151,7 @@ def estimate_peak_memory_gib(*, n_params: int, hidden: int, layers: int, heads: 
     kinds = [(layers - mamba_layers, dims), (mamba_layers, m_dims)]  # (how many layers, their linear layers)
     linear_params = sum(n * sum(i * o for i, o in d.values()) for n, d in kinds)
     other_params = max(n_params - linear_params, 0)
-    b = _projection_bytes(a, load_in_4bit=load_in_4bit, sharded=shards > 1)
+    b = _projection_bytes(a, load_in_4bit=load_in_4bit, sharded=sharded_4bit or shards > 1)
     weights, root = _weight_bytes(linear_params, other_params, a=a, linear_bytes=b, layers=layers, hidden=hidden,
                                   vocab=vocab, embedding_int8=embedding_int8, offload_embedding=offload_embedding)
 
@@ -179,7 +180,7 @@ def estimate_peak_memory_gib(*, n_params: int, hidden: int, layers: int, heads: 
                          chunk=loss_chunk_tokens, head_fp8=head_fp8)
 
     overhead = _overhead_bytes(kinds, a=a, compile=compile, load_in_4bit=load_in_4bit,
-                               torch_eager=torch_dequant_eager or shards > 1)
+                               torch_eager=torch_dequant or sharded_4bit or shards > 1)
     parts = {**_per_worker(weights, adapters, root, shards=shards, layer_bytes=linear_params / layers * b),
              "activations_gib": activations, "logits_gib": logits, "overhead_gib": overhead}
     out = {k: v / GIB for k, v in parts.items()}

@@ -9,13 +9,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from raytrain_scu.config.schema import Config
-from raytrain_scu.hardware.memory import (
-    GIB,
-    NF4_BYTES_PER_PARAM,
-    NF4_SHARDED_BYTES_PER_PARAM,
-    estimate_peak_memory_gib,
-    shape_from_hf_config,
-)
+from raytrain_scu.hardware.memory import GIB, estimate_peak_memory_gib, shape_from_hf_config
 
 
 def read_model_config(cfg: Config) -> Any:
@@ -67,16 +61,15 @@ def memory_kwargs(cfg: Config) -> dict[str, Any]:
             "offload_activations": cfg.model.offload_activations,
             "offload_activations_gib": cfg.model.offload_activations_gib,
             "shards": cfg.scaling.num_workers if cfg.scaling.strategy == "fsdp" else 1,
-            # torch's ops dequantise the 4-bit layers: fsdp's (core.nf4), or as asked (eager unless compiled)
-            "torch_dequant_eager": cfg.quant.dequant_4bit == "torch" or cfg.scaling.strategy == "fsdp"}
+            "torch_dequant": cfg.quant.dequant_4bit == "torch", "sharded_4bit": cfg.scaling.strategy == "fsdp"}
 
 
 def whole_model_bytes(cfg: Config, hf_config: Any, *, dtype_bytes: int) -> Optional[int]:
     """Bytes of the whole model with its adapters in one process' memory (fsdp's rank 0 builds it on its host): every
     parameter of ``hf_config``'s shape in ``dtype_bytes`` each, and the LoRA factors in float32 (peft's), both as the
     memory estimator counts them; None where the estimator cannot read the shape. A 4-bit model read from disk is
-    quantised as it loads: its 4-bit weights instead, at fsdp's bytes a weight (core.nf4; the estimator's weights
-    scaled whole, a bound from above); a random-init preset is drawn whole first, in bf16."""
+    quantised as it loads: its weights as the estimator counts fsdp's 4-bit layers instead; a random-init preset is
+    drawn whole first, in bf16."""
     shape = shape_of(hf_config)
     if shape is None:
         return None
@@ -86,6 +79,6 @@ def whole_model_bytes(cfg: Config, hf_config: Any, *, dtype_bytes: int) -> Optio
         from raytrain_scu.core.model.presets import is_preset  # as read_model_config: transformers, when asked
 
         if not is_preset(cfg.model.name):
-            return int(estimate["weights_gib"] * GIB * NF4_SHARDED_BYTES_PER_PARAM / NF4_BYTES_PER_PARAM + lora_bytes)
+            return int(estimate["weights_gib"] * GIB + lora_bytes)
         return int(shape["n_params"] * 2 + lora_bytes)  # core.model.build._preset_on_disk's bf16 draw
     return int(shape["n_params"] * dtype_bytes + lora_bytes)
