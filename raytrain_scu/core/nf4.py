@@ -186,10 +186,10 @@ class ShardedNF4Linear(nn.Linear):
         if problem:
             raise ModelError(f"scaling.strategy=fsdp with quant.load_in_4bit=true: a [{out_features}, {in_features}] "
                              f"layer cannot be sharded in 4 bits ({problem}); set scaling.strategy=ddp")
-        frozen = dict(dtype=storage_dtype, device=device)
-        self.weight = nn.Parameter(torch.empty(n // 2 // size, **frozen), requires_grad=False)
-        self.absmax = nn.Parameter(torch.empty(n // blocksize * 4 // size, **frozen), requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(out_features, **frozen), requires_grad=False) if bias else None
+        like = dict(dtype=storage_dtype, device=device)
+        self.weight = _frozen(torch.empty(n // 2 // size, **like))
+        self.absmax = _frozen(torch.empty(n // blocksize * 4 // size, **like))
+        self.bias = _frozen(torch.empty(out_features, **like)) if bias else None
         # the code book: a non-persistent buffer, as RoPE's inv_freq (core.fsdp fills those from rank 0)
         self.register_buffer("code", torch.empty(16, dtype=torch.float32, device=device), persistent=False)
 
@@ -222,15 +222,16 @@ class ShardedNF4Linear(nn.Linear):
                                 torch.as_tensor(qs.offset, dtype=torch.float32)) if qs.nested else qs.absmax.float())
         out_features, in_features = qs.shape
         new = cls(in_features, out_features, blocksize=qs.blocksize, storage_dtype=storage_dtype,
-                  bias=linear.bias is not None, device=linear.weight.device)
-        new.weight = nn.Parameter(linear.weight.data.reshape(-1).view(torch.uint8).view(storage_dtype),
-                                  requires_grad=False)
-        with torch.no_grad():
-            new.absmax.copy_(absmax.reshape(-1).contiguous().view(storage_dtype))
-            new.code.copy_(qs.code)
-            if linear.bias is not None:
-                new.bias.copy_(linear.bias.detach().to(storage_dtype))
+                  bias=linear.bias is not None, device="meta")  # the shapes checked; the tensors are these
+        new.weight = _frozen(linear.weight.data.reshape(-1).view(torch.uint8).view(storage_dtype))
+        new.absmax = _frozen(absmax.reshape(-1).contiguous().view(storage_dtype))
+        new.code = qs.code.to(torch.float32)
+        new.bias = _frozen(linear.bias.detach().to(storage_dtype)) if linear.bias is not None else None
         return new
+
+
+def _frozen(t: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(t, requires_grad=False)
 
 
 def _replace(model: nn.Module, make, wanted) -> int:
