@@ -54,6 +54,19 @@ def _model_state(model) -> dict:
             "tied": base.lm_head.weight is base.get_input_embeddings().weight}
 
 
+def _keeping_gradients(s) -> list:
+    """The list each optimizer step of ``s`` appends its adapters' gradients to, gathered whole: after their mean
+    over the ranks, before the clip (the scaler's unscale_, which the step calls there, records them)."""
+    grads, unscale = [], s.opt.scaler.unscale_
+
+    def keep(optimizer):
+        grads.append([_full(p.grad) for p in s.opt.params])
+        return unscale(optimizer)
+
+    s.opt.scaler.unscale_ = keep
+    return grads
+
+
 def _training_state(s) -> dict:
     """The adapters and AdamW's moments, gathered whole (all ranks call it)."""
     from raytrain_scu.core.regularizer import adapter_params
@@ -143,14 +156,7 @@ def equality_worker(r: int, port: int, tmp: str, port_1: int, model_dir: str) ->
         # after setup's evaluation (a forward without a backward) every parameter is a shard again, the root's too
         dtensors = [isinstance(p, DTensor) for p in s.opt.model.parameters()]
         lora_keys = sorted(k for k in s.opt.model.state_dict() if "lora_" in k)
-        grads = []
-        unscale = s.opt.scaler.unscale_
-
-        def keep_grads(optimizer, s=s, grads=grads, unscale=unscale):  # after the mean over the ranks, before the clip
-            grads.append([_full(p.grad) for p in s.opt.params])
-            return unscale(optimizer)
-
-        s.opt.scaler.unscale_ = keep_grads
+        grads = _keeping_gradients(s)
         rows = [train_step(s, step) for step in range(STEPS)]
         out[strategy] = {"sharded": s.opt.sharded, "rows": [{k: row[k] for k in ROW_KEYS} for row in rows],
                          "start": start, "grads": grads, "val": s.rec.val_bpt, "dtensors": dtensors,
@@ -314,8 +320,9 @@ def test_a_sharded_checkpoint_verifies_as_a_whole_and_resumes_on_one_rank(equali
 def qlora_worker(r: int, port: int, tmp: str) -> None:
     """Rank ``r`` of a two-process gloo group: STEPS steps of the tiny preset in 4 bits under ddp (bitsandbytes'
     layers dequantised by torch ops, quant.dequant_4bit=torch) and under fsdp (core.nf4's ShardedNF4Linear), with
-    activation checkpointing and without, from the same seed and data; then fsdp's sharded checkpoint. Keeps the rows, the gradients after their mean over the
-    ranks, the adapters, and under fsdp what each rank holds of the 4-bit layers."""
+    activation checkpointing and without, from the same seed and data; then fsdp's sharded checkpoint. Keeps the
+    rows, the gradients after their mean over the ranks, the adapters, and under fsdp what each rank holds of the
+    4-bit layers."""
     from datetime import timedelta
 
     import torch.distributed as tdist
@@ -339,14 +346,7 @@ def qlora_worker(r: int, port: int, tmp: str) -> None:
     for strategy, extra in arms:
         s = setup(_cfg(tmp, strategy.split("_")[0], 2, "quant.load_in_4bit=true", *extra),
                   LocalHooks(device=torch.device("cpu")))
-        grads = []
-        unscale = s.opt.scaler.unscale_
-
-        def keep_grads(optimizer, s=s, grads=grads, unscale=unscale):
-            grads.append([_full(p.grad) for p in s.opt.params])
-            return unscale(optimizer)
-
-        s.opt.scaler.unscale_ = keep_grads
+        grads = _keeping_gradients(s)
         rows = [train_step(s, step) for step in range(STEPS)]
         nf4 = [m for m in s.opt.model.modules() if isinstance(m, ShardedNF4Linear)]
         out[strategy] = {"sharded": s.opt.sharded, "rows": [{k: row[k] for k in ROW_KEYS} for row in rows],
