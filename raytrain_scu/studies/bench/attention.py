@@ -8,10 +8,9 @@ import time
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.profiler import ProfilerActivity, profile
 
 from raytrain_scu.core.model.presets import preset_config
-from raytrain_scu.studies.bench.measure import peak_mem, sync
+from raytrain_scu.studies.bench.measure import kernel_profile, peak_mem, sync
 
 
 def attention_bench(*, preset: str, batch: int, block: int, reps: int = 20) -> dict:
@@ -84,7 +83,7 @@ def _variant(backend: str, fn, hf_attention, leaves, grad, ref: list, *, reps: i
         err = max(((o.detach().float() - ref[0]).norm() / ref[0].norm()).item(),
                   ((gq - ref[1]).norm() / ref[1].norm()).item())
         times = _time_steps(step, leaves, reps)
-        kernels = _top_kernels(step) if torch.cuda.is_available() else ""
+        kernels = "; ".join(kernel_profile(step, top=4)["top"]) if torch.cuda.is_available() else ""
     ms = 1e3 * statistics.median(times)
     return {"ms": round(ms, 3), "tflops": round(flops / ms / 1e9, 1), "rel_err": float(f"{err:.2g}"), "kernels": kernels}
 
@@ -102,15 +101,6 @@ def _time_steps(step, leaves, reps: int) -> list[float]:
         if i >= 3:
             times.append(time.perf_counter() - t0)
     return times
-
-
-def _top_kernels(step) -> str:
-    """The 4 CUDA kernels that took the most device time in one call of ``step``."""
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        step()
-        sync()
-    top = sorted((e for e in prof.key_averages() if e.device_time_total > 0), key=lambda e: -e.device_time_total)[:4]
-    return "; ".join(f"{e.key[:60]} {e.device_time_total / 1e3:.2f}ms" for e in top)
 
 
 def _sdpa_first(backend: str):

@@ -84,6 +84,26 @@ def free() -> None:
         torch.cuda.empty_cache()
 
 
+def kernel_profile(step, top: int = 12) -> dict:
+    """One call of ``step`` under the profiler: the device time of its kernels (``device_ms``; the copy engines' time
+    apart, in ``copies_ms``: a loop that offloads to host memory copies beside its kernels), the ``top`` entries by
+    device time with their launch counts (one kernel name can carry different products), and the attention kernels
+    it ran (what says which SDPA path a loop took)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        sync()
+    kernels = sorted((e for e in prof.key_averages() if e.device_time_total > 0), key=lambda e: -e.device_time_total)
+    copies = [e for e in kernels if e.key.startswith("Memcpy")]
+    attention = sorted({e.key[:70] for e in kernels if any(w in e.key.lower() for w in
+                                                            ("flash", "fmha", "attention", "cudnn", "sdpa"))})
+    return {"device_ms": round(sum(e.device_time_total for e in kernels if e not in copies) / 1e3, 2),
+            "copies_ms": round(sum(e.device_time_total for e in copies) / 1e3, 2),
+            "top": [f"{e.key[:70]} {e.device_time_total / 1e3:.2f}ms x{e.count}" for e in kernels[:top]],
+            "attention": "; ".join(attention) or "-"}
+
+
 def proof_of_training(bpt_before: float, bpt_after: float, b_norm: float) -> dict:
     """The evidence that a timed loop trained: LoRA B left zero and the loss on a fixed set of blocks fell.
     Raises :class:`DidNotTrain` otherwise (the part then shows an error instead of a speed)."""

@@ -26,6 +26,7 @@ from raytrain_scu.core.regularizer import lora_b_norm
 from raytrain_scu.studies.bench.measure import (
     free,
     interval_times,
+    kernel_profile,
     peak_mem,
     peak_reserved,
     pinned_batches,
@@ -49,23 +50,6 @@ def _register_causal() -> str:
 
     AttentionInterface.register(CAUSAL_ATTENTION, causal_attention)
     return CAUSAL_ATTENTION
-
-
-def kernel_profile(step, top: int = 12) -> dict:
-    """One call of ``step`` under the profiler: the device time of its kernels, the ``top`` kernels by device time with
-    their launch counts (one kernel name can carry different products), and the attention kernels it ran (what says
-    which SDPA path a loop took)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        step()
-        sync()
-    kernels = sorted((e for e in prof.key_averages() if e.device_time_total > 0), key=lambda e: -e.device_time_total)
-    attention = sorted({e.key[:70] for e in kernels if any(w in e.key.lower() for w in
-                                                            ("flash", "fmha", "attention", "cudnn", "sdpa"))})
-    return {"device_ms": round(sum(e.device_time_total for e in kernels) / 1e3, 2),
-            "top": [f"{e.key[:70]} {e.device_time_total / 1e3:.2f}ms x{e.count}" for e in kernels[:top]],
-            "attention": "; ".join(attention) or "-"}
 
 
 def peer_model(preset: str, *, dev, dtype, attention: str, lora_r: int):

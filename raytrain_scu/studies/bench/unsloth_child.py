@@ -139,7 +139,7 @@ def run_part(spec: dict) -> dict:
     info.update(versions=package_versions(), imported=_imported(), attention=_attention_info(backends),
                 loss=_loss_path(logits), **_what_ran(model, spec, ctx["gpu"]))
     if spec.get("profile") and ctx["gpu"]:  # one more step, after the proof, untimed
-        info["top_kernels"] = _top_kernels(lambda: _step(model, opt, ctx["batch_at"](0), ctx))
+        info["kernels"] = _kernels(lambda: _step(model, opt, ctx["batch_at"](0), ctx))
     return summarize(times, batch=spec["batch"], block=spec["block"], peak_mem_gib=peak, proof=proof,
                      info=info)
 
@@ -333,17 +333,13 @@ def _imported() -> list[str]:
     return sorted(n for n in VERSIONED if n in sys.modules)
 
 
-def _top_kernels(step, n: int = 8) -> str:
-    """The ``n`` CUDA kernels that took the most device time in one call of ``step`` (untimed)."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
+def _kernels(step) -> dict | str:
+    """:func:`.measure.kernel_profile` of one call of ``step`` (untimed), its 40 largest entries: the table to set
+    beside our loop's profile."""
+    from raytrain_scu.studies.bench.measure import kernel_profile
 
     try:
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            step()
-            torch.cuda.synchronize()
-        top = sorted((e for e in prof.key_averages() if e.device_time_total > 0), key=lambda e: -e.device_time_total)
-        return "; ".join(f"{e.key[:70]} {e.device_time_total / 1e3:.2f}ms" for e in top[:n])
+        return kernel_profile(step, top=40)
     except Exception as e:  # noqa: BLE001 - a record, not a requirement
         return f"not profiled: {type(e).__name__}: {e}"
 
