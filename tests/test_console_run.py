@@ -329,6 +329,20 @@ def _train(tmp_path, ray_address, *overrides):
                             text=True, cwd=ROOT, env=env, start_new_session=True)
 
 
+def _settled_newest(run_dir: Path, newest_good_local, quiet_s: float = 15.0, limit_s: float = 180.0) -> Path:
+    """The newest good checkpoint in ``run_dir`` once its checkpoints have not changed for ``quiet_s`` (an aborted
+    run's worker can write one after its driver exits, until Ray ends it)."""
+    seen, since, t0 = None, time.monotonic(), time.monotonic()
+    while time.monotonic() - t0 < limit_s:
+        now = (sorted(p.name for p in run_dir.glob("checkpoint_*")), newest_good_local(run_dir)[0])
+        if now != seen:
+            seen, since = now, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            return seen[1]
+        time.sleep(1.0)
+    raise AssertionError(f"the checkpoints in {run_dir} kept changing for {limit_s:.0f} s: {seen[0]}")
+
+
 def _press_ctrl_c(proc, presses: int, before=None) -> tuple[str, float]:
     """After the first progress line (and ``before()``, while the run goes on), SIGINT to the whole foreground group
     (as a terminal sends it) ``presses`` times; returns (all output, seconds from the last press to the exit)."""
@@ -408,8 +422,8 @@ def test_ctrl_c_stops_at_a_checkpoint_a_second_aborts_at_once_and_the_same_comma
     assert client.get_run(run_id).info.status == "KILLED" and not (run_dir / "STOP").exists()
 
     # the aborted run's workers may still finish the step the first press asked for, with its checkpoint, after the
-    # driver is gone: the run goes on from the newest checkpoint on disk, whichever that is
-    newest = read_meta(newest_good_local(run_dir)[0])["step"]
+    # driver is gone: the run goes on from the newest checkpoint on disk once the checkpoints stop changing
+    newest = read_meta(_settled_newest(run_dir, newest_good_local))["step"]
     again = cli(f"run.storage_path={storage}", "run.name=ctrlc", *args[1:], f"train.max_steps={newest + 4}",
                 env={"RAY_ADDRESS": ray_address})
     assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
