@@ -60,6 +60,44 @@ def test_a_loop_that_did_not_train_has_no_speed():
         proof_of_training(5.0, 5.1, 0.2)
 
 
+def test_a_kernel_profile_keeps_the_copies_apart_from_the_kernels(monkeypatch):
+    """``device_ms`` counts the kernels and ``copies_ms`` the memcpys (an offloading loop copies beside its kernels);
+    the table lists both, largest first, and the attention kernels are named. torch's profiler is replaced by one that
+    reports fixed entries: a CPU has no CUDA kernels to record."""
+    from types import SimpleNamespace
+
+    import torch.profiler
+
+    from raytrain_scu.studies.bench import measure
+
+    entries = [SimpleNamespace(key=k, device_time_total=us, count=n) for k, us, n in (
+        ("nvjet_sm90_gemm", 5000.0, 10), ("Memcpy HtoD (Pinned -> Device)", 3000.0, 2),
+        ("cudnn_sdpa_flash_fprop", 1000.0, 4), ("Memcpy DtoH (Device -> Pinned)", 500.0, 2),
+        ("cpu_side_only", 0.0, 7))]
+
+    class Profile:
+        def __init__(self, activities):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def key_averages(self):
+            return entries
+
+    monkeypatch.setattr(torch.profiler, "profile", Profile)
+    ran = []
+    out = measure.kernel_profile(lambda: ran.append(1), top=3)
+    assert ran == [1]
+    assert out["device_ms"] == 6.0 and out["copies_ms"] == 3.5
+    assert out["top"] == ["nvjet_sm90_gemm 5.00ms x10", "Memcpy HtoD (Pinned -> Device) 3.00ms x2",
+                          "cudnn_sdpa_flash_fprop 1.00ms x4"]
+    assert out["attention"] == "cudnn_sdpa_flash_fprop"
+
+
 def test_8b_preset_has_the_llama_3_1_8b_dimensions_and_flops():
     from raytrain_scu.core.model.flops import flops_per_token, matmul_params
     from raytrain_scu.core.model.presets import preset_config

@@ -329,15 +329,18 @@ def _train(tmp_path, ray_address, *overrides):
                             text=True, cwd=ROOT, env=env, start_new_session=True)
 
 
-def _settled_newest(run_dir: Path, newest_good_local, quiet_s: float = 15.0, limit_s: float = 180.0) -> Path:
+def _settled_newest(run_dir: Path, quiet_s: float = 15.0, limit_s: float = 180.0) -> Path:
     """The newest good checkpoint in ``run_dir`` once its checkpoints have not changed for ``quiet_s`` (an aborted
     run's worker can write one after its driver exits, until Ray ends it)."""
+    from raytrain_scu.core.checkpoint import newest_good_local
+
     seen, since, t0 = None, time.monotonic(), time.monotonic()
     while time.monotonic() - t0 < limit_s:
         now = (sorted(p.name for p in run_dir.glob("checkpoint_*")), newest_good_local(run_dir)[0])
         if now != seen:
             seen, since = now, time.monotonic()
         elif time.monotonic() - since >= quiet_s:
+            assert seen[1] is not None, f"no good checkpoint in {run_dir}: {seen[0]}"
             return seen[1]
         time.sleep(1.0)
     raise AssertionError(f"the checkpoints in {run_dir} kept changing for {limit_s:.0f} s: {seen[0]}")
@@ -385,7 +388,7 @@ def test_ctrl_c_stops_at_a_checkpoint_a_second_aborts_at_once_and_the_same_comma
     join the tests' Ray (RAY_ADDRESS): Ctrl-C is the driver's to handle, whichever Ray the workers run in, and the
     aborting driver, which leaves fit()'s thread inside Ray's client, must still exit 130 (the interpreter's
     teardown of that thread can die of SIGSEGV)."""
-    from raytrain_scu.core.checkpoint import newest_good_local, read_meta, verify
+    from raytrain_scu.core.checkpoint import read_meta, verify
     from raytrain_scu.tracking.store import client_for, default_uri
 
     _, storage = quiet_run
@@ -423,7 +426,7 @@ def test_ctrl_c_stops_at_a_checkpoint_a_second_aborts_at_once_and_the_same_comma
 
     # the aborted run's workers may still finish the step the first press asked for, with its checkpoint, after the
     # driver is gone: the run goes on from the newest checkpoint on disk once the checkpoints stop changing
-    newest = read_meta(_settled_newest(run_dir, newest_good_local))["step"]
+    newest = read_meta(_settled_newest(run_dir))["step"]
     again = cli(f"run.storage_path={storage}", "run.name=ctrlc", *args[1:], f"train.max_steps={newest + 4}",
                 env={"RAY_ADDRESS": ray_address})
     assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]

@@ -85,9 +85,9 @@ def free() -> None:
 
 
 def kernel_profile(step, top: int = 12) -> dict:
-    """One call of ``step`` under the profiler: the device time of its kernels (``device_ms``; the copy engines' time
-    apart, in ``copies_ms``: a loop that offloads to host memory copies beside its kernels), the ``top`` entries by
-    device time with their launch counts (one kernel name can carry different products), and the attention kernels
+    """One call of ``step`` under the profiler: the device time of its kernels (``device_ms``, memcpys left out) and
+    of its memcpys (``copies_ms``: a loop that offloads to host memory copies beside its kernels), the ``top`` entries
+    by device time with their launch counts (one kernel name can carry different products), and the attention kernels
     it ran (what says which SDPA path a loop took)."""
     from torch.profiler import ProfilerActivity, profile
 

@@ -68,8 +68,9 @@ def _ours(**kw) -> Callable[[Ctx], dict]:
 def _mem(load_in_4bit: bool, int8: bool | None = None, offload: bool = False, compiled: bool = False,
          acts: bool = False, dequant: str = "auto") -> Callable[[Ctx], dict]:
     """Peak memory at --mem-batch: gradient checkpointing, a small loss chunk; eager, or with ``compiled`` each decoder
-    layer compiled (unless --no-compile); ``int8``: the embedding and head in int8 (unset: with ``offload``, the input
-    embedding in host memory); with ``acts`` the layers' saved inputs in host memory; ``dequant``: quant.dequant_4bit."""
+    layer compiled (unless --no-compile); ``int8``: the embedding and head in int8 (default: on exactly when
+    ``offload``, the input embedding in host memory); with ``acts`` the layers' saved inputs in host memory;
+    ``dequant``: quant.dequant_4bit."""
     int8 = offload if int8 is None else int8
     return lambda c: ours_bare(c.cfg(batch=c.args.mem_batch, compile=compiled and c.compile, checkpointing=True,
                                      chunk=c.args.mem_chunk, load_in_4bit=load_in_4bit, embedding_int8=int8,

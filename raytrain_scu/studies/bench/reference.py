@@ -32,7 +32,6 @@ from raytrain_scu.studies.bench.measure import (
     pinned_batches,
     proof_of_training,
     reset_mem,
-    sync,
     timing_note,
 )
 
