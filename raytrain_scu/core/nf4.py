@@ -234,8 +234,8 @@ def _frozen(t: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(t, requires_grad=False)
 
 
-def _replace(model: nn.Module, make, wanted) -> int:
-    """Each submodule ``m`` of ``model`` that ``wanted(m)`` picks replaced by ``make(m)``, one at a time; how many.
+def _replace(model: nn.Module, make, wanted) -> None:
+    """Each submodule ``m`` of ``model`` that ``wanted(m)`` picks replaced by ``make(m)``, one at a time.
     (bitsandbytes' weight refers back to its layer, so a replaced layer's small tensors go at the next garbage
     collection; the codes live on in the new layer, not copied.)"""
     names = [name for name, m in model.named_modules() if wanted(m)]
@@ -243,24 +243,22 @@ def _replace(model: nn.Module, make, wanted) -> int:
         parent, _, child = name.rpartition(".")
         parent = model.get_submodule(parent)
         setattr(parent, child, make(getattr(parent, child)))
-    return len(names)
 
 
-def shard_ready_4bit(model: nn.Module, storage_dtype: torch.dtype) -> int:
-    """Every bitsandbytes Linear4bit of ``model`` (loaded in 4 bits) replaced by its :class:`ShardedNF4Linear`;
-    returns how many. Before peft wraps the model."""
+def shard_ready_4bit(model: nn.Module, storage_dtype: torch.dtype) -> None:
+    """Every bitsandbytes Linear4bit of ``model`` (loaded in 4 bits) replaced by its :class:`ShardedNF4Linear`,
+    before peft wraps the model."""
     import bitsandbytes as bnb
 
-    return _replace(model, lambda m: ShardedNF4Linear.of(m, storage_dtype),
-                    lambda m: isinstance(m, bnb.nn.Linear4bit))
+    _replace(model, lambda m: ShardedNF4Linear.of(m, storage_dtype), lambda m: isinstance(m, bnb.nn.Linear4bit))
 
 
-def shard_ready_4bit_shells(model: nn.Module, storage_dtype: torch.dtype) -> int:
+def shard_ready_4bit_shells(model: nn.Module, storage_dtype: torch.dtype) -> None:
     """On the meta device: every ``nn.Linear`` of ``model`` but its output embeddings (the LM head, which
     bitsandbytes leaves unquantised) replaced by an empty :class:`ShardedNF4Linear` of its shape, the model that
-    :func:`shard_ready_4bit` makes of the 4-bit load (bitsandbytes' 64-weight blocks); returns how many. A layer
-    that bitsandbytes treated otherwise (one it skipped, another block size) is named, with both shapes, before rank
-    0's values fill the shards (core.fsdp)."""
+    :func:`shard_ready_4bit` makes of the 4-bit load (bitsandbytes' 64-weight blocks). A layer that bitsandbytes
+    treated otherwise (one it skipped, another block size) is named, with both shapes, before rank 0's values fill
+    the shards (core.fsdp)."""
     head = model.get_output_embeddings()
-    return _replace(model, lambda m: ShardedNF4Linear.shell(m, storage_dtype),
-                    lambda m: type(m) is nn.Linear and m is not head)
+    _replace(model, lambda m: ShardedNF4Linear.shell(m, storage_dtype),
+             lambda m: type(m) is nn.Linear and m is not head)

@@ -139,7 +139,7 @@ def build_model(name: str, *, gguf_file: str = "", vocab_size: int = 0, dtype: t
     if device.type == "meta":
         model = _on_meta(name, gguf_file=gguf_file, vocab_size=vocab_size, cache_dir=cache_dir,
                          load_in_4bit=load_in_4bit and not shardable_4bit, offload_embedding=offload_embedding, **kw)
-        if load_in_4bit:
+        if load_in_4bit and shardable_4bit:
             shard_ready_4bit_shells(model, dtype)
         return _frozen(model, load_in_4bit=False, gradient_checkpointing=gradient_checkpointing,
                        embedding_int8=embedding_int8, offload_embedding=False)
